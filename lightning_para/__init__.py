@@ -1,0 +1,20 @@
+"""lightning-para: scale a LightningModule over data, tensor, pipeline and expert parallelism.
+
+``Trainer(strategy=ParaStrategy(dp=..., tp=8, pp=4, ep=..., zero=1))`` -- importing this
+package also registers ``Trainer(strategy="para")`` (and ``"para_zero1"``/``2``/``3``).
+"""
+
+__version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_para.checkpoint import consolidate_checkpoint
+from lightning_para.config import ParallelConfig
+from lightning_para.mesh import ParallelDims
+from lightning_para.precision import ParaPrecision
+from lightning_para.strategy import ParaStrategy
+
+if "para" not in StrategyRegistry:
+    ParaStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ParaStrategy", "ParaPrecision", "ParallelConfig", "ParallelDims", "consolidate_checkpoint", "__version__"]

@@ -1,0 +1,153 @@
+"""``memory_breakdown()``: bytes this rank holds, against the ZeRO paper's formulas.
+
+With psi parameters on a rank before data parallelism (after TP/PP/EP split them), ``p`` and
+``g`` bytes per parameter and gradient element, ``K`` optimizer bytes per parameter (fp32
+master included) and ``N`` data-parallel ranks (Rajbhandari et al. 2020, Sec. 5):
+
+=====  ====================  ===========================  ======================
+stage  params                grads                        optimizer
+=====  ====================  ===========================  ======================
+0      p psi                 g psi                        K psi
+1      p psi                 g psi                        K psi / N
+2      p psi                 g psi / N                    K psi / N
+3      p psi / N             g psi / N                    K psi / N
+=====  ====================  ===========================  ======================
+
+With bf16 weights and Adam (p = g = 2, K = 12) the totals are the paper's
+16, 4 + 12/N, 2 + 14/N and 16/N bytes/param. Under ZeRO-3, FSDP2 keeps the sharded weights in
+fp32 (they *are* the master copy), so p = g = 4, K = 8: still 16/N. Expert parameters use
+``N = edp`` (they are replicated over fewer ranks).
+
+Measured bytes count each storage once: a ZeRO-1/2 fp32 master is a view of its parameter's
+rows and is not counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_para.parallel.grad_norm import local_tensor
+
+# Optimizer state tensors per parameter element, by optimizer class (for the expected bytes).
+_STATES_PER_ELEMENT = {
+    "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Adagrad": 1, "RMSprop": 1,
+}
+
+
+def optimizer_states_per_element(optimizer: torch.optim.Optimizer) -> Optional[int]:
+    """How many state tensors of a parameter's size ``optimizer`` keeps; ``None`` if unknown."""
+    name = type(optimizer).__name__
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if name == "SGD":
+        return 1 if group.get("momentum", 0) else 0
+    if name in ("Adam", "AdamW") and group.get("amsgrad", False):
+        return 3
+    if name == "RMSprop":
+        return 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered", False)))
+    return _STATES_PER_ELEMENT.get(name)
+
+
+class _StorageCounter:
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def add(self, t: Optional[Tensor]) -> int:
+        if t is None:
+            return 0
+        t = local_tensor(t)
+        if t.numel() == 0:
+            return 0
+        key = t.untyped_storage().data_ptr()
+        if key in self._seen:
+            return 0
+        self._seen.add(key)
+        return t.numel() * t.element_size()
+
+
+def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated)."""
+    counter = _StorageCounter()
+    params = sum(counter.add(p.data) for p in module.parameters())
+    grads = sum(counter.add(p.grad) for p in module.parameters())
+    opt_params = [q for o in optimizers for g in o.param_groups for q in g["params"]]
+    grads += sum(counter.add(q.grad) for q in opt_params)
+    optimizer = sum(counter.add(q.data) for q in opt_params)  # separate masters only: views were counted
+    for o in optimizers:
+        for state in o.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    optimizer += counter.add(value)
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def expected(
+    *,
+    stage: int,
+    psi_dense: int,
+    psi_expert: int,
+    dp: int,
+    edp: int,
+    param_bytes: int,
+    grad_bytes: int,
+    optimizer_bytes: int,
+) -> dict[str, float]:
+    """The ZeRO formula per category for this rank (see module docstring)."""
+
+    def shard(psi: int, n: int, sharded: bool) -> float:
+        return psi / n if sharded else float(psi)
+
+    out = {}
+    for key, per, from_stage in (("params", param_bytes, 3), ("grads", grad_bytes, 2), ("optimizer", optimizer_bytes, 1)):
+        out[key] = per * (shard(psi_dense, dp, stage >= from_stage) + shard(psi_expert, edp, stage >= from_stage))
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def formula(stage: int, n: int) -> str:
+    """The paper's bytes/param for bf16 + Adam at this stage, as text (e.g. ``'2+14/N = 5.50'``)."""
+    values = {0: (16.0, "16"), 1: (4 + 12 / n, "4+12/N"), 2: (2 + 14 / n, "2+14/N"), 3: (16 / n, "16/N")}
+    value, text = values[stage]
+    return f"{text} = {value:.2f} B/param at N={n}"
+
+
+def memory_breakdown(
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    stage: int,
+    dp: int,
+    edp: int,
+    psi_dense: int,
+    psi_expert: int,
+    param_bytes: int,
+    master_bytes: int,
+) -> dict[str, Any]:
+    """Measured and expected bytes for this rank (see :meth:`ParaStrategy.memory_breakdown`)."""
+    measured = measure(module, optimizers)
+    states = None
+    for o in optimizers:
+        states = optimizer_states_per_element(o)
+    if states is None:  # unknown optimizer: infer from what it holds
+        psi = max(psi_dense + psi_expert, 1)
+        shard_factor = dp if stage >= 1 else 1
+        states = round((measured["optimizer"] * shard_factor / psi - master_bytes) / 4) if optimizers else 0
+    optimizer_bytes = master_bytes + 4 * states
+    exp = expected(
+        stage=stage, psi_dense=psi_dense, psi_expert=psi_expert, dp=dp, edp=edp,
+        param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
+    )
+    return {
+        **measured,
+        "total": measured["params"] + measured["grads"] + measured["optimizer"],
+        "expected": exp,
+        "zero": stage,
+        "dp": dp,
+        "edp": edp,
+        "num_params": psi_dense + psi_expert,
+        "num_expert_params": psi_expert,
+        "bytes_per_param": {"param": param_bytes, "grad": param_bytes, "optimizer": optimizer_bytes},
+        "formula": formula(stage, dp),
+    }

@@ -1,0 +1,109 @@
+"""One :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions, built once.
+
+Layout (outermost to innermost)::
+
+    ("pp", "edp", "ep", "tp")        flattened: "dp" = ("edp", "ep")
+
+* ``tp`` is innermost, so tensor-parallel groups are consecutive ranks: on GPUs that is
+  one node and its NVLink (Megatron's rule: TP within a node).
+* ``pp`` is outermost, so pipeline neighbours sit in different nodes and only their
+  point-to-point activations cross the slow links (PP across nodes).
+* ``dp`` fills the rest. Expert parallelism borrows the inner ``ep`` ranks of ``dp``: experts
+  are sharded over ``ep`` and replicated over ``edp`` ("expert data parallel"), while dense
+  parameters are replicated over the whole flattened ``dp``.
+
+Every dimension exists even at size 1, so code asks for ``mesh["tp"]`` without branching.
+Sub-meshes are handed to each ``apply_*`` function explicitly; there is no global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_para.config import ParallelConfig
+
+MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
+FLATTENED_DIMS = {"dp": ("edp", "ep")}
+
+
+@dataclass
+class ParallelDims:
+    """The degrees of each dimension for one world size, and the mesh built from them."""
+
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    world_size: int
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, world_size: int) -> "ParallelDims":
+        """Resolve ``dp="auto"`` and check every degree against ``world_size`` (raises ``ValueError``)."""
+        dp = config.resolve_dp(world_size)
+        return cls(pp=config.pp, dp=dp, tp=config.tp, ep=config.ep, world_size=world_size)
+
+    def __post_init__(self) -> None:
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise ValueError(
+                f"pp={self.pp} x dp={self.dp} x tp={self.tp} != world size {self.world_size};"
+                " change the degrees so their product equals the world size."
+            )
+        if self.dp % self.ep:
+            raise ValueError(f"`ep={self.ep}` must divide `dp={self.dp}`.")
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: how many ranks hold the same experts."""
+        return self.dp // self.ep
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.edp, self.ep, self.tp)
+
+    pp_enabled = property(lambda self: self.pp > 1)
+    dp_enabled = property(lambda self: self.dp > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the mesh (a collective over the world); call once per process group."""
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build_mesh needs an initialized default process group.")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"The process group has {dist.get_world_size()} ranks but the degrees were resolved for"
+                f" {self.world_size}."
+            )
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        for flat_name, dims in FLATTENED_DIMS.items():
+            mesh[dims]._flatten(flat_name)
+        self.mesh = mesh
+        return mesh
+
+    @property
+    def valid_mesh_names(self) -> tuple[str, ...]:
+        return MESH_DIM_NAMES + tuple(FLATTENED_DIMS)
+
+    def get_mesh(self, *names: str) -> DeviceMesh:
+        """A sub-mesh by name, e.g. ``get_mesh("tp")`` or ``get_mesh("dp", "tp")``."""
+        if self.mesh is None:
+            raise RuntimeError("The device mesh is built in `ParaStrategy.setup_environment`; it does not exist yet.")
+        unknown = [n for n in names if n not in self.valid_mesh_names]
+        if unknown or not names:
+            raise ValueError(
+                f"Unknown mesh dimension(s) {unknown or names}. Valid names: {', '.join(self.valid_mesh_names)}."
+            )
+        return self.mesh[names[0] if len(names) == 1 else names]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of one (possibly flattened) mesh dimension."""
+        return self.get_mesh(name).get_group()
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate along one (possibly flattened) mesh dimension."""
+        return self.get_mesh(name).get_local_rank()

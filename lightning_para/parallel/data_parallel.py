@@ -1,0 +1,469 @@
+"""Data parallelism with ZeRO stages 0, 1 and 2 for any elementwise optimizer.
+
+=====  =====================================================  ===========================
+stage  what each of the N data-parallel ranks holds (Adam)    traffic per optimizer step
+=====  =====================================================  ===========================
+0      params, grads, optimizer state: 16 B/param (bf16+fp32)  all-reduce grads: 2 psi
+1      optimizer state and fp32 master 1/N: 4 + 12/N          reduce-scatter + all-gather: 2 psi
+2      gradients 1/N as well: 2 + 14/N                        reduce-scatter + all-gather: 2 psi
+=====  =====================================================  ===========================
+
+(ZeRO paper, Rajbhandari et al. 2020, Fig. 1 and Sec. 7; stage 3 is FSDP2, see ``fsdp.py``.)
+
+How it works:
+
+* Gradients are synchronised in *buckets* of ``bucket_size_mb``, in one fixed order on every
+  rank (reverse parameter order, which is roughly the order backward produces them). A
+  post-accumulate-grad hook counts the gradients of each bucket; stage 0 and 2 launch a
+  bucket's collective as soon as it is full and all earlier buckets are launched, so
+  communication overlaps backward. Stage 1 launches after backward (it keeps full
+  gradients anyway). An end-of-backward callback launches what is left and waits.
+* Sharding is by rows (dim 0) and follows ``torch.chunk``, the same layout FSDP2 uses, so a
+  shard is a contiguous slice of the flat parameter and the optimizer state of ZeRO-1/2 can
+  be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
+* The user's optimizer is kept and edited in place: each param group's ``params`` are
+  replaced by this rank's shards ("masters"), so LR schedulers, per-group hyperparameters
+  and ``optimizer.state_dict()`` stay the user's. A step pre-hook finishes any pending
+  gradient sync; a step post-hook all-gathers the updated parameters.
+* With fp32 parameters a master is a *view* of the model parameter's rows (no copy).
+  With bf16 parameters (``precision="bf16-true"``) masters are fp32 copies: the 4 extra
+  bytes/param of the ZeRO paper, sharded with the stage.
+* Gradient accumulation: inside :meth:`ZeroDataParallel.no_sync` the hooks do nothing, so
+  gradients accumulate locally and the last micro-step communicates once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_para.parallel.grad_norm import local_tensor
+
+
+@dataclass
+class ParamSlot:
+    """One model parameter's place in data parallelism: its group, its shard, its master."""
+
+    name: str
+    param: nn.Parameter
+    mesh: DeviceMesh  # 1-D data-parallel mesh that replicates this parameter ("dp", or "edp" for experts)
+    sharded: bool
+    master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
+    bucket: int = -1
+    offset: int = 0  # position inside the bucket's per-rank segment
+
+    def __post_init__(self) -> None:
+        self.group = self.mesh.get_group()
+        self.world = self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
+        local = self.local
+        self.rows = local.shape[0] if local.dim() > 0 else 1
+        self.row_numel = local.numel() // self.rows if self.rows else 0
+        self.chunk_rows = math.ceil(self.rows / self.world) if self.sharded else self.rows
+        self.start_row = min(self.rank * self.chunk_rows, self.rows) if self.sharded else 0
+        self.end_row = min(self.start_row + self.chunk_rows, self.rows)
+
+    @property
+    def local(self) -> Tensor:
+        return local_tensor(self.param.data)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
+    def segment_numel(self) -> int:
+        """Elements this parameter occupies in each rank's segment of a bucket (padded chunk)."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return (self.end_row - self.start_row) * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.local.shape) or (1,)
+        return (self.end_row - self.start_row, *shape[1:])
+
+    @property
+    def optimizer_param(self) -> nn.Parameter:
+        return self.master if self.master is not None else self.param
+
+    def local_rows(self, tensor: Tensor) -> Tensor:
+        """The rows of a tensor shaped like the local parameter that this rank owns."""
+        flat = tensor.reshape(-1)
+        return flat[self.start_row * self.row_numel : self.end_row * self.row_numel].view(self.shard_shape)
+
+
+@dataclass
+class _Bucket:
+    slots: list[ParamSlot]
+    segment_numel: int
+    ready: int = 0
+    work: Optional[dist.Work] = None
+    buffer: Optional[Tensor] = None
+    output: Optional[Tensor] = None
+    launched: bool = False
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.slots[0].mesh
+
+    @property
+    def dtype(self) -> torch.dtype:
+        # Read at launch: the precision plugin may cast the model after the buckets were built.
+        return self.slots[0].local.dtype
+
+    @property
+    def world(self) -> int:
+        return self.slots[0].world
+
+
+def _pack(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
+    """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
+    n = flat.numel()
+    full = n // chunk if chunk else 0
+    if full:
+        dest[:full, offset : offset + chunk].copy_(flat[: full * chunk].view(full, chunk))
+    if full < world:
+        dest[full:, offset : offset + chunk].zero_()
+        rest = n - full * chunk
+        if rest:
+            dest[full, offset : offset + rest].copy_(flat[full * chunk :])
+
+
+def _unpack(src: Tensor, chunk: int, offset: int, flat: Tensor) -> None:
+    """Inverse of :func:`_pack`: write the rank-major chunks back into ``flat``."""
+    n = flat.numel()
+    full = n // chunk if chunk else 0
+    if full:
+        flat[: full * chunk].view(full, chunk).copy_(src[:full, offset : offset + chunk])
+    rest = n - full * chunk
+    if rest:
+        flat[full * chunk :].copy_(src[full, offset : offset + rest])
+
+
+class ZeroDataParallel:
+    """Bucketed gradient synchronisation and optimizer sharding for ZeRO stages 0, 1, 2.
+
+    Args:
+        named_params: ``(name, parameter, data_parallel_mesh)`` for every trainable parameter
+            of this rank, in model order. The mesh is the 1-D mesh over which the parameter
+            is replicated (dense: ``dp``; experts: ``edp``).
+        stage: 0, 1 or 2.
+        bucket_size_mb: bucket capacity.
+        master_dtype: dtype of separate optimizer copies of the weights (fp32 under
+            ``bf16-true``). Build this object *before* casting the model, so the masters start
+            from the exact fp32 values. ``None`` steps the model's own tensors.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter, DeviceMesh]],
+        stage: int,
+        *,
+        bucket_size_mb: float = 25.0,
+        master_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroDataParallel handles ZeRO stages 0-2, got {stage}; stage 3 uses FSDP2.")
+        self.stage = stage
+        self.launch_during_backward = stage in (0, 2)
+        self.sync_enabled = True
+        self._callback_queued = False
+        self._synced_since_step = False
+        self._suppress_gather = False
+        self.slots: list[ParamSlot] = []
+        self._slot_of: dict[nn.Parameter, ParamSlot] = {}
+        for name, param, mesh in named_params:
+            if not param.requires_grad or param.numel() == 0 or param in self._slot_of:
+                continue
+            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0)
+            slot.master = self._make_master(slot, master_dtype)
+            self.slots.append(slot)
+            self._slot_of[param] = slot
+        self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad_ready) for s in self.slots]
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _make_master(slot: ParamSlot, master_dtype: Optional[torch.dtype]) -> Optional[nn.Parameter]:
+        local = slot.local
+        if master_dtype is None:
+            if not slot.sharded:
+                return None  # the optimizer steps the model parameter itself
+            # A view of the model parameter's own rows: the optimizer updates them in place.
+            return nn.Parameter(slot.local_rows(local.detach()), requires_grad=True)
+        source = slot.local_rows(local.detach()) if slot.sharded else local.detach()
+        return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
+
+    def _build_buckets(self, capacity_bytes: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[ParamSlot] = []
+
+        def close() -> None:
+            if current:
+                seg = 0
+                for s in current:
+                    s.offset, s.bucket = seg, len(buckets)
+                    seg += s.segment_numel
+                buckets.append(_Bucket(slots=list(current), segment_numel=seg))
+                current.clear()
+
+        size = 0
+        for slot in reversed(self.slots):  # backward produces gradients roughly in reverse order
+            nbytes = slot.numel * slot.local.element_size()
+            if current and (
+                slot.mesh is not current[0].mesh
+                or slot.local.dtype != current[0].local.dtype
+                or size + nbytes > capacity_bytes
+            ):
+                close()
+                size = 0
+            current.append(slot)
+            size += nbytes
+        close()
+        return buckets
+
+    # ------------------------------------------------------------------ accumulation
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication: gradients accumulate locally until a synced backward."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    # ------------------------------------------------------------------ backward side
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if not self.sync_enabled:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        if not self.launch_during_backward:
+            return
+        bucket = self.buckets[self._slot_of[param].bucket]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.slots):
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order: every rank must issue the same collectives in the same order.
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            if bucket.ready < len(bucket.slots):
+                return
+            self._launch(bucket)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self.sync_now()
+
+    def sync_now(self) -> None:
+        """Launch every bucket not yet launched, wait for all, and write the reduced gradients.
+
+        Parameters without a gradient on this rank contribute zeros, so all ranks issue the
+        same collectives even when some parameters were unused (e.g. experts with no tokens).
+        """
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self._finish(bucket)
+        self._synced_since_step = True
+
+    def flush(self) -> None:
+        """Make sure this step's gradients are synchronised (idempotent within a step)."""
+        if not self._synced_since_step:
+            self.sync_now()
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        world = bucket.world
+        if self.stage == 0:
+            buffer = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=bucket.slots[0].local.device)
+            for slot in bucket.slots:
+                dest = buffer[slot.offset : slot.offset + slot.numel]
+                grad = slot.param.grad
+                dest.copy_(local_tensor(grad).reshape(-1)) if grad is not None else dest.zero_()
+            buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
+            bucket.work = dist.all_reduce(buffer, group=bucket.slots[0].group, async_op=True)
+            bucket.buffer = buffer
+        else:
+            device = bucket.slots[0].local.device
+            buffer = torch.empty(world, bucket.segment_numel, dtype=bucket.dtype, device=device)
+            for slot in bucket.slots:
+                grad = slot.param.grad
+                if grad is None:
+                    buffer[:, slot.offset : slot.offset + slot.segment_numel].zero_()
+                else:
+                    _pack(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
+                    # The full gradient is now in the bucket; free it (ZeRO-2 never holds all of them).
+                    slot.param.grad = None
+            buffer.div_(world)
+            output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
+            bucket.work = dist.reduce_scatter_tensor(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            bucket.buffer, bucket.output = buffer, output
+        bucket.launched = True
+
+    @torch.no_grad()
+    def _finish(self, bucket: _Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+        if self.stage == 0:
+            for slot in bucket.slots:
+                reduced = bucket.buffer[slot.offset : slot.offset + slot.numel]
+                if slot.master is not None:
+                    _accumulate_grad(slot.master, reduced.view(slot.master.shape))
+                    slot.param.grad = None
+                else:
+                    if slot.param.grad is None:
+                        slot.param.grad = torch.zeros_like(slot.param)
+                    local_tensor(slot.param.grad).view(-1).copy_(reduced)
+        else:
+            for slot in bucket.slots:
+                shard = bucket.output[slot.offset : slot.offset + slot.shard_numel]
+                _accumulate_grad(slot.master, shard.view(slot.shard_shape))
+        bucket.work = bucket.buffer = bucket.output = None
+        bucket.ready = 0
+        bucket.launched = False
+
+    # ------------------------------------------------------------------ optimizer side
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` at this rank's masters and hook the gather after each step."""
+        if getattr(optimizer, "_para_zero", None) is self:
+            return
+        if any(optimizer.state.values()):
+            raise ValueError(
+                "The optimizer already has state (was it stepped before `trainer.fit`?). ZeRO shards the optimizer"
+                " when the strategy sets it up; create it in `configure_optimizers` without stepping it."
+            )
+        own: set[int] = set()
+        for group in optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                slot = self._slot_of.get(p)
+                if slot is None:
+                    if p.requires_grad and not any(p is s.optimizer_param for s in self.slots):
+                        raise ValueError(
+                            "An optimizer parameter is not a parameter of the LightningModule; ZeRO can only shard"
+                            " parameters of the model it set up. Build the optimizer from `self.parameters()`."
+                        )
+                    new_params.append(p)
+                    continue
+                new_params.append(slot.optimizer_param)
+                own.add(slot.bucket)
+            group["params"] = new_params
+        optimizer._para_zero = self  # type: ignore[attr-defined]
+        optimizer._para_buckets = sorted(own)  # type: ignore[attr-defined]
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.flush())
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
+
+    def after_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Write the stepped masters back into the model (all-gather for ZeRO-1/2)."""
+        self._synced_since_step = False
+        if self._suppress_gather:
+            return
+        buckets = self.buckets
+        if optimizer is not None and hasattr(optimizer, "_para_buckets"):
+            buckets = [self.buckets[i] for i in optimizer._para_buckets]
+        self.gather_params(buckets)
+
+    @torch.no_grad()
+    def gather_params(self, buckets: Optional[Sequence[_Bucket]] = None) -> None:
+        buckets = self.buckets if buckets is None else buckets
+        if self.stage == 0:
+            for bucket in buckets:
+                for slot in bucket.slots:
+                    if slot.master is not None:
+                        slot.local.copy_(slot.master.view(slot.local.shape))
+            return
+        pending = []
+        for bucket in buckets:
+            device = bucket.slots[0].local.device
+            send = torch.zeros(bucket.segment_numel, dtype=bucket.dtype, device=device)
+            for slot in bucket.slots:
+                send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
+            out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
+            work = dist.all_gather_into_tensor(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
+            pending.append((bucket, out, work))
+        for bucket, out, work in pending:
+            work.wait()
+            for slot in bucket.slots:
+                _unpack(out, slot.segment_numel, slot.offset, slot.local.view(-1))
+
+    # ------------------------------------------------------------------ introspection
+    def slot_of(self, param: Tensor) -> Optional[ParamSlot]:
+        return self._slot_of.get(param)
+
+    def slot_for_optimizer_param(self, tensor: Tensor) -> Optional[ParamSlot]:
+        for slot in self.slots:
+            if slot.optimizer_param is tensor:
+                return slot
+        return None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad.clone() if grad.dtype == param.dtype else grad
+    else:
+        param.grad.add_(grad)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDataParallel] = None) -> None:
+    """Create an optimizer's state tensors without changing any weight (for checkpoint loading).
+
+    Runs one step with zero gradients and ``lr=0`` (and no weight decay) on parameters that
+    have no state yet, then restores every hyperparameter.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+    if not params:
+        return
+    saved = [dict(g) for g in optimizer.param_groups]
+    saved_grads = {p: p.grad for p in params}
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = 0.0 if not isinstance(g["lr"], Tensor) else torch.zeros_like(g["lr"])
+        if "weight_decay" in g:
+            g["weight_decay"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if zero is not None:
+        zero._synced_since_step, zero._suppress_gather = True, True
+    try:
+        optimizer.step()
+    finally:
+        if zero is not None:
+            zero._synced_since_step, zero._suppress_gather = False, False
+        for g, old in zip(optimizer.param_groups, saved):
+            for k, v in old.items():
+                if k != "params":
+                    g[k] = v
+        for p in params:
+            p.grad = saved_grads[p]
+
+
+def expert_or_dense_mesh(param: Tensor, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> DeviceMesh:
+    """Experts are replicated only over the expert-data-parallel group (see ``expert_parallel``)."""
+    return expert_mesh if getattr(param, "_para_expert", False) else dense_mesh
+
+
+__all__ = ["ParamSlot", "ZeroDataParallel", "init_optimizer_state", "expert_or_dense_mesh"]

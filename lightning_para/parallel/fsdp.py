@@ -1,0 +1,139 @@
+"""ZeRO stage 3 on FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Parameters, gradients and optimizer state are all sharded over ``dp``: 16/N bytes/param with
+Adam and mixed precision. Each *unit* (a module given its own ``fully_shard``) all-gathers its
+parameters before its forward, frees them after, gathers again for its backward and
+reduce-scatters its gradients: psi + psi + psi = 3 psi per step (ZeRO paper, Sec. 7.2.3).
+
+Unit choice for an arbitrary LightningModule (:func:`choose_units`):
+
+* every entry of an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (the blocks),
+* every other parameter-holding child that is not such a container (embedding, final norm,
+  head), descending through plain wrapper modules,
+* never a module whose parameters are shared with a module outside it (tied embeddings):
+  those stay with the root, which gathers them once per forward.
+
+The root is the LightningModule itself; :class:`~lightning_para.ParaStrategy` runs
+``training_step`` *through* the root's ``__call__`` so FSDP2's root hooks run. Because the
+root then owns (almost) no parameters, the 3 psi above holds exactly -- FSDP2 never reshards
+the root after forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _param_owners(root: nn.Module) -> dict[int, set[str]]:
+    """For each parameter (by id), the names of all modules that hold it directly."""
+    owners: dict[int, set[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    return owners
+
+
+def choose_units(root: nn.Module) -> list[nn.Module]:
+    """The submodules of ``root`` that get their own ``fully_shard`` (children before parents)."""
+    owners = _param_owners(root)
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    units: list[nn.Module] = []
+
+    def self_contained(module: nn.Module) -> bool:
+        prefix = names[id(module)]
+        for p in module.parameters():
+            for owner in owners[id(p)]:
+                if not (owner == prefix or owner.startswith(prefix + ".") or prefix == ""):
+                    return False
+        return True
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if not _has_params(child):
+                continue
+            if isinstance(child, _CONTAINERS):
+                visit(child)
+            elif any(isinstance(m, _CONTAINERS) for m in child.modules()) and _has_params_in_containers(child):
+                visit(child)  # a wrapper around blocks, e.g. `self.transformer`
+                if any(True for _ in child.parameters(recurse=False)) and self_contained(child):
+                    units.append(child)
+            elif self_contained(child):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(root)
+    return units
+
+
+def _has_params_in_containers(module: nn.Module) -> bool:
+    return any(isinstance(m, _CONTAINERS) and _has_params(m) for m in module.modules())
+
+
+def apply_fully_shard(
+    root: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    unit_mesh: Optional[Callable[[nn.Module], DeviceMesh]] = None,
+) -> list[nn.Module]:
+    """Shard ``root`` with FSDP2 over ``dp_mesh``; returns the units (root last).
+
+    ``param_dtype`` is the compute dtype (bf16 under ``bf16-true``): FSDP2 keeps the sharded
+    parameters in their own dtype (fp32, the master weights) and all-gathers in ``param_dtype``.
+    ``unit_mesh`` picks another mesh for some units (expert parallel shards experts over
+    ``edp`` only).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
+    units = choose_units(root)
+    for unit in units:
+        mesh = unit_mesh(unit) if unit_mesh is not None else dp_mesh
+        fully_shard(unit, mesh=mesh or dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return [*units, root]
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(root: nn.Module, *, keep_unsharded: bool = True) -> Iterator[None]:
+    """Accumulation micro-steps for ZeRO-3 that communicate nothing after the first gather.
+
+    Gradients accumulate unsharded (no reduce-scatter). With ``keep_unsharded`` the gathered
+    parameters also stay gathered between micro-steps, so an optimizer step costs
+    3 psi whatever the number of micro-steps: gather once in the first forward, gather again
+    in the last backward, reduce-scatter once. The price is full-size parameters and
+    gradients held during accumulation (``zero_accumulation="reduce_each_step"`` keeps them
+    sharded instead and pays 3 psi per micro-step).
+    """
+    root.set_requires_gradient_sync(False)
+    if keep_unsharded:
+        root.set_reshard_after_forward(False)
+        root.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
+        if keep_unsharded:
+            root.set_reshard_after_forward(True)
+            root.set_reshard_after_backward(True)

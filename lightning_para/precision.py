@@ -1,0 +1,228 @@
+"""``ParaPrecision``: mixed precision that agrees across shards.
+
+Modes:
+
+============  ==============================  =======================================
+mode          parameters / compute            optimizer steps
+============  ==============================  =======================================
+32-true       fp32 / fp32                     the fp32 parameters
+bf16-mixed    fp32 / bf16 autocast            the fp32 parameters
+bf16-true     bf16 / bf16                     fp32 master weights, sharded with ZeRO
+16-mixed      fp32 / fp16 autocast            fp32 parameters, dynamic loss scaling
+============  ==============================  =======================================
+
+``bf16-true`` is the ZeRO paper's 16 bytes/parameter layout: 2 (bf16 weights) + 2 (bf16
+grads) + 4 (fp32 master) + 8 (Adam moments), where the optimizer's 12 bytes are divided by
+dp from ZeRO-1 on, the grads from ZeRO-2 on, everything at ZeRO-3.
+
+Two things plain Lightning precision plugins get wrong once state is sharded, done here:
+
+* **Loss scaling agrees on all ranks.** Each rank checks only its own gradient shards for
+  inf/NaN, so the decision is all-reduced (MAX) over the world before anyone steps:
+  every rank skips, or every rank steps, and all scales stay equal.
+* **Clipping uses the true global norm** over dp, tp, pp and ep shards
+  (:mod:`lightning_para.parallel.grad_norm`).
+
+Choose the mode either with ``Trainer(precision="bf16-true")`` (ParaStrategy converts
+Lightning's plugin into this one) or with ``ParaStrategy(precision=...)``, which takes
+precedence. On CPU, Lightning turns ``Trainer(precision="16-mixed")`` into ``bf16-mixed``;
+use ``ParaStrategy(precision="16-mixed")`` for fp16 there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.optim import LBFGS, Optimizer
+
+from lightning_para.config import PRECISIONS
+from lightning_para.parallel.grad_norm import clip_grads_by_global_norm, clip_grads_by_value, local_tensor
+
+
+class ParaPrecision(Precision):
+    """Precision plugin for :class:`~lightning_para.ParaStrategy`.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
+        init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
+            ``"16-mixed"`` (same meaning as ``torch.amp.GradScaler``).
+    """
+
+    def __init__(
+        self,
+        precision: str = "32-true",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        precision = str(precision)
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"`precision={precision!r}` is not supported by ParaPrecision. Choose one of"
+                f" {', '.join(repr(p) for p in PRECISIONS)}."
+            )
+        self.precision = precision
+        self.device_type = "cpu"
+        self.scale = float(init_scale) if precision == "16-mixed" else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._growth_tracker = 0
+        self.skipped_steps = 0
+        # Set by ParaStrategy: finishes any pending gradient communication before the
+        # gradients are read (unscaling, inf check, clipping).
+        self.finalize_gradients: Callable[[], None] = lambda: None
+        # Set by ParaStrategy for ZeRO-3: FSDP2 keeps fp32 shards and gathers in bf16 itself.
+        self.keep_fp32_params = False
+
+    # ---------------------------------------------------------------- dtypes
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
+
+    @property
+    def param_dtype(self) -> Optional[torch.dtype]:
+        """dtype of the model's parameters during compute (``None``: unchanged, fp32)."""
+        return torch.bfloat16 if self.precision == "bf16-true" else None
+
+    @property
+    def master_dtype(self) -> Optional[torch.dtype]:
+        """dtype of the optimizer's copy of the weights when it differs from the model's."""
+        return torch.float32 if self.precision == "bf16-true" else None
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.precision == "16-mixed"
+
+    # ---------------------------------------------------------------- module and data
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.precision == "bf16-true" and not self.keep_fp32_params:
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
+                yield
+        else:
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision == "bf16-true":
+            return apply_to_collection(data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        if self.precision == "bf16-true":
+            return apply_to_collection(data, Tensor, lambda t: t.float() if t.is_floating_point() else t)
+        return data
+
+    # ---------------------------------------------------------------- backward and step
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.uses_loss_scaling:
+            tensor = tensor * self.scale
+        return super().pre_backward(tensor, module)
+
+    def _wrap_closure(self, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        closure_result = closure()
+        self.finalize_gradients()
+        self._after_closure(model, optimizer)
+        return closure_result
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
+        if not self.uses_loss_scaling:
+            return optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("`precision='16-mixed'` cannot drive LBFGS (it re-evaluates the closure); use 32-true.")
+        closure_result = closure()
+        self.finalize_gradients()
+        skip = closure_result is None and getattr(model, "automatic_optimization", True)
+        if skip:
+            return closure_result
+        found_inf = self._unscale_and_check(optimizer)
+        self._after_closure(model, optimizer)
+        if found_inf:
+            self.skipped_steps += 1
+            self._update_scale(found_inf=True)
+            return closure_result
+        output = optimizer.step(**kwargs)
+        self._update_scale(found_inf=False)
+        return output
+
+    @torch.no_grad()
+    def _unscale_and_check(self, optimizer: Optimizer) -> bool:
+        inv_scale = 1.0 / self.scale
+        local_inf = torch.zeros((), dtype=torch.float32)
+        for p in self.main_params(optimizer):
+            if p.grad is None:
+                continue
+            g = local_tensor(p.grad)
+            g.mul_(inv_scale)
+            if g.numel() and not torch.isfinite(g).all():
+                local_inf.fill_(1.0)
+        if dist.is_initialized():
+            # Every rank holds different shards: all must agree to skip, or the replicas diverge.
+            device = _default_group_device()
+            flag = local_inf.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            local_inf = flag.cpu()
+        return bool(local_inf.item() > 0)
+
+    def _update_scale(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._growth_tracker = 0
+
+    # ---------------------------------------------------------------- clipping
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grads_by_global_norm(list(self.main_params(optimizer)), float(clip_val))
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grads_by_value(self.main_params(optimizer), float(clip_val))
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        if not self.uses_loss_scaling:
+            return {}
+        return {"scale": self.scale, "growth_tracker": self._growth_tracker, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.uses_loss_scaling and state_dict:
+            self.scale = float(state_dict["scale"])
+            self._growth_tracker = int(state_dict["growth_tracker"])
+            self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+def _default_group_device() -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def as_para_precision(plugin: Optional[Precision]) -> Optional[ParaPrecision]:
+    """Convert the plugin Lightning built from ``Trainer(precision=...)`` into a ParaPrecision."""
+    if plugin is None or isinstance(plugin, ParaPrecision):
+        return plugin
+    mode = getattr(plugin, "precision", "32-true")
+    if mode not in PRECISIONS:
+        raise ValueError(
+            f"ParaStrategy does not support `precision={mode!r}`. Choose one of {', '.join(repr(p) for p in PRECISIONS)}."
+        )
+    return ParaPrecision(mode)

@@ -1,0 +1,483 @@
+"""``ParaStrategy``: Lightning glue around one device mesh and :func:`~lightning_para.parallelize`.
+
+It does only what Lightning needs from a strategy: validate the layout before any process
+starts work, build the mesh, let ``configure_model`` see it, parallelize the model, route
+steps (through the pipeline schedule or FSDP2's root), skip gradient sync while
+accumulating, and save/load sharded checkpoints. Each dimension lives in its own module
+under :mod:`lightning_para.parallel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+import lightning.pytorch as pl
+from lightning_para import checkpoint as ckpt
+from lightning_para.config import ParallelConfig
+from lightning_para.memory import memory_breakdown as _memory_breakdown
+from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.fsdp import fsdp_no_sync
+from lightning_para.parallel.grad_norm import set_grad_replication
+from lightning_para.parallelize import ParallelModel, parallelize
+from lightning_para.precision import ParaPrecision, as_para_precision
+
+
+class ParaStrategy(ParallelStrategy):
+    """Data (ZeRO 0-3), tensor/sequence, pipeline and expert parallelism on one DeviceMesh.
+
+    Args:
+        dp: data-parallel degree; ``"auto"`` takes what is left of the world size.
+        tp: tensor-parallel degree (innermost mesh dim: keep it within a node).
+        pp: pipeline-parallel degree (outermost mesh dim).
+        ep: expert-parallel degree; must divide ``dp`` (experts are sharded inside dp).
+        zero: ZeRO stage 0, 1, 2 or 3 over ``dp``.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``; when set it
+            overrides ``Trainer(precision=...)`` (which also works, for the first three).
+        sequence_parallel: shard norms/dropout/residuals along the sequence over ``tp``.
+        tp_plan: module-name pattern -> parallel style; overrides the model's declared plan.
+        loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
+        activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
+        schedule: pipeline schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...).
+        microbatches: microbatches per pipeline step (default: ``pp``).
+        virtual_stages: stages per pipeline rank for interleaved schedules.
+        pipeline_split: explicit layer indices where stages start (instead of balancing).
+        pipeline_balance: ``"params"`` (default) or ``"time"`` (measured per layer).
+        bucket_size_mb: gradient bucket size for ZeRO 0-2.
+        zero_accumulation: ``"no_sync"`` (no communication until the last micro-step) or
+            ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating).
+        save_distributed_checkpoint: sharded directory (default) or one consolidated file.
+        process_group_backend: override ``"gloo"``/``"nccl"`` chosen from the device.
+        timeout: process-group timeout.
+    """
+
+    strategy_name = "para"
+
+    def __init__(
+        self,
+        dp: Union[int, str] = "auto",
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        zero: int = 0,
+        *,
+        precision: Optional[str] = None,
+        sequence_parallel: bool = False,
+        tp_plan: Optional[Mapping[str, Any]] = None,
+        loss_parallel: bool = True,
+        activation_checkpointing: Optional[str] = None,
+        schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        virtual_stages: int = 1,
+        pipeline_split: Optional[list[int]] = None,
+        pipeline_balance: str = "params",
+        bucket_size_mb: float = 25.0,
+        zero_accumulation: str = "no_sync",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        self.config = ParallelConfig(
+            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel, tp_plan=tp_plan,
+            loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
+            microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
+            pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
+        )
+        if precision is not None:
+            if precision_plugin is not None:
+                raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
+            precision_plugin = ParaPrecision(precision)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=as_para_precision(precision_plugin),
+        )
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._dims: Optional[ParallelDims] = None
+        self._parallel: Optional[ParallelModel] = None
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def precision_plugin(self) -> ParaPrecision:  # type: ignore[override]
+        return self._precision_plugin if self._precision_plugin is not None else ParaPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning builds a plugin from `Trainer(precision=...)`; speak its mode in our terms.
+        self._precision_plugin = as_para_precision(plugin)
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Degrees and mesh of this run (available from ``setup_environment`` on)."""
+        if self._dims is None:
+            raise RuntimeError("The parallel layout is resolved when the Trainer sets up the strategy.")
+        return self._dims
+
+    @property
+    def device_mesh(self):
+        """The one ``DeviceMesh`` with dims ``("pp", "edp", "ep", "tp")`` and flattened ``"dp"``."""
+        return self.parallel_dims.mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # One sample stream per dp rank: the tp and pp ranks of a dp coordinate see the same batch
+        # (ep ranks are dp ranks, so they get different batches, as expert parallelism expects).
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp, "rank": dims.local_rank("dp")}
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning to decide whether to insert a DistributedSampler.
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Fail in the launching process, before any worker exists, if the degrees cannot fit.
+        self._resolve_dims(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _resolve_dims(self, world_size: int) -> ParallelDims:
+        dims = ParallelDims.from_config(self.config, world_size)
+        if self._dims is None or (self._dims.pp, self._dims.dp, self._dims.tp, self._dims.ep) != (dims.pp, dims.dp, dims.tp, dims.ep):
+            self._dims = dims
+        return self._dims
+
+    def setup_environment(self) -> None:
+        dims = self._resolve_dims(self.num_nodes * self.num_processes)  # raises before any collective
+        super().setup_environment()
+        self._setup_distributed()
+        if dims.mesh is None:
+            dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = dims.mesh
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        existing: Optional[ParallelModel] = getattr(module, "_para_parallel", None)
+        if existing is None:
+            _materialize_distributed_module(module, self.root_device)
+            module.to(self.root_device)
+            self._parallel = parallelize(module, self.parallel_dims, self.config, precision)
+            object.__setattr__(module, "_para_parallel", self._parallel)
+        else:
+            self._check_same_layout(existing)
+            self._parallel = existing
+            precision.keep_fp32_params = existing.fully_sharded
+        self.model = module
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._attach_optimizers()
+        self.setup_precision_plugin()
+        precision.finalize_gradients = self.finalize_gradients
+
+    def _check_same_layout(self, existing: ParallelModel) -> None:
+        old, new = existing.config, self.config
+        if (existing.dims.pp, existing.dims.dp, existing.dims.tp, existing.dims.ep, old.zero) != (
+            self.parallel_dims.pp, self.parallel_dims.dp, self.parallel_dims.tp, self.parallel_dims.ep, new.zero
+        ):
+            raise ValueError(
+                "This LightningModule was already parallelized by another ParaStrategy with a different layout"
+                f" (pp={existing.dims.pp}, dp={existing.dims.dp}, tp={existing.dims.tp}, ep={existing.dims.ep},"
+                f" zero={old.zero}). Create a new module instance (or load a checkpoint into one) for a new layout."
+            )
+        self._dims = existing.dims
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        # Re-created for every fit: ZeRO edits the optimizer's param groups in place.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def _attach_optimizers(self) -> None:
+        parallel = self._parallel
+        assert parallel is not None
+        for optimizer in self._raw_optimizers():
+            if parallel.zero is not None:
+                parallel.zero.shard_optimizer(optimizer)
+            for group in optimizer.param_groups:
+                for q in group["params"]:
+                    set_grad_replication(q, self._grad_replication(q))
+
+    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _grad_replication(self, tensor: Tensor) -> int:
+        """On how many ranks this optimizer tensor's gradient is identical (for the global norm).
+
+        All ranks of one pipeline stage (dp x tp) hold some piece of each of its parameters;
+        the replication is that count divided by the number of distinct pieces.
+        """
+        dims = self.parallel_dims
+        zero = self._parallel.zero if self._parallel is not None else None
+        slot = zero.slot_for_optimizer_param(tensor) if zero is not None else None
+        base = slot.param if slot is not None else tensor
+        distinct = slot.world if slot is not None and slot.sharded else 1
+        if isinstance(base, DTensor):
+            mesh = base.device_mesh
+            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if p.is_shard())
+            on_ep = "ep" in (mesh.mesh_dim_names or ())
+        else:
+            on_ep = False
+        if getattr(base, "_para_expert", False) and not on_ep:
+            distinct *= dims.ep
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
+        return max((dims.dp * dims.tp * copies) // distinct, 1)
+
+    def finalize_gradients(self) -> None:
+        """Finish any gradient communication still pending (before clipping or unscaling)."""
+        if self._parallel is not None and self._parallel.zero is not None:
+            self._parallel.zero.flush()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Parameters are materialized (and reset deterministically) in `setup`, before sharding.
+        with (torch.device("meta") if empty_init else contextlib.nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ steps
+    def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        parallel = self._parallel
+        with context:
+            if parallel is not None and parallel.pipeline is not None:
+                return parallel.pipeline.run(self, name, *args, **kwargs)
+            if parallel is not None and parallel.fully_sharded:
+                # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: the first A-1 micro-steps communicate nothing."""
+        parallel = self._parallel
+        reduce_each_step = self.config.zero_accumulation == "reduce_each_step" and self.config.zero >= 2
+        if parallel is None or reduce_each_step:
+            yield
+        elif parallel.zero is not None:
+            with parallel.zero.no_sync():
+                yield
+        elif parallel.fully_sharded:
+            with fsdp_no_sync(self.lightning_module):
+                yield
+        else:
+            yield
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ introspection
+    def memory_breakdown(self) -> dict[str, Any]:
+        """This rank's bytes for ``params``, ``grads`` and ``optimizer`` (fp32 masters included),
+        with ``expected`` bytes from the ZeRO formulas for the active stage (see ``docs/``)."""
+        parallel = self._parallel
+        if parallel is None:
+            raise RuntimeError("memory_breakdown() is available once the Trainer has set up the strategy.")
+        module = self.lightning_module
+        first = next(iter(module.parameters()), None)
+        param_bytes = first.element_size() if first is not None else 4
+        separate_master = self.precision_plugin.master_dtype is not None and not parallel.fully_sharded
+        return _memory_breakdown(
+            module,
+            self._raw_optimizers(),
+            stage=self.config.zero,
+            dp=self.parallel_dims.dp,
+            edp=self.parallel_dims.edp,
+            psi_dense=parallel.extras.get("psi_dense", 0),
+            psi_expert=parallel.extras.get("psi_expert", 0),
+            param_bytes=param_bytes,
+            master_bytes=4 if separate_master else 0,
+        )
+
+    def pipeline_stats(self) -> dict[str, Any]:
+        """Per-step busy/idle time of this rank's pipeline stages (``pp > 1`` only)."""
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        if pipeline is None:
+            raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
+        return pipeline.stats()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _optim_views(self):
+        assert self._parallel is not None
+        return ckpt.optimizer_params(self.lightning_module, self._parallel.zero, self.parallel_dims)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.optimizer_state_dict(optimizer, self._optim_views())
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        if self.save_distributed_checkpoint:
+            ckpt.save_sharded(path, tensors, checkpoint)
+        else:
+            ckpt.write_consolidated(path, tensors, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        zero = self._parallel.zero if self._parallel is not None else None
+        if ckpt.is_sharded_checkpoint(path):
+            flat = ckpt.load_sharded_into(path, {"state_dict": module.state_dict()})
+            missing = flat["__missing__"]
+            if missing and module.strict_loading:
+                raise RuntimeError(f"The checkpoint {path} lacks model entries: {missing[:10]}.")
+            if zero is not None and not self.optimizers:
+                # Evaluation only: masters follow the loaded weights.
+                for slot in zero.slots:
+                    if slot.master is not None:
+                        src = slot.local_rows(slot.local) if slot.sharded else slot.local.view(slot.master.shape)
+                        slot.master.data.copy_(src)
+            views = self._optim_views()
+            for i, optimizer in enumerate(self._raw_optimizers()):
+                ckpt.load_optimizer_state(optimizer, views, path, f"optimizer_{i}", zero)
+            meta_file = path / ckpt.METADATA_FILENAME
+            return torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
+        if not path.is_file():
+            raise FileNotFoundError(f"Checkpoint not found: {path}")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt.load_full_checkpoint_into(
+            checkpoint, module, self._raw_optimizers(), self._optim_views(), zero, strict=module.strict_loading
+        )
+        return checkpoint
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
+        # would detach them from their mesh.
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("para", cls, description="lightning-para: ZeRO/TP/PP/EP on one DeviceMesh")
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"para_zero{stage}", cls, description=f"lightning-para with ZeRO stage {stage}", zero=stage
+            )

@@ -1,0 +1,216 @@
+"""Real multi-process gloo groups for tests, spawned once and reused for many jobs.
+
+A :class:`WorkerPool` starts ``world_size`` processes that each join one gloo process group,
+then runs *jobs* on all of them: a module-level function (pickled by reference) with
+arguments. Each rank returns a value; the pool collects them in rank order.
+
+Why a pool: spawning a process and importing torch + Lightning costs ~3-5 s per rank on two
+cores; a test module with twenty layouts would spend minutes just starting processes.
+
+Hangs fail fast: every job has a deadline, the gloo group has a timeout, and a rank that
+raises gives the others a short grace period before the pool is killed and restarted. The
+environment each worker sees is the one ``torchrun`` gives (RANK, LOCAL_RANK, NODE_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), so a ``Trainer`` inside a job joins the existing group
+instead of launching processes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_JOB_TIMEOUT = float(os.environ.get("PARA_TEST_JOB_TIMEOUT", 300))
+PROCESS_GROUP_TIMEOUT = float(os.environ.get("PARA_TEST_PG_TIMEOUT", 120))
+ERROR_GRACE_SECONDS = float(os.environ.get("PARA_TEST_ERROR_GRACE", 15))
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks raised; the message holds every rank's traceback."""
+
+    def __init__(self, errors: dict[int, str], pending: tuple[int, ...] = ()) -> None:
+        self.errors = errors
+        self.pending = pending
+        parts = [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items())]
+        if pending:
+            parts.append(f"ranks {list(pending)} did not finish (hang or crash); the pool was restarted")
+        super().__init__("\n".join(parts))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_environment(rank: int, world_size: int, port: int, nproc_per_node: int) -> dict[str, str]:
+    """The torchrun-like variables Lightning's ``LightningEnvironment`` reads."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % nproc_per_node),
+        "NODE_RANK": str(rank // nproc_per_node),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker_main(rank, world_size, port, nproc_per_node, job_queue, result_queue, extra_env) -> None:
+    os.environ.update(worker_environment(rank, world_size, port, nproc_per_node))
+    os.environ.update(extra_env)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT)
+    )
+    while True:
+        job = job_queue.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        try:
+            result = fn(*args, **kwargs)
+            result_queue.put((job_id, rank, True, result))
+        except BaseException:  # noqa: BLE001 - every failure must reach the test
+            result_queue.put((job_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` processes in one gloo group that run jobs until closed."""
+
+    def __init__(self, world_size: int, nproc_per_node: Optional[int] = None, env: Optional[dict] = None) -> None:
+        self.world_size = world_size
+        self.nproc_per_node = nproc_per_node or world_size
+        self.env = dict(env or {})
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._job_queues: list = []
+        self._result_queue = None
+        self._job_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.close()
+        port = _free_port()
+        self._result_queue = self._ctx.Queue()
+        self._job_queues = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = []
+        for rank in range(self.world_size):
+            p = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, self.nproc_per_node, self._job_queues[rank], self._result_queue, self.env),
+                daemon=True,
+            )
+            p.start()
+            self._procs.append(p)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: Optional[float] = None,
+        keep_alive_on_error: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Raises :class:`WorkerError` if any rank raises or does not finish in ``timeout`` seconds.
+        After an error the pool restarts (a half-finished collective could poison later jobs),
+        unless ``keep_alive_on_error`` says the job fails before any collective.
+        """
+        self.start()
+        self._job_id += 1
+        job_id = self._job_id
+        for q in self._job_queues:
+            q.put((job_id, fn, args, kwargs))
+        deadline = time.monotonic() + (timeout or DEFAULT_JOB_TIMEOUT)
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        error_deadline = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if error_deadline is None else min(deadline, error_deadline)
+            if now >= limit:
+                break
+            try:
+                got_id, rank, ok, payload = self._result_queue.get(timeout=min(1.0, limit - now))
+            except queue.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead:
+                    for r in dead:
+                        errors.setdefault(r, f"process exited with code {self._procs[r].exitcode}")
+                    break
+                continue
+            if got_id != job_id:
+                continue  # a straggler from a job that already failed
+            pending.discard(rank)
+            if ok:
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                error_deadline = error_deadline or time.monotonic() + ERROR_GRACE_SECONDS
+        if pending:
+            if not errors:
+                errors = {r: "no result before the deadline" for r in pending}
+            self.close()
+            raise WorkerError(errors, tuple(sorted(pending)))
+        if errors:
+            if not keep_alive_on_error:
+                self.close()
+            raise WorkerError(errors)
+        return results
+
+    def close(self) -> None:
+        for q in self._job_queues:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._job_queues = []
+
+
+class PoolManager:
+    """One live pool at a time (two cores cannot host several), restarted on size changes."""
+
+    def __init__(self) -> None:
+        self._pool: Optional[WorkerPool] = None
+
+    def get(self, world_size: int, nproc_per_node: Optional[int] = None, env: Optional[dict] = None) -> WorkerPool:
+        key = (world_size, nproc_per_node or world_size, tuple(sorted((env or {}).items())))
+        if self._pool is not None:
+            current = (self._pool.world_size, self._pool.nproc_per_node, tuple(sorted(self._pool.env.items())))
+            if current != key:
+                self._pool.close()
+                self._pool = None
+        if self._pool is None:
+            self._pool = WorkerPool(world_size, nproc_per_node, env)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
