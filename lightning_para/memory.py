@@ -67,19 +67,28 @@ class _StorageCounter:
         return t.numel() * t.element_size()
 
 
-def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated)."""
+def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer], only_experts: bool = False) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated).
+
+    ``only_experts`` counts only tensors of parameters marked ``_para_expert`` (MoE experts).
+    """
+
+    def keep(t: Tensor) -> bool:
+        return not only_experts or getattr(t, "_para_expert", False)
+
     counter = _StorageCounter()
-    params = sum(counter.add(p.data) for p in module.parameters())
-    grads = sum(counter.add(p.grad) for p in module.parameters())
-    opt_params = [q for o in optimizers for g in o.param_groups for q in g["params"]]
+    model_params = [p for p in module.parameters() if keep(p)]
+    params = sum(counter.add(p.data) for p in model_params)
+    grads = sum(counter.add(p.grad) for p in model_params)
+    opt_params = [q for o in optimizers for g in o.param_groups for q in g["params"] if keep(q)]
     grads += sum(counter.add(q.grad) for q in opt_params)
     optimizer = sum(counter.add(q.data) for q in opt_params)  # separate masters only: views were counted
     for o in optimizers:
-        for state in o.state.values():
-            for value in state.values():
-                if isinstance(value, Tensor):
-                    optimizer += counter.add(value)
+        for q, state in o.state.items():
+            if keep(q):
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        optimizer += counter.add(value)
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
@@ -139,10 +148,20 @@ def memory_breakdown(
         stage=stage, psi_dense=psi_dense, psi_expert=psi_expert, dp=dp, edp=edp,
         param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
     )
+    # Expert vs dense split (MoE): experts are replicated over edp only, dense over dp.
+    expert = measure(module, optimizers, only_experts=True) if psi_expert else {k: 0 for k in measured}
+    expert["total"] = sum(expert.values())
+    dense = {k: measured[k] - expert[k] for k in ("params", "grads", "optimizer")}
+    dense["total"] = sum(dense.values())
+    kwargs = dict(stage=stage, dp=dp, edp=edp, param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes)
     return {
         **measured,
         "total": measured["params"] + measured["grads"] + measured["optimizer"],
+        "expert": expert,
+        "dense": dense,
         "expected": exp,
+        "expected_expert": expected(psi_dense=0, psi_expert=psi_expert, **kwargs),
+        "expected_dense": expected(psi_dense=psi_dense, psi_expert=0, **kwargs),
         "zero": stage,
         "dp": dp,
         "edp": edp,

@@ -59,8 +59,9 @@ def parallelize(
     if dims.ep_enabled or _has_moe(module):
         from lightning_para.parallel.expert_parallel import apply_expert_parallel
 
-        for part in _model_parts(module, result):
-            apply_expert_parallel(part, dims)
+        result.extras["moe_layers"] = [
+            layer for part in _model_parts(module, result) for layer in apply_expert_parallel(part, dims)
+        ]
     if config.activation_checkpointing:
         from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 

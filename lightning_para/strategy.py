@@ -299,6 +299,23 @@ class ParaStrategy(ParallelStrategy):
         copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
         return max((dims.dp * dims.tp * copies) // distinct, 1)
 
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._set_moe_aux_grad_scale()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _set_moe_aux_grad_scale(self) -> None:
+        """MoE layers feed their aux-loss gradient in backward themselves (see ``lightning_para.moe``);
+        scale it as Lightning scales the loss: times the 16-mixed loss scale, over the accumulation."""
+        layers = self._parallel.extras.get("moe_layers") if self._parallel is not None else None
+        if not layers:
+            return
+        module = self.lightning_module
+        scale = self.precision_plugin.scale if self.precision_plugin.uses_loss_scaling else 1.0
+        if module.automatic_optimization:
+            scale /= module.trainer.accumulate_grad_batches
+        for layer in layers:
+            layer.aux_loss_grad_scale = scale
+
     def finalize_gradients(self) -> None:
         """Finish any gradient communication still pending (before clipping or unscaling)."""
         if self._parallel is not None and self._parallel.zero is not None:

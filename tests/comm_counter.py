@@ -80,6 +80,8 @@ class CollectiveCounter(TorchDispatchMode):
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, str):
                 group = a
+            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                group = dist.ProcessGroup.unbox(a).group_name  # c10d ops carry the group object
         self.bytes_by_kind[kind] += volume
         self.calls.append((kind, volume, group))
 

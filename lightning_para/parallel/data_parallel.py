@@ -189,6 +189,8 @@ class ZeroDataParallel:
                 continue
             slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0)
             slot.master = self._make_master(slot, master_dtype)
+            if slot.master is not None and getattr(param, "_para_expert", False):
+                slot.master._para_expert = True  # type: ignore[attr-defined]  # memory_breakdown's expert bytes
             self.slots.append(slot)
             self._slot_of[param] = slot
         self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))

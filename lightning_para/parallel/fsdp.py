@@ -75,7 +75,18 @@ def choose_units(root: nn.Module) -> list[nn.Module]:
                 visit(child)
 
     visit(root)
-    return units
+    # Expert stacks (params marked `_para_expert`) are units of their own, before their block:
+    # they shard over the expert-data-parallel mesh, not over all of dp.
+    experts = [
+        m for m in root.modules()
+        if m is not root and m not in units and _owns_only_experts(m)
+    ]
+    return experts + units
+
+
+def _owns_only_experts(module: nn.Module) -> bool:
+    own = list(module.parameters(recurse=False))
+    return bool(own) and all(getattr(p, "_para_expert", False) for p in module.parameters())
 
 
 def _has_params_in_containers(module: nn.Module) -> bool:
@@ -102,10 +113,14 @@ def apply_fully_shard(
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
     units = choose_units(root)
+    experts = {name for name, p in root.named_parameters() if getattr(p, "_para_expert", False)}
     for unit in units:
         mesh = unit_mesh(unit) if unit_mesh is not None else dp_mesh
         fully_shard(unit, mesh=mesh or dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for name, p in root.named_parameters():  # fully_shard made new Parameters: keep the expert mark
+        if name in experts:
+            p._para_expert = True  # type: ignore[attr-defined]
     return [*units, root]
 
 

@@ -1,0 +1,276 @@
+"""Expert parallelism on real gloo groups: parity with one device, memory, communication, skew.
+
+Every layout trains the same small MoE transformer (below, written for this test; it uses
+only the public ``lightning_para.moe`` layer) for 10 steps and is compared with a
+single-process run on the global batch with the same seed, hence the same experts.
+The logged loss includes the MoE aux losses (``aux_loss(self)``), and the aux gradients are
+part of every step, so a wrong dispatch, a wrong expert-gradient scale or a wrong aux loss
+each shows up in the per-step losses and the final parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_para.moe import MoE, MoEMetrics, aux_loss
+from tests.comm_counter import CollectiveCounter
+from tests.parity import (
+    LossRecorder,
+    ShardedData,
+    assert_losses_close,
+    assert_params_close,
+    fit_reference,
+    full_parameters,
+    trainer_kwargs,
+)
+
+STEPS = 10
+GLOBAL_BATCH = 8
+VOCAB, SEQ = 64, 16
+
+
+# ----------------------------------------------------------------------------- the model
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, **moe: Any) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.moe = MoE(dim, 2 * dim, **moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))  # dropped tokens pass through this residual
+
+
+class ForcedRouterMoE(MoE):
+    """Every token's first choice is expert 0 (a large logit bias): the most skewed load."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        bias = torch.zeros(self.num_experts)
+        bias[0] = 30.0
+        self.register_buffer("forced_bias", bias, persistent=False)
+        router_forward = self.router.forward
+        self.router.forward = lambda t: router_forward(t) + self.forced_bias  # type: ignore[method-assign]
+
+
+class TinyMoETransformer(L.LightningModule):
+    def __init__(
+        self,
+        dim: int = 32,
+        heads: int = 4,
+        depth: int = 2,
+        num_experts: int = 4,
+        top_k: int = 2,
+        lr: float = 3e-3,
+        forced: bool = False,
+        **moe: Any,
+    ) -> None:
+        super().__init__()
+        moe = {"balance_loss_weight": 0.1, "z_loss_weight": 0.01, **moe}
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(MoEBlock(dim, heads, num_experts=num_experts, top_k=top_k, **moe) for _ in range(depth))
+        if forced:
+            for block in self.blocks:
+                state = block.moe
+                block.moe = ForcedRouterMoE(dim, 2 * dim, num_experts, top_k, **moe)
+                block.moe.load_state_dict(state.state_dict())
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.lr = lr
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return loss + aux_loss(self)  # the aux value; its gradient is applied by the MoE layers
+
+    def configure_optimizers(self):
+        # eps=1e-6, not 1e-8: Adam's first step is lr*g/(|g|+eps); a gradient element that cancels to
+        # ~1e-9 (seen: 5 orders below the median) turns fp32 summation-order noise (ep sums tokens
+        # per expert in another order) into a 1e-5-relative parameter difference at eps=1e-8.
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01, eps=1e-6)
+
+
+def token_dataset(n: int = GLOBAL_BATCH * STEPS, seed: int = 7) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    # A learnable rule (next = (3 * current + 1) mod V, with noise) so the loss moves.
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    seq = [start]
+    for _ in range(SEQ):
+        nxt = (3 * seq[-1] + 1) % VOCAB
+        noise = torch.randint(0, VOCAB, (n, 1), generator=g)
+        seq.append(torch.where(torch.rand(n, 1, generator=g) < 0.2, noise, nxt))
+    tokens = torch.cat(seq, dim=1)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+# ----------------------------------------------------------------------------- worker jobs
+class PhaseCounter(Callback):
+    """Counts collectives of one training step separately in forward and in backward (+ grad sync)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step, self.forward, self.backward = step, CollectiveCounter(), CollectiveCounter()
+        self._active: Optional[CollectiveCounter] = None
+
+    def _switch(self, counter: Optional[CollectiveCounter]) -> None:
+        if self._active is not None:
+            self._active.__exit__(None, None, None)
+        self._active = counter
+        if counter is not None:
+            counter.__enter__()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.step:
+            self._switch(self.forward)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._active is self.forward:
+            self._switch(self.backward)
+
+    def on_after_backward(self, trainer, pl_module):
+        if self._active is self.backward:
+            self._switch(None)
+
+
+def moe_fit_job(
+    model_factory,
+    strategy_kwargs: dict[str, Any],
+    dataset_factory=token_dataset,
+    global_batch: int = GLOBAL_BATCH,
+    max_steps: int = STEPS,
+    overrides: Optional[dict[str, Any]] = None,
+    count_step: Optional[int] = None,
+    metrics: bool = False,
+) -> dict[str, Any]:
+    from lightning_para import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = model_factory()
+    recorder = LossRecorder()
+    callbacks: list[Callback] = [recorder]
+    counter = PhaseCounter(count_step) if count_step is not None else None
+    if counter is not None:
+        callbacks.append(counter)
+    if metrics:
+        callbacks.append(MoEMetrics(per_expert=True))
+    trainer = L.Trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps, callbacks=callbacks,
+        use_distributed_sampler=False, **trainer_kwargs(**(overrides or {})),
+    )
+    dims = strategy.parallel_dims
+    trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dims.dp))
+    params = full_parameters(module)
+    out: dict[str, Any] = {
+        "losses": recorder.losses,
+        "params": params if dist.get_rank() == 0 else None,
+        "memory": strategy.memory_breakdown(),
+        "dp_rank": dims.local_rank("dp"),
+        "expert_local_bytes": sum(
+            p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+            for p in module.parameters() if getattr(p, "_para_expert", False)
+        ),
+        "groups": {name: dims.group(name).group_name for name in ("dp", "edp", "ep")},
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")},
+    }
+    if counter is not None:
+        out["forward_calls"] = counter.forward.calls
+        out["backward_calls"] = counter.backward.calls
+    return out
+
+
+def mean_loss(results: list[dict[str, Any]]) -> list[float]:
+    """Mean over the distinct data-parallel ranks (tp/pp peers of one dp rank report the same loss)."""
+    by_dp: dict[int, list[float]] = {}
+    for r in results:
+        by_dp.setdefault(r["dp_rank"], r["losses"])
+    steps = len(next(iter(by_dp.values())))
+    return [sum(l[i] for l in by_dp.values()) / len(by_dp) for i in range(steps)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(factory, steps: int = STEPS, overrides: tuple = ()) -> dict[str, Any]:
+    return fit_reference(factory, token_dataset, GLOBAL_BATCH, steps, dict(overrides))
+
+
+def check_parity(results, factory, overrides: tuple = ()) -> None:
+    ref = reference(factory, STEPS, overrides)
+    assert_losses_close(mean_loss(results), ref["losses"])
+    assert_params_close(results[0]["params"], ref["params"])
+
+
+def expert_bytes(params: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for n, t in params.items() if ".experts." in n)
+
+
+MODEL = functools.partial(TinyMoETransformer)
+MODEL_K1_GELU_SHARED = functools.partial(TinyMoETransformer, top_k=1, activation="gelu", shared_hidden_dim=16)
+
+
+# ----------------------------------------------------------------------------- tests: 2 processes
+def test_ep2_parity_memory_and_communication(pools):
+    """ep=2 on 2 ranks (dp=2, edp=1): parity, expert bytes = full/ep, 2+2 all-to-all per layer."""
+    results = pools.get(2).run(moe_fit_job, MODEL, {"ep": 2}, count_step=1)
+    check_parity(results, MODEL)
+    full = expert_bytes(results[0]["params"])
+    for r in results:
+        assert abs(r["expert_local_bytes"] - full / 2) <= 0.01 * full / 2
+        mem = r["memory"]
+        assert mem["expert"]["params"] == r["expert_local_bytes"]
+        assert mem["num_expert_params"] * 4 == full / 2
+    depth = 2
+    for r in results:
+        fwd = [c for c in r["forward_calls"] if c[0] == "all_to_all"]
+        bwd = [c for c in r["backward_calls"] if c[0] == "all_to_all"]
+        # Forward per layer: split sizes (E int64 counts), dispatch, combine. Backward: 2.
+        assert len(fwd) == 3 * depth and len(bwd) == 2 * depth, (fwd, bwd)
+        assert [c[1] for c in fwd[::3]] == [4 * 8] * depth  # the split-size exchange: E=4 int64
+        assert all(c[2] == r["groups"]["ep"] for c in fwd + bwd)
+        # Gradient sync: dense over dp; expert gradients only over edp (size 1 here: nobody shares them).
+        reductions = [c for c in r["backward_calls"] if c[0] in ("all_reduce", "reduce_scatter")]
+        assert {c[2] for c in reductions} <= {r["groups"]["dp"], r["groups"]["edp"]}
+        expert_volume = sum(c[1] for c in reductions if c[2] == r["groups"]["edp"])
+        assert expert_volume == 2 * r["expert_local_bytes"]  # all-reduce counts 2x its bytes
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_ep2_zero_stages_with_clipping(pools, zero):
+    """ZeRO 1/2/3 with experts, k=1 GELU experts plus a shared expert, global-norm clipping."""
+    overrides = (("gradient_clip_val", 0.5),)
+    results = pools.get(2).run(moe_fit_job, MODEL_K1_GELU_SHARED, {"ep": 2, "zero": zero}, overrides=dict(overrides))
+    check_parity(results, MODEL_K1_GELU_SHARED, overrides)
