@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
@@ -289,7 +290,10 @@ class ParaStrategy(ParallelStrategy):
         distinct = slot.world if slot is not None and slot.sharded else 1
         if isinstance(base, DTensor):
             mesh = base.device_mesh
-            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if p.is_shard())
+            # _StridedShard (FSDP2 over a dim TP/EP already shards) is not `is_shard()` in torch 2.13.
+            distinct *= math.prod(
+                mesh.size(i) for i, p in enumerate(base.placements) if p.is_shard() or isinstance(p, _StridedShard)
+            )
             on_ep = "ep" in (mesh.mesh_dim_names or ())
         else:
             on_ep = False

@@ -207,6 +207,12 @@ def moe_fit_job(
         ),
         "groups": {name: dims.group(name).group_name for name in ("dp", "edp", "ep")},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")},
+        "ep_rank": dims.local_rank("ep"),
+        "edp_peers": dist.get_process_group_ranks(dims.group("edp")),
+        "expert_meshes": sorted({
+            tuple(p.device_mesh.mesh_dim_names) for p in module.parameters()
+            if getattr(p, "_para_expert", False) and hasattr(p, "device_mesh")
+        }),
     }
     if counter is not None:
         out["forward_calls"] = counter.forward.calls
@@ -274,3 +280,64 @@ def test_ep2_zero_stages_with_clipping(pools, zero):
     overrides = (("gradient_clip_val", 0.5),)
     results = pools.get(2).run(moe_fit_job, MODEL_K1_GELU_SHARED, {"ep": 2, "zero": zero}, overrides=dict(overrides))
     check_parity(results, MODEL_K1_GELU_SHARED, overrides)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_ep2_dp4_parity_and_expert_data_parallel_groups(pools, zero):
+    """dp=4, ep=2 (edp=2): experts replicated over the 2 ranks of their edp group, clipping over all."""
+    overrides = (("gradient_clip_val", 0.5),)
+    results = pools.get(4).run(
+        moe_fit_job, MODEL, {"dp": 4, "ep": 2, "zero": zero}, overrides=dict(overrides), count_step=1
+    )
+    check_parity(results, MODEL, overrides)
+    by_rank = {i: r for i, r in enumerate(results)}
+    for i, r in by_rank.items():
+        # The edp group is exactly the ranks holding this rank's experts (same ep coordinate).
+        assert len(r["edp_peers"]) == 2 and all(by_rank[p]["ep_rank"] == r["ep_rank"] for p in r["edp_peers"])
+        expected_mesh = [("edp", "ep")] if zero == 3 else [("ep",)]
+        assert r["expert_meshes"] == expected_mesh
+        reductions = [c for c in r["backward_calls"] if c[0] in ("all_reduce", "reduce_scatter")]
+        assert {c[2] for c in reductions} <= {r["groups"]["dp"], r["groups"]["edp"]}
+        expert_volume = sum(c[1] for c in reductions if c[2] == r["groups"]["edp"])
+        if zero == 1:  # reduce-scatter of the expert gradients (counts its input: the local expert bytes)
+            assert expert_volume == r["expert_local_bytes"]
+        else:  # FSDP2 reduce-scatters the unsharded expert gradients over edp
+            assert expert_volume == r["expert_local_bytes"] * 2  # all-gathered (E/ep) x reduce-scattered
+        mem = r["memory"]
+        # (ZeRO-1 grads are left out: ZeroDataParallel frees the full gradients after the
+        # reduce-scatter, so after a step it holds psi/N, below the formula's psi.)
+        for key in ("params", "optimizer") + (("grads",) if zero >= 2 else ()):
+            assert mem["expert"][key] == pytest.approx(mem["expected_expert"][key], rel=0.01), key
+
+
+# ----------------------------------------------------------------------------- skewed routing
+FORCED_K1 = functools.partial(TinyMoETransformer, top_k=1, forced=True)
+FORCED_K1_CAPACITY = functools.partial(TinyMoETransformer, top_k=1, forced=True, capacity_factor=1.0)
+
+
+def test_forced_router_sends_every_token_to_one_expert(pools):
+    """All tokens pick expert 0: ep rank 1 receives no tokens at all; ZeRO-2 must not hang."""
+    results = pools.get(2).run(moe_fit_job, FORCED_K1, {"ep": 2, "zero": 2}, metrics=True)
+    check_parity(results, FORCED_K1)
+    for r in results:
+        tokens = [r["metrics"][f"moe/blocks.0.moe/tokens_expert_{i}"] for i in range(4)]
+        assert tokens == [GLOBAL_BATCH // 2 * SEQ, 0, 0, 0]
+
+
+def test_forced_router_with_capacity_drops_and_reports(pools):
+    """Capacity mode: each rank keeps ceil(T/E * 1.0) tokens of expert 0; the rest are dropped and reported.
+
+    Capacity is per routing group (this rank's micro-batch), so the reference is the same layout
+    without expert parallelism (dp=2, ep=1), which drops exactly the same tokens.
+    """
+    pool = pools.get(2)
+    with_ep = pool.run(moe_fit_job, FORCED_K1_CAPACITY, {"ep": 2}, metrics=True)
+    without_ep = pool.run(moe_fit_job, FORCED_K1_CAPACITY, {"ep": 1}, metrics=True)
+    assert_losses_close(mean_loss(with_ep), mean_loss(without_ep))
+    assert_params_close(with_ep[0]["params"], without_ep[0]["params"])
+    tokens = GLOBAL_BATCH // 2 * SEQ
+    capacity = math.ceil(tokens / 4 * 1.0 * 1)
+    for r in with_ep:
+        for layer in ("blocks.0.moe", "blocks.1.moe"):
+            assert r["metrics"][f"moe/{layer}/dropped_fraction"] == pytest.approx((tokens - capacity) / tokens)
+    assert all(math.isfinite(x) for x in with_ep[0]["losses"])

@@ -1,0 +1,248 @@
+"""MoE layer without communication: routing math, capacity, aux-loss formulas, gradients, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_para import ParallelConfig, ParallelDims
+from lightning_para.moe import (
+    MoE,
+    aux_loss,
+    capacity_keep_mask,
+    expert_capacity,
+    load_balancing_loss,
+    router_z_loss,
+    set_aux_loss_grad_scale,
+)
+from lightning_para.parallel.expert_parallel import apply_expert_parallel
+
+
+def naive_moe(layer: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token, expert by expert: the definition the batched layer must equal."""
+    tokens = x.reshape(-1, layer.dim)
+    probs = (tokens @ layer.router.weight.t()).softmax(-1)
+    top_p, top_i = probs.topk(layer.top_k, -1)
+    gates = top_p / top_p.sum(-1, keepdim=True) if layer.normalize_top_k else top_p
+    ex = layer.experts
+    rows = []
+    for t in range(tokens.shape[0]):
+        acc = layer.shared_expert(tokens[t]) if layer.shared_expert is not None else torch.zeros(layer.dim)
+        for j in range(layer.top_k):
+            if keep is not None and not keep[t, j]:
+                continue
+            e = top_i[t, j]
+            h = tokens[t] @ ex.w1[e]
+            h = F.silu(h) * (tokens[t] @ ex.w3[e]) if ex.w3 is not None else F.gelu(h)
+            acc = acc + gates[t, j] * (h @ ex.w2[e])
+        rows.append(acc)
+    return torch.stack(rows).view_as(x)
+
+
+def naive_aux(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """alpha * E * sum_i f_i P_i per sequence (averaged) + beta * mean logsumexp^2, written out."""
+    b, s, _ = x.shape
+    logits = x @ layer.router.weight.t()
+    probs = logits.softmax(-1)
+    top_i = probs.topk(layer.top_k, -1).indices
+    E, k = layer.num_experts, layer.top_k
+    per_seq = []
+    for i in range(b):
+        f = torch.stack([(top_i[i] == e).sum() for e in range(E)]).float() / (s * k)
+        p = probs[i].mean(0)
+        per_seq.append(E * (f * p).sum())
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    return layer.balance_loss_weight * torch.stack(per_seq).mean() + layer.z_loss_weight * z
+
+
+# ----------------------------------------------------------------------------- formulas
+def test_expert_capacity_formula():
+    assert expert_capacity(10, 4, 1.0, 2) == math.ceil(10 / 4 * 1.0 * 2) == 5
+    assert expert_capacity(8, 4, 1.25, 1) == 3  # ceil(2.5)
+    assert expert_capacity(64, 8, 1.0, 1) == 8
+
+
+def test_capacity_keeps_first_choices_before_second_choices():
+    # Two tokens, k=2, capacity 1: both first choices fit, both second choices find their expert full.
+    keep = capacity_keep_mask(torch.tensor([[1, 0], [0, 1]]), num_experts=2, capacity=1)
+    assert keep.tolist() == [[True, False], [True, False]]
+    # Within one slot, earlier tokens win.
+    keep = capacity_keep_mask(torch.tensor([[0], [0], [0], [1]]), num_experts=2, capacity=2)
+    assert keep.view(-1).tolist() == [True, True, False, True]
+
+
+def test_load_balancing_loss_matches_switch_formula():
+    probs = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.8, 0.2], [0.1, 0.9]])
+    idx = torch.tensor([[0], [0], [0], [1]])
+    f = torch.tensor([3 / 4, 1 / 4])
+    p = probs.mean(0)
+    assert torch.allclose(load_balancing_loss(probs, idx, 2), 2 * (f * p).sum())
+    # Perfectly balanced routing with uniform probabilities gives exactly 1 (so alpha*1 = alpha).
+    uniform = torch.full((4, 2), 0.5)
+    assert torch.allclose(load_balancing_loss(uniform, torch.tensor([[0], [1], [0], [1]]), 2), torch.tensor(1.0))
+    # Groups: each group its own f and P, then the mean.
+    two = load_balancing_loss(probs, idx, 2, groups=2)
+    first = load_balancing_loss(probs[:2], idx[:2], 2)
+    second = load_balancing_loss(probs[2:], idx[2:], 2)
+    assert torch.allclose(two, (first + second) / 2)
+
+
+def test_router_z_loss_formula():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    expected = (torch.logsumexp(logits[0], 0) ** 2 + math.log(3) ** 2) / 2
+    assert torch.allclose(router_z_loss(logits), expected)
+
+
+# ----------------------------------------------------------------------------- the layer
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(top_k=1, activation="gelu"),
+        dict(top_k=2, activation="swiglu"),
+        dict(top_k=2, activation="swiglu", shared_hidden_dim=8),
+        dict(top_k=3, activation="gelu", normalize_top_k=False),
+    ],
+)
+def test_layer_equals_token_by_token_definition_forward_and_backward(kwargs):
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 4, balance_loss_weight=0.1, z_loss_weight=0.01, **kwargs)
+    x = torch.randn(3, 5, 8)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = layer(xa)
+    out.pow(2).sum().backward()  # the aux gradient is attached automatically
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    ref = naive_moe(layer, xb)
+    assert torch.allclose(out, ref, atol=1e-6)
+    (ref.pow(2).sum() + naive_aux(layer, xb)).backward()  # the explicit objective
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_value_and_grad_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(MoE(8, 16, 4, z_loss_weight=0.01), MoE(8, 16, 4))
+    x = torch.randn(2, 6, 8)
+    out = model(x)
+    a0, a1 = naive_aux(model[0], x), naive_aux(model[1], model[0](x).detach())
+    model[0].pop_aux_loss(), model[1].pop_aux_loss()  # drop the extra forward just made
+    out = model(x)
+    value = aux_loss(model)
+    assert not value.requires_grad
+    assert torch.allclose(value, (a0 + a1).detach(), atol=1e-6)
+    assert aux_loss(model).item() == 0.0  # consumed
+    # Two forwards (microbatches) -> each layer contributes its mean.
+    model(x[:1]), model(x[1:])
+    half = naive_aux(model[0], x[:1]) + naive_aux(model[0], x[1:])
+    value = aux_loss(model[0])
+    assert torch.allclose(value, half.detach() / 2, atol=1e-6)
+    # The attached gradient follows `aux_loss_grad_scale` (ParaStrategy: loss scale / accumulation).
+    layer = MoE(8, 16, 4, balance_loss_weight=0.5)
+    for scale in (1.0, 4.0):
+        layer.zero_grad()
+        set_aux_loss_grad_scale(layer, scale)
+        layer(x).sum().backward()
+        g_scaled = layer.router.weight.grad.clone()
+        layer.zero_grad()
+        set_aux_loss_grad_scale(layer, 0.0)
+        layer(x).sum().backward()
+        g_task = layer.router.weight.grad.clone()
+        layer.zero_grad()
+        naive_aux(layer, x).backward()
+        torch.testing.assert_close(g_scaled - g_task, scale * layer.router.weight.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_sequence_scope_is_invariant_to_splitting_the_batch():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    for scope, invariant in (("sequence", True), ("batch", False)):
+        layer = MoE(8, 16, 4, top_k=1, balance_scope=scope)
+        layer(x)
+        whole = layer.pop_stats()["balance_loss"]
+        layer(x[:2]), layer(x[2:])
+        halves = layer.pop_stats()["balance_loss"]  # mean over the two forwards
+        assert math.isclose(whole, halves, rel_tol=1e-6) is invariant
+
+
+def test_capacity_drops_overflow_and_reports_fraction():
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 4, top_k=1, capacity_factor=1.0, shared_hidden_dim=8)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 50.0  # every token with x[0] > 0 picks expert 0
+    x = torch.randn(2, 8, 8)
+    x[..., 0] = x[..., 0].abs() + 0.1
+    out = layer(x)
+    tokens = 16
+    capacity = expert_capacity(tokens, 4, 1.0, 1)  # 4
+    stats = layer.pop_stats()
+    assert stats["tokens_per_expert"].tolist() == [16, 0, 0, 0]
+    assert stats["dropped_fraction"] == pytest.approx((tokens - capacity) / tokens)
+    keep = capacity_keep_mask(torch.zeros(tokens, 1, dtype=torch.long), 4, capacity)
+    assert torch.allclose(out, naive_moe(layer, x, keep), atol=1e-6)
+    # A dropped token gets only the shared expert here; the block's residual carries it on.
+    flat_out, flat_x = out.reshape(-1, 8), x.reshape(-1, 8)
+    assert torch.allclose(flat_out[capacity:], layer.shared_expert(flat_x[capacity:]), atol=1e-6)
+
+
+def test_activation_checkpoint_recompute_is_not_counted_twice():
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 4)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    g_ckpt = layer.router.weight.grad.clone()
+    stats_ckpt = layer.pop_stats()
+    layer.zero_grad()
+    layer(x).sum().backward()
+    assert torch.allclose(g_ckpt, layer.router.weight.grad, atol=1e-7)
+    assert stats_ckpt["tokens_per_expert"].sum() == 2 * 4 * 2  # one forward's assignments, not two
+
+
+def test_eval_forward_records_nothing():
+    layer = MoE(8, 16, 4).eval()
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 8))
+    assert layer.pop_stats() is None and aux_loss(layer).item() == 0.0
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_experts=4, top_k=5), "top_k=5"),
+        (dict(num_experts=4, top_k=0), "top_k=0"),
+        (dict(num_experts=4, capacity_factor=0.0), "capacity_factor=0.0"),
+        (dict(num_experts=4, capacity_factor=-1), "capacity_factor=-1"),
+        (dict(num_experts=0), "num_experts=0"),
+        (dict(num_experts=4, activation="relu"), "activation='relu'"),
+        (dict(num_experts=4, balance_scope="global"), "balance_scope"),
+    ],
+)
+def test_bad_layer_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoE(8, 16, **kwargs)
+
+
+class _Lit(L.LightningModule):
+    def __init__(self, experts: int):
+        super().__init__()
+        self.block = MoE(8, 16, experts) if experts else nn.Linear(8, 8)
+
+
+def test_bad_expert_parallel_layouts():
+    dims = ParallelDims(pp=1, dp=4, tp=1, ep=4, world_size=4)  # no mesh: errors come before any collective
+    with pytest.raises(ValueError, match=r"ep=4.*num_experts=6.*Choose ep in \[1, 2\]"):
+        apply_expert_parallel(_Lit(6), dims)
+    with pytest.raises(ValueError, match="no `lightning_para.moe.MoE`"):
+        apply_expert_parallel(_Lit(0), dims)
+    with pytest.raises(ValueError, match="ep=3.*must divide.*dp=4"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(ValueError, match="ep=4.*must divide.*dp=2"):
+        ParallelConfig(tp=2, ep=4).resolve_dp(4)
