@@ -51,8 +51,11 @@ def optimizer_states_per_element(optimizer: torch.optim.Optimizer) -> Optional[i
 
 
 class _StorageCounter:
+    """Counts bytes once per byte range: a ZeRO master that views its parameter's rows adds
+    nothing, while FSDP2's sharded grads (views into one reduce-scatter buffer) each count."""
+
     def __init__(self) -> None:
-        self._seen: set[int] = set()
+        self._ranges: dict[int, list[tuple[int, int]]] = {}
 
     def add(self, t: Optional[Tensor]) -> int:
         if t is None:
@@ -60,11 +63,14 @@ class _StorageCounter:
         t = local_tensor(t)
         if t.numel() == 0:
             return 0
-        key = t.untyped_storage().data_ptr()
-        if key in self._seen:
-            return 0
-        self._seen.add(key)
-        return t.numel() * t.element_size()
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()  # our tensors are contiguous (or row slices)
+        ranges = self._ranges.setdefault(t.untyped_storage().data_ptr(), [])  # disjoint, merged
+        covered = sum(max(0, min(b, end) - max(a, start)) for a, b in ranges)
+        overlapping = [(a, b) for a, b in ranges if a <= end and b >= start]
+        merged = (min([start] + [a for a, _ in overlapping]), max([end] + [b for _, b in overlapping]))
+        ranges[:] = [r for r in ranges if r not in overlapping] + [merged]
+        return end - start - covered
 
 
 def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer], only_experts: bool = False) -> dict[str, int]:
