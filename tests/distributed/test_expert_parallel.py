@@ -341,3 +341,62 @@ def test_forced_router_with_capacity_drops_and_reports(pools):
         for layer in ("blocks.0.moe", "blocks.1.moe"):
             assert r["metrics"][f"moe/{layer}/dropped_fraction"] == pytest.approx((tokens - capacity) / tokens)
     assert all(math.isfinite(x) for x in with_ep[0]["losses"])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+CKPT_DATA = functools.partial(token_dataset, GLOBAL_BATCH * 5)  # 5 steps per epoch: the resume crosses an epoch
+
+
+def checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from: Optional[str]) -> dict[str, Any]:
+    """Train 10 steps saving a checkpoint at step 5, or resume from ``resume_from`` and train steps 6-10."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_para import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = MODEL()
+    recorder = LossRecorder()
+    callbacks: list[Callback] = [recorder]
+    if resume_from is None:
+        callbacks.append(ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1))
+    trainer = L.Trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=10, callbacks=callbacks,
+        use_distributed_sampler=False, **trainer_kwargs(enable_checkpointing=resume_from is None),
+    )
+    data = ShardedData(CKPT_DATA, GLOBAL_BATCH // strategy.parallel_dims.dp)
+    trainer.fit(module, datamodule=data, ckpt_path=resume_from)
+    params = full_parameters(module)
+    return {
+        "losses": recorder.losses,
+        "dp_rank": strategy.parallel_dims.local_rank("dp"),
+        "params": params if dist.get_rank() == 0 else None,
+    }
+
+
+def test_checkpoint_save_resume_and_consolidate_experts(pools, tmp_path):
+    """ep=2 ZeRO-1 saves expert shards at step 5; resuming (same layout, and ep=1 ZeRO-3) continues the
+    run exactly; consolidation gives the full [E, ...] expert stacks and their optimizer state."""
+    from lightning_para import consolidate_checkpoint
+
+    pool = pools.get(2)
+    saved = pool.run(checkpoint_job, {"ep": 2, "zero": 1}, str(tmp_path), None)
+    path = str(tmp_path / "epoch=0-step=5.ckpt")
+    resumed = pool.run(checkpoint_job, {"ep": 2, "zero": 1}, str(tmp_path), path)
+    resharded = pool.run(checkpoint_job, {"ep": 1, "zero": 3}, str(tmp_path), path)
+    ref = fit_reference(MODEL, CKPT_DATA, GLOBAL_BATCH, 10)
+    assert_losses_close(mean_loss(saved), ref["losses"])
+    for run in (resumed, resharded):
+        assert_losses_close(mean_loss(run), ref["losses"][5:])
+        assert_params_close(run[0]["params"], ref["params"])
+
+    # Consolidation: full expert stacks equal to a run stopped at step 5 (the reference's first 5 steps).
+    at_step5 = fit_reference(MODEL, CKPT_DATA, GLOBAL_BATCH, 5)["params"]
+    full = consolidate_checkpoint(path)
+    for name in ("blocks.0.moe.experts.w1", "blocks.1.moe.experts.w2"):
+        assert full["state_dict"][name].shape[0] == 4  # all experts, from both ep ranks' shards
+        torch.testing.assert_close(full["state_dict"][name], at_step5[name], rtol=1e-5, atol=1e-6)
+    names = [n for n, _ in MODEL().named_parameters()]
+    exp_avg = full["optimizer_states"][0]["state"][names.index("blocks.0.moe.experts.w1")]["exp_avg"]
+    assert tuple(exp_avg.shape) == tuple(at_step5["blocks.0.moe.experts.w1"].shape)
+    assert exp_avg[:2].abs().sum() > 0 and exp_avg[2:].abs().sum() > 0  # both ep ranks' halves written
