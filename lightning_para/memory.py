@@ -51,11 +51,12 @@ def optimizer_states_per_element(optimizer: torch.optim.Optimizer) -> Optional[i
 
 
 class _StorageCounter:
-    """Counts bytes once per byte range: a ZeRO master that views its parameter's rows adds
-    nothing, while FSDP2's sharded grads (views into one reduce-scatter buffer) each count."""
+    """Bytes of each distinct storage, once: a ZeRO master that views its parameter's rows adds
+    nothing, and FSDP2's sharded gradients (views into one reduce-scatter buffer) count that
+    whole buffer, padding included -- what the rank really holds."""
 
     def __init__(self) -> None:
-        self._ranges: dict[int, list[tuple[int, int]]] = {}
+        self._seen: set[int] = set()
 
     def add(self, t: Optional[Tensor]) -> int:
         if t is None:
@@ -63,14 +64,11 @@ class _StorageCounter:
         t = local_tensor(t)
         if t.numel() == 0:
             return 0
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()  # our tensors are contiguous (or row slices)
-        ranges = self._ranges.setdefault(t.untyped_storage().data_ptr(), [])  # disjoint, merged
-        covered = sum(max(0, min(b, end) - max(a, start)) for a, b in ranges)
-        overlapping = [(a, b) for a, b in ranges if a <= end and b >= start]
-        merged = (min([start] + [a for a, _ in overlapping]), max([end] + [b for _, b in overlapping]))
-        ranges[:] = [r for r in ranges if r not in overlapping] + [merged]
-        return end - start - covered
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._seen:
+            return 0
+        self._seen.add(storage.data_ptr())
+        return storage.nbytes()
 
 
 def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer], only_experts: bool = False) -> dict[str, int]:

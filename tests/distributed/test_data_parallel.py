@@ -118,7 +118,7 @@ def _memory_job(zero: int) -> dict:
         if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
             return 0
         seen.add(t.untyped_storage().data_ptr())
-        return t.numel() * t.element_size()
+        return t.untyped_storage().nbytes()  # the whole storage: FSDP2 grads are views into one buffer
 
     params = sum(nbytes(p.data) for p in module.parameters())
     grads = sum(nbytes(p.grad) for p in module.parameters())
