@@ -25,6 +25,7 @@ Auxiliary losses (their gradients are applied automatically; see :func:`aux_loss
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -236,6 +237,7 @@ class MoE(nn.Module):
         # d(training loss)/d(aux loss) in backward; ParaStrategy sets it (loss scale / accumulation).
         self.aux_loss_grad_scale = 1.0
         self.expert_parallel: Optional[ExpertParallelContext] = None  # set by apply_expert_parallel
+        self._recording = True  # see `moe_stats_paused`
         self._reset_stats()
 
     # ------------------------------------------------------------------ forward
@@ -302,8 +304,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, aux: tuple[Tensor, Tensor], indices: Tensor, keep: Optional[Tensor]) -> None:
-        if _in_backward():
-            return  # activation-checkpoint recomputation: this step was already counted
+        if _in_backward() or not self._recording:
+            return  # activation-checkpoint recomputation (already counted), or a forward that is not a step
         balance, z = aux[0].detach().float(), aux[1].detach().float()
         new = {
             "balance_loss": balance,
@@ -411,6 +413,20 @@ def aux_loss(module: nn.Module) -> Tensor:
     return total
 
 
+@contextlib.contextmanager
+def moe_stats_paused(module: nn.Module) -> Iterator[None]:
+    """Forwards inside do not count towards :func:`aux_loss` and the metrics (e.g. a pipeline's shape inference)."""
+    layers = [layer for _, layer in moe_layers(module)]
+    previous = [layer._recording for layer in layers]
+    for layer in layers:
+        layer._recording = False
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer._recording = value
+
+
 def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
     """Set ``d(loss that backward starts from) / d(task loss)`` for the attached aux gradients.
 
@@ -419,6 +435,19 @@ def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
     """
     for _, layer in moe_layers(module):
         layer.aux_loss_grad_scale = float(scale)
+
+
+class MoEAuxLossScale(Callback):
+    """For strategies other than ``ParaStrategy`` (which does this itself): before each backward, set the
+    MoE aux-gradient scale the way Lightning scales the loss (``/ accumulate_grad_batches``, times the
+    ``16-mixed`` GradScaler's scale), so accumulation and fp16 train the routers correctly."""
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
+        scale = 1.0 / trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1.0
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            scale *= float(scaler.get_scale())
+        set_aux_loss_grad_scale(pl_module, scale)
 
 
 class MoEMetrics(Callback):
@@ -447,11 +476,13 @@ class MoEMetrics(Callback):
 __all__ = [
     "MoE",
     "MoEMetrics",
+    "MoEAuxLossScale",
     "TopKRouter",
     "GroupedExperts",
     "FeedForward",
     "aux_loss",
     "moe_layers",
+    "moe_stats_paused",
     "set_aux_loss_grad_scale",
     "expert_capacity",
     "capacity_keep_mask",

@@ -303,15 +303,16 @@ class ParaStrategy(ParallelStrategy):
         copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
         return max((dims.dp * dims.tp * copies) // distinct, 1)
 
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
         self._set_moe_aux_grad_scale()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _set_moe_aux_grad_scale(self) -> None:
         """MoE layers feed their aux-loss gradient in backward themselves (see ``lightning_para.moe``);
-        scale it as Lightning scales the loss: times the 16-mixed loss scale, over the accumulation."""
+        scale it as Lightning scales the loss: times the 16-mixed loss scale, over the accumulation.
+        (Under pp the pipeline runner sets it before its schedule runs backward.)"""
         layers = self._parallel.extras.get("moe_layers") if self._parallel is not None else None
-        if not layers:
+        if not layers or self._parallel.pipeline is not None:
             return
         module = self.lightning_module
         scale = self.precision_plugin.scale if self.precision_plugin.uses_loss_scaling else 1.0

@@ -123,6 +123,7 @@ def fit_reference(
     global_batch: int,
     max_steps: int = 20,
     trainer_overrides: Optional[dict[str, Any]] = None,
+    callbacks: tuple[Callback, ...] = (),
 ) -> dict[str, Any]:
     """In the pytest process: the same training on one device with the global batch."""
     assert "LOCAL_RANK" not in os.environ, "the reference must not run inside a worker"
@@ -130,7 +131,7 @@ def fit_reference(
     module = model_factory()
     recorder = LossRecorder()
     trainer = L.Trainer(
-        devices=1, max_steps=max_steps, callbacks=[recorder], **trainer_kwargs(**(trainer_overrides or {}))
+        devices=1, max_steps=max_steps, callbacks=[recorder, *callbacks], **trainer_kwargs(**(trainer_overrides or {}))
     )
     from torch.utils.data import DataLoader
 

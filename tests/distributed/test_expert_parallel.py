@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_para.moe import MoE, MoEMetrics, aux_loss
+from lightning_para.moe import MoE, MoEAuxLossScale, MoEMetrics, aux_loss
 from tests.comm_counter import CollectiveCounter
 from tests.parity import (
     LossRecorder,
@@ -119,6 +119,18 @@ class TinyMoETransformer(L.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
         return loss + aux_loss(self)  # the aux value; its gradient is applied by the MoE layers
 
+    def configure_pipeline(self):
+        """The pipeline contract (pp > 1): layers in order, batch split, task loss. The MoE aux losses
+        are not part of it: their gradients flow from each stage's MoE layers, and the pipeline adds
+        their values to the reported loss."""
+        from lightning_para import PipelineSpec
+
+        return PipelineSpec(
+            layers=[self.embed, *self.blocks, self.norm, self.head],
+            split_batch=lambda batch: (batch[0], batch[1]),
+            loss_fn=lambda logits, targets: F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)),
+        )
+
     def configure_optimizers(self):
         # eps=1e-6, not 1e-8: Adam's first step is lr*g/(|g|+eps); a gradient element that cancels to
         # ~1e-9 (seen: 5 orders below the median) turns fp32 summation-order noise (ep sums tokens
@@ -198,7 +210,7 @@ def moe_fit_job(
     params = full_parameters(module)
     out: dict[str, Any] = {
         "losses": recorder.losses,
-        "params": params if dist.get_rank() == 0 else None,
+        "params": params,  # every rank: under pp each holds only its stage's layers
         "memory": strategy.memory_breakdown(),
         "dp_rank": dims.local_rank("dp"),
         "expert_local_bytes": sum(
@@ -234,10 +246,17 @@ def reference(factory, steps: int = STEPS, overrides: tuple = ()) -> dict[str, A
     return fit_reference(factory, token_dataset, GLOBAL_BATCH, steps, dict(overrides))
 
 
+def merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        merged.update(r["params"])
+    return merged
+
+
 def check_parity(results, factory, overrides: tuple = ()) -> None:
     ref = reference(factory, STEPS, overrides)
     assert_losses_close(mean_loss(results), ref["losses"])
-    assert_params_close(results[0]["params"], ref["params"])
+    assert_params_close(merged_params(results), ref["params"])
 
 
 def expert_bytes(params: dict[str, torch.Tensor]) -> int:
@@ -280,6 +299,17 @@ def test_ep2_zero_stages_with_clipping(pools, zero):
     overrides = (("gradient_clip_val", 0.5),)
     results = pools.get(2).run(moe_fit_job, MODEL_K1_GELU_SHARED, {"ep": 2, "zero": zero}, overrides=dict(overrides))
     check_parity(results, MODEL_K1_GELU_SHARED, overrides)
+
+
+def test_ep2_gradient_accumulation(pools):
+    """accumulate_grad_batches=2: ParaStrategy scales the attached aux gradient by 1/2 like the loss
+    (the one-device reference gets the same from the MoEAuxLossScale callback)."""
+    overrides = {"accumulate_grad_batches": 2}
+    results = pools.get(2).run(moe_fit_job, MODEL, {"ep": 2, "zero": 1}, max_steps=5, overrides=overrides)
+    ref = fit_reference(MODEL, token_dataset, GLOBAL_BATCH, 5, overrides, callbacks=(MoEAuxLossScale(),))
+    assert len(ref["losses"]) == 10  # micro-steps
+    assert_losses_close(mean_loss(results), ref["losses"])
+    assert_params_close(merged_params(results), ref["params"])
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -334,7 +364,7 @@ def test_forced_router_with_capacity_drops_and_reports(pools):
     with_ep = pool.run(moe_fit_job, FORCED_K1_CAPACITY, {"ep": 2}, metrics=True)
     without_ep = pool.run(moe_fit_job, FORCED_K1_CAPACITY, {"ep": 1}, metrics=True)
     assert_losses_close(mean_loss(with_ep), mean_loss(without_ep))
-    assert_params_close(with_ep[0]["params"], without_ep[0]["params"])
+    assert_params_close(merged_params(with_ep), merged_params(without_ep))
     tokens = GLOBAL_BATCH // 2 * SEQ
     capacity = math.ceil(tokens / 4 * 1.0 * 1)
     for r in with_ep:

@@ -18,6 +18,7 @@ from lightning_para.moe import (
     capacity_keep_mask,
     expert_capacity,
     load_balancing_loss,
+    moe_stats_paused,
     router_z_loss,
     set_aux_loss_grad_scale,
 )
@@ -203,6 +204,15 @@ def test_activation_checkpoint_recompute_is_not_counted_twice():
     layer(x).sum().backward()
     assert torch.allclose(g_ckpt, layer.router.weight.grad, atol=1e-7)
     assert stats_ckpt["tokens_per_expert"].sum() == 2 * 4 * 2  # one forward's assignments, not two
+
+
+def test_paused_forward_records_nothing():
+    layer = MoE(8, 16, 4)
+    with moe_stats_paused(nn.Sequential(layer)):
+        layer(torch.randn(2, 3, 8))  # e.g. a pipeline's shape inference
+    assert layer.pop_stats() is None
+    layer(torch.randn(2, 3, 8))
+    assert layer.pop_stats() is not None
 
 
 def test_eval_forward_records_nothing():
