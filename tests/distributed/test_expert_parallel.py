@@ -119,6 +119,14 @@ class TinyMoETransformer(L.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
         return loss + aux_loss(self)  # the aux value; its gradient is applied by the MoE layers
 
+    def validation_step(self, batch, batch_idx):
+        inputs, targets = batch
+        loss = F.cross_entropy(self(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)  # eval forwards record no aux losses
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
     def configure_pipeline(self):
         """The pipeline contract (pp > 1): layers in order, batch split, task loss. The MoE aux losses
         are not part of it: their gradients flow from each stage's MoE layers, and the pipeline adds
@@ -203,7 +211,7 @@ def moe_fit_job(
         callbacks.append(MoEMetrics(per_expert=True))
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps, callbacks=callbacks,
-        use_distributed_sampler=False, **trainer_kwargs(**(overrides or {})),
+        use_distributed_sampler=False, **trainer_kwargs(**{"limit_val_batches": 0, **(overrides or {})}),
     )
     dims = strategy.parallel_dims
     trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dims.dp))
@@ -312,6 +320,35 @@ def test_ep2_gradient_accumulation(pools):
     assert_params_close(merged_params(results), ref["params"])
 
 
+def evaluate_job(strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from lightning_para import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = MODEL()
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, use_distributed_sampler=False, **trainer_kwargs())
+    data = ShardedData(token_dataset, GLOBAL_BATCH // strategy.parallel_dims.dp)
+    val = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
+    predictions = torch.cat(trainer.predict(module, datamodule=data))
+    return {"val_loss": val, "predictions": predictions, "dp_rank": strategy.parallel_dims.local_rank("dp")}
+
+
+def test_ep2_validate_and_predict(pools):
+    """Forward-only passes (no_grad, eval) dispatch the same way: validation loss and predictions match."""
+    results = pools.get(2).run(evaluate_job, {"ep": 2})
+    L.seed_everything(0, verbose=False)
+    module = MODEL()
+    from torch.utils.data import DataLoader
+
+    trainer = L.Trainer(devices=1, **trainer_kwargs())
+    loader = DataLoader(token_dataset(), batch_size=GLOBAL_BATCH)
+    expected = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+    assert results[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    predictions = torch.cat(trainer.predict(module, loader))
+    for r in results:  # DistributedSampler(shuffle=False) gives dp rank r the samples r, r+2, r+4, ...
+        assert torch.equal(r["predictions"], predictions[r["dp_rank"] :: 2])
+
+
 @pytest.mark.parametrize(
     "precision, rtol",
     [
@@ -407,7 +444,8 @@ def checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from:
         callbacks.append(ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_top_k=-1))
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=strategy, max_steps=10, callbacks=callbacks,
-        use_distributed_sampler=False, **trainer_kwargs(enable_checkpointing=resume_from is None),
+        use_distributed_sampler=False,
+        **trainer_kwargs(enable_checkpointing=resume_from is None, limit_val_batches=0),
     )
     data = ShardedData(CKPT_DATA, GLOBAL_BATCH // strategy.parallel_dims.dp)
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)
