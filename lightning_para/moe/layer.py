@@ -1,81 +1,21 @@
-"""A Mixture-of-Experts feed-forward layer for any transformer block: :class:`MoE`.
-
-``MoE(dim, hidden_dim, num_experts, top_k)`` replaces a block's MLP. Per token it picks
-``top_k`` experts with a softmax router (k=1: Switch Transformer; k=2: GShard / Mixtral),
-runs them as one batched FFN whose weights are stacked ``[num_experts, ...]`` tensors, and
-returns the gate-weighted sum of their outputs (plus an optional always-on shared expert).
-
-Under ``ParaStrategy(ep=e)`` the stacked expert weights are split along dim 0 over the ``ep``
-mesh dimension and tokens travel to their experts' ranks with all-to-all (see
-:mod:`lightning_para.parallel.expert_parallel`). The same module runs unchanged on one device.
-
-Capacity: dropless by default (every routed token is computed, however uneven the load).
-With ``capacity_factor=c`` each expert takes at most ``ceil(tokens / experts * c * k)``
-assignments of this forward's tokens (first choices before second choices, then token
-order; GShard's priority); the rest are dropped, contribute zero here and pass through the
-block's residual connection.
-
-Auxiliary losses (their gradients are applied automatically; see :func:`aux_loss`):
-
-* load balancing ``alpha * E * sum_i f_i * P_i`` (Switch Transformer, Fedus et al. 2021,
-  eq. 4-6), ``f_i`` = fraction of the k*T assignments routed to expert i, ``P_i`` = mean
-  router probability of expert i. Uniform routing gives exactly ``alpha``.
-* router z-loss ``beta * mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022, eq. 5).
-"""
+"""The MoE modules: router, stacked experts, shared expert, and the layer that ties them together."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
+from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 from lightning_para.parallel.expert_parallel import ExpertParallelContext, run_experts_parallel
 
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_SCOPES = ("sequence", "batch")
 
 
-# ----------------------------------------------------------------------------- routing math
-def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, top_k: int) -> int:
-    """Assignments one expert may take: ``ceil(tokens / experts * factor * k)`` (Switch eq. 3, times k)."""
-    return int(math.ceil(num_tokens / num_experts * capacity_factor * top_k))
-
-
-def capacity_keep_mask(indices: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """Which of the ``[T, k]`` assignments fit: per expert, k-slot 0 of all tokens first, then slot 1, ..."""
-    k = indices.shape[1]
-    slot_major = indices.t().reshape(-1)  # priority order: (slot, token)
-    one_hot = F.one_hot(slot_major, num_experts)
-    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # 0-based position inside its expert
-    return (position < capacity).view(k, -1).t()
-
-
-def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int, groups: int = 1) -> Tensor:
-    """``E * sum_i f_i * P_i`` averaged over ``groups`` equal runs of tokens (unweighted by alpha).
-
-    ``probs``: ``[T, E]`` router probabilities; ``indices``: ``[T, k]`` chosen experts. Each
-    group (a sequence, by default) gets its own ``f`` and ``P``; balanced routing gives 1.
-    """
-    tokens, k = indices.shape
-    per_group = tokens // groups
-    counts = F.one_hot(indices, num_experts).view(groups, per_group * k, num_experts).sum(1)
-    f = counts.to(probs.dtype) / (per_group * k)
-    p = probs.view(groups, per_group, num_experts).mean(1)
-    return num_experts * (f * p).sum(-1).mean()
-
-
-def router_z_loss(logits: Tensor) -> Tensor:
-    """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
-    return torch.logsumexp(logits, dim=-1).pow(2).mean()
-
-
-# ----------------------------------------------------------------------------- modules
 class TopKRouter(nn.Module):
     """Token -> expert logits (``[T, E]``, fp32). Not an ``nn.Linear`` on purpose: tensor
     parallel plans shard linears, and the router must stay whole on every rank."""
@@ -383,109 +323,4 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-# ----------------------------------------------------------------------------- helpers for LightningModules
-def moe_layers(module: nn.Module) -> Iterator[tuple[str, MoE]]:
-    """``(name, layer)`` for every :class:`MoE` inside ``module``."""
-    for name, m in module.named_modules():
-        if isinstance(m, MoE):
-            yield name, m
-
-
-def aux_loss(module: nn.Module) -> Tensor:
-    """The auxiliary losses of ``module``'s MoE layers in this step's forwards, as a value.
-
-    Its gradient is **already applied**: every :class:`MoE` attaches ``d aux`` to its output's
-    backward, so calling ``loss.backward()`` on the task loss trains the routers too (also
-    inside pipeline stages, where no single loss sees every layer). Add this value to the loss
-    you return so that logs and checkpoint monitors show the whole objective::
-
-        loss = F.cross_entropy(logits, targets) + aux_loss(self)
-
-    It is detached: adding it cannot count the gradient twice. Sums over layers; each layer
-    contributes the mean over the forwards since the previous call (microbatches).
-    """
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    total = torch.zeros((), device=device)
-    for _, layer in moe_layers(module):
-        value = layer.pop_aux_loss()
-        if value is not None:
-            total = total + value.to(device)
-    return total
-
-
-@contextlib.contextmanager
-def moe_stats_paused(module: nn.Module) -> Iterator[None]:
-    """Forwards inside do not count towards :func:`aux_loss` and the metrics (e.g. a pipeline's shape inference)."""
-    layers = [layer for _, layer in moe_layers(module)]
-    previous = [layer._recording for layer in layers]
-    for layer in layers:
-        layer._recording = False
-    try:
-        yield
-    finally:
-        for layer, value in zip(layers, previous):
-            layer._recording = value
-
-
-def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
-    """Set ``d(loss that backward starts from) / d(task loss)`` for the attached aux gradients.
-
-    ``ParaStrategy`` does this before each backward (loss scale of ``16-mixed`` divided by
-    ``accumulate_grad_batches``). Call it yourself in a custom loop that scales its loss.
-    """
-    for _, layer in moe_layers(module):
-        layer.aux_loss_grad_scale = float(scale)
-
-
-class MoEAuxLossScale(Callback):
-    """For strategies other than ``ParaStrategy`` (which does this itself): before each backward, set the
-    MoE aux-gradient scale the way Lightning scales the loss (``/ accumulate_grad_batches``, times the
-    ``16-mixed`` GradScaler's scale), so accumulation and fp16 train the routers correctly."""
-
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        scale = 1.0 / trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1.0
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            scale *= float(scaler.get_scale())
-        set_aux_loss_grad_scale(pl_module, scale)
-
-
-class MoEMetrics(Callback):
-    """Logs each MoE layer's routing statistics through ``LightningModule.log`` after every training batch.
-
-    Keys: ``moe/<layer>/balance_loss``, ``z_loss``, ``dropped_fraction``, ``load_imbalance`` and,
-    with ``per_expert=True``, ``tokens_expert_<i>`` (assignments this rank routed to expert i).
-    Values are this rank's; ``sync_dist=True`` averages them over all ranks (one all-reduce each).
-    """
-
-    def __init__(self, per_expert: bool = False, sync_dist: bool = False, prefix: str = "moe") -> None:
-        self.per_expert, self.sync_dist, self.prefix = per_expert, sync_dist, prefix
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        for name, layer in moe_layers(pl_module):
-            stats = layer.pop_stats()
-            if stats is None:
-                continue
-            key = f"{self.prefix}/{name}"
-            values = {f"{key}/{s}": float(stats[s]) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")}
-            if self.per_expert:
-                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats["tokens_per_expert"])})
-            pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
-
-
-__all__ = [
-    "MoE",
-    "MoEMetrics",
-    "MoEAuxLossScale",
-    "TopKRouter",
-    "GroupedExperts",
-    "FeedForward",
-    "aux_loss",
-    "moe_layers",
-    "moe_stats_paused",
-    "set_aux_loss_grad_scale",
-    "expert_capacity",
-    "capacity_keep_mask",
-    "load_balancing_loss",
-    "router_z_loss",
-]
+__all__ = ["MoE", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

@@ -1,0 +1,106 @@
+"""What a LightningModule (or a training loop) uses around MoE layers: the aux-loss value, the
+aux-gradient scale, pausing statistics, and the Lightning callbacks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from lightning_para.moe.layer import MoE
+
+
+def moe_layers(module: nn.Module) -> Iterator[tuple[str, MoE]]:
+    """``(name, layer)`` for every :class:`MoE` inside ``module``."""
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            yield name, m
+
+
+def aux_loss(module: nn.Module) -> Tensor:
+    """The auxiliary losses of ``module``'s MoE layers in this step's forwards, as a value.
+
+    Its gradient is **already applied**: every :class:`MoE` attaches ``d aux`` to its output's
+    backward, so calling ``loss.backward()`` on the task loss trains the routers too (also
+    inside pipeline stages, where no single loss sees every layer). Add this value to the loss
+    you return so that logs and checkpoint monitors show the whole objective::
+
+        loss = F.cross_entropy(logits, targets) + aux_loss(self)
+
+    It is detached: adding it cannot count the gradient twice. Sums over layers; each layer
+    contributes the mean over the forwards since the previous call (microbatches).
+    """
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    total = torch.zeros((), device=device)
+    for _, layer in moe_layers(module):
+        value = layer.pop_aux_loss()
+        if value is not None:
+            total = total + value.to(device)
+    return total
+
+
+@contextlib.contextmanager
+def moe_stats_paused(module: nn.Module) -> Iterator[None]:
+    """Forwards inside do not count towards :func:`aux_loss` and the metrics (e.g. a pipeline's shape inference)."""
+    layers = [layer for _, layer in moe_layers(module)]
+    previous = [layer._recording for layer in layers]
+    for layer in layers:
+        layer._recording = False
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer._recording = value
+
+
+def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
+    """Set ``d(loss that backward starts from) / d(task loss)`` for the attached aux gradients.
+
+    ``ParaStrategy`` does this before each backward (loss scale of ``16-mixed`` divided by
+    ``accumulate_grad_batches``). Call it yourself in a custom loop that scales its loss.
+    """
+    for _, layer in moe_layers(module):
+        layer.aux_loss_grad_scale = float(scale)
+
+
+class MoEAuxLossScale(Callback):
+    """For strategies other than ``ParaStrategy`` (which does this itself): before each backward, set the
+    MoE aux-gradient scale the way Lightning scales the loss (``/ accumulate_grad_batches``, times the
+    ``16-mixed`` GradScaler's scale), so accumulation and fp16 train the routers correctly."""
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
+        scale = 1.0 / trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1.0
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            scale *= float(scaler.get_scale())
+        set_aux_loss_grad_scale(pl_module, scale)
+
+
+class MoEMetrics(Callback):
+    """Logs each MoE layer's routing statistics through ``LightningModule.log`` after every training batch.
+
+    Keys: ``moe/<layer>/balance_loss``, ``z_loss``, ``dropped_fraction``, ``load_imbalance`` and,
+    with ``per_expert=True``, ``tokens_expert_<i>`` (assignments this rank routed to expert i).
+    Values are this rank's; ``sync_dist=True`` averages them over all ranks (one all-reduce each).
+    """
+
+    def __init__(self, per_expert: bool = False, sync_dist: bool = False, prefix: str = "moe") -> None:
+        self.per_expert, self.sync_dist, self.prefix = per_expert, sync_dist, prefix
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for name, layer in moe_layers(pl_module):
+            stats = layer.pop_stats()
+            if stats is None:
+                continue
+            key = f"{self.prefix}/{name}"
+            values = {f"{key}/{s}": float(stats[s]) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")}
+            if self.per_expert:
+                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats["tokens_per_expert"])})
+            pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
+
+
+__all__ = ["moe_layers", "aux_loss", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]

@@ -1,0 +1,45 @@
+"""Routing math of the MoE layer (no modules, no communication): capacity and auxiliary losses."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, top_k: int) -> int:
+    """Assignments one expert may take: ``ceil(tokens / experts * factor * k)`` (Switch eq. 3, times k)."""
+    return int(math.ceil(num_tokens / num_experts * capacity_factor * top_k))
+
+
+def capacity_keep_mask(indices: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """Which of the ``[T, k]`` assignments fit: per expert, k-slot 0 of all tokens first, then slot 1, ..."""
+    k = indices.shape[1]
+    slot_major = indices.t().reshape(-1)  # priority order: (slot, token)
+    one_hot = F.one_hot(slot_major, num_experts)
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # 0-based position inside its expert
+    return (position < capacity).view(k, -1).t()
+
+
+def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int, groups: int = 1) -> Tensor:
+    """``E * sum_i f_i * P_i`` averaged over ``groups`` equal runs of tokens (unweighted by alpha).
+
+    ``probs``: ``[T, E]`` router probabilities; ``indices``: ``[T, k]`` chosen experts. Each
+    group (a sequence, by default) gets its own ``f`` and ``P``; balanced routing gives 1.
+    """
+    tokens, k = indices.shape
+    per_group = tokens // groups
+    counts = F.one_hot(indices, num_experts).view(groups, per_group * k, num_experts).sum(1)
+    f = counts.to(probs.dtype) / (per_group * k)
+    p = probs.view(groups, per_group, num_experts).mean(1)
+    return num_experts * (f * p).sum(-1).mean()
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+__all__ = ["expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss"]
