@@ -67,7 +67,7 @@ class ParaStrategy(ParallelStrategy):
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
         activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
         schedule: pipeline schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...).
-        microbatches: microbatches per pipeline step (default: ``pp``).
+        microbatches: microbatches per pipeline step (default: ``pp * virtual_stages``, one per stage).
         virtual_stages: stages per pipeline rank for interleaved schedules.
         pipeline_split: explicit layer indices where stages start (instead of balancing).
         pipeline_balance: ``"params"`` (default) or ``"time"`` (measured per layer).
@@ -230,8 +230,9 @@ class ParaStrategy(ParallelStrategy):
         precision.device_type = self.root_device.type
         existing: Optional[ParallelModel] = getattr(module, "_para_parallel", None)
         if existing is None:
-            _materialize_distributed_module(module, self.root_device)
-            module.to(self.root_device)
+            if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
+                _materialize_distributed_module(module, self.root_device)
+                module.to(self.root_device)
             self._parallel = parallelize(module, self.parallel_dims, self.config, precision)
             object.__setattr__(module, "_para_parallel", self._parallel)
         else:
@@ -337,6 +338,20 @@ class ParaStrategy(ParallelStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        if pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule already ran forward and backward over every microbatch inside
+        # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
+        # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
+        self.pre_backward(closure_loss)
+        self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        pipeline.finish_backward(self._parallel.zero)
+        self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
