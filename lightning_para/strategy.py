@@ -431,7 +431,11 @@ class ParaStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.optimizer_state_dict(optimizer, self._optim_views())
+        state = ckpt.optimizer_state_dict(optimizer, self._optim_views())
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        if pipeline is not None:  # each stage's optimizer names only its own parameters
+            state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
+        return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by `load_checkpoint`
@@ -474,6 +478,8 @@ class ParaStrategy(ParallelStrategy):
         if not path.is_file():
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if self._parallel is not None and self._parallel.pipeline is not None:
+            self._parallel.pipeline.check_full_checkpoint(checkpoint, bool(self.optimizers))
         ckpt.load_full_checkpoint_into(
             checkpoint, module, self._raw_optimizers(), self._optim_views(), zero, strict=module.strict_loading
         )

@@ -562,6 +562,43 @@ class PipelineRunner:
             result.update(history[-1])
         return result
 
+    # ---------------------------------------------------------------- checkpoints
+    def merge_param_group_names(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Optimizer param groups with the parameter names of *every* stage, in layer order.
+
+        Each rank's optimizer holds only its stages' parameters; a checkpoint's groups must name
+        the whole model's so consolidation numbers all of them (collective over ``pp``).
+        """
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, [list(g["params"]) for g in groups], group=self.group)
+        by_length = sorted(enumerate(self.layer_names), key=lambda item: -len(item[1]))
+
+        def layer_index(name: str) -> int:
+            return next((i for i, layer in by_length if name == layer or name.startswith(layer + ".")), -1)
+
+        merged = []
+        for gi, group in enumerate(groups):
+            names: list[str] = []
+            for per_rank in gathered:
+                names.extend(n for n in per_rank[gi] if n not in names)
+            merged.append({**group, "params": sorted(names, key=layer_index)})  # stable: keeps in-layer order
+        return merged
+
+    def check_full_checkpoint(self, checkpoint: dict[str, Any], has_optimizers: bool) -> None:
+        """Keep a single-file checkpoint's weights of this rank's stages; refuse its optimizer state."""
+        if has_optimizers and checkpoint.get("optimizer_states"):
+            raise ValueError(
+                "Resuming a pipeline-parallel run needs a sharded checkpoint directory (the default"
+                " `save_distributed_checkpoint=True`): a single-file checkpoint numbers optimizer state over the"
+                " whole model, and no pipeline rank holds the whole model to map those numbers to parameters."
+            )
+        held = {name for m in self.stage_modules for name, _ in m.named_parameters()}
+        others = set(self.layer_names) - {n for m in self.stage_modules for n in m.layer_names}
+        state = checkpoint["state_dict"]
+        for key in list(state):
+            if key not in held and any(key.startswith(layer + ".") for layer in others):
+                del state[key]
+
     def grad_copies(self, param: Tensor) -> int:
         """On how many pipeline ranks a parameter's gradient lives: always one (tied weights across stages are rejected)."""
         return 1

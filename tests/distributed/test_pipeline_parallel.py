@@ -220,3 +220,82 @@ def test_batch_not_divisible_by_microbatches_raises_everywhere(pools):
         pools.get(2).run(_bad_batch_job, keep_alive_on_error=True, timeout=120)
     assert len(info.value.errors) == 2 and not info.value.pending  # every rank raised, none hung
     assert all("microbatches=4" in tb and "ValueError" in tb for tb in info.value.errors.values())
+
+
+def _no_contract_job() -> None:
+    from tests.models import RegressionNet, regression_dataset
+
+    from lightning_para import ParaStrategy
+
+    trainer = L.Trainer(devices=2, strategy=ParaStrategy(pp=2), max_steps=1, **trainer_kwargs())
+    trainer.fit(RegressionNet(), datamodule=ShardedData(regression_dataset, 8))
+
+
+def test_module_without_contract_raises_on_every_rank(pools):
+    with pytest.raises(WorkerError) as info:
+        pools.get(2).run(_no_contract_job, keep_alive_on_error=True, timeout=120)
+    assert len(info.value.errors) == 2 and not info.value.pending
+    assert all("configure_pipeline" in tb and "ValueError" in tb for tb in info.value.errors.values())
+
+
+def test_pp4_matches_single_device(pools):
+    results = pools.get(4).run(pp_job, {"pp": 4, "microbatches": 4, "schedule": "1f1b"}, PLAIN)
+    assert sorted(r["stats"]["stages"][0] for r in results) == [0, 1, 2, 3]
+    assert_matches_reference(results, "plain")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+EPOCH = {"limit_train_batches": 5}  # 5 steps per epoch: a checkpoint at an epoch end resumes exactly
+
+
+def _checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from: Optional[str]) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_para import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = TinyTokenModel()
+    recorder = LossRecorder()
+    # monitor= works because every rank logs the last stage's train_loss.
+    saver = ModelCheckpoint(dirpath=directory, monitor="train_loss", save_on_train_epoch_end=True, save_top_k=1)
+    trainer = L.Trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_epochs=1 if resume_from is None else 2,
+        callbacks=[recorder, saver], use_distributed_sampler=False,
+        **trainer_kwargs(enable_checkpointing=True, **EPOCH),
+    )
+    dp = strategy.config.resolve_dp(dist.get_world_size())
+    trainer.fit(module, datamodule=ShardedData(token_dataset, BATCH // dp), ckpt_path=resume_from)
+    return {"losses": recorder.losses, "params": full_parameters(module), "best": saver.best_model_path}
+
+
+def test_pp2_checkpoint_resumes_in_pp1_on_the_single_device_trajectory(pools, tmp_path):
+    """Train 5 steps at pp=2, save (sharded, by ModelCheckpoint on train_loss), resume at pp=1 x dp=2 ZeRO-1."""
+    pool = pools.get(2)
+    first = pool.run(_checkpoint_job, {"pp": 2, "microbatches": 4}, str(tmp_path), None)
+    best = first[0]["best"]
+    assert best and all(r["best"] == best for r in first)
+    second = pool.run(_checkpoint_job, {"dp": 2, "zero": 1}, str(tmp_path / "resumed"), best)
+    ref = fit_reference(TinyTokenModel, token_dataset, BATCH, 10, EPOCH)
+    assert_losses_close(first[0]["losses"], ref["losses"][:5])
+    mean = [(a + b) / 2 for a, b in zip(second[0]["losses"], second[1]["losses"])]
+    assert_losses_close(mean, ref["losses"][5:])
+    assert_params_close(second[0]["params"], ref["params"])
+
+
+def test_pp2_single_file_checkpoint_resumes_in_plain_lightning(pools, tmp_path):
+    """A consolidated checkpoint from pp=2 is an ordinary Lightning checkpoint of the whole model."""
+    first = pools.get(2).run(_checkpoint_job, {"pp": 2, "microbatches": 4, "save_distributed_checkpoint": False}, str(tmp_path), None)
+    checkpoint = torch.load(first[0]["best"], weights_only=False)
+    full = TinyTokenModel()
+    assert set(checkpoint["state_dict"]) == set(full.state_dict())
+    assert sum(len(g["params"]) for g in checkpoint["optimizer_states"][0]["param_groups"]) == len(list(full.parameters()))
+    L.seed_everything(0, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, max_epochs=2, callbacks=[recorder], **trainer_kwargs(**EPOCH))
+    from torch.utils.data import DataLoader
+
+    trainer.fit(full, DataLoader(token_dataset(), batch_size=BATCH), ckpt_path=first[0]["best"])
+    ref = fit_reference(TinyTokenModel, token_dataset, BATCH, 10, EPOCH)
+    assert_losses_close(recorder.losses, ref["losses"][5:])
+    assert_params_close(full_parameters(full), ref["params"])
