@@ -19,7 +19,7 @@ checkpoints stay layout-independent: a pp=2 checkpoint loads into pp=1 and back.
 
 :class:`PipelineRunner` then replaces ``training_step``/``validation_step``/``test_step``/
 ``predict_step``: it runs torch's schedule over the microbatches (forward *and* backward when
-training), returns the mean loss on every rank of the pipeline (broadcast from the last
+training), returns the mean loss on every rank of the pipeline (all-reduced from the last
 stage) and logs it as ``train_loss``/``val_loss``/``test_loss``.
 """
 
@@ -406,14 +406,16 @@ class PipelineRunner:
             schedule.step(
                 *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
             )
-            wall = self.recorder.end_step()
+        # The loss all-reduce ends the step on every pipeline rank at once, so each rank's idle
+        # time includes waiting for the slowest stage to drain: the bubble of the papers' formulas.
+        loss = self._share_from_last(self._mean(self._raw_losses))
+        wall = self.recorder.end_step()
         # Set this step's gradients aside: Lightning calls zero_grad between training_step and
         # backward; `finish_backward` adds them to `.grad` afterwards.
         self._pending_grads = [p.grad for p in params]
         for p, g in zip(params, previous):
             p.grad = g
         self._record_step(wall, meter)
-        loss = self._broadcast_from_last(self._mean(self._raw_losses))
         self._log(module, "train", loss, prog_bar=True)
         if trainer is not None:
             module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
@@ -443,7 +445,7 @@ class PipelineRunner:
             loss = self._mean(losses)
         else:
             loss = self._mean([])
-        loss = self._broadcast_from_last(loss)
+        loss = self._share_from_last(loss)
         self._log(module, prefix, loss, sync_dist=True)
         return loss
 
@@ -511,9 +513,12 @@ class PipelineRunner:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         return torch.stack([loss.float() for loss in losses]).mean()
 
-    def _broadcast_from_last(self, loss: Tensor) -> Tensor:
-        loss = loss.detach().to(device=self.device, dtype=torch.float32).contiguous()
-        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
+    def _share_from_last(self, loss: Tensor) -> Tensor:
+        """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
+        loss = loss.detach().to(device=self.device, dtype=torch.float32).clone()
+        if not self.has_last:
+            loss.zero_()
+        dist.all_reduce(loss, group=self.group)
         return loss
 
     def _log(self, module: Any, prefix: str, loss: Tensor, **kwargs: Any) -> None:
@@ -539,8 +544,9 @@ class PipelineRunner:
     def stats(self) -> dict[str, Any]:
         """This rank's pipeline layout and its last training step's busy/idle time and action events.
 
-        ``idle_time_s = step_time_s - busy_time_s`` (waiting on sends/receives and the
-        schedule's own bookkeeping); ``mean_idle_fraction`` averages the recorded steps after
+        ``idle_time_s = step_time_s - busy_time_s``: waiting on sends/receives (and the
+        schedule's own bookkeeping), up to the loss all-reduce that ends the step on all pipeline
+        ranks together -- so it is the bubble the formulas describe; ``mean_idle_fraction`` averages the recorded steps after
         the first (which also infers shapes). ``events`` is described in
         :class:`~lightning_para.parallel.pipeline_schedules.StepRecorder`.
         """
