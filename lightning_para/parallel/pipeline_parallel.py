@@ -401,7 +401,7 @@ class PipelineRunner:
         zero = strategy._parallel.zero if strategy._parallel is not None else None
         meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
         # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
-        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter:
+        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter, self._stage_contexts(backward=True):
             self.recorder.start_step()
             schedule.step(
                 *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
@@ -441,7 +441,8 @@ class PipelineRunner:
         last = self._run_forward_only(inputs)
         if last is not None:
             chunks = targets.tensor_split(self.microbatches)
-            losses = [self.spec.loss_fn(out, tgt).detach() for out, tgt in zip(last.output_chunks, chunks)]
+            with self._stage_contexts(backward=False):
+                losses = [self.spec.loss_fn(out, tgt).detach() for out, tgt in zip(last.output_chunks, chunks)]
             loss = self._mean(losses)
         else:
             loss = self._mean([])
@@ -452,7 +453,7 @@ class PipelineRunner:
     def _predict_step(self, batch: Any) -> Any:
         inputs, _ = self._split(batch)
         last = self._run_forward_only(inputs)
-        outputs = torch.cat(last.output_chunks) if last is not None else None
+        outputs = torch.cat([_plain(o) for o in last.output_chunks]) if last is not None else None
         box = [outputs]
         dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
         return box[0]
@@ -460,8 +461,22 @@ class PipelineRunner:
     def _run_forward_only(self, inputs: tuple[Tensor, ...]) -> Optional[Any]:
         schedule = self._schedule_for("eval", inputs)
         self._eval_recorder.start_step()
-        schedule.step(*(inputs if self.has_first else ()), return_outputs=self.has_last)
+        with self._stage_contexts(backward=False):
+            schedule.step(*(inputs if self.has_first else ()), return_outputs=self.has_last)
         return next((s for s in schedule._stages if s.is_last), None)
+
+    def _stage_contexts(self, backward: bool) -> contextlib.ExitStack:
+        """Each stage's tensor-parallel step contexts (loss parallel on vocab-sharded logits)."""
+        stack = contextlib.ExitStack()
+        try:
+            from lightning_para.parallel import tensor_parallel
+        except ImportError:  # a build without tensor parallelism
+            return stack
+        for m in self.stage_modules:
+            stack.enter_context(tensor_parallel.step_context(m))
+            if backward:
+                stack.enter_context(tensor_parallel.backward_context(m))
+        return stack
 
     # ---------------------------------------------------------------- helpers
     def _split(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
@@ -497,7 +512,7 @@ class PipelineRunner:
             return self.spec.loss_fn(outputs, targets) * self._loss_factor
         with self.recorder.action(self.num_stages - 1, len(self._raw_losses), "L"):
             loss = self.spec.loss_fn(outputs, targets)
-            self._raw_losses.append(loss.detach())
+            self._raw_losses.append(_plain(loss.detach()))
             return loss * self._loss_factor
 
     def _trainable_params(self) -> list[nn.Parameter]:
@@ -511,7 +526,7 @@ class PipelineRunner:
     def _mean(self, losses: list[Tensor]) -> Tensor:
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return torch.stack([loss.float() for loss in losses]).mean()
+        return torch.stack([_plain(loss).float() for loss in losses]).mean()
 
     def _share_from_last(self, loss: Tensor) -> Tensor:
         """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
@@ -608,6 +623,13 @@ class PipelineRunner:
     def grad_copies(self, param: Tensor) -> int:
         """On how many pipeline ranks a parameter's gradient lives: always one (tied weights across stages are rejected)."""
         return 1
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A full plain tensor (a DTensor loss or logits under tensor parallelism is gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 __all__ = [
