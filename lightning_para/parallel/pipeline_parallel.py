@@ -401,7 +401,7 @@ class PipelineRunner:
         zero = strategy._parallel.zero if strategy._parallel is not None else None
         meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
         # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
-        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter, self._stage_contexts(backward=True):
+        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter, self._step_contexts():
             self.recorder.start_step()
             schedule.step(
                 *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
@@ -441,7 +441,7 @@ class PipelineRunner:
         last = self._run_forward_only(inputs)
         if last is not None:
             chunks = targets.tensor_split(self.microbatches)
-            with self._stage_contexts(backward=False):
+            with self._step_contexts():
                 losses = [self.spec.loss_fn(out, tgt).detach() for out, tgt in zip(last.output_chunks, chunks)]
             loss = self._mean(losses)
         else:
@@ -461,22 +461,25 @@ class PipelineRunner:
     def _run_forward_only(self, inputs: tuple[Tensor, ...]) -> Optional[Any]:
         schedule = self._schedule_for("eval", inputs)
         self._eval_recorder.start_step()
-        with self._stage_contexts(backward=False):
+        with self._step_contexts():
             schedule.step(*(inputs if self.has_first else ()), return_outputs=self.has_last)
         return next((s for s in schedule._stages if s.is_last), None)
 
-    def _stage_contexts(self, backward: bool) -> contextlib.ExitStack:
-        """Each stage's tensor-parallel step contexts (loss parallel on vocab-sharded logits)."""
+    def _step_contexts(self) -> contextlib.ExitStack:
+        """Each stage's tensor-parallel step context (loss parallel on vocab-sharded logits)."""
         stack = contextlib.ExitStack()
-        try:
-            from lightning_para.parallel import tensor_parallel
-        except ImportError:  # a build without tensor parallelism
-            return stack
+        tensor_parallel = _tensor_parallel()
         for m in self.stage_modules:
-            stack.enter_context(tensor_parallel.step_context(m))
-            if backward:
-                stack.enter_context(tensor_parallel.backward_context(m))
+            if tensor_parallel is not None:
+                stack.enter_context(tensor_parallel.step_context(m))
         return stack
+
+    @staticmethod
+    def _backward_context(module: nn.Module) -> Callable[[], Any]:
+        tensor_parallel = _tensor_parallel()
+        if tensor_parallel is None:
+            return contextlib.nullcontext
+        return lambda: tensor_parallel.backward_context(module)
 
     # ---------------------------------------------------------------- helpers
     def _split(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
@@ -498,7 +501,10 @@ class PipelineRunner:
             return self._schedules[key]
         recorder = self.recorder if mode == "train" else self._eval_recorder
         stages = [
-            TimedPipelineStage(m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder)
+            TimedPipelineStage(
+                m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder,
+                backward_context=self._backward_context(m),
+            )
             for m in self.stage_modules
         ]
         loss_fn = self._scaled_loss if mode == "train" else None
@@ -623,6 +629,14 @@ class PipelineRunner:
     def grad_copies(self, param: Tensor) -> int:
         """On how many pipeline ranks a parameter's gradient lives: always one (tied weights across stages are rejected)."""
         return 1
+
+
+def _tensor_parallel() -> Any:
+    try:
+        from lightning_para.parallel import tensor_parallel
+    except ImportError:  # a build without tensor parallelism
+        return None
+    return tensor_parallel
 
 
 def _plain(t: Tensor) -> Tensor:

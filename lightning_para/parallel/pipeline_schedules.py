@@ -307,9 +307,14 @@ class StepRecorder:
 class TimedPipelineStage(PipelineStage):
     """torch's ``PipelineStage`` with each forward/backward action timed by a :class:`StepRecorder`."""
 
-    def __init__(self, *args: Any, recorder: StepRecorder, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, recorder: StepRecorder, backward_context: Callable[[], Any] = contextlib.nullcontext, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.recorder = recorder
+        # Entered around each backward action (e.g. loss parallel's custom ops): a context held
+        # over the whole schedule would be switched off by the forwards in between.
+        self.backward_context = backward_context
 
     # Shape inference (first step per input shape) runs a real forward, loss and input-grad
     # backward; the recorder marks it so the loss wrapper does not count that loss.
@@ -318,7 +323,7 @@ class TimedPipelineStage(PipelineStage):
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any):
-        with self.recorder.inferring_shapes():
+        with self.recorder.inferring_shapes(), self.backward_context():
             return super()._prepare_backward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
@@ -326,11 +331,11 @@ class TimedPipelineStage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        with self.recorder.action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"):
+        with self.recorder.action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"), self.backward_context():
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        with self.recorder.action(self.stage_index, bwd_chunk_id, "W"):
+        with self.recorder.action(self.stage_index, bwd_chunk_id, "W"), self.backward_context():
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
