@@ -89,16 +89,17 @@ class PipelineStageModule(nn.Module):
     module later (activation checkpointing) take effect.
     """
 
-    def __init__(self, stage_index: int, named_layers: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, stage_index: int, named_layers: Sequence[tuple[str, nn.Module]], source: nn.Module) -> None:
         super().__init__()
         self.stage_index = stage_index
         self.layer_names = [name for name, _ in named_layers]
         for name, layer in named_layers:
             parent: nn.Module = self
             *path, leaf = name.split(".")
-            for part in path:
+            for depth, part in enumerate(path):
                 if part not in parent._modules:
-                    parent.add_module(part, nn.Module())
+                    original = source.get_submodule(".".join(path[: depth + 1]))
+                    parent.add_module(part, _empty_like_container(original))
                 parent = parent._modules[part]
             parent.add_module(leaf, layer)
 
@@ -108,6 +109,15 @@ class PipelineStageModule(nn.Module):
             layer = self.get_submodule(name)
             x = layer(*x) if isinstance(x, tuple) else layer(x)
         return x
+
+
+def _empty_like_container(module: nn.Module) -> nn.Module:
+    """An empty container of the same kind: block lists stay ``nn.ModuleList`` (activation
+    checkpointing and tensor-parallel plans look for them); anything else is a plain holder."""
+    for kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict):
+        if isinstance(module, kind):
+            return kind()
+    return nn.Module()
 
 
 class _DroppedLayer(nn.Module):
@@ -303,7 +313,7 @@ def apply_pipeline_parallel(module: nn.Module, dims: ParallelDims, config: Paral
     _materialize_distributed_module(module, device)  # only this rank's layers are left to build
     module.to(device)
     stage_modules = [
-        PipelineStageModule(s, [named[i] for i in range(len(named)) if stage_of_layer[i] == s]) for s in own
+        PipelineStageModule(s, [named[i] for i in range(len(named)) if stage_of_layer[i] == s], module) for s in own
     ]
     return PipelineRunner(
         spec=spec, dims=dims, schedule=config.schedule, microbatches=microbatches,
@@ -466,12 +476,12 @@ class PipelineRunner:
         return next((s for s in schedule._stages if s.is_last), None)
 
     def _step_contexts(self) -> contextlib.ExitStack:
-        """Each stage's tensor-parallel step context (loss parallel on vocab-sharded logits)."""
+        """The tensor-parallel step context (loss parallel on vocab-sharded logits), entered once:
+        its torch-function mode must not nest, and only the last stage computes a loss."""
         stack = contextlib.ExitStack()
         tensor_parallel = _tensor_parallel()
-        for m in self.stage_modules:
-            if tensor_parallel is not None:
-                stack.enter_context(tensor_parallel.step_context(m))
+        if tensor_parallel is not None:
+            stack.enter_context(tensor_parallel.step_context(self.stage_modules[-1]))
         return stack
 
     @staticmethod

@@ -237,8 +237,9 @@ def test_layer_listed_twice_is_rejected():
 def test_stage_module_keeps_names_and_runs_layers_in_order():
     model = TinyTokenModel()
     named = named_layers_of(model, model.configure_pipeline().layers)
-    stage = PipelineStageModule(0, named[:3])
+    stage = PipelineStageModule(0, named[:3], model)
     assert [n for n, _ in stage.named_parameters()] == [n for n, _ in model.named_parameters()][: len(list(stage.parameters()))]
+    assert isinstance(stage.blocks, nn.ModuleList)  # block lists stay lists (activation checkpointing finds them)
     tokens = torch.randint(0, 48, (2, 8))
     expected = model.blocks[1](model.blocks[0](model.embed(tokens)))
     torch.testing.assert_close(stage(tokens), expected)
