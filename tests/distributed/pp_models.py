@@ -23,6 +23,9 @@ class ResidualMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
+    def tensor_parallel_plan(self) -> dict[str, str]:  # read under tp > 1 only
+        return {"up": "colwise", "down": "rowwise"}
+
 
 class Head(nn.Module):
     def __init__(self, dim: int, vocab: int) -> None:
@@ -32,6 +35,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(x))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:  # read under tp > 1 only
+        return {"proj": "lm_head"}
 
 
 class TinyTokenModel(L.LightningModule):
@@ -43,6 +49,7 @@ class TinyTokenModel(L.LightningModule):
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(ResidualMLP(DIM) for _ in range(depth))
         self.head = Head(DIM, VOCAB)
+        self.example_input_array = torch.zeros(4, SEQ, dtype=torch.long)  # for pipeline_balance="time"
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

@@ -24,8 +24,8 @@ from lightning_para.parallel.pipeline_parallel import (
     named_layers_of,
     pipeline_spec_of,
 )
+from lightning_para.parallel.pipeline_measure import SavedActivationMeter
 from lightning_para.parallel.pipeline_schedules import (
-    SavedActivationMeter,
     expected_bubble,
     schedule_action_order,
     stage_to_rank,
