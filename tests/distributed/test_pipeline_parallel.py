@@ -172,8 +172,14 @@ def test_pp2_other_torch_schedules_match_single_device(pools, layout):
 
 
 def test_pp2_explicit_split_eval_and_predict(pools):
-    """Explicit stage starts; validate/test/predict run a forward-only pipeline on every rank."""
-    results = pools.get(2).run(pp_job, {"pp": 2, "microbatches": 4, "pipeline_split": [2]}, PLAIN, evaluate=True)
+    """Explicit stage starts; validate/test/predict run a forward-only pipeline on every rank.
+
+    Validation also runs during fit (sanity check, then after step 5) and must not disturb training.
+    """
+    during_fit = {"num_sanity_val_steps": 2, "val_check_interval": 5, "limit_val_batches": 2}
+    results = pools.get(2).run(
+        pp_job, {"pp": 2, "microbatches": 4, "pipeline_split": [2]}, during_fit, evaluate=True
+    )
     assert results[0]["stats"]["stage_layers"] == {0: ["embed", "blocks.0"]}
     assert results[1]["stats"]["stage_layers"] == {1: ["blocks.1", "blocks.2", "blocks.3", "head"]}
     assert_matches_reference(results, "plain")
@@ -184,10 +190,9 @@ def test_pp2_explicit_split_eval_and_predict(pools):
         logits = model(tokens)
         # Mean over batches of BATCH samples (Lightning's epoch mean of per-batch val losses).
         per_batch = [TinyTokenModel.loss(lg, tg) for lg, tg in zip(logits.split(BATCH), targets.split(BATCH))]
-        expected = torch.stack(per_batch).mean().item()
     for r in results:
-        assert r["val"] == pytest.approx(expected, rel=1e-5)
-        assert r["test"] == pytest.approx(expected, rel=1e-5)
+        assert r["val"] == pytest.approx(torch.stack(per_batch[:2]).mean().item(), rel=1e-5)  # limit_val_batches=2
+        assert r["test"] == pytest.approx(torch.stack(per_batch).mean().item(), rel=1e-5)
         torch.testing.assert_close(r["predictions"], logits, rtol=1e-5, atol=1e-5)
 
 
