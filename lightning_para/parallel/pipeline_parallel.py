@@ -77,6 +77,10 @@ class PipelineSpec:
     log_name: Optional[str] = "loss"
 
 
+# The LightningModule keeps its `training_step` (what pp=1 runs, and Lightning requires one);
+# under pp>1 the pipeline runs instead of it and of validation/test/predict_step.
+
+
 class PipelineStageModule(nn.Module):
     """The layers of one stage under their original names (``blocks.3`` stays ``blocks.3``).
 
@@ -310,6 +314,10 @@ def apply_pipeline_parallel(module: nn.Module, dims: ParallelDims, config: Paral
             _drop_layer(module, name, stage)
     _materialize_distributed_module(module, device)  # only this rank's layers are left to build
     module.to(device)
+    if getattr(module, "example_input_array", None) is not None:
+        # No rank can run the whole module's forward now; Lightning's model summary (rank 0 only)
+        # would try it with this input, raise, and leave the other ranks waiting.
+        module.example_input_array = None
     stage_modules = [
         PipelineStageModule(s, [named[i] for i in range(len(named)) if stage_of_layer[i] == s], module) for s in own
     ]

@@ -103,7 +103,8 @@ class PipelineRunner:
         loss = self._share_from_last(self._mean(self._raw_losses))
         wall = self.recorder.end_step()
         # Set this step's gradients aside: Lightning calls zero_grad between training_step and
-        # backward; `finish_backward` adds them to `.grad` afterwards.
+        # backward; `finish_backward` adds them to `.grad` afterwards. (Under ZeRO-0 the previous
+        # step's gradients stay alive during the schedule, as Lightning's semantics need.)
         self._pending_grads = [p.grad for p in params]
         for p, g in zip(params, previous):
             p.grad = g
@@ -258,10 +259,10 @@ class PipelineRunner:
         """This rank's pipeline layout and its last training step's busy/idle time and action events.
 
         ``idle_time_s = step_time_s - busy_time_s``: waiting on sends/receives (and the
-        schedule's own bookkeeping), up to the loss all-reduce that ends the step on all pipeline
-        ranks together -- so it is the bubble the formulas describe; ``mean_idle_fraction`` averages the recorded steps after
-        the first (which also infers shapes). ``events`` is described in
-        :class:`~lightning_para.parallel.pipeline_schedules.StepRecorder`.
+        schedule's own bookkeeping) up to the loss all-reduce, which ends the step on all
+        pipeline ranks together -- so it is the bubble the formulas describe.
+        ``mean_idle_fraction`` averages the recorded steps after the first (which also infers
+        shapes). ``events`` is described in :class:`~lightning_para.parallel.pipeline_measure.StepRecorder`.
         """
         history = self._history
         warm = history[1:] if len(history) > 1 else history
