@@ -42,9 +42,12 @@ class LoggedLoss(Callback):
 
     def __init__(self) -> None:
         self.values: list[float] = []
+        self.idle: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.values.append(float(trainer.callback_metrics["train_loss"]))
+        if "pipeline/idle_fraction" in trainer.callback_metrics:
+            self.idle.append(float(trainer.callback_metrics["pipeline/idle_fraction"]))
 
 
 class GradNorms(Callback):
@@ -95,6 +98,7 @@ def pp_job(
         "rank": dist.get_rank(),
         "losses": recorder.losses,
         "logged": logged.values,
+        "logged_idle": logged.idle,
         "params": full_parameters(module),  # this rank's stages only, under their original names
         "stats": strategy.pipeline_stats() if pipeline else None,
         "scale": strategy.precision_plugin.scale,
@@ -162,6 +166,10 @@ def test_pp2_schedules_match_single_device(pools, layout, variant):
     for r in results:
         ran = [f"{e['stage']}{e['action']}{e['microbatch']}" for e in r["stats"]["events"] if e["action"] != "L"]
         assert ran == order[r["stats"]["pp_rank"]]
+        # Busy + idle = step; the idle fraction is logged every step.
+        stats = r["stats"]
+        assert stats["busy_time_s"] + stats["idle_time_s"] == pytest.approx(stats["step_time_s"])
+        assert len(r["logged_idle"]) == len(r["losses"]) and r["logged_idle"][-1] == pytest.approx(stats["idle_fraction"])
 
 
 @pytest.mark.parametrize("layout", [{"schedule": "looped_bfs", "virtual_stages": 2}, {"schedule": "zbv", "virtual_stages": 2},
