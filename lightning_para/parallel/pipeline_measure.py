@@ -88,7 +88,9 @@ class TimedPipelineStage(PipelineStage):
     # Shape inference (first step per input shape) runs a real forward, loss and input-grad
     # backward; the recorder marks it so the loss wrapper does not count that loss.
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any):
-        with self.recorder.inferring_shapes():
+        from lightning_para.moe import moe_stats_paused  # its MoE aux losses are not this step's
+
+        with self.recorder.inferring_shapes(), moe_stats_paused(self.submod):
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any):

@@ -9,6 +9,8 @@
   calls ``zero_grad`` in between) and synchronised over dp once, then;
 * the mean loss is all-reduced from the last stage to every pipeline rank, returned and
   logged (``train_loss``), so progress bar, loggers and ``ModelCheckpoint(monitor=...)`` work;
+  MoE layers (``lightning_para.moe``) in any stage add their aux-loss values to it in the same
+  all-reduce, and their aux gradients are scaled by the same ``scale / (m * A)``;
 * validate/test/predict run a forward-only pipeline.
 """
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_para.mesh import ParallelDims
+from lightning_para.moe import aux_loss, moe_layers, set_aux_loss_grad_scale
 from lightning_para.parallel.pipeline_measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
 from lightning_para.parallel.pipeline_parallel import PipelineSpec, PipelineStageModule
 from lightning_para.parallel.pipeline_schedules import build_schedule, expected_bubble
@@ -84,6 +87,8 @@ class PipelineRunner:
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
         self._loss_factor = scale / (self.microbatches * accumulate)
+        for stage in self.stage_modules:  # MoE layers feed their aux-loss gradient in backward, scaled like the loss
+            set_aux_loss_grad_scale(stage, self._loss_factor)
         self._raw_losses = []
         schedule = self._schedule_for("train", inputs)
         params = self._trainable_params()
@@ -100,7 +105,7 @@ class PipelineRunner:
             )
         # The loss all-reduce ends the step on every pipeline rank at once, so each rank's idle
         # time includes waiting for the slowest stage to drain: the bubble of the papers' formulas.
-        loss = self._share_from_last(self._mean(self._raw_losses))
+        loss = self._share_from_last(self._mean(self._raw_losses), extra=self._moe_aux_loss())
         wall = self.recorder.end_step()
         # Set this step's gradients aside: Lightning calls zero_grad between training_step and
         # backward; `finish_backward` adds them to `.grad` afterwards. (Under ZeRO-0 the previous
@@ -227,11 +232,20 @@ class PipelineRunner:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         return torch.stack([_plain(loss).float() for loss in losses]).mean()
 
-    def _share_from_last(self, loss: Tensor) -> Tensor:
-        """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
+    def _moe_aux_loss(self) -> Optional[Tensor]:
+        """This rank's MoE aux-loss values (each layer's mean over the microbatches), if it has MoE layers:
+        ``loss_fn`` sees only the last stage, the aux losses live in every stage (``lightning_para.moe``)."""
+        if not any(True for stage in self.stage_modules for _ in moe_layers(stage)):
+            return None
+        return sum(aux_loss(stage).to(device=self.device, dtype=torch.float32) for stage in self.stage_modules)
+
+    def _share_from_last(self, loss: Tensor, extra: Optional[Tensor] = None) -> Tensor:
+        """The last stage's loss on every pipeline rank (the others add an exact 0.0), plus every rank's ``extra``."""
         loss = loss.detach().to(device=self.device, dtype=torch.float32).clone()
         if not self.has_last:
             loss.zero_()
+        if extra is not None:
+            loss += extra
         dist.all_reduce(loss, group=self.group)
         return loss
 

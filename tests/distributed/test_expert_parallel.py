@@ -483,3 +483,21 @@ def test_checkpoint_save_resume_and_consolidate_experts(pools, tmp_path):
     exp_avg = full["optimizer_states"][0]["state"][names.index("blocks.0.moe.experts.w1")]["exp_avg"]
     assert tuple(exp_avg.shape) == tuple(at_step5["blocks.0.moe.experts.w1"].shape)
     assert exp_avg[:2].abs().sum() > 0 and exp_avg[2:].abs().sum() > 0  # both ep ranks' halves written
+
+
+# ----------------------------------------------------------------------------- with pipeline parallel
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_ep2_with_pp2(pools, schedule):
+    """ep=2 x pp=2 (dp=2, 2 microbatches): one MoE block per stage; each stage's ep peers exchange tokens
+    per microbatch; the reported loss adds every stage's aux losses (in the pipeline's loss all-reduce)."""
+    overrides = (("gradient_clip_val", 0.5),)
+    results = pools.get(4).run(
+        moe_fit_job, MODEL, {"ep": 2, "pp": 2, "schedule": schedule}, overrides=dict(overrides), count_step=1
+    )
+    check_parity(results, MODEL, overrides)
+    for r in results:
+        # The schedule runs forward and backward inside training_step: 1 MoE layer per stage and
+        # 2 microbatches, each 3 all-to-all forward (split sizes, dispatch, combine) and 2 backward.
+        a2a = [c for c in r["forward_calls"] if c[0] == "all_to_all"]
+        assert len(a2a) == 2 * (3 + 2) and all(c[2] == r["groups"]["ep"] for c in a2a)
+        assert r["expert_local_bytes"] == expert_bytes(merged_params(results)) // 2 // 2  # its stage's experts / ep
