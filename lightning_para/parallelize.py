@@ -47,6 +47,10 @@ def parallelize(
 ) -> ParallelModel:
     """Apply pp, tp, ep, activation checkpointing, ZeRO and precision to ``module`` in place."""
     result = ParallelModel(config=config, dims=dims)
+    if dims.ep_enabled:  # on the whole model, before the pipeline split keeps a part of it
+        from lightning_para.parallel.expert_parallel import check_expert_layout
+
+        check_expert_layout(module, dims)
     if dims.pp_enabled:
         from lightning_para.parallel.pipeline_parallel import apply_pipeline_parallel
 

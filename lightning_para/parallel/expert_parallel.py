@@ -120,7 +120,25 @@ def apply_expert_parallel(module: nn.Module, dims: "ParallelDims") -> list[nn.Mo
     from lightning_para.moe import MoE
 
     layers = [m for m in module.modules() if isinstance(m, MoE)]
-    # A pipeline stage may hold no MoE block (only the embedding, say); the whole model may not.
+    check_expert_layout(module, dims)
+    if not layers:
+        return []
+    ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
+    for layer in layers:
+        if ep_mesh is not None:
+            shard_experts(layer.experts, ep_mesh)
+            layer.expert_parallel = ExpertParallelContext(ep_mesh)
+        for p in layer.experts.parameters():
+            p._para_expert = True  # type: ignore[attr-defined]
+    return layers
+
+
+def check_expert_layout(module: nn.Module, dims: "ParallelDims") -> None:
+    """Raise ``ValueError`` (identically on every rank, no communication) if ``module`` cannot be
+    expert-parallel over ``dims.ep``. ``parallelize`` calls it on the whole model, before any split."""
+    from lightning_para.moe import MoE
+
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
     if dims.ep > 1 and not layers and isinstance(module, LightningModule):
         raise ValueError(
             f"`ep={dims.ep}` shards Mixture-of-Experts layers, but the model has no `lightning_para.moe.MoE`"
@@ -133,16 +151,6 @@ def apply_expert_parallel(module: nn.Module, dims: "ParallelDims") -> list[nn.Mo
                 f"`ep={dims.ep}` must divide num_experts={layer.num_experts} of every MoE layer (each rank holds"
                 f" num_experts/ep whole experts). Choose ep in {choices}, or a number of experts divisible by {dims.ep}."
             )
-    if not layers:
-        return []
-    ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
-    for layer in layers:
-        if ep_mesh is not None:
-            shard_experts(layer.experts, ep_mesh)
-            layer.expert_parallel = ExpertParallelContext(ep_mesh)
-        for p in layer.experts.parameters():
-            p._para_expert = True  # type: ignore[attr-defined]
-    return layers
 
 
 @torch.no_grad()
@@ -160,4 +168,4 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     experts.grad_scale = 1.0 / ep_mesh.size()
 
 
-__all__ = ["ExpertParallelContext", "all_to_all", "apply_expert_parallel", "exchange_counts", "run_experts_parallel", "shard_experts"]
+__all__ = ["ExpertParallelContext", "all_to_all", "apply_expert_parallel", "check_expert_layout", "exchange_counts", "run_experts_parallel", "shard_experts"]

@@ -309,6 +309,26 @@ def test_ep2_zero_stages_with_clipping(pools, zero):
     check_parity(results, MODEL_K1_GELU_SHARED, overrides)
 
 
+def test_bad_layouts_raise_on_every_rank(pools):
+    """Raised in `setup` by every rank alike (no rank is left waiting in a collective)."""
+    from tests.harness import WorkerError
+
+    pool = pools.get(2)
+    three = functools.partial(TinyMoETransformer, num_experts=3, top_k=1)
+    with pytest.raises(WorkerError, match=r"`ep=2` must divide num_experts=3") as info:
+        pool.run(moe_fit_job, three, {"ep": 2}, max_steps=1, keep_alive_on_error=True)
+    assert len(info.value.errors) == 2 and not info.value.pending
+    with pytest.raises(WorkerError, match="no `lightning_para.moe.MoE` module") as info:
+        pool.run(moe_fit_job, _DenseOnly, {"ep": 2}, max_steps=1, keep_alive_on_error=True)
+    assert len(info.value.errors) == 2 and not info.value.pending
+
+
+class _DenseOnly(TinyMoETransformer):
+    def __init__(self) -> None:
+        super().__init__(depth=1)
+        self.blocks[0].moe = nn.Identity()
+
+
 def test_ep2_gradient_accumulation(pools):
     """accumulate_grad_batches=2: ParaStrategy scales the attached aux gradient by 1/2 like the loss
     (the one-device reference gets the same from the MoEAuxLossScale callback)."""
