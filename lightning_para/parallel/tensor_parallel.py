@@ -9,9 +9,9 @@
    regions are closed, tied weights get one layout. Every rank sees the same model, so
    every rank raises the same ``ValueError`` before any collective -- nothing hangs;
 3. apply the styles, re-tie tied weights (torch registers a new parameter per module), and
-   hook gradients that come back ``Partial`` (sequence-parallel norm weights: their inputs
-   are different tokens on each rank) so they are summed over tp right after accumulation,
-   before ZeRO or clipping read them.
+   hook gradients whose layout differs from their parameter's: ``Partial`` ones
+   (sequence-parallel norm weights: each rank saw other tokens) are summed over tp right
+   after accumulation, before ZeRO, clipping or the optimizer read them.
 
 Loss parallel: with ``loss_parallel=True`` the head's logits stay a DTensor sharded over the
 vocabulary; :func:`step_context` makes ``F.cross_entropy`` on them run torch's vocab-parallel
@@ -58,15 +58,21 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, config: Any) -
     heads = check_plan(module, plan, tp, sequence_parallel=sp)
     tied = _tied_groups(module)
 
+    # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
+    # backward. Activation checkpointing already recomputes the block (and its hooks would not
+    # see tensors saved under ours), so then the gathered copy is kept.
+    keep_shard = sp and config.activation_checkpointing is None and config.extra.get("sp_keep_shard", True)
     for fqn, style in plan.items():
         if isinstance(style, str):
-            style = make_style(style, sequence_parallel=sp, loss_parallel=lp, head_attributes=heads.get(fqn))
+            style = make_style(
+                style, sequence_parallel=sp, loss_parallel=lp, head_attributes=heads.get(fqn), keep_shard=keep_shard
+            )
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
 
     _retie(module, tied)
     for p in module.parameters():
-        if isinstance(p, DTensor) and any(pl.is_replicate() for pl in p.placements):
-            p.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        if isinstance(p, DTensor):
+            p.register_post_accumulate_grad_hook(_grad_to_param_layout)
     info = TensorParallelInfo(plan, source, tp, sp, lp, heads)
     object.__setattr__(module, "_para_tp", info)
     return info
@@ -254,10 +260,16 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             setattr(module.get_submodule(fqn), name, first)
 
 
-def _reduce_partial_grad(param: torch.Tensor) -> None:
-    """Sum a ``Partial`` gradient of a replicated parameter over tp (sequence-parallel norms)."""
+def _grad_to_param_layout(param: torch.Tensor) -> None:
+    """Give a gradient its parameter's layout right after accumulation.
+
+    Sequence-parallel norm weights get ``Partial`` gradients (each rank saw other tokens):
+    this sums them over tp (an all-reduce of the weight size). Any other mismatch (a
+    replicated gradient for a sharded weight) is a local slice. ZeRO, clipping and the
+    optimizer then read a gradient whose local tensor matches the parameter's.
+    """
     grad = param.grad
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
 
 

@@ -13,8 +13,9 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
 * The row-parallel output projection ends the sublayer with an all-reduce (TP) or a
   reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
 
-Only :class:`FusedColwiseParallel`, :class:`SublayerInput`, :class:`SequenceSlice` and
-:class:`GatherSequence` are new here; everything else is configured torch styles.
+:class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
+:class:`SequenceSlice` and :class:`GatherSequence` are new here; everything else is a
+configured torch style.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -121,30 +122,92 @@ def is_sharded_placement(placement: Any) -> bool:
     return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
+class _Regathered:
+    """What a saved gathered input is packed into: its sequence shard (Megatron-SP)."""
+
+    __slots__ = ("packed_shard", "shape")
+
+    def __init__(self, packed_shard: Any, shape: torch.Size) -> None:
+        self.packed_shard, self.shape = packed_shard, shape
+
+
+class _KeepShardSaveGathered:
+    """Saved-tensor hooks for one sublayer call: keep the shard, all-gather again in backward.
+
+    The column-parallel matmuls save their input for the weight gradient; under SP that is the
+    all-gathered ``[b, s, h]`` tensor. Korthikanti et al. (2022, Sec. 4.2.2) store the
+    ``[b, s/t, h]`` shard instead and repeat the all-gather in backward: that is what makes
+    activations ``sbh(34/t + 5as/(ht))``. Other tensors go to the enclosing hooks, if any.
+    """
+
+    def __init__(self, shard: DTensor, gathered: DTensor) -> None:
+        self.shard = shard.detach()
+        local = gathered._local_tensor
+        self.ptr, self.numel = local.untyped_storage().data_ptr(), local.numel()
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+        self.full: Optional[DTensor] = None
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else None
+        if (
+            local is not None and local.numel() == self.numel and local.storage_offset() == 0
+            and local.is_contiguous() and local.untyped_storage().data_ptr() == self.ptr
+        ):
+            return _Regathered(self.outer_pack(self.shard), t.shape)
+        return self.outer_pack(t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Regathered):
+            return self.outer_unpack(packed)
+        if self.full is None:  # q, k and v share one all-gather
+            with torch.no_grad():
+                self.full = self.outer_unpack(packed.packed_shard).redistribute(placements=[Replicate()])
+        return self.full.view(packed.shape)
+
+
 class SublayerInput(ParallelStyle):
     """The hidden-states input of an attention/MLP sublayer becomes one replicated DTensor.
 
     Under SP the input arrives sequence-sharded (a DTensor from a sequence-parallel norm or
-    this rank's slice as a plain tensor) and is all-gathered once here. The input is found as
-    the first positional argument or a keyword in :data:`HIDDEN_KWARGS`.
+    this rank's slice as a plain tensor) and is all-gathered once here; with
+    ``keep_shard=True`` backward re-gathers it instead of keeping the gathered copy
+    (:class:`_KeepShardSaveGathered`). The input is found as the first positional argument
+    or a keyword in :data:`HIDDEN_KWARGS`.
 
     ``head_attributes`` are integer attributes of the module (head counts, attention width)
     divided by tp when the style is applied: attention code reshapes with them, and each rank
     computes ``n_head / tp`` heads.
     """
 
-    def __init__(self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None) -> None:
+    def __init__(
+        self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None, keep_shard: bool = False
+    ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.head_attributes = dict(head_attributes or {})
+        self.keep_shard = keep_shard and sequence_parallel
+        self._active: list[_KeepShardSaveGathered] = []
 
     def _to_replicated(self, x: Any, mesh: DeviceMesh) -> Any:
         if isinstance(x, DTensor):
-            return x if all(p.is_replicate() for p in x.placements) else x.redistribute(mesh, [Replicate()])
-        if not isinstance(x, torch.Tensor):
+            if all(p.is_replicate() for p in x.placements):
+                return x
+            shard = x
+        elif isinstance(x, torch.Tensor):
+            layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
+            shard = DTensor.from_local(x, mesh, [layout], run_check=False)
+            if not self.sequence_parallel:
+                return shard
+        else:
             return x
-        layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
-        return DTensor.from_local(x, mesh, [layout], run_check=False).redistribute(mesh, [Replicate()])
+        full = shard.redistribute(mesh, [Replicate()])
+        if self.keep_shard and torch.is_grad_enabled():
+            hooks = _KeepShardSaveGathered(shard, full)
+            hooks.context.__enter__()
+            self._active.append(hooks)
+        return full
 
     def _prepare(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):
@@ -158,11 +221,17 @@ class SublayerInput(ParallelStyle):
             " PrepareModuleInput style instead of 'attention'/'mlp'."
         )
 
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._active:
+            self._active.pop().context.__exit__(None, None, None)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         for attr, full in self.head_attributes.items():
             setattr(module, attr, full // tp)
         module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
+        if self.keep_shard:
+            module.register_forward_hook(self._finish, always_call=True)
         return module
 
     def __repr__(self) -> str:
@@ -233,34 +302,56 @@ class _NoOp(ParallelStyle):
         return module
 
 
-class _SequenceCheckedEmbedding(RowwiseParallel):
-    """Vocab-parallel embedding (``RowwiseParallel`` on ``nn.Embedding``: rows = vocab split).
+class VocabParallelEmbedding(ParallelStyle):
+    """``nn.Embedding`` split by vocabulary rows (Megatron's ``VocabParallelEmbedding``).
 
-    Under SP it is the entry of the sequence-parallel region, so it also checks that the
-    sequence divides by tp (an uneven split would shard unevenly, not fail).
+    Each rank looks up the ids in its own row range (others give zeros), and the partial
+    outputs are summed: an all-reduce (TP) or a reduce-scatter along the sequence (SP, which
+    also starts the sequence-parallel region). Computed on local tensors so the weight
+    gradient only ever exists for this rank's rows (torch's ``RowwiseParallel`` on an
+    embedding produces a full-vocabulary, replicated gradient on every rank).
     """
 
     def __init__(self, sequence_parallel: bool) -> None:
-        super().__init__(input_layouts=Replicate(), output_layouts=Shard(SEQ_DIM) if sequence_parallel else Replicate())
+        super().__init__()
         self.sequence_parallel = sequence_parallel
 
-    def _check(self, mesh: DeviceMesh, module: nn.Module, args: tuple) -> None:
-        ids = args[0]
+    def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(ids, DTensor):
             ids = ids.to_local()
-        if ids.dim() != 2:
-            raise ValueError(
-                f"sequence_parallel=True needs batch-first token ids [batch, seq] for the vocab-parallel embedding,"
-                f" got shape {tuple(ids.shape)}."
-            )
-        check_sequence_divisible(ids.shape[SEQ_DIM], mesh.size(), "the token ids")
+        tp = mesh.size()
+        if self.sequence_parallel:
+            if ids.dim() != 2:
+                raise ValueError(
+                    "sequence_parallel=True needs batch-first token ids [batch, seq] for the vocab-parallel"
+                    f" embedding, got shape {tuple(ids.shape)}."
+                )
+            check_sequence_divisible(ids.shape[SEQ_DIM], tp, "the token ids")
+        weight = module.weight.to_local()
+        start = mesh.get_local_rank() * weight.shape[0]
+        outside = (ids < start) | (ids >= start + weight.shape[0])
+        padding = module.padding_idx
+        local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
+        out = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight, local_padding)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"'vocab_parallel' applies to nn.Embedding, not {type(module).__name__}.")
-        if self.sequence_parallel:
-            module.register_forward_pre_hook(partial(self._check, device_mesh))
-        return super()._apply(module, device_mesh)
+        if module.max_norm is not None or module.sparse:
+            raise ValueError("'vocab_parallel' does not support nn.Embedding(max_norm=...) or sparse=True.")
+        weight = module.weight
+        module.register_parameter(
+            "weight",
+            nn.Parameter(
+                distribute_tensor(weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=weight.requires_grad,
+            ),
+        )
+        module.forward = partial(self._forward, device_mesh, module)
+        return module
 
 
 # shorthand -> what it is for (the documentation table in docs/tensor_parallel.md)
@@ -289,8 +380,13 @@ def make_style(
     sequence_parallel: bool,
     loss_parallel: bool,
     head_attributes: Optional[dict[str, int]] = None,
+    keep_shard: bool = True,
 ) -> ParallelStyle:
-    """The ParallelStyle for one shorthand under the given switches."""
+    """The ParallelStyle for one shorthand under the given switches.
+
+    ``keep_shard`` (SP only): sublayers save their input's sequence shard and all-gather it
+    again in backward (Megatron-SP), instead of saving the gathered copy.
+    """
     sp = sequence_parallel
     if shorthand == "colwise":
         return Colwise()
@@ -301,9 +397,9 @@ def make_style(
     if shorthand == "fused_gate_up":
         return FusedColwiseParallel(parts=2)
     if shorthand in ("attention", "mlp"):
-        return SublayerInput(sp, head_attributes if shorthand == "attention" else None)
+        return SublayerInput(sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard)
     if shorthand == "vocab_parallel":
-        return _SequenceCheckedEmbedding(sp)
+        return VocabParallelEmbedding(sp)
     if shorthand == "lm_head":
         # Loss parallel: logits stay a DTensor sharded over the vocabulary (never gathered).
         return Colwise(
@@ -326,6 +422,6 @@ def make_style(
 
 
 __all__ = [
-    "SHORTHANDS", "make_style", "FusedColwiseParallel", "SublayerInput", "SequenceSlice", "GatherSequence",
+    "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
     "is_strided", "is_sharded_placement",
 ]
