@@ -23,8 +23,9 @@ How it works:
   be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
 * The user's optimizer is kept and edited in place: each param group's ``params`` are
   replaced by this rank's shards ("masters"), so LR schedulers, per-group hyperparameters
-  and ``optimizer.state_dict()`` stay the user's. A step pre-hook finishes any pending
-  gradient sync; a step post-hook all-gathers the updated parameters.
+  and ``optimizer.state_dict()`` stay the user's. A step post-hook all-gathers the updated
+  parameters. Gradients are complete after backward (an end-of-backward callback), and
+  :meth:`ZeroDataParallel.flush` completes them if a rank's backward touched no parameter.
 * With fp32 parameters a master is a *view* of the model parameter's rows (no copy).
   With bf16 parameters (``precision="bf16-true"``) masters are fp32 copies: the 4 extra
   bytes/param of the ZeRO paper, sharded with the stage.
@@ -128,6 +129,11 @@ class _Bucket:
         return self.slots[0].world
 
 
+# torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _pack(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
     """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
     n = flat.numel()
@@ -223,7 +229,7 @@ class ZeroDataParallel:
         for slot in reversed(self.slots):  # backward produces gradients roughly in reverse order
             nbytes = slot.numel * slot.local.element_size()
             if current and (
-                slot.mesh is not current[0].mesh
+                slot.group is not current[0].group
                 or slot.local.dtype != current[0].local.dtype
                 or size + nbytes > capacity_bytes
             ):
@@ -314,7 +320,7 @@ class ZeroDataParallel:
                     slot.param.grad = None
             buffer.div_(world)
             output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            bucket.work = dist.reduce_scatter_tensor(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            bucket.work = _reduce_scatter(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
             bucket.buffer, bucket.output = buffer, output
         bucket.launched = True
 
@@ -368,7 +374,9 @@ class ZeroDataParallel:
             group["params"] = new_params
         optimizer._para_zero = self  # type: ignore[attr-defined]
         optimizer._para_buckets = sorted(own)  # type: ignore[attr-defined]
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.flush())
+        # No step *pre*-hook: torch runs pre-hooks before calling the closure (i.e. before
+        # backward), so a flush there would synchronise stale gradients. Whoever reads the
+        # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
 
     def after_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -397,7 +405,7 @@ class ZeroDataParallel:
             for slot in bucket.slots:
                 send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
             out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
-            work = dist.all_gather_into_tensor(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
+            work = _all_gather(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
             pending.append((bucket, out, work))
         for bucket, out, work in pending:
             work.wait()
@@ -421,11 +429,11 @@ class ZeroDataParallel:
 
 
 def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
-    grad = grad.to(param.dtype)
+    """``param.grad += grad``; ``grad`` is a view into a bucket buffer, so copy on first use."""
     if param.grad is None:
-        param.grad = grad.clone() if grad.dtype == param.dtype else grad
+        param.grad = grad.to(param.dtype, copy=True)
     else:
-        param.grad.add_(grad)
+        param.grad.add_(grad.to(param.dtype))
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDataParallel] = None) -> None:
