@@ -132,6 +132,13 @@ class NanoGPT(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
     def configure_optimizers(self):
         return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)
 
@@ -239,7 +246,7 @@ class LlamaLike(L.LightningModule):
 class TokenDataset(Dataset):
     """Next-token prediction on a noisy periodic sequence (learnable in a few steps)."""
 
-    def __init__(self, n: int = 160, seq: int = 16, vocab: int = 64, seed: int = 7) -> None:
+    def __init__(self, n: int = 40, seq: int = 16, vocab: int = 64, seed: int = 7) -> None:
         g = torch.Generator().manual_seed(seed)
         start = torch.randint(0, vocab, (n, 1), generator=g)
         step = torch.randint(1, 5, (n, 1), generator=g)
@@ -256,4 +263,32 @@ class TokenDataset(Dataset):
 
 
 def token_dataset() -> TokenDataset:
+    """40 sequences of 16 tokens: 5 steps per epoch at a global batch of 8."""
     return TokenDataset()
+
+
+def odd_length_dataset() -> TokenDataset:
+    return TokenDataset(seq=15)
+
+
+# ----------------------------------------------------------------------------- bad input
+class BlockWithGate(Block):
+    """A block with one more Linear (h -> h) that no automatic rule can classify."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float = 0.0) -> None:
+        super().__init__(n_embd, n_head, block_size, dropout)
+        self.gate = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.sigmoid(self.gate(x))
+
+
+class NanoGPTWithGate(NanoGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.h = nn.ModuleList([BlockWithGate(64, 4, 16) for _ in range(2)])
+
+
+class NanoGPTThreeHeads(NanoGPT):
+    def __init__(self) -> None:
+        super().__init__(n_head=3, n_embd=48)

@@ -40,7 +40,7 @@ def check_sequence_divisible(seq_len: int, tp: int, where: str) -> None:
     """Sequence parallel splits the sequence evenly over tp; anything else is a clear error."""
     if seq_len % tp:
         raise ValueError(
-            f"sequence_parallel=True splits the sequence over tp={tp}, but {where} has sequence length {seq_len}."
+            f"sequence_parallel=True splits the sequence over tp={tp}, but the sequence length is {seq_len} ({where})."
             f" Use sequence lengths that are multiples of {tp} (pad the batch), or set sequence_parallel=False."
         )
 
