@@ -322,8 +322,9 @@ class ParaStrategy(ParallelStrategy):
         module = self.lightning_module
         parallel = self._parallel
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
-        with context, tensor_parallel.step_context(module):
-            if parallel is not None and parallel.pipeline is not None:
+        pipelined = parallel is not None and parallel.pipeline is not None  # runs backward inside the step
+        with context, tensor_parallel.step_context(module, backward_inside=pipelined):
+            if pipelined:
                 output = parallel.pipeline.run(self, name, *args, **kwargs)
             elif parallel is not None and parallel.fully_sharded:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.

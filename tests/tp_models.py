@@ -271,6 +271,28 @@ def odd_length_dataset() -> TokenDataset:
     return TokenDataset(seq=15)
 
 
+class TinyMoE(nn.Module):
+    """A soft mixture of two expert MLPs with a router: found as an MoE layer by its class name."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(n_embd, 2)
+        self.experts = nn.ModuleList([MLP(n_embd) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = F.softmax(self.router(x), dim=-1)
+        return sum(weights[..., i : i + 1] * expert(x) for i, expert in enumerate(self.experts))
+
+
+class NanoGPTWithMoE(NanoGPT):
+    """The second block's MLP is an MoE layer (kept whole on every tp rank: 'gather_sequence')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.h[1].mlp = TinyMoE(64)
+        self.transformer.h[1].mlp.apply(self._init_weights)
+
+
 # ----------------------------------------------------------------------------- bad input
 class BlockWithGate(Block):
     """A block with one more Linear (h -> h) that no automatic rule can classify."""

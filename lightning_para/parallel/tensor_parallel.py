@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.overrides import TorchFunctionMode
 
 from lightning_para.parallel.tp_plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style, head_attributes, resolve_plan
@@ -59,8 +59,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, config: Any) -
     tied = _tied_groups(module)
 
     # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
-    # backward. Activation checkpointing already recomputes the block (and its hooks would not
-    # see tensors saved under ours), so then the gathered copy is kept.
+    # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
+    # combined (the recomputed forward would install the hooks a second time).
     keep_shard = sp and config.activation_checkpointing is None and config.extra.get("sp_keep_shard", True)
     for fqn, style in plan.items():
         if isinstance(style, str):
@@ -75,6 +75,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, config: Any) -
             p.register_post_accumulate_grad_hook(_grad_to_param_layout)
     info = TensorParallelInfo(plan, source, tp, sp, lp, heads)
     object.__setattr__(module, "_para_tp", info)
+    for fqn in plan:  # found from the LightningModule even when `module` is a pipeline stage
+        object.__setattr__(module.get_submodule(fqn), _LOSS_PARALLEL_ATTR, lp)
     return info
 
 
@@ -299,6 +301,16 @@ def fsdp_shard_placement_fn(dp: int) -> Any:
 
 
 # ----------------------------------------------------------------------------- loss parallel
+def _loss_parallel() -> Any:
+    """torch's ``loss_parallel()``, unless already active: it is not re-entrant (leaving an
+    inner one would switch the loss ops off for the enclosing one)."""
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    active = all(op in handlers for op in customized_loss_ops)
+    return contextlib.nullcontext() if active else loss_parallel()
+
+
 class _CrossEntropyOnShards(TorchFunctionMode):
     """``F.cross_entropy`` on vocab-sharded DTensor logits: torch's loss-parallel kernel, plain result.
 
@@ -313,24 +325,35 @@ class _CrossEntropyOnShards(TorchFunctionMode):
             logits = args[0]
             if kwargs.get("label_smoothing", 0.0):
                 return func(logits.full_tensor(), *args[1:], **kwargs)
-            with loss_parallel():
+            with _loss_parallel():
                 out = func(*args, **kwargs)
             return out.to_local() if all(p.is_replicate() for p in out.placements) else out.full_tensor()
         return func(*args, **kwargs)
 
 
+_LOSS_PARALLEL_ATTR = "_para_tp_loss_parallel"
+
+
 def uses_loss_parallel(module: nn.Module) -> bool:
-    info = getattr(module, "_para_tp", None)
-    return info is not None and info.loss_parallel
+    """Whether a module (or a submodule, e.g. a pipeline stage's layer) runs loss parallel."""
+    cached = module.__dict__.get("_para_uses_loss_parallel")
+    if cached is None:
+        cached = any(getattr(m, _LOSS_PARALLEL_ATTR, False) for m in module.modules())
+        object.__setattr__(module, "_para_uses_loss_parallel", cached)
+    return cached
 
 
 @contextlib.contextmanager
-def step_context(module: nn.Module) -> Generator[None, None, None]:
-    """Around a training/validation/test/predict step of a tensor-parallel module."""
+def step_context(module: nn.Module, backward_inside: bool = False) -> Generator[None, None, None]:
+    """Around a training/validation/test/predict step of a tensor-parallel module.
+
+    ``backward_inside``: the step also runs backward (a pipeline schedule does), so torch's
+    loss-parallel ops stay enabled for the whole step.
+    """
     if not uses_loss_parallel(module):
         yield
         return
-    with _CrossEntropyOnShards():
+    with _CrossEntropyOnShards(), (_loss_parallel() if backward_inside else contextlib.nullcontext()):
         yield
 
 
@@ -340,7 +363,7 @@ def backward_context(module: nn.Module) -> Generator[None, None, None]:
     if not uses_loss_parallel(module):
         yield
         return
-    with loss_parallel():
+    with _loss_parallel():
         yield
 
 

@@ -38,6 +38,7 @@ from tests.tp_models import (
     LlamaLike,
     NanoGPT,
     NanoGPTThreeHeads,
+    NanoGPTWithMoE,
     NanoGPTWithGate,
     odd_length_dataset,
     token_dataset,
@@ -99,6 +100,14 @@ def test_tp2_sequence_parallel_parity_with_clipping(pools):
 def test_tp2_sequence_parallel_parity_hf_names_gqa(pools):
     results = pools.get(2).run(fit_job, LlamaLike, {"tp": 2, "sequence_parallel": True}, token_dataset, GLOBAL_BATCH, STEPS)
     check_parity(results, reference(LlamaLike))
+
+
+def test_tp2_sequence_parallel_parity_with_moe_layer(pools):
+    """An MoE layer runs whole on every tp rank: gathered along the sequence, then re-sliced."""
+    results = pools.get(2).run(
+        fit_job, NanoGPTWithMoE, {"tp": 2, "sequence_parallel": True}, token_dataset, GLOBAL_BATCH, STEPS
+    )
+    check_parity(results, reference(NanoGPTWithMoE))
 
 
 # The automatic plan of NanoGPT, written as patterns (passed as `ParaStrategy(tp_plan=...)`).
