@@ -204,12 +204,18 @@ def _check_coverage(modules: Mapping[str, nn.Module], plan: Mapping[str, Style],
             elif sequence_parallel:
                 sp_params.append(f"{fqn} ({type(m).__name__})")
     if unplanned:
+        mha = sorted(fqn for fqn, m in modules.items() if isinstance(m, nn.MultiheadAttention))
+        hint = (
+            f"\nnn.MultiheadAttention ({', '.join(mha)}) is not split by tensor parallelism: plan it as"
+            " 'gather_sequence' to run it whole on every tp rank, or use separate q/k/v Linears."
+            if mha else ""
+        )
         raise ValueError(
             "Tensor parallel: these nn.Linear modules are not in the plan, and would silently stay whole on"
             " every tp rank:\n  " + "\n  ".join(unplanned) + "\nPlan them with ParaStrategy(tp_plan={pattern: style})"
             " or a `tensor_parallel_plan()` method on the model, e.g. {'blocks.*.attn.q_proj': 'colwise',"
             " 'blocks.*.attn.o_proj': 'rowwise', 'blocks.*.attn': 'attention'}; use 'replicate' to keep one whole on"
-            f" purpose. Styles: {', '.join(SHORTHANDS)}. See docs/tensor_parallel.md."
+            f" purpose. Styles: {', '.join(SHORTHANDS)}. See docs/tensor_parallel.md.{hint}"
         )
     if shard_params:
         raise ValueError(

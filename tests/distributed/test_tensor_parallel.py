@@ -97,9 +97,13 @@ def test_tp2_sequence_parallel_parity_with_clipping(pools):
     check_parity(results, reference(**CLIP))
 
 
-def test_tp2_sequence_parallel_parity_hf_names_gqa(pools):
-    results = pools.get(2).run(fit_job, LlamaLike, {"tp": 2, "sequence_parallel": True}, token_dataset, GLOBAL_BATCH, STEPS)
-    check_parity(results, reference(LlamaLike))
+def test_tp2_sequence_parallel_parity_hf_names_gqa_accumulation(pools):
+    """HF names, grouped-query attention, keyword calls, RMSNorm; partial norm gradients accumulate."""
+    accumulate = {"accumulate_grad_batches": 2}
+    results = pools.get(2).run(
+        fit_job, LlamaLike, {"tp": 2, "sequence_parallel": True}, token_dataset, GLOBAL_BATCH, STEPS, accumulate
+    )
+    check_parity(results, reference(LlamaLike, **accumulate))
 
 
 def test_tp2_sequence_parallel_parity_with_moe_layer(pools):

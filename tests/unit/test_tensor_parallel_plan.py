@@ -159,6 +159,22 @@ def test_unplanned_linear_lists_every_module_and_how_to_plan():
     check_plan(model, plan, 2, sequence_parallel=False)
 
 
+class _WithTorchAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.ModuleDict({"norm": nn.LayerNorm(16), "attn": nn.MultiheadAttention(16, 2)})])
+        self.head = nn.Linear(16, 32)
+
+
+def test_multihead_attention_is_not_split_but_can_be_kept_whole():
+    model = _WithTorchAttention()
+    with pytest.raises(ValueError, match=r"blocks.0.attn.out_proj[\s\S]*MultiheadAttention \(blocks.0.attn\) is not split"):
+        check_plan(model, auto_plan(model), 2, sequence_parallel=True)
+    plan, _ = resolve_plan(model, {**auto_plan(model), "blocks.*.attn": "gather_sequence"})
+    check_plan(model, plan, 2, sequence_parallel=True)
+
+
 def test_divisibility_names_the_dimensions_and_valid_tp():
     with pytest.raises(ValueError) as info:
         check_plan(NanoGPTThreeHeads(), auto_plan(NanoGPTThreeHeads()), 2, sequence_parallel=False)
