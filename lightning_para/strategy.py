@@ -322,22 +322,17 @@ class ParaStrategy(ParallelStrategy):
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         parallel = self._parallel
+        if parallel is not None and parallel.pipeline is not None:
+            with context:  # the runner enters the tensor-parallel contexts around its stages itself
+                return parallel.pipeline.run(self, name, *args, **kwargs)
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
-        pipelined = parallel is not None and parallel.pipeline is not None  # runs backward inside the step
-        with context, tensor_parallel.step_context(module, backward_inside=pipelined):
-            if pipelined:
-                output = parallel.pipeline.run(self, name, *args, **kwargs)
-            elif parallel is not None and parallel.fully_sharded:
+        with context, tensor_parallel.step_context(module):
+            if parallel is not None and parallel.fully_sharded:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 output = self._forward_redirection(module, module, name, *args, **kwargs)
             else:
                 output = getattr(module, name)(*args, **kwargs)
         return tensor_parallel.localize_output(output, full=name == "predict_step")
-
-    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        # The loss-parallel cross-entropy kernels are DTensor custom ops: backward needs them too.
-        with tensor_parallel.backward_context(self.lightning_module):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
@@ -354,7 +349,9 @@ class ParaStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
+            with tensor_parallel.backward_context(self.lightning_module):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.

@@ -333,6 +333,8 @@ class _CrossEntropyOnShards(TorchFunctionMode):
                 return func(logits.full_tensor(), *args[1:], **kwargs)
             with _loss_parallel():
                 out = func(*args, **kwargs)
+            if not isinstance(out, DTensor):  # an enclosing mode of this kind already converted it
+                return out
             return out.to_local() if all(p.is_replicate() for p in out.placements) else out.full_tensor()
         return func(*args, **kwargs)
 
@@ -350,16 +352,13 @@ def uses_loss_parallel(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def step_context(module: nn.Module, backward_inside: bool = False) -> Generator[None, None, None]:
-    """Around a training/validation/test/predict step of a tensor-parallel module.
-
-    ``backward_inside``: the step also runs backward (a pipeline schedule does), so torch's
-    loss-parallel ops stay enabled for the whole step.
-    """
+def step_context(module: nn.Module) -> Generator[None, None, None]:
+    """Around a training/validation/test/predict step (or a pipeline's last stage) of a
+    tensor-parallel module. Backward needs :func:`backward_context`."""
     if not uses_loss_parallel(module):
         yield
         return
-    with _CrossEntropyOnShards(), (_loss_parallel() if backward_inside else contextlib.nullcontext()):
+    with _CrossEntropyOnShards():
         yield
 
 

@@ -208,9 +208,13 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
     if token is None and embeddings:
         named = [e for e in embeddings if _leaf(e) in _TOKEN_EMBEDDING_NAMES]
         token = named[0] if named else max(embeddings, key=lambda e: embeddings[e].num_embeddings)
-    if head is None and token is not None:
-        vocab = embeddings[token].num_embeddings
-        named = [n for n, lin in linears.items() if _leaf(n) in _HEAD_NAMES and lin.out_features == vocab]
+    if head is None:
+        # A pipeline stage may hold the head without the embedding: then the name decides.
+        vocab = embeddings[token].num_embeddings if token is not None else None
+        named = [
+            n for n, lin in linears.items()
+            if _leaf(n) in _HEAD_NAMES and not _in_block(root, n) and vocab in (None, lin.out_features)
+        ]
         head = named[0] if named else None
     hidden = embeddings[token].embedding_dim if token is not None else None
     if token is not None:

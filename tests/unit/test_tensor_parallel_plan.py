@@ -74,6 +74,13 @@ def test_auto_plan_by_shape():
     assert plan == {"tok": "vocab_parallel", "readout": "lm_head", "ffn": "mlp", "ffn.expand": "colwise", "ffn.shrink": "rowwise"}
 
 
+def test_auto_plan_of_a_last_pipeline_stage_without_embedding():
+    stage = nn.ModuleDict({"h": nn.ModuleList([Block(64, 4, 16)]), "ln_f": nn.LayerNorm(64), "lm_head": nn.Linear(64, 80)})
+    plan = auto_plan(stage)
+    assert plan["lm_head"] == "lm_head" and plan["h.0.attn"] == "attention" and plan["ln_f"] == "norm"
+    check_plan(stage, plan, 2, sequence_parallel=True)
+
+
 class _MoE(nn.Module):
     def __init__(self) -> None:
         super().__init__()
