@@ -31,7 +31,7 @@ def gather_rows(slot: ParamSlot, local: Tensor) -> Tensor:
     send = torch.zeros(chunk, dtype=local.dtype, device=local.device)
     send[: local.numel()].copy_(local.reshape(-1))
     out = torch.empty(slot.world * chunk, dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(out, send, group=slot.group)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, send, group=slot.group)
     return out[: slot.numel].view(slot.local.shape)  # padding only follows the last non-empty shard
 
 
