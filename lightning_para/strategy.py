@@ -46,6 +46,8 @@ from lightning_para import checkpoint as ckpt
 from lightning_para.config import ParallelConfig
 from lightning_para.memory import memory_breakdown as _memory_breakdown
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel import tensor_parallel
+from lightning_para.parallel.tp_styles import is_sharded_placement
 from lightning_para.parallel.fsdp import fsdp_no_sync
 from lightning_para.parallel.grad_norm import set_grad_replication
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -64,6 +66,9 @@ class ParaStrategy(ParallelStrategy):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``; when set it
             overrides ``Trainer(precision=...)`` (which also works, for the first three).
         sequence_parallel: shard norms/dropout/residuals along the sequence over ``tp``.
+        sp_save_input_shard: under sequence parallel, save only the sequence shard of each
+            sublayer input for backward and all-gather it again there (Megatron-SP; less memory,
+            one more all-gather per sublayer). ``False`` keeps the gathered input instead.
         tp_plan: module-name pattern -> parallel style; overrides the model's declared plan.
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
         activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
@@ -92,6 +97,7 @@ class ParaStrategy(ParallelStrategy):
         *,
         precision: Optional[str] = None,
         sequence_parallel: bool = False,
+        sp_save_input_shard: bool = True,
         tp_plan: Optional[Mapping[str, Any]] = None,
         loss_parallel: bool = True,
         activation_checkpointing: Optional[str] = None,
@@ -112,7 +118,8 @@ class ParaStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         self.config = ParallelConfig(
-            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel, tp_plan=tp_plan,
+            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
+            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan,
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
@@ -291,10 +298,8 @@ class ParaStrategy(ParallelStrategy):
         distinct = slot.world if slot is not None and slot.sharded else 1
         if isinstance(base, DTensor):
             mesh = base.device_mesh
-            # _StridedShard (FSDP2 over a dim TP/EP already shards) is not `is_shard()` in torch 2.13.
-            distinct *= math.prod(
-                mesh.size(i) for i, p in enumerate(base.placements) if p.is_shard() or isinstance(p, _StridedShard)
-            )
+            # `_StridedShard` (fused TP projections) is a shard too, though its is_shard() says False.
+            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if is_sharded_placement(p))
             on_ep = "ep" in (mesh.mesh_dim_names or ())
         else:
             on_ep = False
@@ -341,13 +346,17 @@ class ParaStrategy(ParallelStrategy):
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         parallel = self._parallel
-        with context:
-            if parallel is not None and parallel.pipeline is not None:
+        if parallel is not None and parallel.pipeline is not None:
+            with context:  # the runner enters the tensor-parallel contexts around its stages itself
                 return parallel.pipeline.run(self, name, *args, **kwargs)
+        # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
+        with context, tensor_parallel.step_context(module):
             if parallel is not None and parallel.fully_sharded:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
-                return self._forward_redirection(module, module, name, *args, **kwargs)
-            return getattr(module, name)(*args, **kwargs)
+                output = self._forward_redirection(module, module, name, *args, **kwargs)
+            else:
+                output = getattr(module, name)(*args, **kwargs)
+        return tensor_parallel.localize_output(output, full=name == "predict_step")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
@@ -364,7 +373,9 @@ class ParaStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
+            with tensor_parallel.backward_context(self.lightning_module):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
