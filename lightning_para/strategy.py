@@ -39,7 +39,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt

@@ -521,3 +521,20 @@ def test_ep2_with_pp2(pools, schedule):
         a2a = [c for c in r["forward_calls"] if c[0] == "all_to_all"]
         assert len(a2a) == 2 * (3 + 2) and all(c[2] == r["groups"]["ep"] for c in a2a)
         assert r["expert_local_bytes"] == expert_bytes(merged_params(results)) // 2 // 2  # its stage's experts / ep
+
+
+# ----------------------------------------------------------------------------- with tensor parallel
+@pytest.mark.parametrize("sequence_parallel, zero", [(False, 0), (True, 0), (False, 3)])
+def test_ep2_with_tp2(pools, sequence_parallel, zero):
+    """ep=2 x tp=2 (dp=2), TP's automatic plan: attention, embedding and head tensor-parallel; the MoE layer
+    runs whole on each tp rank (on the full sequence under SP) and exchanges tokens with the same tp rank
+    of its ep peer. ZeRO-3: FSDP2 shards the TP DTensors over dp and the expert stacks over edp."""
+    overrides = (("gradient_clip_val", 0.5),)
+    strategy = {"ep": 2, "tp": 2, "sequence_parallel": sequence_parallel, "zero": zero}
+    results = pools.get(4).run(moe_fit_job, MODEL, strategy, overrides=dict(overrides), count_step=1)
+    check_parity(results, MODEL, overrides)
+    for r in results:
+        fwd = [c for c in r["forward_calls"] if c[0] == "all_to_all"]
+        bwd = [c for c in r["backward_calls"] if c[0] == "all_to_all"]
+        assert len(fwd) == 3 * 2 and len(bwd) == 2 * 2
+        assert all(c[2] == r["groups"]["ep"] for c in fwd + bwd)
