@@ -23,8 +23,9 @@ How it works:
   be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
 * The user's optimizer is kept and edited in place: each param group's ``params`` are
   replaced by this rank's shards ("masters"), so LR schedulers, per-group hyperparameters
-  and ``optimizer.state_dict()`` stay the user's. A step pre-hook finishes any pending
-  gradient sync; a step post-hook all-gathers the updated parameters.
+  and ``optimizer.state_dict()`` stay the user's. A step post-hook all-gathers the updated
+  parameters. Gradients are complete after backward (an end-of-backward callback), and
+  :meth:`ZeroDataParallel.flush` completes them if a rank's backward touched no parameter.
 * With fp32 parameters a master is a *view* of the model parameter's rows (no copy).
   With bf16 parameters (``precision="bf16-true"``) masters are fp32 copies: the 4 extra
   bytes/param of the ZeRO paper, sharded with the stage.
@@ -223,7 +224,7 @@ class ZeroDataParallel:
         for slot in reversed(self.slots):  # backward produces gradients roughly in reverse order
             nbytes = slot.numel * slot.local.element_size()
             if current and (
-                slot.mesh is not current[0].mesh
+                slot.group is not current[0].group
                 or slot.local.dtype != current[0].local.dtype
                 or size + nbytes > capacity_bytes
             ):
@@ -368,7 +369,9 @@ class ZeroDataParallel:
             group["params"] = new_params
         optimizer._para_zero = self  # type: ignore[attr-defined]
         optimizer._para_buckets = sorted(own)  # type: ignore[attr-defined]
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.flush())
+        # No step *pre*-hook: torch runs pre-hooks before calling the closure (i.e. before
+        # backward), so a flush there would synchronise stale gradients. Whoever reads the
+        # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
 
     def after_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
