@@ -72,6 +72,14 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def _moe_layers(module: Any) -> list[tuple[str, Any]]:
+    try:
+        from lightning_para.moe import moe_layers
+    except ImportError:  # the MoE layer is optional
+        return []
+    return list(moe_layers(module))
+
+
 def _first_tensor(batch: Any) -> Optional[Tensor]:
     if isinstance(batch, Tensor):
         return batch
@@ -110,7 +118,7 @@ class ParaProfiler(Callback):
         timeline_every_n_steps: int = 25,
         trace_start_step: Optional[int] = None,
         trace_steps: int = 3,
-        val_loss_key: str = "val/loss",
+        val_loss_key: str = "val_loss",
     ) -> None:
         super().__init__()
         for name, value in (("memory_every_n_steps", memory_every_n_steps), ("comm_every_n_steps", comm_every_n_steps),
@@ -143,6 +151,8 @@ class ParaProfiler(Callback):
         self._last_memory_step = -1
         self._num_params = 0
         self._dp = 1
+        self._has_moe = False
+        self._timeline_pending = False
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -151,6 +161,8 @@ class ParaProfiler(Callback):
         self._reset()
         # Counted before the strategy shards anything: the whole model, for the 6N fallback.
         self._num_params = sum(p.numel() for p in pl_module.parameters())
+        # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
+        self._has_moe = bool(_moe_layers(pl_module))
         log_dir = trainer.log_dir  # rank 0's directory on every rank (Lightning broadcasts it)
         self.log_dir = Path(log_dir) if log_dir else None
 
@@ -197,6 +209,8 @@ class ParaProfiler(Callback):
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every > 0 and self._batches % every == 0:
             self._log_throughput(trainer, pl_module, tokens_tensor)
+            if self._has_moe:
+                self._log_moe(trainer, pl_module)
         if tracer is not None:
             self._log_comm(trainer, tracer, seconds)
         step = trainer.global_step
@@ -205,7 +219,9 @@ class ParaProfiler(Callback):
         ):
             self._last_memory_step = step
             self._log_memory(trainer)
-        if self._due(self.timeline_every_n_steps):
+        self._timeline_pending |= self._due(self.timeline_every_n_steps)
+        if self._timeline_pending and not self._traced:  # a traced step's timings are distorted
+            self._timeline_pending = False
             self._log_pipeline(trainer)
         self._batches += 1
 
@@ -219,7 +235,10 @@ class ParaProfiler(Callback):
             self._stop_torch_profiler()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        summary = self.summary()
+        # Each rank's loss is its own batch's mean; the mean over all ranks is the global batch's
+        # (tp/pp ranks repeat their dp slot's value, which leaves the mean unchanged).
+        per_rank = gather_objects([float(x) for x in self.train_losses])
+        summary = self.summary([sum(v) / len(v) for v in zip(*per_rank)])
         if trainer.is_global_zero and self.log_dir is not None and summary["steps"]:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             (self.log_dir / "para_summary.json").write_text(json.dumps(summary, indent=1))
@@ -232,8 +251,9 @@ class ParaProfiler(Callback):
             print(text + f"; logs in {self.log_dir}", flush=True)
 
     # ------------------------------------------------------------------ summaries
-    def summary(self) -> dict[str, Any]:
-        losses = [float(x) for x in self.train_losses]
+    def summary(self, losses: Optional[list[float]] = None) -> dict[str, Any]:
+        """Per-step training losses (default: this rank's), validation losses and throughput."""
+        losses = [float(x) for x in self.train_losses] if losses is None else losses
         seconds = sum(s for s, _ in self._all_steps[1:]) or None  # the first batch warms up
         tokens = sum(t for _, t in self._all_steps[1:])
         return {
@@ -325,27 +345,60 @@ class ParaProfiler(Callback):
         if dims is None or dims.pp <= 1 or not hasattr(strategy, "pipeline_stats"):
             return
         stats = strategy.pipeline_stats()
-        stage = dims.local_rank("pp")
-        events = [dict(e, rank=dist.get_rank()) for e in stats.get("events", [])]
-        per_rank = gather_objects({"stage": stage, "idle": stats.get("idle_fraction"), "events": events})
+        # Events are seconds since this rank's step start; `step_start_unix` puts the ranks of
+        # one machine on a common clock (across machines, NTP accuracy bounds the alignment).
+        origin = float(stats.get("step_start_unix", 0.0))
+        rank = dist.get_rank()
+        events = [
+            {"rank": rank, "stage": e["stage"], "action": e["action"], "microbatch": e["microbatch"],
+             "start": origin + e["start"], "end": origin + e["end"]}
+            for e in stats.get("events", []) if e.get("action") != "L"  # the loss runs inside the last F
+        ]
+        mine = {"stage": dims.local_rank("pp"), "idle": stats.get("idle_fraction"),
+                "expected": stats.get("expected_idle_fraction"), "events": events}
+        per_rank = gather_objects(mine)
         if not trainer.is_global_zero:
             return
-        metrics = {}
         by_stage: dict[int, list[float]] = {}
         for r in per_rank:
             if r["idle"] is not None:
                 by_stage.setdefault(r["stage"], []).append(float(r["idle"]))
-        all_events = as_events(e for r in per_rank for e in r["events"])
-        if not by_stage and all_events:  # derive from the events if the runner gave no fraction
-            ranks_stage = {r_i: r["stage"] for r_i, r in enumerate(per_rank)}
-            for rank, frac in idle_fraction(all_events).items():
-                by_stage.setdefault(ranks_stage.get(rank, 0), []).append(frac)
-        for s, values in sorted(by_stage.items()):
-            metrics[f"pipeline/idle_fraction/stage{s}"] = sum(values) / len(values)
+        metrics = {f"pipeline/idle_fraction/stage{s}": sum(v) / len(v) for s, v in sorted(by_stage.items())}
+        if per_rank[0]["expected"] is not None:
+            metrics["pipeline/expected_idle_fraction"] = float(per_rank[0]["expected"])
         self._log_scalars(trainer, metrics)
+        all_events = as_events(e for r in per_rank for e in r["events"])
         if all_events:
-            image = draw_timeline(all_events, title=f"pipeline timeline, step {trainer.global_step} (measured)")
-            self._log_image(trainer, "pipeline/timeline", image)
+            title = f"pipeline timeline of step {trainer.global_step} (measured; rows: ranks, boxes: action + microbatch)"
+            self._log_image(trainer, "pipeline/timeline", draw_timeline(all_events, title=title))
+
+    def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
+        mine = {}
+        for name, layer in _moe_layers(pl_module):
+            stats = layer.pop_stats()
+            if stats is not None:
+                mine[name] = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in stats.items()}
+        per_rank = gather_objects(mine)
+        if not trainer.is_global_zero:
+            return
+        merged: dict[str, list[dict[str, Any]]] = {}
+        for r in per_rank:
+            for name, stats in r.items():
+                merged.setdefault(name, []).append(stats)
+        metrics: dict[str, float] = {}
+        imbalance = []
+        for name, entries in sorted(merged.items()):
+            for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
+                metrics[f"moe/{name}/{key}"] = sum(e[key] for e in entries) / len(entries)
+            counts = [sum(c) for c in zip(*(e["tokens_per_expert"] for e in entries))]
+            mean = sum(counts) / max(len(counts), 1)
+            # Global balance: max/mean of the tokens each expert got from all ranks together.
+            metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0
+            imbalance.append(metrics[f"moe/{name}/global_load_imbalance"])
+        if imbalance:
+            metrics["moe/mean_global_load_imbalance"] = sum(imbalance) / len(imbalance)
+        self._log_scalars(trainer, metrics)
 
     # ------------------------------------------------------------------ torch.profiler
     def _start_torch_profiler(self, trainer: L.Trainer) -> None:

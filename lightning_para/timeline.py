@@ -104,7 +104,8 @@ def draw_timeline(
     for k in range(6):
         x = left + k * (width - left - right) / 5
         draw.line([x, axis_y, x, axis_y + 4], fill="black")
-        draw.text((x - 10, axis_y + 6), f"{k * span / 5 * 1e3:.1f}ms", fill="black", font=font)
+        label = f"{k * span / 5 * 1e3:.1f} ms"
+        draw.text((min(x - 10, width - 6 * len(label) - 2), axis_y + 6), label, fill="black", font=font)
     # legend
     lx = left
     for name, color in (("F forward", COLORS["F"]), ("B backward", COLORS["B"]), ("W weight grad", COLORS["W"]), ("idle", IDLE)):

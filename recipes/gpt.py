@@ -18,6 +18,7 @@ The default style is Llama-like (RMSNorm, RoPE, SwiGLU, no biases, untied); GPT-
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
@@ -274,6 +275,7 @@ class GPT(L.LightningModule):
         self.build()
         self.val_ppl = Perplexity()
         self.test_ppl = Perplexity()
+        self._eval_metric: Optional[str] = None  # name of the metric loss_fn feeds, while evaluating
         self.last_sample: Optional[str] = None
 
     # -------------------------------------------------------------- model
@@ -289,6 +291,8 @@ class GPT(L.LightningModule):
         self.init_weights()
         if config.tie_weights:
             self.head.lm_head.weight = self.embed.wte.weight
+        # Counted now, on the whole model: after a pipeline split a rank holds only its stages.
+        self.flops_params = self.num_params(matmul_only=True, active=True)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -307,10 +311,17 @@ class GPT(L.LightningModule):
             x = block(x)
         return self.head(x)
 
-    @staticmethod
-    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy (works on vocab-sharded DTensor logits under loss parallel)."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy (works on vocab-sharded DTensor logits under loss parallel).
+
+        During validation/test it also feeds the perplexity metric. It is the pipeline's
+        ``loss_fn`` too, so under ``pp > 1`` the metric is updated on the last stage, the only
+        place the logits exist.
+        """
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        if self._eval_metric is not None and not torch.is_grad_enabled():
+            getattr(self, self._eval_metric).update(full_tensor(logits).detach().float(), targets)
+        return loss
 
     @staticmethod
     def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
@@ -347,9 +358,10 @@ class GPT(L.LightningModule):
         return PipelineSpec(layers=[self.embed, *self.blocks, self.head], split_batch=self.split_batch, loss_fn=self.loss_fn)
 
     # -------------------------------------------------------------- accounting
-    def num_params(self, matmul_only: bool = False) -> int:
+    def num_params(self, matmul_only: bool = False, active: bool = False) -> int:
         """All parameters, or (``matmul_only``) those that take part in a matmul per token:
-        without the embedding lookups (but with a tied output head)."""
+        without the embedding lookups (but with a tied output head). ``active`` matters for
+        mixture-of-experts subclasses (experts a token does not use are not counted)."""
         params = {id(p): p for p in self.parameters()}
         if matmul_only:
             params.pop(id(self.embed.wte.weight), None)
@@ -360,9 +372,10 @@ class GPT(L.LightningModule):
         return sum(p.numel() for p in params.values())
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:
-        """Training FLOPs per token: 6 N + 12 L d T (PaLM, Chowdhery et al. 2022, App. B)."""
+        """Training FLOPs per token: 6 N + 12 L d T (PaLM, Chowdhery et al. 2022, App. B), with N
+        the matmul parameters a token uses (counted when the model was built)."""
         seq_len = seq_len or self.config.block_size
-        return 6 * self.num_params(matmul_only=True) + 12 * self.config.n_layer * self.config.n_embd * seq_len
+        return 6 * self.flops_params + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
     # -------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
@@ -372,30 +385,48 @@ class GPT(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = self.split_batch(batch)
         loss = self.loss_fn(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
+        # The same name the pipeline runner logs under pp > 1, so every layout shows one curve.
+        self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def _eval_step(self, batch: Any, prefix: str, metric: Perplexity) -> Tensor:
+    def _eval_step(self, batch: Any, prefix: str) -> Tensor:
         inputs, targets = self.split_batch(batch)
-        logits = self(inputs)
-        loss = self.loss_fn(logits, targets)
-        metric.update(full_tensor(logits).float(), targets)
-        self.log(f"{prefix}/loss", loss, sync_dist=True, prog_bar=prefix == "val")
-        self.log(f"{prefix}/ppl", metric)
+        loss = self.loss_fn(self(inputs), targets)
+        self.log(f"{prefix}_loss", loss, sync_dist=True, prog_bar=prefix == "val")
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._eval_step(batch, "val", self.val_ppl)
+        return self._eval_step(batch, "val")
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._eval_step(batch, "test", self.test_ppl)
+        return self._eval_step(batch, "test")
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        """The most likely next token at every position."""
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+        """Next-token logits ``(B, T, vocab)`` (what the pipeline returns under pp > 1 too)."""
         inputs, _ = self.split_batch(batch)
-        return full_tensor(self(inputs)).argmax(-1)
+        return full_tensor(self(inputs))
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_metric = "val_ppl"
+
+    def on_test_epoch_start(self) -> None:
+        self._eval_metric = "test_ppl"
+
+    def _log_perplexity(self, name: str) -> None:
+        self._eval_metric = None
+        metric = getattr(self, name)
+        with warnings.catch_warnings():
+            # Under pp > 1 only last-stage ranks update; compute() still sums every rank's state.
+            warnings.filterwarnings("ignore", message=".*compute.*before the.*update.*")
+            value = metric.compute()  # all-gathers the metric state over every rank
+        metric.reset()
+        self.log(name, value, sync_dist=True)  # already global; the mean of equal values keeps it
+
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity("test_ppl")
 
     def on_validation_epoch_end(self) -> None:
+        self._log_perplexity("val_ppl")
         if self.hparams.sample_tokens <= 0 or self.trainer.sanity_checking:
             return
         self.last_sample = text = self.generate_text(self.hparams.prompt, self.hparams.sample_tokens)
@@ -426,27 +457,48 @@ class GPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -------------------------------------------------------------- generation
+    def _next_token_logits(self, context: Tensor, length: int) -> Tensor:
+        """Logits after ``context[:, :length]`` through whatever layout the model runs in.
+
+        ``context`` has a fixed shape (right-padded): causal attention makes the padding
+        invisible to earlier positions, and one shape means one pipeline schedule. Without a
+        trainer the module runs directly; with one, through ``strategy.predict_step``, which is
+        the pipeline schedule under pp > 1 (every stage takes part) and the module's own
+        ``predict_step`` otherwise (under ZeRO-3 / TP every rank runs the same forward).
+        """
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is None:
+            return self(context)[:, length - 1]
+        dims = getattr(strategy, "_dims", None)
+        copies = 1
+        if dims is not None and dims.pp > 1:
+            copies = strategy.pipeline_stats()["microbatches"]  # each microbatch needs one sample
+        batch = context.expand(copies, -1).contiguous()
+        logits = full_tensor(strategy.predict_step((batch, batch), 0))
+        return logits[:1, length - 1]
+
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8, seed: int = 0) -> Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T).
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (1, T). Call it on every rank.
 
-        Collective-safe: call it on every rank. Under ZeRO-3 and tensor parallelism every
-        rank runs the same forward (FSDP2 gathers the weights, TP needs all of its ranks);
-        each step's token is sampled from a seeded generator on full logits and broadcast
-        from rank 0, so every rank feeds identical input to the next step.
+        Collective-safe under every layout: all ranks run the same forwards; each token is
+        sampled from a seeded generator on full logits and broadcast from rank 0, so every
+        rank feeds identical input to the next step.
         """
         generator = torch.Generator(device="cpu").manual_seed(seed)
+        window = self.config.block_size
+        tokens = idx[0].tolist()
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = full_tensor(self(context))[:, -1, :].float().cpu()
+            context_tokens = tokens[-window:]
+            context = torch.zeros(1, window, dtype=torch.long, device=idx.device)
+            context[0, : len(context_tokens)] = torch.tensor(context_tokens, device=idx.device)
+            logits = self._next_token_logits(context, len(context_tokens)).float().cpu()
             if temperature <= 0:
-                next_token = logits.argmax(-1, keepdim=True)
+                next_token = logits.argmax(-1)
             else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator)
-            next_token = broadcast_from_rank0(next_token.to(idx.device))
-            idx = torch.cat([idx, next_token], dim=1)
-        return idx
+                next_token = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
+            tokens.append(int(broadcast_from_rank0(next_token.to(idx.device))[0]))
+        return torch.tensor([tokens], dtype=torch.long, device=idx.device)
 
     def generate_text(self, prompt: str, max_new_tokens: int) -> str:
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None) if self._trainer else None
