@@ -153,6 +153,7 @@ class ParaProfiler(Callback):
         self._dp = 1
         self._has_moe = False
         self._timeline_pending = False
+        self.last_summary: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -238,7 +239,7 @@ class ParaProfiler(Callback):
         # Each rank's loss is its own batch's mean; the mean over all ranks is the global batch's
         # (tp/pp ranks repeat their dp slot's value, which leaves the mean unchanged).
         per_rank = gather_objects([float(x) for x in self.train_losses])
-        summary = self.summary([sum(v) / len(v) for v in zip(*per_rank)])
+        summary = self.last_summary = self.summary([sum(v) / len(v) for v in zip(*per_rank)])
         if trainer.is_global_zero and self.log_dir is not None and summary["steps"]:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             (self.log_dir / "para_summary.json").write_text(json.dumps(summary, indent=1))
