@@ -40,6 +40,7 @@ class ParallelDims:
     ep: int
     world_size: int
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
+    _flattened: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, config: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -80,8 +81,8 @@ class ParallelDims:
                 f" {self.world_size}."
             )
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
-        for flat_name, dims in FLATTENED_DIMS.items():
-            mesh[dims]._flatten(flat_name)
+        # Keep the flattened meshes: torch deprecates re-slicing a flattened dim from the root.
+        self._flattened = {name: mesh[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
         self.mesh = mesh
         return mesh
 
@@ -98,6 +99,8 @@ class ParallelDims:
             raise ValueError(
                 f"Unknown mesh dimension(s) {unknown or names}. Valid names: {', '.join(self.valid_mesh_names)}."
             )
+        if len(names) == 1 and names[0] in self._flattened:
+            return self._flattened[names[0]]
         return self.mesh[names[0] if len(names) == 1 else names]
 
     def group(self, name: str) -> dist.ProcessGroup:

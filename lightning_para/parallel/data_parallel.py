@@ -129,6 +129,11 @@ class _Bucket:
         return self.slots[0].world
 
 
+# torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _pack(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
     """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
     n = flat.numel()
@@ -315,7 +320,7 @@ class ZeroDataParallel:
                     slot.param.grad = None
             buffer.div_(world)
             output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            bucket.work = dist.reduce_scatter_tensor(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            bucket.work = _reduce_scatter(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
             bucket.buffer, bucket.output = buffer, output
         bucket.launched = True
 
@@ -400,7 +405,7 @@ class ZeroDataParallel:
             for slot in bucket.slots:
                 send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
             out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
-            work = dist.all_gather_into_tensor(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
+            work = _all_gather(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
             pending.append((bucket, out, work))
         for bucket, out, work in pending:
             work.wait()
