@@ -330,20 +330,33 @@ class GPT(L.LightningModule):
 
     # -------------------------------------------------------------- parallel declarations
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """Megatron-style TP: q/k/v and MLP inputs column-wise, their outputs row-wise (one
-        all-reduce per sublayer), vocab-parallel embedding and output projection."""
+        """Megatron-style TP (Shoeybi et al. 2019), in the shorthands of docs/tensor_parallel.md.
+
+        q/k/v and the MLP's input projections split column-wise (whole heads per rank), the
+        output projections row-wise (one all-reduce per sublayer, or a reduce-scatter under
+        sequence parallel); ``attention``/``mlp`` mark the sublayers whose input is gathered
+        once; the embedding and the output head split the vocabulary (the logits stay sharded
+        for the vocab-parallel loss); norms run on sequence shards under sequence parallel.
+        """
         plan = {
             "embed.wte": "vocab_parallel",
+            "blocks.*.ln_1": "norm",
+            "blocks.*.attn": "attention",
             "blocks.*.attn.c_q": "colwise",
             "blocks.*.attn.c_k": "colwise",
             "blocks.*.attn.c_v": "colwise",
             "blocks.*.attn.c_proj": "rowwise",
+            "blocks.*.ln_2": "norm",
+            "blocks.*.mlp": "mlp",
             "blocks.*.mlp.c_fc": "colwise",
             "blocks.*.mlp.c_proj": "rowwise",
-            "head.lm_head": "colwise",
+            "head.ln_f": "norm",
+            "head.lm_head": "lm_head",
         }
         if self.config.mlp == "swiglu":
             plan["blocks.*.mlp.c_gate"] = "colwise"
+        if self.config.pos == "learned":
+            plan["embed.wpe"] = "sequence_slice"  # added to the (sequence-sharded) token embeddings
         return plan
 
     def configure_pipeline(self):

@@ -89,14 +89,15 @@ class MoEGPT(GPT):
         )
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """The dense plan for attention, embedding, head and the dense blocks' MLPs.
-
-        MoE blocks are left to expert parallelism (their router is not an ``nn.Linear`` and
-        their experts are stacked tensors), so the MLP entries name the dense blocks only.
-        """
-        plan = {k: v for k, v in super().tensor_parallel_plan().items() if not k.startswith("blocks.*.mlp.")}
-        dense = [i for i in range(self.config.n_layer) if not self.is_moe_block(i)]
-        for i in dense:
+        """The dense plan for attention, embedding, head and the dense blocks' MLPs; MoE layers
+        run whole on every tp rank (``gather_sequence``: on the full sequence under sequence
+        parallel), their experts split by expert parallelism instead."""
+        plan = {k: v for k, v in super().tensor_parallel_plan().items() if not k.startswith("blocks.*.mlp")}
+        for i in range(self.config.n_layer):
+            if self.is_moe_block(i):
+                plan[f"blocks.{i}.mlp"] = "gather_sequence"
+                continue
+            plan[f"blocks.{i}.mlp"] = "mlp"
             for name in ("c_fc", "c_gate") if self.config.mlp == "swiglu" else ("c_fc",):
                 plan[f"blocks.{i}.mlp.{name}"] = "colwise"
             plan[f"blocks.{i}.mlp.c_proj"] = "rowwise"

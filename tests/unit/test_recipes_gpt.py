@@ -91,21 +91,39 @@ def test_attention_runs_with_a_tensor_parallel_share_of_heads():
     assert attn(torch.randn(2, 8, 32)).shape == (2, 8, 32)
 
 
-def test_tensor_parallel_plan_covers_every_linear_once():
-    for style in ({}, {"mlp": "gelu"}):
+def _match(pattern: str, name: str) -> bool:
+    """Segment-wise glob, as the TP plan matches module names (docs/tensor_parallel.md)."""
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
+
+
+def test_tensor_parallel_plan():
+    model = GPT(n_layer=3, n_embd=32, n_head=4)
+    assert model.tensor_parallel_plan() == {
+        "embed.wte": "vocab_parallel",
+        "blocks.*.ln_1": "norm", "blocks.*.ln_2": "norm", "head.ln_f": "norm",
+        "blocks.*.attn": "attention",
+        "blocks.*.attn.c_q": "colwise", "blocks.*.attn.c_k": "colwise", "blocks.*.attn.c_v": "colwise",
+        "blocks.*.attn.c_proj": "rowwise",
+        "blocks.*.mlp": "mlp",
+        "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_gate": "colwise", "blocks.*.mlp.c_proj": "rowwise",
+        "head.lm_head": "lm_head",
+    }
+    for style in ({}, {"mlp": "gelu", "pos": "learned", "norm": "layernorm", "bias": True}):
         model = GPT(n_layer=3, n_embd=32, n_head=4, **style)
         plan = model.tensor_parallel_plan()
-        names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-        for name in names:
-            matches = [p for p in plan if fnmatch.fnmatchcase(name, p)]
-            if name == "embed.wpe":
-                continue
-            assert len(matches) == 1, (name, matches)
-        for pattern, style_name in plan.items():
-            assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
-            assert style_name in ("colwise", "rowwise", "vocab_parallel"), style_name
-        # Megatron pairing: the layer after each column-parallel group is row-parallel
-        assert plan["blocks.*.attn.c_proj"] == plan["blocks.*.mlp.c_proj"] == "rowwise"
+        modules = dict(model.named_modules())
+        for pattern in plan:  # no pattern is a typo
+            assert any(_match(pattern, n) for n in modules), pattern
+        for name, module in modules.items():  # every Linear/Embedding/norm has exactly one style
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)):
+                assert len([p for p in plan if _match(p, name)]) == 1, name
+        # every column-parallel projection is followed by a row-parallel one in the same sublayer
+        for sublayer in ("attn", "mlp"):
+            styles = {p.rsplit(".", 1)[1]: s for p, s in plan.items() if p.startswith(f"blocks.*.{sublayer}.")}
+            assert "rowwise" in styles.values() and "colwise" in styles.values()
+        if style:
+            assert plan["embed.wpe"] == "sequence_slice" and "blocks.*.mlp.c_gate" not in plan
 
 
 def test_flops_per_token_is_6n_plus_attention():
