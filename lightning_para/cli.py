@@ -19,6 +19,7 @@ process, before any worker starts; ``main()`` prints them without a traceback.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,8 +64,14 @@ def make_recipes_importable() -> None:
             sys.path.append(str(root))
 
 
+# Noise from Lightning's own internals on torch 2.13, printed once per rank; nothing a user can act on.
+_QUIET = (r".*isinstance\(treespec, LeafSpec\).*",)
+
+
 def main(args: Optional[list[str]] = None) -> Optional[ParaCLI]:
     """Entry point of the ``lightning-para`` console script."""
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
     make_recipes_importable()
     try:
         return ParaCLI(args=args)

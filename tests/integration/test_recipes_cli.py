@@ -75,6 +75,37 @@ def test_gpt_demo_trains_and_reports_to_tensorboard(gpt_parallel_run):
     assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl  # perplexity = exp(mean token NLL)
 
 
+def cli_eval_job(args: list[str]) -> dict:
+    """Run an evaluation subcommand; return the logged metrics and the prediction shapes."""
+    from lightning_para.cli import main
+
+    cli = main(args)
+    predictions = cli.trainer.predict_loop.predictions if args[0] == "predict" else []
+    return {"metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()},
+            "predictions": [tuple(p.shape) for p in predictions]}
+
+
+def test_validate_and_predict_from_the_demo_checkpoint(pools, gpt_parallel_run, tmp_path):
+    root, results = gpt_parallel_run
+    (checkpoint,) = (next((root / "lightning_logs").glob("version_*")) / "checkpoints").glob("*step=6*")
+    common = ["--config", str(GPT_DEMO), "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.enable_progress_bar", "false", "--model.init_args.sample_tokens", "0",
+              "--data.init_args.max_bytes", "300000"]
+    validated = pools.get(4).run(cli_eval_job, ["validate", *common, "--trainer.limit_val_batches", "2"])[0]
+    # the same weights and batches as the fit's last validation
+    assert validated["metrics"]["val_loss"] == pytest.approx(results[0]["summary"]["final_val_loss"], rel=1e-6)
+    predicted = pools.get(4).run(cli_eval_job, ["predict", *common, "--trainer.limit_predict_batches", "2"])[0]
+    per_rank_batch = 16 // _dp_of(GPT_DEMO, 4)
+    assert predicted["predictions"] == [(per_rank_batch, 64, 256)] * 2  # next-token logits
+
+
+def _dp_of(config: Path, world: int) -> int:
+    import yaml
+
+    degrees = yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+    return world // (degrees.get("tp", 1) * degrees.get("pp", 1))
+
+
 def test_moe_demo_trains_and_logs_balance(pools, tmp_path):
     results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path)])
     summary = results[0]["summary"]

@@ -75,11 +75,12 @@ def test_profiler_arguments_and_peak_detection():
 
 
 def test_profiler_on_a_plain_trainer(tmp_path):
-    """No ParaStrategy: throughput, MFU (peak given), the summary and TensorBoard still work."""
+    """No ParaStrategy: throughput, MFU (peak given), a torch.profiler trace window, the summary
+    and TensorBoard still work."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     L.seed_everything(0)
-    profiler = ParaProfiler(peak_flops=1e12, log_every_n_steps=2)
+    profiler = ParaProfiler(peak_flops=1e12, log_every_n_steps=2, trace_start_step=1, trace_steps=2)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=4, limit_val_batches=1, val_check_interval=4, num_sanity_val_steps=0,
         default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -95,6 +96,8 @@ def test_profiler_on_a_plain_trainer(tmp_path):
     scalars = set(events.Tags()["scalars"])
     assert {"perf/tokens_per_s", "perf/lr", "perf/mfu", "train_loss", "val_loss", "val_ppl"} <= scalars, scalars
     assert "samples/text/text_summary" in events.Tags()["tensors"]
+    (trace,) = (profiler.log_dir / "traces").glob("rank0*.pt.trace.json")
+    assert '"ProfilerStep' in trace.read_text() or "aten::" in trace.read_text()
     mfu = events.Scalars("perf/mfu")[-1].value
     tokens_per_s = events.Scalars("perf/tokens_per_s")[-1].value
     assert mfu == pytest.approx(model.flops_per_token(32) * tokens_per_s / 1e12, rel=1e-4)
