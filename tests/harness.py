@@ -64,9 +64,25 @@ def worker_environment(rank: int, world_size: int, port: int, nproc_per_node: in
     }
 
 
+def slurm_environment(rank: int, world_size: int, nproc_per_node: int) -> dict[str, str]:
+    """What ``srun --ntasks-per-node=P`` gives each task (read by Lightning's ``SLURMEnvironment``)."""
+    return {
+        "SLURM_NTASKS": str(world_size),
+        "SLURM_NTASKS_PER_NODE": str(nproc_per_node),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % nproc_per_node),
+        "SLURM_NODEID": str(rank // nproc_per_node),
+        "SLURM_JOB_NAME": "lightning-para-tests",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "127.0.0.1",
+    }
+
+
 def _worker_main(rank, world_size, port, nproc_per_node, job_queue, result_queue, extra_env) -> None:
     os.environ.update(worker_environment(rank, world_size, port, nproc_per_node))
     os.environ.update(extra_env)
+    if extra_env.get("PARA_TEST_SLURM") == "1":  # emulate srun instead of torchrun
+        os.environ.update(slurm_environment(rank, world_size, nproc_per_node))
     import torch.distributed as dist
 
     torch.set_num_threads(1)

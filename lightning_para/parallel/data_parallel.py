@@ -429,11 +429,11 @@ class ZeroDataParallel:
 
 
 def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
-    grad = grad.to(param.dtype)
+    """``param.grad += grad``; ``grad`` is a view into a bucket buffer, so copy on first use."""
     if param.grad is None:
-        param.grad = grad.clone() if grad.dtype == param.dtype else grad
+        param.grad = grad.to(param.dtype, copy=True)
     else:
-        param.grad.add_(grad)
+        param.grad.add_(grad.to(param.dtype))
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDataParallel] = None) -> None:

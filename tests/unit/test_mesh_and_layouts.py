@@ -1,0 +1,127 @@
+"""Mesh layout (on torch's fake process group: no real communication), ZeRO bucket layout,
+ZeRO-3 unit choice, and the ZeRO memory formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_para.config import ParallelConfig
+from lightning_para.memory import expected, formula
+from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.data_parallel import _pack, _unpack
+from lightning_para.parallel.fsdp import choose_units
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of any size for rank 0 of it: meshes build, nothing is sent."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world_size: int, rank: int = 0) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _ranks(mesh) -> list[int]:
+    return mesh.mesh.flatten().tolist()
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_mesh_layout_tp_innermost_pp_outermost(fake_world, rank):
+    fake_world(8, rank)
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 8)
+    dims.build_mesh("cpu")
+    assert (dims.pp, dims.dp, dims.tp, dims.ep, dims.edp) == (2, 2, 2, 1, 2)
+    # rank = ((pp * edp + edp_i) * ep + ep_i) * tp + tp_i
+    tp_group = [rank - rank % 2, rank - rank % 2 + 1]
+    assert _ranks(dims.get_mesh("tp")) == tp_group  # consecutive ranks: one node's NVLink
+    assert _ranks(dims.get_mesh("pp")) == [rank % 4, rank % 4 + 4]
+    dp = [(rank // 4) * 4 + (rank % 2), (rank // 4) * 4 + (rank % 2) + 2]
+    assert _ranks(dims.get_mesh("dp")) == dp
+    assert dims.get_mesh("dp", "tp").mesh.shape == (2, 2)
+
+
+def test_expert_parallel_borrows_inner_dp_ranks(fake_world):
+    fake_world(8)
+    dims = ParallelDims.from_config(ParallelConfig(dp=4, tp=2, ep=2), 8)
+    dims.build_mesh("cpu")
+    assert (dims.dp, dims.ep, dims.edp) == (4, 2, 2)
+    assert _ranks(dims.get_mesh("dp")) == [0, 2, 4, 6]
+    assert _ranks(dims.get_mesh("ep")) == [0, 2]  # experts sharded here
+    assert _ranks(dims.get_mesh("edp")) == [0, 4]  # same experts replicated here
+
+
+def test_get_mesh_errors_list_valid_names(fake_world):
+    fake_world(2)
+    dims = ParallelDims.from_config(ParallelConfig(), 2)
+    with pytest.raises(RuntimeError, match="does not exist yet"):
+        dims.get_mesh("dp")
+    dims.build_mesh("cpu")
+    with pytest.raises(ValueError, match=r"Unknown mesh dimension.*Valid names: pp, edp, ep, tp, dp"):
+        dims.get_mesh("cp")
+
+
+@pytest.mark.parametrize("numel, chunk, world", [(12, 4, 3), (10, 4, 3), (3, 2, 4), (7, 7, 1)])
+def test_rank_major_pack_roundtrip(numel, chunk, world):
+    flat = torch.arange(numel, dtype=torch.float32) + 1
+    dest = torch.full((world, chunk + 3), -1.0)
+    _pack(flat, chunk, world, dest, offset=1)
+    # Row r holds torch.chunk's r-th piece, zero-padded to `chunk`; other columns untouched.
+    pieces = list(torch.split(flat, chunk))
+    for r in range(world):
+        piece = pieces[r] if r < len(pieces) else torch.empty(0)
+        assert torch.equal(dest[r, 1 : 1 + len(piece)], piece)
+        assert torch.all(dest[r, 1 + len(piece) : 1 + chunk] == 0)
+        assert dest[r, 0] == -1 and torch.all(dest[r, 1 + chunk :] == -1)
+    back = torch.zeros(numel)
+    _unpack(dest, chunk, 1, back)
+    assert torch.equal(back, flat)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_zero3_units_skip_tied_weights():
+    model = _Tied()
+    units = choose_units(model)
+    assert units == [*model.blocks, model.norm]  # embed and head share a weight: left to the root
+
+
+def test_zero3_units_descend_wrappers():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = nn.Module()
+            self.transformer.h = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.transformer.wpe = nn.Embedding(4, 4)
+            self.lm_head = nn.Linear(4, 4)
+
+    model = Outer()
+    assert choose_units(model) == [*model.transformer.h, model.transformer.wpe, model.lm_head]
+
+
+@pytest.mark.parametrize("stage, paper", [(0, 16.0), (1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
+def test_zero_formulas_match_the_paper(stage, paper):
+    """bf16 weights and grads (2 + 2 B) and Adam with an fp32 master (12 B), N = 4."""
+    psi = 1000
+    exp = expected(stage=stage, psi_dense=psi, psi_expert=0, dp=4, edp=4, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    assert exp["total"] / psi == pytest.approx(paper)
+    assert formula(stage, 4).startswith(("16 ", "4+12/N", "2+14/N", "16/N"))
+
+
+def test_expert_parameters_shard_over_edp():
+    exp = expected(stage=1, psi_dense=100, psi_expert=100, dp=4, edp=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    assert exp["optimizer"] == 8 * (100 / 4 + 100 / 2)
