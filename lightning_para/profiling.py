@@ -164,7 +164,8 @@ class ParaProfiler(Callback):
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
         self._has_moe = bool(_moe_layers(pl_module))
-        log_dir = trainer.log_dir  # rank 0's directory on every rank (Lightning broadcasts it)
+        # rank 0's directory on every rank (Lightning broadcasts it); no logger, no files
+        log_dir = trainer.log_dir if trainer.loggers else None
         self.log_dir = Path(log_dir) if log_dir else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -182,7 +183,7 @@ class ParaProfiler(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._traced = False
-        if self.trace_start_step is not None and self._batches == self.trace_start_step and self.log_dir is not None:
+        if self.trace_start_step is not None and self._batches == self.trace_start_step:
             self._start_torch_profiler(trainer)
         if self._torch_profiler is not None:
             self._traced = True
@@ -408,8 +409,8 @@ class ParaProfiler(Callback):
         activities = [ProfilerActivity.CPU]
         if trainer.strategy.root_device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        assert self.log_dir is not None
-        handler = tensorboard_trace_handler(str(self.log_dir / "traces"), worker_name=f"rank{trainer.global_rank}")
+        folder = (self.log_dir or Path(trainer.default_root_dir)) / "traces"
+        handler = tensorboard_trace_handler(str(folder), worker_name=f"rank{trainer.global_rank}")
         self._torch_profiler = profile(activities=activities, on_trace_ready=handler, record_shapes=False)
         self._torch_profiler.__enter__()
 
