@@ -58,10 +58,16 @@ class ParaCLI(LightningCLI):
 
 
 def make_recipes_importable() -> None:
-    """Let ``class_path: recipes.gpt.GPT`` resolve from a clone (the current folder or the repo root)."""
+    """Let ``class_path: recipes.gpt.GPT`` resolve from a clone (the current folder or the repo
+    root), and import the recipes so the short names ``--model GPT`` / ``MoEGPT`` work too."""
     for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
         if (root / "recipes" / "gpt.py").is_file() and str(root) not in sys.path:
             sys.path.append(str(root))
+    try:
+        import recipes.gpt  # noqa: F401
+        import recipes.moe  # noqa: F401
+    except ImportError:  # an installed package without the repository's recipes/
+        pass
 
 
 # Noise from Lightning's own internals on torch 2.13, printed once per rank; nothing a user can act on.

@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_para.comm_trace import CommTracer, group_labels
-from lightning_para.timeline import as_events, draw_timeline, idle_fraction
+from lightning_para.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 
 # Dense bf16 tensor-core peak FLOP/s per device, from the vendors' datasheets (no sparsity).
 PEAK_FLOPS = {
@@ -346,33 +346,15 @@ class ParaProfiler(Callback):
         dims = getattr(strategy, "_dims", None)
         if dims is None or dims.pp <= 1 or not hasattr(strategy, "pipeline_stats"):
             return
-        stats = strategy.pipeline_stats()
-        # Events are seconds since this rank's step start; `step_start_unix` puts the ranks of
-        # one machine on a common clock (across machines, NTP accuracy bounds the alignment).
-        origin = float(stats.get("step_start_unix", 0.0))
-        rank = dist.get_rank()
-        events = [
-            {"rank": rank, "stage": e["stage"], "action": e["action"], "microbatch": e["microbatch"],
-             "start": origin + e["start"], "end": origin + e["end"]}
-            for e in stats.get("events", []) if e.get("action") != "L"  # the loss runs inside the last F
-        ]
-        mine = {"stage": dims.local_rank("pp"), "idle": stats.get("idle_fraction"),
-                "expected": stats.get("expected_idle_fraction"), "events": events}
+        mine = rank_pipeline_record(strategy.pipeline_stats(), dist.get_rank(), dims.local_rank("pp"))
         per_rank = gather_objects(mine)
         if not trainer.is_global_zero:
             return
-        by_stage: dict[int, list[float]] = {}
-        for r in per_rank:
-            if r["idle"] is not None:
-                by_stage.setdefault(r["stage"], []).append(float(r["idle"]))
-        metrics = {f"pipeline/idle_fraction/stage{s}": sum(v) / len(v) for s, v in sorted(by_stage.items())}
-        if per_rank[0]["expected"] is not None:
-            metrics["pipeline/expected_idle_fraction"] = float(per_rank[0]["expected"])
+        metrics, events = pipeline_metrics(per_rank)
         self._log_scalars(trainer, metrics)
-        all_events = as_events(e for r in per_rank for e in r["events"])
-        if all_events:
+        if events:
             title = f"pipeline timeline of step {trainer.global_step} (measured; rows: ranks, boxes: action + microbatch)"
-            self._log_image(trainer, "pipeline/timeline", draw_timeline(all_events, title=title))
+            self._log_image(trainer, "pipeline/timeline", draw_timeline(events, title=title))
 
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""

@@ -43,6 +43,36 @@ def as_events(records: Iterable[Any]) -> list[PipelineEvent]:
     return events
 
 
+def rank_pipeline_record(stats: dict[str, Any], rank: int, stage: int) -> dict[str, Any]:
+    """What one rank sends rank 0: its stage, idle fractions and events on the common clock.
+
+    ``stats`` is ``ParaStrategy.pipeline_stats()``: events in seconds since this rank's step
+    start plus ``step_start_unix``, which puts the ranks of one machine on one clock (across
+    machines NTP accuracy bounds the alignment). The loss action ("L") runs inside the last
+    forward and is left out.
+    """
+    origin = float(stats.get("step_start_unix", 0.0))
+    events = [
+        {"rank": rank, "stage": e["stage"], "action": e["action"], "microbatch": e["microbatch"],
+         "start": origin + e["start"], "end": origin + e["end"]}
+        for e in stats.get("events", []) if e.get("action") != "L"
+    ]
+    return {"stage": stage, "idle": stats.get("idle_fraction"), "expected": stats.get("expected_idle_fraction"),
+            "events": events}
+
+
+def pipeline_metrics(per_rank: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[PipelineEvent]]:
+    """Idle fraction per stage (mean over its ranks), the expected bubble, and all events."""
+    by_stage: dict[int, list[float]] = {}
+    for r in per_rank:
+        if r["idle"] is not None:
+            by_stage.setdefault(r["stage"], []).append(float(r["idle"]))
+    metrics = {f"pipeline/idle_fraction/stage{s}": sum(v) / len(v) for s, v in sorted(by_stage.items())}
+    if per_rank and per_rank[0]["expected"] is not None:
+        metrics["pipeline/expected_idle_fraction"] = float(per_rank[0]["expected"])
+    return metrics, as_events(e for r in per_rank for e in r["events"])
+
+
 def idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:
     """Per rank: 1 - busy / (span of the whole step over all ranks)."""
     if not events:

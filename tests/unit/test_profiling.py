@@ -13,7 +13,9 @@ import torch
 from lightning_para.comm_trace import classify
 from lightning_para.data import TextDataModule
 from lightning_para.profiling import ParaProfiler, detect_peak_flops
-from lightning_para.timeline import COLORS, IDLE, PipelineEvent, as_events, draw_timeline, idle_fraction
+from lightning_para.timeline import (
+    COLORS, IDLE, PipelineEvent, as_events, draw_timeline, idle_fraction, pipeline_metrics, rank_pipeline_record,
+)
 from recipes.gpt import GPT
 
 
@@ -53,6 +55,23 @@ def test_timeline_image_draws_each_action_where_it_ran():
     # dicts and tuples are accepted too (what ranks send each other)
     assert as_events([e.__dict__ for e in events]) == events
     assert draw_timeline([], width=300).shape[1] == 300
+
+
+def test_pipeline_records_share_one_clock_and_average_per_stage():
+    """Two ranks per stage; each rank's events are relative to its own step start."""
+    per_rank = []
+    for rank, (stage, start_unix, idle) in enumerate([(0, 100.0, 0.2), (0, 100.5, 0.4), (1, 100.25, 0.1), (1, 100.0, 0.3)]):
+        stats = {
+            "step_start_unix": start_unix, "idle_fraction": idle, "expected_idle_fraction": 1 / 3,
+            "events": [{"stage": stage, "microbatch": 0, "action": "F", "start": 0.5, "end": 1.0},
+                       {"stage": stage, "microbatch": 0, "action": "L", "start": 0.9, "end": 1.0}],
+        }
+        per_rank.append(rank_pipeline_record(stats, rank, stage))
+    metrics, events = pipeline_metrics(per_rank)
+    assert metrics == pytest.approx({"pipeline/idle_fraction/stage0": 0.3, "pipeline/idle_fraction/stage1": 0.2,
+                                     "pipeline/expected_idle_fraction": 1 / 3})
+    assert [e.action for e in events] == ["F"] * 4  # the loss ("L") runs inside the forward
+    assert [e.start for e in events] == [100.5, 101.0, 100.75, 100.5]
 
 
 def test_collective_byte_accounting_follows_the_zero_paper():
