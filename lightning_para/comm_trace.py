@@ -35,7 +35,7 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"}
 _P2P = {"send", "recv", "recv_any_source"}
 # Mesh dims in labelling priority: a group shared by two dims (e.g. dp that spans the world)
-# is named after the first; dims of size 1 carry no traffic and are skipped.
+# is named after the first; dims of size 1 come after every real group.
 _DIM_PRIORITY = ("tp", "ep", "dp", "edp", "pp")
 
 
@@ -51,13 +51,14 @@ def group_labels(mesh: Any) -> dict[str, str]:
     """Process-group name -> mesh dimension name for a ``DeviceMesh`` with named dims."""
     labels: dict[str, str] = {}
     if mesh is not None:
+        subs = []
         for dim in _DIM_PRIORITY:
             try:
-                sub = mesh[dim]  # flattened dims ("dp") resolve on the root mesh too
+                subs.append((dim, mesh[dim]))  # flattened dims ("dp") resolve on the root mesh too
             except (KeyError, RuntimeError, ValueError):
                 continue
-            if sub.size() <= 1:
-                continue
+        # Real groups first; then size-1 dims, whose collectives (e.g. ZeRO over dp=1) move nothing.
+        for dim, sub in sorted(subs, key=lambda item: item[1].size() <= 1):
             labels.setdefault(sub.get_group().group_name, dim)
     if dist.is_initialized():
         labels.setdefault(dist.group.WORLD.group_name, "world")

@@ -8,8 +8,10 @@ One readable file: :class:`GPTConfig` (named size presets), the blocks, and :cla
   on each rank; attention reshapes with ``-1`` heads, so it runs unchanged with ``n_head / tp``
   local heads.
 * ``embed`` -> ``blocks`` -> ``head`` are separate modules that each map ``x -> x``: that is
-  the pipeline contract (:meth:`GPT.configure_pipeline`) and how the TP plan names layers
-  (:meth:`GPT.tensor_parallel_plan`).
+  the pipeline contract (:meth:`GPT.configure_pipeline`). Each of them declares its own
+  tensor-parallel plan (``tensor_parallel_plan()`` on :class:`Embedding`, :class:`Block`,
+  :class:`Head`, relative to itself), so the plan applies unchanged to whichever layers a
+  pipeline stage holds.
 
 The default style is Llama-like (RMSNorm, RoPE, SwiGLU, no biases, untied); GPT-2 style is
 ``norm="layernorm", pos="learned", mlp="gelu", bias=True, tie_weights=True``.
@@ -188,6 +190,32 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Megatron-style TP (Shoeybi et al. 2019), in the shorthands of docs/tensor_parallel.md.
+
+        q/k/v and the MLP's input projections split column-wise (whole heads per rank), the
+        output projections row-wise (one all-reduce per sublayer, a reduce-scatter under
+        sequence parallel); ``attention``/``mlp`` mark the sublayers whose input is gathered
+        once; norms run on sequence shards under sequence parallel. An MoE feed-forward runs
+        whole on every tp rank (``gather_sequence``): expert parallelism splits its experts.
+        """
+        plan = {
+            "ln_1": "norm",
+            "attn": "attention",
+            "attn.c_q": "colwise",
+            "attn.c_k": "colwise",
+            "attn.c_v": "colwise",
+            "attn.c_proj": "rowwise",
+            "ln_2": "norm",
+        }
+        if not isinstance(self.mlp, MLP):
+            plan["mlp"] = "gather_sequence"
+            return plan
+        plan.update({"mlp": "mlp", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"})
+        if self.mlp.c_gate is not None:
+            plan["mlp.c_gate"] = "colwise"
+        return plan
+
 
 class Embedding(nn.Module):
     """Token embedding (+ learned positions), the first pipeline layer: ids (B, T) -> (B, T, d)."""
@@ -208,6 +236,13 @@ class Embedding(nn.Module):
             x = x + self.wpe(torch.arange(seq, device=idx.device))
         return self.dropout(x)
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The vocabulary split over tp; learned positions follow the (sequence-sharded) stream."""
+        plan = {"wte": "vocab_parallel"}
+        if self.wpe is not None:
+            plan["wpe"] = "sequence_slice"
+        return plan
+
 
 class Head(nn.Module):
     """Final norm and the vocabulary projection, the last pipeline layer: (B, T, d) -> logits."""
@@ -219,6 +254,10 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Logits split by vocabulary and left sharded for the vocab-parallel loss."""
+        return {"ln_f": "norm", "lm_head": "lm_head"}
 
 
 def full_tensor(t: Tensor) -> Tensor:
@@ -319,6 +358,10 @@ class GPT(L.LightningModule):
         place the logits exist.
         """
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        # Under the vocab-parallel loss this is a replicated DTensor; a plain tensor (no
+        # communication, the gradient flows back as a DTensor) is what Lightning and the
+        # pipeline schedule start backward from.
+        loss = full_tensor(loss)
         if self._eval_metric is not None and not torch.is_grad_enabled():
             getattr(self, self._eval_metric).update(full_tensor(logits).detach().float(), targets)
         return loss
@@ -329,36 +372,6 @@ class GPT(L.LightningModule):
         return inputs, targets
 
     # -------------------------------------------------------------- parallel declarations
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Megatron-style TP (Shoeybi et al. 2019), in the shorthands of docs/tensor_parallel.md.
-
-        q/k/v and the MLP's input projections split column-wise (whole heads per rank), the
-        output projections row-wise (one all-reduce per sublayer, or a reduce-scatter under
-        sequence parallel); ``attention``/``mlp`` mark the sublayers whose input is gathered
-        once; the embedding and the output head split the vocabulary (the logits stay sharded
-        for the vocab-parallel loss); norms run on sequence shards under sequence parallel.
-        """
-        plan = {
-            "embed.wte": "vocab_parallel",
-            "blocks.*.ln_1": "norm",
-            "blocks.*.attn": "attention",
-            "blocks.*.attn.c_q": "colwise",
-            "blocks.*.attn.c_k": "colwise",
-            "blocks.*.attn.c_v": "colwise",
-            "blocks.*.attn.c_proj": "rowwise",
-            "blocks.*.ln_2": "norm",
-            "blocks.*.mlp": "mlp",
-            "blocks.*.mlp.c_fc": "colwise",
-            "blocks.*.mlp.c_proj": "rowwise",
-            "head.ln_f": "norm",
-            "head.lm_head": "lm_head",
-        }
-        if self.config.mlp == "swiglu":
-            plan["blocks.*.mlp.c_gate"] = "colwise"
-        if self.config.pos == "learned":
-            plan["embed.wpe"] = "sequence_slice"  # added to the (sequence-sharded) token embeddings
-        return plan
-
     def configure_pipeline(self):
         """The pipeline contract: embedding, each block, then final norm + head, in order."""
         from lightning_para import PipelineSpec

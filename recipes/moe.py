@@ -5,7 +5,8 @@ GShard/Switch) replaces its MLP with :class:`lightning_para.moe.MoE`: ``num_expe
 experts, ``top_k`` per token, optional ``capacity_factor`` (``None``: dropless) and an
 optional shared expert. Under ``ParaStrategy(ep=e)`` the experts are split over ``e`` ranks
 and tokens travel by all-to-all; everything else (TP plan, pipeline contract, generation)
-is inherited.
+is inherited (each :class:`~recipes.gpt.Block` declares ``gather_sequence`` for an MoE
+feed-forward: it runs whole on every tp rank and expert parallelism splits its experts).
 
 The routers' auxiliary losses train through the MoE layers' own backward hook
 (:func:`lightning_para.moe.aux_loss`); ``train_loss`` stays the language-model loss, so it
@@ -87,21 +88,6 @@ class MoEGPT(GPT):
             activation=config.mlp, shared_hidden_dim=o.shared_expert_hidden, capacity_factor=o.capacity_factor,
             balance_loss_weight=o.balance_loss_weight, z_loss_weight=o.z_loss_weight,
         )
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """The dense plan for attention, embedding, head and the dense blocks' MLPs; MoE layers
-        run whole on every tp rank (``gather_sequence``: on the full sequence under sequence
-        parallel), their experts split by expert parallelism instead."""
-        plan = {k: v for k, v in super().tensor_parallel_plan().items() if not k.startswith("blocks.*.mlp")}
-        for i in range(self.config.n_layer):
-            if self.is_moe_block(i):
-                plan[f"blocks.{i}.mlp"] = "gather_sequence"
-                continue
-            plan[f"blocks.{i}.mlp"] = "mlp"
-            for name in ("c_fc", "c_gate") if self.config.mlp == "swiglu" else ("c_fc",):
-                plan[f"blocks.{i}.mlp.{name}"] = "colwise"
-            plan[f"blocks.{i}.mlp.c_proj"] = "rowwise"
-        return plan
 
     def num_params(self, matmul_only: bool = False, active: bool = False) -> int:
         """As :meth:`GPT.num_params`; with ``active`` the experts count ``top_k / num_experts`` of

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-
 import pytest
 import torch
 from torch import nn
@@ -91,39 +89,44 @@ def test_attention_runs_with_a_tensor_parallel_share_of_heads():
     assert attn(torch.randn(2, 8, 32)).shape == (2, 8, 32)
 
 
-def _match(pattern: str, name: str) -> bool:
-    """Segment-wise glob, as the TP plan matches module names (docs/tensor_parallel.md)."""
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """Module name -> style from every ``tensor_parallel_plan()`` (each relative to its module)."""
+    plan: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if hasattr(type(module), "tensor_parallel_plan"):
+            for pattern, style in module.tensor_parallel_plan().items():
+                name = f"{prefix}.{pattern}" if prefix else pattern
+                assert name not in plan, f"{name} planned twice"
+                plan[name] = style
+    return plan
 
 
 def test_tensor_parallel_plan():
-    model = GPT(n_layer=3, n_embd=32, n_head=4)
-    assert model.tensor_parallel_plan() == {
-        "embed.wte": "vocab_parallel",
-        "blocks.*.ln_1": "norm", "blocks.*.ln_2": "norm", "head.ln_f": "norm",
-        "blocks.*.attn": "attention",
-        "blocks.*.attn.c_q": "colwise", "blocks.*.attn.c_k": "colwise", "blocks.*.attn.c_v": "colwise",
-        "blocks.*.attn.c_proj": "rowwise",
-        "blocks.*.mlp": "mlp",
-        "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_gate": "colwise", "blocks.*.mlp.c_proj": "rowwise",
-        "head.lm_head": "lm_head",
+    model = GPT(n_layer=2, n_embd=32, n_head=4)
+    block = {
+        "ln_1": "norm", "attn": "attention", "attn.c_q": "colwise", "attn.c_k": "colwise", "attn.c_v": "colwise",
+        "attn.c_proj": "rowwise", "ln_2": "norm", "mlp": "mlp", "mlp.c_fc": "colwise", "mlp.c_gate": "colwise",
+        "mlp.c_proj": "rowwise",
     }
+    expected = {"embed.wte": "vocab_parallel", "head.ln_f": "norm", "head.lm_head": "lm_head"}
+    expected.update({f"blocks.{i}.{k}": v for i in range(2) for k, v in block.items()})
+    assert declared_plan(model) == expected
     for style in ({}, {"mlp": "gelu", "pos": "learned", "norm": "layernorm", "bias": True}):
         model = GPT(n_layer=3, n_embd=32, n_head=4, **style)
-        plan = model.tensor_parallel_plan()
+        plan = declared_plan(model)
         modules = dict(model.named_modules())
-        for pattern in plan:  # no pattern is a typo
-            assert any(_match(pattern, n) for n in modules), pattern
-        for name, module in modules.items():  # every Linear/Embedding/norm has exactly one style
+        assert set(plan) <= set(modules)  # no name is a typo
+        for name, module in modules.items():  # every Linear/Embedding/norm is planned
             if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)):
-                assert len([p for p in plan if _match(p, name)]) == 1, name
-        # every column-parallel projection is followed by a row-parallel one in the same sublayer
+                assert name in plan, name
+        # each sublayer: column-parallel inputs, one row-parallel output
         for sublayer in ("attn", "mlp"):
-            styles = {p.rsplit(".", 1)[1]: s for p, s in plan.items() if p.startswith(f"blocks.*.{sublayer}.")}
-            assert "rowwise" in styles.values() and "colwise" in styles.values()
+            styles = [v for k, v in plan.items() if k.startswith(f"blocks.0.{sublayer}.")]
+            assert styles.count("rowwise") == 1 and "colwise" in styles
         if style:
-            assert plan["embed.wpe"] == "sequence_slice" and "blocks.*.mlp.c_gate" not in plan
+            assert plan["embed.wpe"] == "sequence_slice" and "blocks.0.mlp.c_gate" not in plan
+    # a pipeline stage holds some layers: the plan of a block does not depend on the others
+    assert model.blocks[1].tensor_parallel_plan() == model.blocks[2].tensor_parallel_plan()
 
 
 def test_flops_per_token_is_6n_plus_attention():
