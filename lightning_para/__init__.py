@@ -11,10 +11,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_para.checkpoint import consolidate_checkpoint
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.pipeline_parallel import PipelineSpec
 from lightning_para.precision import ParaPrecision
 from lightning_para.strategy import ParaStrategy
 
 if "para" not in StrategyRegistry:
     ParaStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ParaStrategy", "ParaPrecision", "ParallelConfig", "ParallelDims", "consolidate_checkpoint", "__version__"]
+__all__ = ["ParaStrategy", "ParaPrecision", "ParallelConfig", "ParallelDims", "PipelineSpec", "consolidate_checkpoint", "__version__"]

@@ -89,11 +89,25 @@ class ParallelConfig:
             _check_positive_int("microbatches", self.microbatches)
         if self.pipeline_balance not in ("params", "time"):
             raise ValueError(f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose 'params' or 'time'.")
+        if self.pp > 1:
+            self._validate_pipeline()
         if isinstance(self.dp, int) and self.dp % self.ep != 0:
             raise ValueError(
                 f"`ep={self.ep}` must divide `dp={self.dp}`: expert parallelism splits the data-parallel ranks."
                 f" Choose ep in {_divisors(self.dp)} or a dp that is a multiple of {self.ep}."
             )
+
+    def _validate_pipeline(self) -> None:
+        if self.zero == 3:
+            raise ValueError(
+                "`zero=3` with `pp>1` is not supported: FSDP2 would all-gather a stage's parameters for every"
+                " microbatch's forward and backward (2m gathers per step instead of 2) and its reduce-scatter would"
+                " fire once per microbatch, or it keeps them gathered and saves nothing over ZeRO-2. Use zero=1"
+                " (or zero=2); each rank already holds only 1/pp of the model."
+            )
+        from lightning_para.parallel.pipeline_schedules import validate_pipeline_config
+
+        validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` processes; ``"auto"`` takes what is left."""

@@ -67,7 +67,7 @@ class ParaStrategy(ParallelStrategy):
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
         activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
         schedule: pipeline schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...).
-        microbatches: microbatches per pipeline step (default: ``pp``).
+        microbatches: microbatches per pipeline step (default: ``pp * virtual_stages``, one per stage).
         virtual_stages: stages per pipeline rank for interleaved schedules.
         pipeline_split: explicit layer indices where stages start (instead of balancing).
         pipeline_balance: ``"params"`` (default) or ``"time"`` (measured per layer).
@@ -230,8 +230,9 @@ class ParaStrategy(ParallelStrategy):
         precision.device_type = self.root_device.type
         existing: Optional[ParallelModel] = getattr(module, "_para_parallel", None)
         if existing is None:
-            _materialize_distributed_module(module, self.root_device)
-            module.to(self.root_device)
+            if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
+                _materialize_distributed_module(module, self.root_device)
+                module.to(self.root_device)
             self._parallel = parallelize(module, self.parallel_dims, self.config, precision)
             object.__setattr__(module, "_para_parallel", self._parallel)
         else:
@@ -338,6 +339,20 @@ class ParaStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        if pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule already ran forward and backward over every microbatch inside
+        # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
+        # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
+        self.pre_backward(closure_loss)
+        self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        pipeline.finish_backward(self._parallel.zero)
+        self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: the first A-1 micro-steps communicate nothing."""
@@ -416,7 +431,11 @@ class ParaStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.optimizer_state_dict(optimizer, self._optim_views())
+        state = ckpt.optimizer_state_dict(optimizer, self._optim_views())
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        if pipeline is not None:  # each stage's optimizer names only its own parameters
+            state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
+        return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by `load_checkpoint`
@@ -459,6 +478,8 @@ class ParaStrategy(ParallelStrategy):
         if not path.is_file():
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if self._parallel is not None and self._parallel.pipeline is not None:
+            self._parallel.pipeline.check_full_checkpoint(checkpoint, bool(self.optimizers))
         ckpt.load_full_checkpoint_into(
             checkpoint, module, self._raw_optimizers(), self._optim_views(), zero, strict=module.strict_loading
         )

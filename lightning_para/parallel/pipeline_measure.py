@@ -1,0 +1,186 @@
+"""Measuring a pipeline: per-action clocks, busy/idle time, saved-activation bytes.
+
+* :class:`StepRecorder` keeps one rank's action events for a step (the format the timeline
+  drawing reads) and the busy time they add up to.
+* :class:`TimedPipelineStage` is torch's ``PipelineStage`` with a clock around every forward,
+  backward, input-grad and weight-grad action.
+* :class:`SavedActivationMeter` measures the activation bytes autograd keeps for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.pipelining import PipelineStage
+
+
+class StepRecorder:
+    """Per-step clock of one rank: action events and busy/idle totals.
+
+    An event is a dict ``{"stage": int, "microbatch": int, "action": str, "start": float,
+    "end": float}`` with times in seconds since the step began (``time.perf_counter``).
+    Actions: ``F`` forward, ``B`` full backward, ``I`` input-grad backward, ``W``
+    weight-grad backward, ``L`` loss of a microbatch on the last stage. ``step_start_unix``
+    (``time.time()``) aligns the ranks of one machine on a common clock.
+    """
+
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None) -> None:
+        self.synchronize = synchronize or (lambda: None)
+        self.events: list[dict[str, Any]] = []
+        self.step_start = 0.0
+        self.step_start_unix = 0.0
+        self.inferring = False
+
+    @contextlib.contextmanager
+    def inferring_shapes(self) -> Iterator[None]:
+        previous, self.inferring = self.inferring, True
+        try:
+            yield
+        finally:
+            self.inferring = previous
+
+    def start_step(self) -> None:
+        self.events = []
+        self.synchronize()
+        self.step_start_unix = time.time()
+        self.step_start = time.perf_counter()
+
+    def end_step(self) -> float:
+        self.synchronize()
+        return time.perf_counter() - self.step_start
+
+    @contextlib.contextmanager
+    def action(self, stage: int, microbatch: int, action: str) -> Iterator[None]:
+        self.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            end = time.perf_counter()
+            self.events.append(
+                {"stage": stage, "microbatch": microbatch, "action": action,
+                 "start": start - self.step_start, "end": end - self.step_start}
+            )
+
+    @property
+    def busy_time(self) -> float:
+        return sum(e["end"] - e["start"] for e in self.events)
+
+
+class TimedPipelineStage(PipelineStage):
+    """torch's ``PipelineStage`` with each forward/backward action timed by a :class:`StepRecorder`."""
+
+    def __init__(
+        self, *args: Any, recorder: StepRecorder, backward_context: Callable[[], Any] = contextlib.nullcontext, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder = recorder
+        # Entered around each backward action (e.g. loss parallel's custom ops): a context held
+        # over the whole schedule would be switched off by the forwards in between.
+        self.backward_context = backward_context
+
+    # Shape inference (first step per input shape) runs a real forward, loss and input-grad
+    # backward; the recorder marks it so the loss wrapper does not count that loss.
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any):
+        with self.recorder.inferring_shapes():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any):
+        with self.recorder.inferring_shapes(), self.backward_context():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
+        with self.recorder.action(self.stage_index, fwd_chunk_id, "F"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        with self.recorder.action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"), self.backward_context():
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        with self.recorder.action(self.stage_index, bwd_chunk_id, "W"), self.backward_context():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+class SavedActivationMeter:
+    """Live and peak bytes of the tensors autograd saves for backward, parameters excluded.
+
+    A ``saved_tensors_hooks`` pack hook counts each saved storage once (views of one storage
+    share it) and a finalizer uncounts it when autograd frees the graph after backward, so
+    ``peak_bytes`` is the high-water mark of activation memory kept for backward.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._excluded = {_storage_key(_local(t)) for t in exclude}
+        self._counts: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks: Optional[Any] = None
+
+    def __enter__(self) -> "SavedActivationMeter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+    def _pack(self, tensor: Tensor) -> Any:
+        local = _local(tensor)
+        key = _storage_key(local)
+        if key in self._excluded or local.device.type == "meta":
+            return tensor
+        return _SavedTensor(self, tensor, key, local.untyped_storage().nbytes())
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        return packed.tensor if isinstance(packed, _SavedTensor) else packed
+
+    def _acquire(self, key: int, nbytes: int) -> None:
+        count = self._counts.get(key, 0)
+        if count == 0:
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._counts[key] = count + 1
+
+    def _release(self, key: int) -> None:
+        count = self._counts[key] - 1
+        if count == 0:
+            del self._counts[key]
+            self.live_bytes -= self._sizes.pop(key)
+        else:
+            self._counts[key] = count
+
+
+class _SavedTensor:
+    __slots__ = ("meter", "tensor", "key")
+
+    def __init__(self, meter: SavedActivationMeter, tensor: Tensor, key: int, nbytes: int) -> None:
+        self.meter, self.tensor, self.key = meter, tensor, key
+        meter._acquire(key, nbytes)
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+__all__ = ["SavedActivationMeter", "StepRecorder", "TimedPipelineStage"]

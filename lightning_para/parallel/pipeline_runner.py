@@ -1,0 +1,342 @@
+"""Runs this rank's pipeline stages for each Lightning step, and measures them.
+
+:class:`PipelineRunner` replaces ``training_step``/``validation_step``/``test_step``/
+``predict_step`` under ``pp > 1`` (``ParaStrategy._run_step`` routes to :meth:`PipelineRunner.run`):
+
+* training: torch's schedule runs forward *and* backward over the m microbatches; the loss
+  function it calls is the user's times ``scale / (m * A)`` (fp16 loss scale, accumulation),
+  so gradients equal one device's. They are set aside until ``ParaStrategy.backward`` (Lightning
+  calls ``zero_grad`` in between) and synchronised over dp once, then;
+* the mean loss is all-reduced from the last stage to every pipeline rank, returned and
+  logged (``train_loss``), so progress bar, loggers and ``ModelCheckpoint(monitor=...)`` work;
+* validate/test/predict run a forward-only pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.pipeline_measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
+from lightning_para.parallel.pipeline_parallel import PipelineSpec, PipelineStageModule
+from lightning_para.parallel.pipeline_schedules import build_schedule, expected_bubble
+
+
+class PipelineRunner:
+    """Runs this rank's stages through the schedule for each Lightning step; measures each step.
+
+    ``stage_modules`` are what tensor parallelism, activation checkpointing and ZeRO apply to.
+    """
+
+    MAX_CACHED_SHAPES = 4  # schedules are built per input shape (stage buffers are shape-specific)
+
+    def __init__(
+        self, *, spec: PipelineSpec, dims: ParallelDims, schedule: str, microbatches: int, virtual_stages: int,
+        stage_modules: list[PipelineStageModule], placement: dict[int, int], layer_names: list[str],
+        stage_of_layer: list[int], device: torch.device,
+    ) -> None:
+        self.spec, self.dims, self.schedule = spec, dims, schedule
+        self.microbatches, self.virtual_stages = microbatches, virtual_stages
+        self.stage_modules = stage_modules
+        self.placement, self.layer_names, self.stage_of_layer = placement, layer_names, stage_of_layer
+        self.device = device
+        self.num_stages = dims.pp * virtual_stages
+        self.group = dims.group("pp")
+        self.own_stages = [m.stage_index for m in stage_modules]
+        self.has_first = 0 in self.own_stages
+        self.has_last = self.num_stages - 1 in self.own_stages
+        self.last_rank = placement[self.num_stages - 1]
+        self.measure_activations = False
+        sync = None if device.type == "cpu" else (lambda: torch.get_device_module(device.type).synchronize(device))
+        self.recorder = StepRecorder(sync)
+        self._eval_recorder = StepRecorder()
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending_grads: Optional[list[Optional[Tensor]]] = None
+        self._history: list[dict[str, Any]] = []
+        self._raw_losses: list[Tensor] = []
+        self._loss_factor = 1.0
+
+    # ---------------------------------------------------------------- Lightning steps
+    def run(self, strategy: Any, step_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run one Lightning step (``training_step``, ``validation_step``, ...) through the pipeline."""
+        batch = args[0] if args else kwargs["batch"]
+        module = strategy.lightning_module
+        if step_name == "training_step":
+            return self._train_step(strategy, module, batch)
+        if step_name in ("validation_step", "test_step"):
+            return self._eval_step(module, batch, "val" if step_name == "validation_step" else "test")
+        if step_name == "predict_step":
+            return self._predict_step(batch)
+        raise ValueError(f"The pipeline cannot run `{step_name}`.")
+
+    def _train_step(self, strategy: Any, module: Any, batch: Any) -> Tensor:
+        inputs, targets = self._split(batch)
+        trainer = getattr(module, "_trainer", None)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        precision = strategy.precision_plugin
+        scale = precision.scale if precision.uses_loss_scaling else 1.0
+        # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
+        # exactly what Lightning's backward of `loss / A * scale` gives on one device.
+        self._loss_factor = scale / (self.microbatches * accumulate)
+        self._raw_losses = []
+        schedule = self._schedule_for("train", inputs)
+        params = self._trainable_params()
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        zero = strategy._parallel.zero if strategy._parallel is not None else None
+        meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
+        # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
+        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter, self._step_contexts():
+            self.recorder.start_step()
+            schedule.step(
+                *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
+            )
+        # The loss all-reduce ends the step on every pipeline rank at once, so each rank's idle
+        # time includes waiting for the slowest stage to drain: the bubble of the papers' formulas.
+        loss = self._share_from_last(self._mean(self._raw_losses))
+        wall = self.recorder.end_step()
+        # Set this step's gradients aside: Lightning calls zero_grad between training_step and
+        # backward; `finish_backward` adds them to `.grad` afterwards. (Under ZeRO-0 the previous
+        # step's gradients stay alive during the schedule, as Lightning's semantics need.)
+        self._pending_grads = [p.grad for p in params]
+        for p, g in zip(params, previous):
+            p.grad = g
+        self._record_step(wall, meter)
+        self._log(module, "train", loss, prog_bar=True)
+        if trainer is not None:
+            module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
+        return loss
+
+    def finish_backward(self, zero: Any) -> None:
+        """Called by ``ParaStrategy.backward``: add this step's gradients to ``.grad``, then sync over dp."""
+        pending, self._pending_grads = self._pending_grads, None
+        if pending is None:
+            raise RuntimeError("finish_backward() without a pipeline training step before it.")
+        for p, g in zip(self._trainable_params(), pending):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        if zero is not None and zero.sync_enabled:
+            zero.sync_now()
+
+    def _eval_step(self, module: Any, batch: Any, prefix: str) -> Tensor:
+        inputs, targets = self._split(batch)
+        last = self._run_forward_only(inputs)
+        if last is not None:
+            chunks = targets.tensor_split(self.microbatches)
+            with self._step_contexts():
+                losses = [self.spec.loss_fn(out, tgt).detach() for out, tgt in zip(last.output_chunks, chunks)]
+            loss = self._mean(losses)
+        else:
+            loss = self._mean([])
+        loss = self._share_from_last(loss)
+        self._log(module, prefix, loss, sync_dist=True)
+        return loss
+
+    def _predict_step(self, batch: Any) -> Any:
+        inputs, _ = self._split(batch)
+        last = self._run_forward_only(inputs)
+        outputs = torch.cat([_plain(o) for o in last.output_chunks]) if last is not None else None
+        box = [outputs]
+        dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
+        return box[0]
+
+    def _run_forward_only(self, inputs: tuple[Tensor, ...]) -> Optional[Any]:
+        schedule = self._schedule_for("eval", inputs)
+        self._eval_recorder.start_step()
+        with self._step_contexts():
+            schedule.step(*(inputs if self.has_first else ()), return_outputs=self.has_last)
+        return next((s for s in schedule._stages if s.is_last), None)
+
+    def _step_contexts(self) -> contextlib.ExitStack:
+        """The tensor-parallel step context (loss parallel on vocab-sharded logits), entered once:
+        its torch-function mode must not nest, and only the last stage computes a loss."""
+        stack = contextlib.ExitStack()
+        tensor_parallel = _tensor_parallel()
+        if tensor_parallel is not None:
+            stack.enter_context(tensor_parallel.step_context(self.stage_modules[-1]))
+        return stack
+
+    @staticmethod
+    def _backward_context(module: nn.Module) -> Callable[[], Any]:
+        tensor_parallel = _tensor_parallel()
+        if tensor_parallel is None:
+            return contextlib.nullcontext
+        return lambda: tensor_parallel.backward_context(module)
+
+    # ---------------------------------------------------------------- helpers
+    def _split(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
+        inputs, targets = self.spec.split_batch(batch)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        size = inputs[0].shape[0]
+        if size % self.microbatches:
+            raise ValueError(
+                f"A batch of {size} samples cannot be split into microbatches={self.microbatches} equal parts."
+                f" Use a batch size that is a multiple of {self.microbatches}, and `drop_last=True` in the DataLoader"
+                " so the last batch is not smaller."
+            )
+        return inputs, targets
+
+    def _schedule_for(self, mode: str, inputs: tuple[Tensor, ...]) -> Any:
+        key = (mode, *((tuple(t.shape), t.dtype) for t in inputs if isinstance(t, Tensor)))
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        recorder = self.recorder if mode == "train" else self._eval_recorder
+        stages = [
+            TimedPipelineStage(
+                m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder,
+                backward_context=self._backward_context(m),
+            )
+            for m in self.stage_modules
+        ]
+        loss_fn = self._scaled_loss if mode == "train" else None
+        self._schedules[key] = build_schedule(self.schedule, stages, self.microbatches, loss_fn)
+        while len(self._schedules) > self.MAX_CACHED_SHAPES:
+            self._schedules.popitem(last=False)
+        return self._schedules[key]
+
+    def _scaled_loss(self, outputs: Any, targets: Any) -> Tensor:
+        if self.recorder.inferring:  # torch's shape inference, not a microbatch of this step
+            return self.spec.loss_fn(outputs, targets) * self._loss_factor
+        with self.recorder.action(self.num_stages - 1, len(self._raw_losses), "L"):
+            loss = self.spec.loss_fn(outputs, targets)
+            self._raw_losses.append(_plain(loss.detach()))
+            return loss * self._loss_factor
+
+    def _trainable_params(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.stage_modules:
+            for p in m.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _mean(self, losses: list[Tensor]) -> Tensor:
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return torch.stack([_plain(loss).float() for loss in losses]).mean()
+
+    def _share_from_last(self, loss: Tensor) -> Tensor:
+        """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
+        loss = loss.detach().to(device=self.device, dtype=torch.float32).clone()
+        if not self.has_last:
+            loss.zero_()
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    def _log(self, module: Any, prefix: str, loss: Tensor, **kwargs: Any) -> None:
+        if self.spec.log_name is not None and getattr(module, "_trainer", None) is not None:
+            module.log(f"{prefix}_{self.spec.log_name}", loss, **kwargs)
+
+    # ---------------------------------------------------------------- measurement
+    def _record_step(self, wall: float, meter: Any) -> None:
+        busy = self.recorder.busy_time
+        entry = {
+            "step_time_s": wall,
+            "busy_time_s": busy,
+            "idle_time_s": max(wall - busy, 0.0),
+            "idle_fraction": max(wall - busy, 0.0) / wall if wall > 0 else 0.0,
+            "step_start_unix": self.recorder.step_start_unix,
+            "events": list(self.recorder.events),
+        }
+        if isinstance(meter, SavedActivationMeter):
+            entry["peak_saved_activation_bytes"] = meter.peak_bytes
+        self._history.append(entry)
+        del self._history[:-64]  # a bounded history; `stats()` summarizes it
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's pipeline layout and its last training step's busy/idle time and action events.
+
+        ``idle_time_s = step_time_s - busy_time_s``: waiting on sends/receives (and the
+        schedule's own bookkeeping) up to the loss all-reduce, which ends the step on all
+        pipeline ranks together -- so it is the bubble the formulas describe.
+        ``mean_idle_fraction`` averages the recorded steps after the first (which also infers
+        shapes). ``events`` is described in :class:`~lightning_para.parallel.pipeline_measure.StepRecorder`.
+        """
+        history = self._history
+        warm = history[1:] if len(history) > 1 else history
+        result: dict[str, Any] = {
+            "schedule": self.schedule,
+            "pp": self.dims.pp,
+            "pp_rank": self.dims.local_rank("pp"),
+            "virtual_stages": self.virtual_stages,
+            "microbatches": self.microbatches,
+            "stages": list(self.own_stages),
+            "stage_layers": {m.stage_index: list(m.layer_names) for m in self.stage_modules},
+            "expected_idle_fraction": expected_bubble(self.schedule, self.dims.pp, self.microbatches, self.virtual_stages),
+            "steps": len(history),
+            "mean_idle_fraction": sum(h["idle_fraction"] for h in warm) / len(warm) if warm else None,
+        }
+        if history:
+            result.update(history[-1])
+        return result
+
+    # ---------------------------------------------------------------- checkpoints
+    def merge_param_group_names(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Optimizer param groups with the parameter names of *every* stage, in layer order.
+
+        Each rank's optimizer holds only its stages' parameters; a checkpoint's groups must name
+        the whole model's so consolidation numbers all of them (collective over ``pp``).
+        """
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, [list(g["params"]) for g in groups], group=self.group)
+        by_length = sorted(enumerate(self.layer_names), key=lambda item: -len(item[1]))
+
+        def layer_index(name: str) -> int:
+            return next((i for i, layer in by_length if name == layer or name.startswith(layer + ".")), -1)
+
+        merged = []
+        for gi, group in enumerate(groups):
+            names: list[str] = []
+            for per_rank in gathered:
+                names.extend(n for n in per_rank[gi] if n not in names)
+            merged.append({**group, "params": sorted(names, key=layer_index)})  # stable: keeps in-layer order
+        return merged
+
+    def check_full_checkpoint(self, checkpoint: dict[str, Any], has_optimizers: bool) -> None:
+        """Keep a single-file checkpoint's weights of this rank's stages; refuse its optimizer state."""
+        if has_optimizers and checkpoint.get("optimizer_states"):
+            raise ValueError(
+                "Resuming a pipeline-parallel run needs a sharded checkpoint directory (the default"
+                " `save_distributed_checkpoint=True`): a single-file checkpoint numbers optimizer state over the"
+                " whole model, and no pipeline rank holds the whole model to map those numbers to parameters."
+            )
+        held = {name for m in self.stage_modules for name, _ in m.named_parameters()}
+        others = set(self.layer_names) - {n for m in self.stage_modules for n in m.layer_names}
+        state = checkpoint["state_dict"]
+        for key in list(state):
+            if key not in held and any(key.startswith(layer + ".") for layer in others):
+                del state[key]
+
+    def grad_copies(self, param: Tensor) -> int:
+        """On how many pipeline ranks a parameter's gradient lives: always one (tied weights across stages are rejected)."""
+        return 1
+
+
+def _tensor_parallel() -> Any:
+    try:
+        from lightning_para.parallel import tensor_parallel
+    except ImportError:  # a build without tensor parallelism
+        return None
+    return tensor_parallel
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A full plain tensor (a DTensor loss or logits under tensor parallelism is gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+__all__ = ["PipelineRunner"]
