@@ -70,6 +70,7 @@ def comm_job(strategy_kwargs: dict) -> dict:
 LAYOUTS = [
     ({"zero": 0}, {"dp"}),
     ({"zero": 3}, {"dp"}),
+    ({"pp": 2, "zero": 1}, {"dp", "pp"}),
 ]
 
 

@@ -73,6 +73,13 @@ def test_gpt_demo_trains_and_reports_to_tensorboard(gpt_parallel_run):
     assert "samples/text/text_summary" in tensors and "memory/breakdown/text_summary" in tensors
     ppl, loss = events.Scalars("val_ppl")[-1].value, events.Scalars("val_loss")[-1].value
     assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl  # perplexity = exp(mean token NLL)
+    # the demo pipelines the model: idle fraction per stage and the measured timeline image
+    pp = _degrees(GPT_DEMO).get("pp", 1)
+    assert pp > 1, "the CPU demo is meant to show pipeline parallelism"
+    assert {f"pipeline/idle_fraction/stage{s}" for s in range(pp)} | {"pipeline/expected_idle_fraction"} <= scalars
+    assert {"comm/pp/send_MB", "comm/pp/recv_MB"} <= scalars
+    (timeline,) = events.Tags()["images"]
+    assert timeline == "pipeline/timeline" and events.Images(timeline)[-1].width == 1200
 
 
 def cli_eval_job(args: list[str]) -> dict:
@@ -99,10 +106,14 @@ def test_validate_and_predict_from_the_demo_checkpoint(pools, gpt_parallel_run, 
     assert predicted["predictions"] == [(per_rank_batch, 64, 256)] * 2  # next-token logits
 
 
-def _dp_of(config: Path, world: int) -> int:
+def _degrees(config: Path) -> dict:
     import yaml
 
-    degrees = yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+    return yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+
+
+def _dp_of(config: Path, world: int) -> int:
+    degrees = _degrees(config)
     return world // (degrees.get("tp", 1) * degrees.get("pp", 1))
 
 
