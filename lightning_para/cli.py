@@ -74,19 +74,25 @@ def make_recipes_importable() -> None:
 _QUIET = (r".*isinstance\(treespec, LeafSpec\).*",)
 
 
-def main(args: Optional[list[str]] = None) -> Optional[ParaCLI]:
-    """Entry point of the ``lightning-para`` console script."""
+def run_cli(args: Optional[list[str]] = None, **kwargs: Any) -> ParaCLI:
+    """Build and run :class:`ParaCLI` (``args`` as on the command line); returns it for inspection."""
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
     make_recipes_importable()
+    return ParaCLI(args=args, **kwargs)
+
+
+def main(args: Optional[list[str]] = None) -> int:
+    """Entry point of the ``lightning-para`` console script: 0 on success, 2 on a configuration error."""
     try:
-        return ParaCLI(args=args)
+        run_cli(args)
     except ConfigurationError as err:
         print(f"lightning-para: configuration error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
+    return 0
 
 
-__all__ = ["ParaCLI", "ConfigurationError", "TextDataModule", "main"]
+__all__ = ["ParaCLI", "ConfigurationError", "TextDataModule", "main", "run_cli"]
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
