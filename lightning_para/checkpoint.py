@@ -27,11 +27,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.data_parallel import ParamSlot, ZeroDataParallel, init_optimizer_state
+from lightning_para.parallel.tp_checkpoint import StridedBoxes, for_dcp, gather_rows
 
 METADATA_FILENAME = "meta.pt"
 MASTER_KEY = "_master"
@@ -44,6 +45,18 @@ class _OptimParam:
     fqn: str
     to_global: Callable[[Tensor], Any]
     slot: Optional[ParamSlot] = None
+
+    @property
+    def gathered(self) -> bool:
+        """Saved gathered over dp (see :func:`slot_to_global`): loading copies this rank's rows back."""
+        slot = self.slot
+        return slot is not None and slot.sharded and any(
+            isinstance(p, _StridedShard) for p in getattr(slot.param, "placements", ())
+        )
+
+    def copy_back(self, loaded: Any, target: Tensor) -> None:
+        assert self.slot is not None
+        target.data.copy_(self.slot.local_rows(loaded.to_local()).view(target.shape))
 
     @property
     def separate_master(self) -> bool:
@@ -76,6 +89,14 @@ def slot_to_global(slot: ParamSlot, local: Tensor, dims: ParallelDims) -> Any:
     if is_dtensor:
         base = param.device_mesh
         mesh = dims.get_mesh(slot.mesh.mesh_dim_names[0], *base.mesh_dim_names)
+        if any(isinstance(p, _StridedShard) for p in param.placements):
+            # A dp chunk of a strided TP shard (a fused q|k|v projection) mixes rows of the
+            # blocks; no placement describes it. Gather the dp rows and describe the tp shard,
+            # replicated over dp (`_OptimParam.copy_back` takes this rank's rows after loading).
+            return DTensor.from_local(
+                gather_rows(slot, local), mesh, (Replicate(), *param.placements), run_check=False,
+                shape=global_shape, stride=_contiguous_stride(global_shape),
+            )
         rows_split = math.prod(base.size(i) for i, p in enumerate(param.placements) if p.is_shard(0))
         dp_placement = _StridedShard(0, split_factor=rows_split) if rows_split > 1 else Shard(0)
         placements = (dp_placement, *param.placements)
@@ -134,7 +155,7 @@ def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict
     if path.is_file():
         path.unlink()
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=str(path))
+    dcp.save(for_dcp(tensors), checkpoint_id=str(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(metadata, path / METADATA_FILENAME)
 
@@ -158,7 +179,9 @@ def load_sharded_into(path: Union[str, Path], template: dict[str, Any]) -> dict[
     available = set(reader.read_metadata().state_dict_metadata)
     flat, _ = flatten_state_dict(template)
     wanted = {k: v for k, v in flat.items() if k in available}
-    dcp.load(wanted, checkpoint_id=str(path))
+    view = for_dcp(wanted)  # strided views share storage: they load in place
+    dcp.load(view, checkpoint_id=str(path))
+    wanted.update({k: v for k, v in view.items() if not isinstance(v, StridedBoxes)})  # non-tensor values
     wanted["__missing__"] = sorted(k for k in flat if k not in available)
     return wanted
 
@@ -187,6 +210,10 @@ def load_optimizer_state(
             for key, value in list(optimizer.state.get(q, {}).items()):
                 if not isinstance(value, Tensor) and skey + key in flat:
                     optimizer.state[q][key] = flat[skey + key]
+                elif view.gathered and skey + key in flat and value.shape == q.shape:
+                    view.copy_back(flat[skey + key], value)
+            if view.gathered and view.separate_master and skey + MASTER_KEY in flat:
+                view.copy_back(flat[skey + MASTER_KEY], q)
             if view.separate_master and skey + MASTER_KEY in missing:
                 # The checkpoint has no fp32 master (it came from an fp32 run): take the loaded weights.
                 view.slot.master.data.copy_(view.slot.local_rows(view.slot.local) if view.slot.sharded else view.slot.local.view(view.slot.master.shape))
@@ -325,7 +352,7 @@ def _local_of_full(param: Tensor, full: Tensor) -> Tensor:
         from torch.distributed.tensor import distribute_tensor
 
         full = full.to(device=param.device_mesh.device_type, dtype=param.dtype)
-        if any(isinstance(p, _StridedShard) for p in param.placements):
+        if param.device_mesh.ndim > 1 and any(isinstance(p, _StridedShard) for p in param.placements):
             raise NotImplementedError(
                 "Loading a single-file checkpoint into ZeRO-3 with tensor parallelism is not supported;"
                 " load the sharded checkpoint directory instead."

@@ -7,6 +7,7 @@ Errors are ``ValueError`` naming the argument and what to choose instead.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -83,6 +84,8 @@ class ParallelConfig:
                 f"`activation_checkpointing={self.activation_checkpointing!r}` is unknown."
                 f" Choose one of {_choices(ACTIVATION_CHECKPOINTING)}."
             )
+        if self.sequence_parallel and self.tp == 1:
+            warnings.warn("`sequence_parallel=True` has no effect with tp=1 (there is nothing to split the sequence over).")
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"`schedule={self.schedule!r}` is unknown. Choose one of {_choices(PIPELINE_SCHEDULES)}.")
         if self.microbatches is not None:

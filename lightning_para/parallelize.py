@@ -73,12 +73,18 @@ def parallelize(
     dense_mesh, expert_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
     if config.zero == 3:
         precision.keep_fp32_params = True
+        shard_placement = None
+        if dims.tp_enabled:
+            from lightning_para.parallel.tensor_parallel import fsdp_shard_placement_fn
+
+            shard_placement = fsdp_shard_placement_fn(dims.dp)
         for part in _model_parts(module, result):
             apply_fully_shard(
                 part,
                 dense_mesh,
                 param_dtype=precision.param_dtype,
                 unit_mesh=_expert_unit_mesh(expert_mesh) if dims.ep_enabled else None,
+                shard_placement_fn=shard_placement,
             )
         result.fully_sharded = True
     else:

@@ -45,6 +45,8 @@ from lightning_para import checkpoint as ckpt
 from lightning_para.config import ParallelConfig
 from lightning_para.memory import memory_breakdown as _memory_breakdown
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel import tensor_parallel
+from lightning_para.parallel.tp_styles import is_sharded_placement
 from lightning_para.parallel.fsdp import fsdp_no_sync
 from lightning_para.parallel.grad_norm import set_grad_replication
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -290,7 +292,8 @@ class ParaStrategy(ParallelStrategy):
         distinct = slot.world if slot is not None and slot.sharded else 1
         if isinstance(base, DTensor):
             mesh = base.device_mesh
-            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if p.is_shard())
+            # `_StridedShard` (fused TP projections) is a shard too, though its is_shard() says False.
+            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if is_sharded_placement(p))
             on_ep = "ep" in (mesh.mesh_dim_names or ())
         else:
             on_ep = False
@@ -319,13 +322,17 @@ class ParaStrategy(ParallelStrategy):
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         parallel = self._parallel
-        with context:
-            if parallel is not None and parallel.pipeline is not None:
+        if parallel is not None and parallel.pipeline is not None:
+            with context:  # the runner enters the tensor-parallel contexts around its stages itself
                 return parallel.pipeline.run(self, name, *args, **kwargs)
+        # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
+        with context, tensor_parallel.step_context(module):
             if parallel is not None and parallel.fully_sharded:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
-                return self._forward_redirection(module, module, name, *args, **kwargs)
-            return getattr(module, name)(*args, **kwargs)
+                output = self._forward_redirection(module, module, name, *args, **kwargs)
+            else:
+                output = getattr(module, name)(*args, **kwargs)
+        return tensor_parallel.localize_output(output, full=name == "predict_step")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
@@ -342,7 +349,9 @@ class ParaStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
+            with tensor_parallel.backward_context(self.lightning_module):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.

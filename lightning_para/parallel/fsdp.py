@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -90,13 +90,15 @@ def apply_fully_shard(
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
     unit_mesh: Optional[Callable[[nn.Module], DeviceMesh]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
 ) -> list[nn.Module]:
     """Shard ``root`` with FSDP2 over ``dp_mesh``; returns the units (root last).
 
     ``param_dtype`` is the compute dtype (bf16 under ``bf16-true``): FSDP2 keeps the sharded
     parameters in their own dtype (fp32, the master weights) and all-gathers in ``param_dtype``.
     ``unit_mesh`` picks another mesh for some units (expert parallel shards experts over
-    ``edp`` only).
+    ``edp`` only). ``shard_placement_fn`` picks the dim each parameter is sharded along
+    (tensor parallel shards fused projections along dim 1; ``None`` means dim 0).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -104,8 +106,14 @@ def apply_fully_shard(
     units = choose_units(root)
     for unit in units:
         mesh = unit_mesh(unit) if unit_mesh is not None else dp_mesh
-        fully_shard(unit, mesh=mesh or dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            unit, mesh=mesh or dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=shard_placement_fn,
+        )
+    fully_shard(
+        root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+    )
     return [*units, root]
 
 

@@ -1,0 +1,102 @@
+"""Activation recomputation per block: ``activation_checkpointing="full"`` or ``"selective"``.
+
+Megatron's activation memory per layer (Korthikanti et al. 2022, Sec. 4; s sequence, b batch,
+h hidden, a heads, t tensor-parallel size; 16-bit activations) is ``sbh(34 + 5as/h)``; with
+TP ``sbh(10 + 24/t + 5as/(ht))``; with TP+SP ``sbh(34/t + 5as/(ht))``.
+
+* ``"full"``: each block keeps only its input; the whole block forward runs again in backward
+  (``2sbh`` per layer, ~33% more compute: one extra forward).
+* ``"selective"``: each block keeps the outputs of matmuls, attention kernels and
+  collectives, and recomputes the cheap, memory-heavy rest: norms, activations, softmax,
+  dropout, elementwise ops (the paper's selective recomputation targets the ``5as/h``
+  attention term; with fused attention kernels that term is already gone, so here the
+  elementwise terms go instead). Recomputing collectives would add communication, so they
+  are always saved.
+
+Blocks are the entries of the outermost ``nn.ModuleList``/``nn.Sequential`` containers found
+from the root (``nn.ModuleDict`` is searched through, as in nanoGPT's ``transformer``). Checkpointing uses
+:func:`torch.distributed._composable.checkpoint`, which installs hooks instead of a wrapper
+module, so parameter names -- and checkpoints -- are the same with and without it.
+Recomputation replays the block's forward collectives (TP/SP), on every rank alike.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+# Containers whose entries are blocks; an nn.ModuleDict is a namespace (nanoGPT's `transformer`).
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+MODES = ("full", "selective")
+
+
+def find_blocks(root: nn.Module) -> list[nn.Module]:
+    """Entries of the outermost ``nn.ModuleList``/``nn.Sequential`` under ``root`` (the transformer blocks)."""
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, _CONTAINERS):
+                blocks.extend(c for c in child.children() if any(True for _ in c.parameters()))
+            else:
+                visit(child)
+
+    visit(root)
+    return blocks
+
+
+def _save_policy() -> Any:
+    """Ops whose outputs selective recomputation keeps (everything else is recomputed)."""
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default}
+    for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+    ):
+        op = getattr(aten, name, None)
+        if op is not None:
+            keep.add(op.default)
+    return keep
+
+
+def _policy(keep, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    namespace = getattr(op, "namespace", "")
+    if op in keep or namespace in ("_c10d_functional", "c10d_functional", "c10d"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(module: nn.Module, mode: Optional[str]) -> list[nn.Module]:
+    """Recompute the activations of every block of ``module`` in backward; returns the blocks.
+
+    ``mode`` is ``"full"``, ``"selective"`` or ``None`` (nothing). Raises ``ValueError`` for
+    another value or when the module has no blocks to checkpoint.
+    """
+    if mode is None:
+        return []
+    if mode not in MODES:
+        raise ValueError(f"`activation_checkpointing={mode!r}` is unknown. Choose 'full', 'selective' or None.")
+    from torch.distributed._composable import checkpoint
+
+    blocks = find_blocks(module)
+    if not blocks:
+        raise ValueError(
+            f"`activation_checkpointing={mode!r}`: {type(module).__name__} has no blocks (entries of an nn.ModuleList,"
+            " or nn.Sequential) to checkpoint. Keep the transformer blocks in a ModuleList."
+        )
+    kwargs: dict[str, Any] = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_policy, _save_policy()))
+    for block in blocks:
+        checkpoint(block, **kwargs)
+    return blocks
+
+
+__all__ = ["apply_activation_checkpointing", "find_blocks"]

@@ -1,0 +1,279 @@
+"""Tensor-parallel plans: where they come from, how patterns match, automatic discovery.
+
+A plan maps module-name patterns to styles (a shorthand from
+:data:`~lightning_para.parallel.tp_styles.SHORTHANDS` or a ``ParallelStyle``). Precedence:
+
+1. ``ParaStrategy(tp_plan=...)``: patterns relative to the LightningModule; replaces 2 and 3
+   (``tp_plan="auto"`` forces 3).
+2. Declared: any module (the LightningModule or a submodule such as a block class) may define
+   ``tensor_parallel_plan(self) -> dict``; its patterns are relative to that module, so a
+   ``Block`` class can declare ``{"attn.c_attn": "fused_qkv", ...}`` once for every block.
+3. Automatic (:func:`auto_plan`): common transformer layouts by name, then by shape.
+
+Pattern syntax: dot-separated module names; each segment is an ``fnmatch`` glob within one
+name (``blocks.*.attn.q_proj``, ``h.[0-3].mlp.c_fc``); ``**`` matches any number of
+segments (``**.c_fc``). The patterns of one plan must not give one module two styles.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Any, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+Style = Union[str, ParallelStyle]
+PLAN_HOOK = "tensor_parallel_plan"
+
+# Leaf names, lower case. Sources: nanoGPT/GPT-2, HF Llama/Mistral/Qwen/Phi, torchtitan, Megatron.
+_FUSED_QKV = {"c_attn", "qkv", "qkv_proj", "wqkv", "in_proj", "att_proj", "w_qkv", "to_qkv"}
+_INTERLEAVED_QKV = {"query_key_value"}  # GPT-NeoX/BLOOM: [head0 q k v, head1 q k v, ...] -> plain colwise
+_QKV = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "wq", "wk", "wv", "query", "key", "value",
+        "to_q", "to_k", "to_v", "q_lin", "k_lin", "v_lin", "c_q", "c_k", "c_v"}
+_OUT = {"o_proj", "out_proj", "wo", "o", "c_proj", "proj", "dense", "to_out", "out_lin", "output_proj",
+        "fc2", "fc_out", "down_proj", "w2", "dense_4h_to_h", "lin2", "down", "c_fc2", "proj_out"}
+_MLP_IN = {"c_fc", "fc1", "fc_in", "up_proj", "gate_proj", "w1", "w3", "dense_h_to_4h", "lin1", "wi",
+           "wi_0", "wi_1", "up", "gate", "c_fc1", "fc", "proj_in"}
+_FUSED_GATE_UP = {"gate_up_proj", "w13", "w12"}
+_HEAD_NAMES = {"lm_head", "output", "head", "embed_out", "out_head", "unembed", "logits"}
+_TOKEN_EMBEDDING_NAMES = {"wte", "tok_embeddings", "embed_tokens", "word_embeddings", "token_embedding", "tok_emb",
+                          "embedding", "embeddings", "token_embeddings", "emb"}
+_MOE_CLASS = re.compile(r"moe|mixtureofexperts", re.IGNORECASE)
+
+# Integer attributes of an attention module that attention code reshapes with (divided by tp).
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads", "n_local_heads", "heads")
+KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_local_kv_heads", "kv_heads")
+WIDTH_ATTRS = ("n_embd", "hidden_size", "embed_dim", "d_model", "all_head_size", "inner_dim", "dim")
+
+
+def is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith("Norm") or "LayerNorm" in name
+
+
+def is_moe(module: nn.Module) -> bool:
+    try:
+        from lightning_para.moe import MoE
+    except ImportError:
+        MoE = ()  # noqa: N806
+    return (MoE and isinstance(module, MoE)) or bool(_MOE_CLASS.search(type(module).__name__))
+
+
+# ----------------------------------------------------------------------------- patterns
+def match(pattern: str, fqn: str) -> bool:
+    """Segment-wise glob match of a module name (``**`` spans any number of segments)."""
+
+    def rec(p: list[str], n: list[str]) -> bool:
+        if not p:
+            return not n
+        if p[0] == "**":
+            return any(rec(p[1:], n[i:]) for i in range(len(n) + 1))
+        return bool(n) and fnmatchcase(n[0], p[0]) and rec(p[1:], n[1:])
+
+    return rec(pattern.split(".") if pattern else [], fqn.split(".") if fqn else [])
+
+
+def expand(root: nn.Module, plan: Mapping[str, Style], prefix: str = "", source: str = "plan") -> dict[str, Style]:
+    """Module FQNs (relative to the model root) -> style, for every pattern of ``plan``.
+
+    ``prefix`` is the FQN of the module that declared the plan. Raises ``ValueError`` for a
+    pattern that matches nothing (a typo) or for two styles on one module.
+    """
+    names = [n for n, _ in root.named_modules() if n]
+    out: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not isinstance(style, (str, ParallelStyle)):
+            raise ValueError(f"A {source} maps module-name patterns (str) to styles (str or ParallelStyle); got {pattern!r}: {style!r}.")
+        full = f"{prefix}.{pattern}" if prefix and pattern else (prefix or pattern)
+        hits = [n for n in names if match(full, n)]
+        if not hits:
+            raise ValueError(
+                f"The {source} pattern {pattern!r} matches no module. Module names look like:"
+                f" {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}."
+            )
+        for n in hits:
+            if n in out and out[n] is not style and out[n] != style:
+                raise ValueError(f"Module {n!r} gets two tensor-parallel styles from the {source}: {out[n]!r} and {style!r}.")
+            out[n] = style
+    return out
+
+
+def declared_plan(root: nn.Module) -> dict[str, Style]:
+    """Merge ``tensor_parallel_plan()`` of the root and every submodule (each relative to itself)."""
+    out: dict[str, Style] = {}
+    for name, module in root.named_modules():
+        hook = getattr(type(module), PLAN_HOOK, None)
+        if hook is None:
+            continue
+        plan = module.tensor_parallel_plan()
+        for fqn, style in expand(root, plan or {}, name, f"tensor_parallel_plan() of {name or 'the root module'}").items():
+            if fqn in out and out[fqn] != style:
+                raise ValueError(f"Module {fqn!r} gets two styles from declared plans: {out[fqn]!r} and {style!r}.")
+            out[fqn] = style
+    return out
+
+
+def resolve_plan(root: nn.Module, override: Any = None) -> tuple[dict[str, Style], str]:
+    """The FQN -> style plan for ``root`` and where it came from (``override``, ``declared``, ``auto``)."""
+    if override is not None and override != "auto":
+        if not isinstance(override, Mapping):
+            raise ValueError(f"`tp_plan` must be a dict of module-name pattern -> style, or 'auto'; got {type(override).__name__}.")
+        return expand(root, override, "", "tp_plan"), "override"
+    if override is None and any(getattr(type(m), PLAN_HOOK, None) for m in root.modules()):
+        return declared_plan(root), "declared"
+    return auto_plan(root), "auto"
+
+
+# ----------------------------------------------------------------------------- head attributes
+def head_attributes(module: nn.Module, q_width: int) -> dict[str, int]:
+    """The head-count / width attributes of an attention module (to divide by tp)."""
+    found: dict[str, int] = {}
+    for attr in HEAD_ATTRS + KV_HEAD_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            found[attr] = value
+    for attr in WIDTH_ATTRS:
+        value = getattr(module, attr, None)
+        # Only a width that *is* the attention width: other widths (e.g. a model dim that
+        # differs from n_head * head_dim) are not per-rank quantities.
+        if isinstance(value, int) and not isinstance(value, bool) and value == q_width:
+            found[attr] = value
+    return found
+
+
+# ----------------------------------------------------------------------------- automatic plan
+def _leaf(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[-1].lower()
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _in_block(root: nn.Module, fqn: str) -> bool:
+    """Whether ``fqn`` lies inside an entry of an ``nn.ModuleList``/``nn.Sequential`` (a block)."""
+    parts = fqn.split(".")
+    for i in range(1, len(parts)):
+        if isinstance(root.get_submodule(".".join(parts[:i])), (nn.ModuleList, nn.Sequential)):
+            return True
+    return False
+
+
+def _tied_groups(root: nn.Module) -> dict[int, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    return owners
+
+
+def auto_plan(root: nn.Module) -> dict[str, str]:
+    """Derive a plan for common transformer layouts (see docs/tensor_parallel.md, "Automatic plan").
+
+    Modules it cannot classify are left out; the unplanned-Linear check then lists them.
+    """
+    modules = dict(root.named_modules())
+    plan: dict[str, str] = {}
+    moe_roots = [n for n, m in modules.items() if n and is_moe(m)]
+    for n in moe_roots:
+        if not any(n.startswith(r + ".") for r in moe_roots if r != n):
+            plan[n] = "gather_sequence"  # experts are split by expert parallelism, not tp
+
+    def in_moe(fqn: str) -> bool:
+        return any(fqn == r or fqn.startswith(r + ".") for r in moe_roots)
+
+    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear) and not in_moe(n)}
+    embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding) and not in_moe(n)}
+    owners = _tied_groups(root)
+
+    # --- output head and token embedding: tied weights, or a vocab-shaped Linear outside the
+    # blocks (head names first), paired with the embedding of the same vocabulary and width
+    head, token = None, None
+    for n, lin in linears.items():
+        tied = [o for o in owners[id(lin.weight)] if o != n and o in embeddings]
+        if tied:
+            head, token = n, tied[0]
+            break
+    if head is None:
+        outside = [n for n in linears if not _in_block(root, n)]
+        for n in sorted(outside, key=lambda n: _leaf(n) not in _HEAD_NAMES):
+            lin = linears[n]
+            pair = [e for e, emb in embeddings.items() if emb.num_embeddings == lin.out_features and emb.embedding_dim == lin.in_features]
+            if pair:
+                head, token = n, pair[0]
+                break
+    if token is None and embeddings:
+        named = [e for e in embeddings if _leaf(e) in _TOKEN_EMBEDDING_NAMES]
+        token = named[0] if named else max(embeddings, key=lambda e: embeddings[e].num_embeddings)
+    if head is None:
+        # A pipeline stage may hold the head without the embedding: then the name decides.
+        vocab = embeddings[token].num_embeddings if token is not None else None
+        named = [
+            n for n, lin in linears.items()
+            if _leaf(n) in _HEAD_NAMES and not _in_block(root, n) and vocab in (None, lin.out_features)
+        ]
+        head = named[0] if named else None
+    hidden = embeddings[token].embedding_dim if token is not None else None
+    if token is not None:
+        plan[token] = "vocab_parallel"
+    if head is not None:
+        plan[head] = "lm_head"
+
+    # --- sublayers: a parent whose Linears are all classified, with >=1 colwise and >=1 rowwise
+    by_parent: dict[str, list[str]] = {}
+    for n in linears:
+        if n != head:
+            by_parent.setdefault(_parent(n), []).append(n)
+    sublayers: dict[str, str] = {}
+    for parent, names in by_parent.items():
+        styles = {n: _classify(n, linears[n], hidden) for n in names}
+        if any(s is None for s in styles.values()):
+            continue  # left unplanned: the unplanned-Linear check names them
+        cols = [n for n, s in styles.items() if s != "rowwise"]
+        rows = [n for n, s in styles.items() if s == "rowwise"]
+        if not cols or not rows or not parent:
+            continue
+        is_attention = any(_leaf(n) in _QKV | _FUSED_QKV | _INTERLEAVED_QKV for n in names)
+        if is_attention and any(_leaf(n) in _MLP_IN | _FUSED_GATE_UP for n in names):
+            continue  # attention and MLP projections in one module: no single sublayer input
+        plan.update(styles)
+        sublayers[parent] = "attention" if is_attention else "mlp"
+    plan.update(sublayers)
+
+    def in_sublayer(fqn: str) -> bool:
+        return any(fqn.startswith(s + ".") for s in sublayers)
+
+    # --- other embeddings of the model width feed the residual stream (position, token type)
+    for e, emb in embeddings.items():
+        if e != token and emb.embedding_dim == hidden and not in_sublayer(e):
+            plan[e] = "sequence_slice"
+
+    # --- norms on the residual stream (not inside a sublayer: those act on tp shards)
+    for n, m in modules.items():
+        if n and is_norm(m) and not in_moe(n) and not in_sublayer(n):
+            plan[n] = "norm"
+    return plan
+
+
+def _classify(fqn: str, lin: nn.Linear, hidden: Any) -> Any:
+    leaf = _leaf(fqn)
+    if leaf in _FUSED_QKV:
+        return "fused_qkv"
+    if leaf in _FUSED_GATE_UP:
+        return "fused_gate_up"
+    if leaf in _QKV or leaf in _INTERLEAVED_QKV or leaf in _MLP_IN:
+        return "colwise"
+    if leaf in _OUT:
+        return "rowwise"
+    # Unknown name: by shape against the model width (in == hidden -> colwise, out == hidden -> rowwise).
+    if hidden is not None and lin.in_features == hidden and lin.out_features != hidden:
+        return "colwise"
+    if hidden is not None and lin.out_features == hidden and lin.in_features != hidden:
+        return "rowwise"
+    return None
+
+
+__all__ = ["auto_plan", "declared_plan", "resolve_plan", "expand", "match", "head_attributes", "is_norm", "is_moe"]

@@ -1,0 +1,427 @@
+"""The tensor-parallel styles behind the plan shorthands (``"colwise"``, ``"rowwise"``, ...).
+
+Each shorthand becomes a :class:`~torch.distributed.tensor.parallel.ParallelStyle` that
+depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout contract
+(Megatron-LM, Shoeybi et al. 2019; sequence parallel: Korthikanti et al. 2022):
+
+* The residual stream between sublayers is a plain tensor ``[batch, seq, hidden]``: the
+  full tensor on every tp rank (TP), or this rank's ``seq / tp`` slice of it (TP+SP).
+* An attention/MLP *sublayer* gets its input as one replicated DTensor (an all-gather along
+  the sequence under SP), so its column-parallel children share one collective: in backward,
+  their partial input gradients add up first, then one all-reduce (TP) or one reduce-scatter
+  (SP) -- Megatron's ``f`` operator.
+* The row-parallel output projection ends the sublayer with an all-reduce (TP) or a
+  reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
+
+:class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
+:class:`SequenceSlice` and :class:`GatherSequence` are new here; everything else is a
+configured torch style.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+# The residual stream is batch-first: [batch, seq, hidden].
+SEQ_DIM = 1
+# Names of the hidden-states argument when a sublayer is called with keywords (HF style).
+HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "input", "inputs", "query", "h")
+
+
+def check_sequence_divisible(seq_len: int, tp: int, where: str) -> None:
+    """Sequence parallel splits the sequence evenly over tp; anything else is a clear error."""
+    if seq_len % tp:
+        raise ValueError(
+            f"sequence_parallel=True splits the sequence over tp={tp}, but the sequence length is {seq_len} ({where})."
+            f" Use sequence lengths that are multiples of {tp} (pad the batch), or set sequence_parallel=False."
+        )
+
+
+class Colwise(ColwiseParallel):
+    """``ColwiseParallel`` that also gathers a DTensor input sharded along the sequence.
+
+    Torch's style only redistributes inputs that arrive as plain tensors; a sequence-sharded
+    DTensor would reach the matmul and be resolved there, once per projection.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return x if x.placements == desired_input_layouts else x.redistribute(placements=desired_input_layouts)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+class FusedColwiseParallel(Colwise):
+    """Column-parallel for a fused projection whose output is ``parts`` equal blocks side by side.
+
+    ``c_attn`` (q|k|v, ``parts=3``) or ``gate_up_proj`` (gate|up, ``parts=2``): a plain
+    ``Shard(0)`` would give rank 0 all of q and half of k. The weight is laid out as
+    ``_StridedShard(0, split_factor=parts)`` instead: every rank holds its slice of *each*
+    block, so ``split(width / tp)`` of the local output gives this rank's q, k and v heads.
+    The parameter stays a global-shaped DTensor, so checkpoints remain layout-independent.
+
+    The bias (``parts * width`` numbers) stays replicated over tp and each rank adds its
+    slice: a strided 1-D shard could not be sharded again over dp (ZeRO/FSDP split dim 0,
+    which no DTensor placement can describe on top of a strided shard).
+    """
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        strided = [_StridedShard(0, split_factor=self.parts)]
+        for pname, param in module.named_parameters():
+            placement = strided if pname == "weight" else [Replicate()]
+            dist_param = nn.Parameter(
+                distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+    @staticmethod
+    def _fused_forward(parts: int, module: nn.Linear, x: DTensor) -> torch.Tensor:
+        # No communication: a replicated input times a strided weight is a strided output.
+        out = torch.nn.functional.linear(x, module.weight).to_local()
+        if module.bias is not None:
+            out = out + module.bias.redistribute(placements=[_StridedShard(0, split_factor=parts)]).to_local()
+        return out
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs  # already this rank's [q_r | k_r | v_r], what the model's own split expects
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"FusedColwiseParallel applies to nn.Linear, not {type(module).__name__}.")
+        module = super()._apply(module, device_mesh)
+        # An instance attribute: the module (and every parameter name) stays the same.
+        module.forward = partial(self._fused_forward, self.parts, module)
+        return module
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(parts={self.parts})"
+
+
+def is_strided(param: torch.Tensor) -> bool:
+    """A DTensor with a ``_StridedShard`` placement (fused projections)."""
+    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
+
+
+def is_sharded_placement(placement: Any) -> bool:
+    """``Shard`` or ``_StridedShard`` (whose ``is_shard()`` answers False)."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+class _Regathered:
+    """What a saved gathered input is packed into: its sequence shard (Megatron-SP)."""
+
+    __slots__ = ("packed_shard", "shape")
+
+    def __init__(self, packed_shard: Any, shape: torch.Size) -> None:
+        self.packed_shard, self.shape = packed_shard, shape
+
+
+class _KeepShardSaveGathered:
+    """Saved-tensor hooks for one sublayer call: keep the shard, all-gather again in backward.
+
+    The column-parallel matmuls save their input for the weight gradient; under SP that is the
+    all-gathered ``[b, s, h]`` tensor. Korthikanti et al. (2022, Sec. 4.2.2) store the
+    ``[b, s/t, h]`` shard instead and repeat the all-gather in backward: that is what makes
+    activations ``sbh(34/t + 5as/(ht))``. Other tensors go to the enclosing hooks, if any.
+    """
+
+    def __init__(self, shard: DTensor, gathered: DTensor) -> None:
+        self.shard = shard.detach()
+        local = gathered._local_tensor
+        self.ptr, self.numel = local.untyped_storage().data_ptr(), local.numel()
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+        self.full: Optional[DTensor] = None
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else None
+        if (
+            local is not None and local.numel() == self.numel and local.storage_offset() == 0
+            and local.is_contiguous() and local.untyped_storage().data_ptr() == self.ptr
+        ):
+            return _Regathered(self.outer_pack(self.shard), t.shape)
+        return self.outer_pack(t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Regathered):
+            return self.outer_unpack(packed)
+        if self.full is None:  # q, k and v share one all-gather
+            with torch.no_grad():
+                self.full = self.outer_unpack(packed.packed_shard).redistribute(placements=[Replicate()])
+        return self.full.view(packed.shape)
+
+
+class SublayerInput(ParallelStyle):
+    """The hidden-states input of an attention/MLP sublayer becomes one replicated DTensor.
+
+    Under SP the input arrives sequence-sharded (a DTensor from a sequence-parallel norm or
+    this rank's slice as a plain tensor) and is all-gathered once here; with
+    ``keep_shard=True`` backward re-gathers it instead of keeping the gathered copy
+    (:class:`_KeepShardSaveGathered`). The input is found as the first positional argument
+    or a keyword in :data:`HIDDEN_KWARGS`.
+
+    ``head_attributes`` are integer attributes of the module (head counts, attention width)
+    divided by tp when the style is applied: attention code reshapes with them, and each rank
+    computes ``n_head / tp`` heads.
+    """
+
+    def __init__(
+        self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None, keep_shard: bool = False
+    ) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.head_attributes = dict(head_attributes or {})
+        self.keep_shard = keep_shard and sequence_parallel
+        self._active: list[_KeepShardSaveGathered] = []
+
+    def _to_replicated(self, x: Any, mesh: DeviceMesh) -> Any:
+        if isinstance(x, DTensor):
+            if all(p.is_replicate() for p in x.placements):
+                return x
+            shard = x
+        elif isinstance(x, torch.Tensor):
+            layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
+            shard = DTensor.from_local(x, mesh, [layout], run_check=False)
+            if not self.sequence_parallel:
+                return shard
+        else:
+            return x
+        full = shard.redistribute(mesh, [Replicate()])
+        if self.keep_shard and torch.is_grad_enabled():
+            hooks = _KeepShardSaveGathered(shard, full)
+            hooks.context.__enter__()
+            self._active.append(hooks)
+        return full
+
+    def _prepare(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (self._to_replicated(args[0], mesh), *args[1:]), kwargs
+        for key in HIDDEN_KWARGS:
+            if isinstance(kwargs.get(key), torch.Tensor):
+                return args, {**kwargs, key: self._to_replicated(kwargs[key], mesh)}
+        raise ValueError(
+            f"Tensor parallel: cannot find the hidden-states input of {type(module).__name__} (no tensor as first"
+            f" positional argument nor as one of the keywords {HIDDEN_KWARGS}). Plan this module with a"
+            " PrepareModuleInput style instead of 'attention'/'mlp'."
+        )
+
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._active:
+            self._active.pop().context.__exit__(None, None, None)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        for attr, full in self.head_attributes.items():
+            setattr(module, attr, full // tp)
+        module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
+        if self.keep_shard:
+            module.register_forward_hook(self._finish, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SublayerInput(sequence_parallel={self.sequence_parallel}, head_attributes={self.head_attributes})"
+
+
+class SequenceSlice(ParallelStyle):
+    """SP only: keep this rank's slice (dim -2) of a module output that covers the whole sequence.
+
+    For learned position (or token-type) embeddings added to the sequence-sharded residual
+    stream. Backward all-gathers the output gradient, so the (plain, replicated) weights get
+    the full gradient on every rank.
+    """
+
+    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        dim = out.dim() - 2
+        check_sequence_divisible(out.shape[dim], mesh.size(), f"the output of {type(module).__name__}")
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(partial(self._slice, device_mesh))
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """SP only: run a module replicated on the full sequence (e.g. an MoE layer), then re-slice.
+
+    Tensor inputs shaped like the first one are all-gathered along the sequence; the first
+    tensor output (or the first element of a tuple output) is sliced back. Every tp rank
+    computes the same thing, so parameter gradients are identical and stay plain tensors.
+    """
+
+    def _gather(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return args, kwargs
+
+        def gather(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return x.full_tensor()
+            if isinstance(x, torch.Tensor) and x.shape == first.shape:
+                full = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
+                return full.redistribute(mesh, [Replicate()]).to_local()
+            return x
+
+        return tuple(gather(a) for a in args), kwargs
+
+    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
+
+        if isinstance(out, torch.Tensor):
+            return cut(out)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (cut(out[0]), *out[1:])
+        return out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(self._gather, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True)
+        return module
+
+
+class _NoOp(ParallelStyle):
+    """Leave the module as it is (replicated on every tp rank)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """``nn.Embedding`` split by vocabulary rows (Megatron's ``VocabParallelEmbedding``).
+
+    Each rank looks up the ids in its own row range (others give zeros), and the partial
+    outputs are summed: an all-reduce (TP) or a reduce-scatter along the sequence (SP, which
+    also starts the sequence-parallel region). Computed on local tensors so the weight
+    gradient only ever exists for this rank's rows (torch's ``RowwiseParallel`` on an
+    embedding produces a full-vocabulary, replicated gradient on every rank).
+    """
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, DTensor):
+            ids = ids.to_local()
+        tp = mesh.size()
+        if self.sequence_parallel:
+            if ids.dim() != 2:
+                raise ValueError(
+                    "sequence_parallel=True needs batch-first token ids [batch, seq] for the vocab-parallel"
+                    f" embedding, got shape {tuple(ids.shape)}."
+                )
+            check_sequence_divisible(ids.shape[SEQ_DIM], tp, "the token ids")
+        weight = module.weight.to_local()
+        start = mesh.get_local_rank() * weight.shape[0]
+        outside = (ids < start) | (ids >= start + weight.shape[0])
+        padding = module.padding_idx
+        local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
+        out = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight, local_padding)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"'vocab_parallel' applies to nn.Embedding, not {type(module).__name__}.")
+        if module.max_norm is not None or module.sparse:
+            raise ValueError("'vocab_parallel' does not support nn.Embedding(max_norm=...) or sparse=True.")
+        weight = module.weight
+        module.register_parameter(
+            "weight",
+            nn.Parameter(
+                distribute_tensor(weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=weight.requires_grad,
+            ),
+        )
+        module.forward = partial(self._forward, device_mesh, module)
+        return module
+
+
+# shorthand -> what it is for (the documentation table in docs/tensor_parallel.md)
+SHORTHANDS = {
+    "colwise": "nn.Linear split by output features (q/k/v, up/gate, fc1)",
+    "rowwise": "nn.Linear split by input features (o_proj, down, fc2); ends the sublayer",
+    "fused_qkv": "nn.Linear producing [q | k | v] blocks side by side (c_attn, qkv_proj)",
+    "fused_gate_up": "nn.Linear producing [gate | up] blocks side by side (gate_up_proj)",
+    "attention": "the attention module: input gathered once; head-count/width attributes divided by tp",
+    "mlp": "the MLP module: input gathered once",
+    "vocab_parallel": "nn.Embedding split by vocabulary rows",
+    "lm_head": "output nn.Linear split by vocabulary; logits stay sharded for loss parallel",
+    "norm": "LayerNorm/RMSNorm on the residual stream: sequence-sharded under SP",
+    "sequence_slice": "a full-sequence output added to the residual stream (position embedding)",
+    "gather_sequence": "a module run replicated on the full sequence (MoE layer, unsupported attention)",
+    "replicate": "leave the module replicated on every tp rank (e.g. a small router)",
+}
+# Shorthands that make every nn.Linear inside the module count as planned (replicated on purpose).
+COVERS_DESCENDANTS = ("replicate", "gather_sequence")
+LINEAR_STYLES = ("colwise", "rowwise", "fused_qkv", "fused_gate_up", "lm_head")
+
+
+def make_style(
+    shorthand: str,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    head_attributes: Optional[dict[str, int]] = None,
+    keep_shard: bool = True,
+) -> ParallelStyle:
+    """The ParallelStyle for one shorthand under the given switches.
+
+    ``keep_shard`` (SP only): sublayers save their input's sequence shard and all-gather it
+    again in backward (Megatron-SP), instead of saving the gathered copy.
+    """
+    sp = sequence_parallel
+    if shorthand == "colwise":
+        return Colwise()
+    if shorthand == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(SEQ_DIM) if sp else Replicate())
+    if shorthand == "fused_qkv":
+        return FusedColwiseParallel(parts=3)
+    if shorthand == "fused_gate_up":
+        return FusedColwiseParallel(parts=2)
+    if shorthand in ("attention", "mlp"):
+        return SublayerInput(sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard)
+    if shorthand == "vocab_parallel":
+        return VocabParallelEmbedding(sp)
+    if shorthand == "lm_head":
+        # Loss parallel: logits stay a DTensor sharded over the vocabulary (never gathered).
+        return Colwise(
+            input_layouts=Shard(SEQ_DIM) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if shorthand == "norm":
+        return SequenceParallel(sequence_dim=SEQ_DIM) if sp else _NoOp()
+    if shorthand == "sequence_slice":
+        return SequenceSlice() if sp else _NoOp()
+    if shorthand == "gather_sequence":
+        return GatherSequence() if sp else _NoOp()
+    if shorthand == "replicate":
+        return _NoOp()
+    raise ValueError(
+        f"Unknown tensor-parallel style {shorthand!r}. Use one of {', '.join(SHORTHANDS)}"
+        " or a torch.distributed.tensor.parallel.ParallelStyle instance."
+    )
+
+
+__all__ = [
+    "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
+    "is_strided", "is_sharded_placement",
+]
