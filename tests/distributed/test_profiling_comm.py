@@ -71,6 +71,7 @@ LAYOUTS = [
     ({"zero": 0}, {"dp"}),
     ({"zero": 3}, {"dp"}),
     ({"pp": 2, "zero": 1}, {"dp", "pp"}),
+    ({"tp": 2, "pp": 2}, {"tp", "pp", "dp"}),  # "dp": ZeRO's bucket calls on the size-1 dp group
 ]
 
 

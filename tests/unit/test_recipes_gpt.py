@@ -6,6 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_para.parallel.pipeline_parallel import PipelineStageModule
+from lightning_para.parallel.tensor_parallel import check_plan
+from lightning_para.parallel.tp_plan import resolve_plan
 from recipes.gpt import GPT, PRESETS, GPTConfig, apply_rope
 
 
@@ -89,18 +92,6 @@ def test_attention_runs_with_a_tensor_parallel_share_of_heads():
     assert attn(torch.randn(2, 8, 32)).shape == (2, 8, 32)
 
 
-def declared_plan(model: nn.Module) -> dict[str, str]:
-    """Module name -> style from every ``tensor_parallel_plan()`` (each relative to its module)."""
-    plan: dict[str, str] = {}
-    for prefix, module in model.named_modules():
-        if hasattr(type(module), "tensor_parallel_plan"):
-            for pattern, style in module.tensor_parallel_plan().items():
-                name = f"{prefix}.{pattern}" if prefix else pattern
-                assert name not in plan, f"{name} planned twice"
-                plan[name] = style
-    return plan
-
-
 def test_tensor_parallel_plan():
     model = GPT(n_layer=2, n_embd=32, n_head=4)
     block = {
@@ -110,23 +101,30 @@ def test_tensor_parallel_plan():
     }
     expected = {"embed.wte": "vocab_parallel", "head.ln_f": "norm", "head.lm_head": "lm_head"}
     expected.update({f"blocks.{i}.{k}": v for i in range(2) for k, v in block.items()})
-    assert declared_plan(model) == expected
+    plan, source = resolve_plan(model)
+    assert source == "declared" and plan == expected
     for style in ({}, {"mlp": "gelu", "pos": "learned", "norm": "layernorm", "bias": True}):
         model = GPT(n_layer=3, n_embd=32, n_head=4, **style)
-        plan = declared_plan(model)
-        modules = dict(model.named_modules())
-        assert set(plan) <= set(modules)  # no name is a typo
-        for name, module in modules.items():  # every Linear/Embedding/norm is planned
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)):
-                assert name in plan, name
-        # each sublayer: column-parallel inputs, one row-parallel output
-        for sublayer in ("attn", "mlp"):
-            styles = [v for k, v in plan.items() if k.startswith(f"blocks.0.{sublayer}.")]
-            assert styles.count("rowwise") == 1 and "colwise" in styles
+        plan, _ = resolve_plan(model)
+        # the library's own check: every Linear planned, heads/widths/vocabulary divisible by tp
+        for tp in (2, 4):
+            assert check_plan(model, plan, tp, sequence_parallel=True)["blocks.0.attn"]["n_head"] == 4
+        with pytest.raises(ValueError, match="tp=3"):
+            check_plan(model, plan, 3, sequence_parallel=False)
         if style:
             assert plan["embed.wpe"] == "sequence_slice" and "blocks.0.mlp.c_gate" not in plan
-    # a pipeline stage holds some layers: the plan of a block does not depend on the others
-    assert model.blocks[1].tensor_parallel_plan() == model.blocks[2].tensor_parallel_plan()
+
+
+def test_tensor_parallel_plan_of_each_pipeline_stage():
+    """Under pp the plan is applied to a stage holding some layers: each layer brings its own."""
+    model = GPT(n_layer=4, n_embd=32, n_head=4)
+    layers = [("embed", model.embed), *[(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], ("head", model.head)]
+    for stage_layers in (layers[:3], layers[3:]):
+        stage = PipelineStageModule(0, stage_layers, model)
+        plan, source = resolve_plan(stage)
+        assert source == "declared"
+        check_plan(stage, plan, 2, sequence_parallel=False)  # raises on any unplanned nn.Linear
+        assert all(name.split(".")[0] in {n.split(".")[0] for n, _ in stage_layers} for name in plan)
 
 
 def test_flops_per_token_is_6n_plus_attention():
