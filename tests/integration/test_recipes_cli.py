@@ -18,11 +18,11 @@ GPT_DEMO = REPO / "recipes" / "gpt-cpu-demo.yaml"
 MOE_DEMO = REPO / "recipes" / "moe-cpu-demo.yaml"
 # A few steps of a demo: validation twice, every profiling feature on at least once.
 FAST = [
-    "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+    "--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     "--trainer.log_every_n_steps", "1",
-    "--profiling.comm_every_n_steps", "2", "--profiling.timeline_every_n_steps", "2",
-    "--profiling.memory_every_n_steps", "3",
+    "--profiling.comm_every_n_steps", "4", "--profiling.timeline_every_n_steps", "4",
+    "--profiling.memory_every_n_steps", "6",
     "--model.init_args.sample_tokens", "6", "--data.init_args.max_bytes", "300000",
 ]
 
@@ -56,8 +56,8 @@ def gpt_parallel_run(pools, tmp_path_factory):
 def test_gpt_demo_trains_and_reports_to_tensorboard(gpt_parallel_run):
     root, results = gpt_parallel_run
     summary = results[0]["summary"]
-    assert summary["steps"] == 6 and len(summary["val_losses"]) == 2
-    assert summary["final_val_loss"] < 0.9 * summary["first_loss"]  # 6 steps already cut ~30%
+    assert summary["steps"] == 12 and len(summary["val_losses"]) == 2
+    assert summary["final_val_loss"] < 0.8 * summary["first_loss"]  # 12 steps already cut ~40%
     # generation ran under the strategy on every rank, from the same broadcast tokens
     assert len({r["sample"] for r in results}) == 1 and results[0]["sample"].startswith("def ")
     log_dir, events = _events(root)
@@ -94,7 +94,7 @@ def cli_eval_job(args: list[str]) -> dict:
 
 def test_validate_and_predict_from_the_demo_checkpoint(pools, gpt_parallel_run, tmp_path):
     root, results = gpt_parallel_run
-    (checkpoint,) = (next((root / "lightning_logs").glob("version_*")) / "checkpoints").glob("*step=6*")
+    (checkpoint,) = (next((root / "lightning_logs").glob("version_*")) / "checkpoints").glob("*step=12*")
     common = ["--config", str(GPT_DEMO), "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path),
               "--trainer.enable_progress_bar", "false", "--model.init_args.sample_tokens", "0",
               "--data.init_args.max_bytes", "300000"]
