@@ -54,6 +54,10 @@ class ParallelConfig:
     zero_accumulation: str = "no_sync"
     # --- tensor parallel ---
     sequence_parallel: bool = False
+    # Under SP, keep only the sequence shard of each sublayer's input for backward and
+    # all-gather it again there (Megatron-SP): less activation memory, one more all-gather
+    # per sublayer. False keeps the gathered input: the same bytes as TP, more memory.
+    sp_save_input_shard: bool = True
     tp_plan: Optional[Mapping[str, Any]] = None
     loss_parallel: bool = True
     activation_checkpointing: Optional[str] = None

@@ -65,6 +65,9 @@ class ParaStrategy(ParallelStrategy):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``; when set it
             overrides ``Trainer(precision=...)`` (which also works, for the first three).
         sequence_parallel: shard norms/dropout/residuals along the sequence over ``tp``.
+        sp_save_input_shard: under sequence parallel, save only the sequence shard of each
+            sublayer input for backward and all-gather it again there (Megatron-SP; less memory,
+            one more all-gather per sublayer). ``False`` keeps the gathered input instead.
         tp_plan: module-name pattern -> parallel style; overrides the model's declared plan.
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
         activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
@@ -93,6 +96,7 @@ class ParaStrategy(ParallelStrategy):
         *,
         precision: Optional[str] = None,
         sequence_parallel: bool = False,
+        sp_save_input_shard: bool = True,
         tp_plan: Optional[Mapping[str, Any]] = None,
         loss_parallel: bool = True,
         activation_checkpointing: Optional[str] = None,
@@ -113,7 +117,8 @@ class ParaStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         self.config = ParallelConfig(
-            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel, tp_plan=tp_plan,
+            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
+            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan,
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,

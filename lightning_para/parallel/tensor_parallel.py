@@ -61,7 +61,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, config: Any) -
     # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
     # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
     # combined (the recomputed forward would install the hooks a second time).
-    keep_shard = sp and config.activation_checkpointing is None and config.extra.get("sp_keep_shard", True)
+    keep_shard = sp and config.activation_checkpointing is None and config.sp_save_input_shard
     for fqn, style in plan.items():
         if isinstance(style, str):
             style = make_style(

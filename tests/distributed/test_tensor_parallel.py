@@ -165,7 +165,7 @@ def _block_job() -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     layouts = {
         "tp1": {}, "tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True},
-        "tp2_sp_keep_gathered": {"tp": 2, "sequence_parallel": True, "extra": {"sp_keep_shard": False}},
+        "tp2_sp_keep_gathered": {"tp": 2, "sequence_parallel": True, "sp_save_input_shard": False},
         "tp2_sp_full_recompute": {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
     }
     out: dict[str, Any] = {}
