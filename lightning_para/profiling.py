@@ -1,0 +1,422 @@
+"""``ParaProfiler``: what a parallel run is doing, in TensorBoard.
+
+A Lightning ``Callback`` (the ``lightning-para`` CLI adds it by default) that logs, through
+the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
+
+* ``perf/lr``, ``perf/tokens_per_s`` (global), ``perf/step_ms`` and, when the peak is known
+  or given, ``perf/mfu``: ``flops_per_token * tokens/s / (peak FLOP/s * world size)`` with
+  ``flops_per_token = 6 N (+ attention)`` (Kaplan et al. 2020; PaLM App. B). The model may
+  define ``flops_per_token(seq_len)``; otherwise ``6 * parameters`` is used;
+* ``memory/rank{r}/...``: each rank's :meth:`ParaStrategy.memory_breakdown` (params, grads,
+  optimizer state) against the ZeRO formula's expectation;
+* ``comm/{dim}/{kind}_MB`` and ``_ms``: bytes and time per mesh dimension and collective,
+  measured by :class:`~lightning_para.comm_trace.CommTracer` on sampled steps;
+* ``pipeline/idle_fraction/stage{s}`` and a ``pipeline/timeline`` image drawn from the
+  measured schedule events (``pp > 1``);
+* optional ``torch.profiler`` traces for a window of steps (``trace_start_step``), written
+  per rank to ``<log_dir>/traces`` (open in TensorBoard's profiler plugin or Perfetto);
+* at the end of ``fit``, ``<log_dir>/para_summary.json`` and a one-line summary: loss at
+  step 0, final validation loss, throughput.
+
+Sampled work (comm tracing, memory, timeline) runs only on its steps, and every collective
+it needs is issued by all ranks at the same step; with everything off the per-step cost is
+two clock reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lightning_para.comm_trace import CommTracer, group_labels
+from lightning_para.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
+
+# Dense bf16 tensor-core peak FLOP/s per device, from the vendors' datasheets (no sparsity).
+PEAK_FLOPS = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+    "L4": 121e12, "A10G": 70e12, "A10": 125e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
+}
+MIB = 2**20
+
+
+def detect_peak_flops(device: torch.device) -> Optional[float]:
+    """The bf16 peak of a known GPU, or ``None`` (CPUs and unknown devices: pass ``peak_flops``)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (a world collective: call it on all ranks)."""
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _moe_layers(module: Any) -> list[tuple[str, Any]]:
+    try:
+        from lightning_para.moe import moe_layers
+    except ImportError:  # the MoE layer is optional
+        return []
+    return list(moe_layers(module))
+
+
+def _first_tensor(batch: Any) -> Optional[Tensor]:
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+class ParaProfiler(Callback):
+    """Throughput, MFU, memory, communication and pipeline profiling for TensorBoard.
+
+    Args:
+        log_every_n_steps: how often to log throughput and LR (default: the trainer's).
+        peak_flops: peak FLOP/s of one device for MFU; default: detected for known GPUs.
+        memory_every_n_steps: log ``memory_breakdown()`` after step 1 and then every n steps (0: off).
+        comm_every_n_steps: trace collectives on one step in every n (0: off).
+        time_collectives: also time each traced collective (waits for it; see ``comm_trace``).
+        timeline_every_n_steps: log pipeline idle fractions and the timeline image (0: off).
+        trace_start_step, trace_steps: ``torch.profiler`` trace of batches
+            ``[start, start + steps)``; ``None`` (default) records no trace.
+        val_loss_key: the validation loss metric used in the end-of-fit summary.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        peak_flops: Optional[float] = None,
+        memory_every_n_steps: int = 100,
+        comm_every_n_steps: int = 25,
+        time_collectives: bool = True,
+        timeline_every_n_steps: int = 25,
+        trace_start_step: Optional[int] = None,
+        trace_steps: int = 3,
+        val_loss_key: str = "val_loss",
+    ) -> None:
+        super().__init__()
+        for name, value in (("memory_every_n_steps", memory_every_n_steps), ("comm_every_n_steps", comm_every_n_steps),
+                            ("timeline_every_n_steps", timeline_every_n_steps), ("trace_steps", trace_steps)):
+            if value < 0:
+                raise ValueError(f"`{name}={value}` must be >= 0 (0 switches it off).")
+        self.log_every_n_steps = log_every_n_steps
+        self.peak_flops = peak_flops
+        self.memory_every_n_steps = memory_every_n_steps
+        self.comm_every_n_steps = comm_every_n_steps
+        self.time_collectives = time_collectives
+        self.timeline_every_n_steps = timeline_every_n_steps
+        self.trace_start_step = trace_start_step
+        self.trace_steps = trace_steps
+        self.val_loss_key = val_loss_key
+        self._reset()
+
+    def _reset(self) -> None:
+        self.log_dir: Optional[Path] = None
+        self.train_losses: list[Tensor] = []
+        self.val_losses: list[tuple[int, float]] = []
+        self._batches = 0
+        self._window: list[tuple[float, int]] = []  # (seconds, global tokens) of untraced batches
+        self._all_steps: list[tuple[float, int]] = []
+        self._tracer: Optional[CommTracer] = None
+        self._labels: dict[str, str] = {}
+        self._torch_profiler: Optional[Any] = None
+        self._start = 0.0
+        self._traced = False
+        self._last_memory_step = -1
+        self._num_params = 0
+        self._dp = 1
+        self._has_moe = False
+        self._timeline_pending = False
+        self.last_summary: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset()
+        # Counted before the strategy shards anything: the whole model, for the 6N fallback.
+        self._num_params = sum(p.numel() for p in pl_module.parameters())
+        # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
+        self._has_moe = bool(_moe_layers(pl_module))
+        # rank 0's directory on every rank (Lightning broadcasts it); no logger, no files
+        log_dir = trainer.log_dir if trainer.loggers else None
+        self.log_dir = Path(log_dir) if log_dir else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        dims = getattr(strategy, "_dims", None)
+        self._dp = dims.dp if dims is not None else trainer.world_size
+        mesh = getattr(dims, "mesh", None)
+        self._labels = group_labels(mesh)
+        if self.peak_flops is None:
+            self.peak_flops = detect_peak_flops(strategy.root_device)
+
+    # ------------------------------------------------------------------ per batch
+    def _due(self, every: int) -> bool:
+        return every > 0 and self._batches % every == every - 1  # never the first (warm-up) batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._traced = False
+        if self.trace_start_step is not None and self._batches == self.trace_start_step:
+            self._start_torch_profiler(trainer)
+        if self._torch_profiler is not None:
+            self._traced = True
+        if self._due(self.comm_every_n_steps) and _world() > 1:
+            self._tracer = CommTracer(self._labels, self.time_collectives)
+            self._tracer.__enter__()
+            self._traced = True
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._start
+        tracer, self._tracer = self._tracer, None
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+        if self._torch_profiler is not None and self._batches >= self.trace_start_step + self.trace_steps - 1:
+            self._stop_torch_profiler()
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, Tensor):
+            self.train_losses.append(loss.detach())
+        tokens_tensor = _first_tensor(batch)
+        tokens = (tokens_tensor.numel() if tokens_tensor is not None else 0) * self._dp
+        self._all_steps.append((seconds, tokens))
+        if not self._traced:
+            self._window.append((seconds, tokens))
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if every > 0 and self._batches % every == 0:
+            self._log_throughput(trainer, pl_module, tokens_tensor)
+            if self._has_moe:
+                self._log_moe(trainer, pl_module)
+        if tracer is not None:
+            self._log_comm(trainer, tracer, seconds)
+        step = trainer.global_step
+        if self.memory_every_n_steps and step != self._last_memory_step and (
+            step == 1 or step % self.memory_every_n_steps == 0
+        ):
+            self._last_memory_step = step
+            self._log_memory(trainer)
+        self._timeline_pending |= self._due(self.timeline_every_n_steps)
+        if self._timeline_pending and not self._traced:  # a traced step's timings are distorted
+            self._timeline_pending = False
+            self._log_pipeline(trainer)
+        self._batches += 1
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        value = trainer.callback_metrics.get(self.val_loss_key)
+        if value is not None and not trainer.sanity_checking:
+            self.val_losses.append((trainer.global_step, float(value)))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._torch_profiler is not None:
+            self._stop_torch_profiler()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Each rank's loss is its own batch's mean; the mean over all ranks is the global batch's
+        # (tp/pp ranks repeat their dp slot's value, which leaves the mean unchanged).
+        per_rank = gather_objects([float(x) for x in self.train_losses])
+        summary = self.last_summary = self.summary([sum(v) / len(v) for v in zip(*per_rank)])
+        if trainer.is_global_zero and self.log_dir is not None and summary["steps"]:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / "para_summary.json").write_text(json.dumps(summary, indent=1))
+            first, last = summary["first_loss"], summary["final_val_loss"]
+            text = f"lightning-para: loss at step 0 {first:.4f}"
+            if last is not None:
+                text += f" -> final validation loss {last:.4f} ({100 * (last - first) / first:+.1f}%)"
+            if summary["tokens_per_s"]:
+                text += f"; {summary['tokens_per_s']:.0f} tokens/s"
+            print(text + f"; logs in {self.log_dir}", flush=True)
+
+    # ------------------------------------------------------------------ summaries
+    def summary(self, losses: Optional[list[float]] = None) -> dict[str, Any]:
+        """Per-step training losses (default: this rank's), validation losses and throughput."""
+        losses = [float(x) for x in self.train_losses] if losses is None else losses
+        seconds = sum(s for s, _ in self._all_steps[1:]) or None  # the first batch warms up
+        tokens = sum(t for _, t in self._all_steps[1:])
+        return {
+            "steps": len(losses),
+            "train_losses": losses,
+            "first_loss": losses[0] if losses else None,
+            "val_losses": self.val_losses,
+            "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "log_dir": str(self.log_dir) if self.log_dir else None,
+        }
+
+    def _flops_per_token(self, pl_module: L.LightningModule, tokens: Optional[Tensor]) -> float:
+        fn = getattr(pl_module, "flops_per_token", None)
+        if callable(fn):
+            return float(fn(tokens.shape[-1]) if tokens is not None and tokens.dim() > 1 else fn())
+        return 6.0 * self._num_params
+
+    def _log_throughput(self, trainer: L.Trainer, pl_module: L.LightningModule, tokens: Optional[Tensor]) -> None:
+        window, self._window = self._window or self._all_steps[-1:], []
+        seconds = sum(s for s, _ in window)
+        metrics = {"perf/step_ms": 1e3 * seconds / len(window)}
+        if trainer.optimizers:
+            metrics["perf/lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
+        if seconds > 0:
+            tokens_per_s = sum(t for _, t in window) / seconds
+            metrics["perf/tokens_per_s"] = tokens_per_s
+            if self.peak_flops:
+                achieved = self._flops_per_token(pl_module, tokens) * tokens_per_s
+                metrics["perf/mfu"] = achieved / (self.peak_flops * trainer.world_size)
+        self._log_scalars(trainer, metrics)
+
+    def _log_comm(self, trainer: L.Trainer, tracer: CommTracer, step_seconds: float) -> None:
+        per_rank = gather_objects(tracer.summary())
+        if not trainer.is_global_zero:
+            return
+        metrics: dict[str, float] = {}
+        totals: dict[str, list[float]] = {}
+        for key in sorted({k for r in per_rank for k in r}):
+            entries = [r.get(key, {}) for r in per_rank]
+            mb = sum(e.get("bytes", 0.0) for e in entries) / len(entries) / 1e6
+            metrics[f"comm/{key}_MB"] = mb
+            dim = key.split("/")[0]
+            totals.setdefault(dim, [0.0, 0.0])[0] += mb
+            if any("seconds" in e for e in entries):
+                ms = 1e3 * sum(e.get("seconds", 0.0) for e in entries) / len(entries)
+                metrics[f"comm/{key}_ms"] = ms
+                totals[dim][1] += ms
+        for dim, (mb, ms) in totals.items():
+            metrics[f"comm/{dim}/total_MB"] = mb
+            if ms:
+                metrics[f"comm/{dim}/total_ms"] = ms
+        metrics["comm/traced_step_ms"] = 1e3 * step_seconds
+        self._log_scalars(trainer, metrics)
+
+    def _log_memory(self, trainer: L.Trainer) -> None:
+        breakdown_fn = getattr(trainer.strategy, "memory_breakdown", None)
+        if breakdown_fn is None:
+            return
+        mine = breakdown_fn()
+        if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
+            mine["device_max_allocated"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
+        per_rank = gather_objects(mine)
+        if not trainer.is_global_zero:
+            return
+        metrics = {}
+        rows = ["| rank | params MiB | grads MiB | optimizer MiB | total MiB | ZeRO formula MiB | measured / formula |",
+                "|---|---|---|---|---|---|---|"]
+        for rank, b in enumerate(per_rank):
+            expected = b["expected"]["total"]
+            for key in ("params", "grads", "optimizer", "total"):
+                metrics[f"memory/rank{rank}/{key}_MiB"] = b[key] / MIB
+                metrics[f"memory/rank{rank}/expected_{key}_MiB"] = b["expected"][key] / MIB
+            if expected:
+                metrics[f"memory/rank{rank}/measured_over_expected"] = b["total"] / expected
+            if "device_max_allocated" in b:
+                metrics[f"memory/rank{rank}/device_max_allocated_MiB"] = b["device_max_allocated"] / MIB
+            ratio = f"{b['total'] / expected:.3f}" if expected else "-"
+            rows.append(f"| {rank} | {b['params'] / MIB:.2f} | {b['grads'] / MIB:.2f} | {b['optimizer'] / MIB:.2f}"
+                        f" | {b['total'] / MIB:.2f} | {expected / MIB:.2f} | {ratio} |")
+        self._log_scalars(trainer, metrics)
+        first = per_rank[0]
+        header = f"ZeRO-{first['zero']} over dp={first['dp']} (edp={first['edp']}): {first['formula']}\n\n"
+        self._log_text(trainer, "memory/breakdown", header + "\n".join(rows))
+
+    def _log_pipeline(self, trainer: L.Trainer) -> None:
+        strategy = trainer.strategy
+        dims = getattr(strategy, "_dims", None)
+        if dims is None or dims.pp <= 1 or not hasattr(strategy, "pipeline_stats"):
+            return
+        mine = rank_pipeline_record(strategy.pipeline_stats(), dist.get_rank(), dims.local_rank("pp"))
+        per_rank = gather_objects(mine)
+        if not trainer.is_global_zero:
+            return
+        metrics, events = pipeline_metrics(per_rank)
+        self._log_scalars(trainer, metrics)
+        if events:
+            title = f"pipeline timeline of step {trainer.global_step} (measured; rows: ranks, boxes: action + microbatch)"
+            self._log_image(trainer, "pipeline/timeline", draw_timeline(events, title=title))
+
+    def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
+        mine = {}
+        for name, layer in _moe_layers(pl_module):
+            stats = layer.pop_stats()
+            if stats is not None:
+                mine[name] = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in stats.items()}
+        per_rank = gather_objects(mine)
+        if not trainer.is_global_zero:
+            return
+        merged: dict[str, list[dict[str, Any]]] = {}
+        for r in per_rank:
+            for name, stats in r.items():
+                merged.setdefault(name, []).append(stats)
+        metrics: dict[str, float] = {}
+        imbalance = []
+        for name, entries in sorted(merged.items()):
+            for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
+                metrics[f"moe/{name}/{key}"] = sum(e[key] for e in entries) / len(entries)
+            counts = [sum(c) for c in zip(*(e["tokens_per_expert"] for e in entries))]
+            mean = sum(counts) / max(len(counts), 1)
+            # Global balance: max/mean of the tokens each expert got from all ranks together.
+            metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0
+            imbalance.append(metrics[f"moe/{name}/global_load_imbalance"])
+        if imbalance:
+            metrics["moe/mean_global_load_imbalance"] = sum(imbalance) / len(imbalance)
+        self._log_scalars(trainer, metrics)
+
+    # ------------------------------------------------------------------ torch.profiler
+    def _start_torch_profiler(self, trainer: L.Trainer) -> None:
+        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        folder = (self.log_dir or Path(trainer.default_root_dir)) / "traces"
+        handler = tensorboard_trace_handler(str(folder), worker_name=f"rank{trainer.global_rank}")
+        self._torch_profiler = profile(activities=activities, on_trace_ready=handler, record_shapes=False)
+        self._torch_profiler.__enter__()
+
+    def _stop_torch_profiler(self) -> None:
+        profiler, self._torch_profiler = self._torch_profiler, None
+        profiler.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ writing
+    @staticmethod
+    def _log_scalars(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        if not trainer.is_global_zero or not metrics:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        for logger in trainer.loggers:
+            logger.log_metrics(clean, step=trainer.global_step)
+
+    @staticmethod
+    def _tensorboards(trainer: L.Trainer) -> list[Any]:
+        return [lg.experiment for lg in trainer.loggers if hasattr(getattr(lg, "experiment", None), "add_image")]
+
+    def _log_image(self, trainer: L.Trainer, tag: str, image: Any) -> None:
+        for tb in self._tensorboards(trainer):
+            tb.add_image(tag, image, trainer.global_step, dataformats="HWC")
+
+    def _log_text(self, trainer: L.Trainer, tag: str, text: str) -> None:
+        for tb in self._tensorboards(trainer):
+            tb.add_text(tag, text, trainer.global_step)

@@ -1,0 +1,111 @@
+"""The GPT decoder of :mod:`recipes.gpt` with Mixture-of-Experts feed-forward layers.
+
+Every ``moe_every``-th block (1: all, 2: every other, starting with the second, as in
+GShard/Switch) replaces its MLP with :class:`lightning_para.moe.MoE`: ``num_experts``
+experts, ``top_k`` per token, optional ``capacity_factor`` (``None``: dropless) and an
+optional shared expert. Under ``ParaStrategy(ep=e)`` the experts are split over ``e`` ranks
+and tokens travel by all-to-all; everything else (TP plan, pipeline contract, generation)
+is inherited (each :class:`~recipes.gpt.Block` declares ``gather_sequence`` for an MoE
+feed-forward: it runs whole on every tp rank and expert parallelism splits its experts).
+
+The routers' auxiliary losses train through the MoE layers' own backward hook
+(:func:`lightning_para.moe.aux_loss`); ``train_loss`` stays the language-model loss, so it
+compares with the dense model, and ``train_aux_loss`` shows the rest. The routing statistics
+(balance loss, load imbalance, dropped fraction per layer) reach TensorBoard through
+:class:`lightning_para.profiling.ParaProfiler` (``moe/...``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from recipes.gpt import GPT
+
+
+@dataclass
+class MoEOptions:
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: Optional[float] = None
+    moe_every: int = 1
+    expert_hidden: Optional[int] = None  # default: the dense MLP width
+    shared_expert_hidden: Optional[int] = None
+    balance_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or self.moe_every < 1:
+            raise ValueError(f"`moe_every={self.moe_every!r}` must be a positive integer (1: every block, 2: every other).")
+
+
+class MoEGPT(GPT):
+    """:class:`recipes.gpt.GPT` with MoE feed-forward layers.
+
+    Args:
+        num_experts, top_k, capacity_factor: routing (see :class:`lightning_para.moe.MoE`).
+        moe_every: put an MoE layer in every n-th block (the others keep the dense MLP).
+        expert_hidden: hidden width of each expert (default: the dense MLP's).
+        shared_expert_hidden: width of an always-on shared expert (``None``: none).
+        balance_loss_weight, z_loss_weight: auxiliary loss weights (Switch 0.01; ST-MoE 0.001).
+        **kwargs: everything :class:`~recipes.gpt.GPT` takes (``preset``, ``n_layer``, ``lr``, ...).
+    """
+
+    def __init__(
+        self,
+        num_experts: int = 4,
+        top_k: int = 2,
+        capacity_factor: Optional[float] = None,
+        moe_every: int = 1,
+        expert_hidden: Optional[int] = None,
+        shared_expert_hidden: Optional[int] = None,
+        balance_loss_weight: float = 0.01,
+        z_loss_weight: float = 0.001,
+        **kwargs: Any,
+    ) -> None:
+        # Read by `make_mlp`, which GPT.__init__ calls while building the blocks.
+        self.moe_options = MoEOptions(
+            num_experts=num_experts, top_k=top_k, capacity_factor=capacity_factor, moe_every=moe_every,
+            expert_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden,
+            balance_loss_weight=balance_loss_weight, z_loss_weight=z_loss_weight,
+        )
+        super().__init__(**kwargs)
+
+    def is_moe_block(self, layer_index: int) -> bool:
+        every = self.moe_options.moe_every
+        return layer_index % every == every - 1
+
+    def make_mlp(self, layer_index: int) -> Optional[nn.Module]:
+        if not self.is_moe_block(layer_index):
+            return None
+        from lightning_para.moe import MoE
+
+        o, config = self.moe_options, self.config
+        return MoE(
+            config.n_embd, o.expert_hidden or config.mlp_hidden, o.num_experts, o.top_k,
+            activation=config.mlp, shared_hidden_dim=o.shared_expert_hidden, capacity_factor=o.capacity_factor,
+            balance_loss_weight=o.balance_loss_weight, z_loss_weight=o.z_loss_weight,
+        )
+
+    def num_params(self, matmul_only: bool = False, active: bool = False) -> int:
+        """As :meth:`GPT.num_params`; with ``active`` the experts count ``top_k / num_experts`` of
+        their weights, so ``flops_per_token`` is 6 N_active + 12 L d T."""
+        total = super().num_params(matmul_only)
+        if active:
+            from lightning_para.moe import moe_layers
+
+            o = self.moe_options
+            for _, layer in moe_layers(self):
+                expert_params = sum(p.numel() for p in layer.experts.parameters())
+                total -= expert_params - expert_params * o.top_k // o.num_experts
+        return total
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        from lightning_para.moe import aux_loss
+
+        loss = super().training_step(batch, batch_idx)
+        # The aux gradients are already attached inside each MoE layer; this is the value, for the logs.
+        self.log("train_aux_loss", aux_loss(self))
+        return loss

@@ -1,0 +1,183 @@
+"""The recipes under the ``lightning-para`` CLI: a few steps of each demo config in real gloo
+groups, what reaches TensorBoard, equivalence with one device, and bad configurations."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.parity import FP32_RTOL, assert_losses_close
+
+REPO = Path(__file__).resolve().parents[2]
+GPT_DEMO = REPO / "recipes" / "gpt-cpu-demo.yaml"
+MOE_DEMO = REPO / "recipes" / "moe-cpu-demo.yaml"
+# A few steps of a demo: validation twice, every profiling feature on at least once.
+FAST = [
+    "--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--trainer.log_every_n_steps", "1",
+    "--profiling.comm_every_n_steps", "4", "--profiling.timeline_every_n_steps", "4",
+    "--profiling.memory_every_n_steps", "6",
+    "--model.init_args.sample_tokens", "6", "--data.init_args.max_bytes", "300000",
+]
+
+
+def cli_fit_job(args: list[str]) -> dict:
+    """In every worker: run the CLI (the workers already form the process group, as torchrun would)."""
+    from lightning_para.cli import run_cli
+    from lightning_para.profiling import ParaProfiler
+
+    cli = run_cli(args)
+    profiler = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ParaProfiler))
+    return {"rank": dist.get_rank(), "summary": profiler.last_summary, "sample": cli.model.last_sample}
+
+
+def _events(root: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (log_dir,) = sorted((root / "lightning_logs").glob("version_*"))
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    return log_dir, events
+
+
+@pytest.fixture(scope="module")
+def gpt_parallel_run(pools, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt_demo")
+    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(GPT_DEMO), *FAST, "--trainer.default_root_dir", str(root)])
+    return root, results
+
+
+def test_gpt_demo_trains_and_reports_to_tensorboard(gpt_parallel_run):
+    root, results = gpt_parallel_run
+    summary = results[0]["summary"]
+    assert summary["steps"] == 12 and len(summary["val_losses"]) == 2
+    assert summary["final_val_loss"] < 0.8 * summary["first_loss"]  # 12 steps already cut ~40%
+    # generation ran under the strategy on every rank, from the same broadcast tokens
+    assert len({r["sample"] for r in results}) == 1 and results[0]["sample"].startswith("def ")
+    log_dir, events = _events(root)
+    assert (log_dir / "para_summary.json").is_file()
+    scalars = set(events.Tags()["scalars"])
+    expected = {"train_loss", "val_loss", "val_ppl", "perf/lr", "perf/tokens_per_s", "perf/step_ms"}
+    expected |= {f"memory/rank{r}/{k}_MiB" for r in range(4) for k in ("params", "grads", "optimizer", "total")}
+    expected |= {f"memory/rank{r}/expected_total_MiB" for r in range(4)}
+    assert expected <= scalars, expected - scalars
+    comm = {t for t in scalars if t.startswith("comm/")}
+    assert any(t.endswith("_MB") for t in comm) and any(t.endswith("_ms") for t in comm), comm
+    tensors = events.Tags()["tensors"]
+    assert "samples/text/text_summary" in tensors and "memory/breakdown/text_summary" in tensors
+    ppl, loss = events.Scalars("val_ppl")[-1].value, events.Scalars("val_loss")[-1].value
+    assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl  # perplexity = exp(mean token NLL)
+    # the demo pipelines the model: idle fraction per stage and the measured timeline image
+    pp = _degrees(GPT_DEMO).get("pp", 1)
+    assert pp > 1, "the CPU demo is meant to show pipeline parallelism"
+    assert {f"pipeline/idle_fraction/stage{s}" for s in range(pp)} | {"pipeline/expected_idle_fraction"} <= scalars
+    assert {"comm/pp/send_MB", "comm/pp/recv_MB"} <= scalars
+    (timeline,) = events.Tags()["images"]
+    assert timeline == "pipeline/timeline" and events.Images(timeline)[-1].width == 1200
+
+
+def cli_eval_job(args: list[str]) -> dict:
+    """Run an evaluation subcommand; return the logged metrics and the prediction shapes."""
+    from lightning_para.cli import run_cli
+
+    cli = run_cli(args)
+    predictions = cli.trainer.predict_loop.predictions if args[0] == "predict" else []
+    return {"metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()},
+            "predictions": [tuple(p.shape) for p in predictions]}
+
+
+def test_validate_and_predict_from_the_demo_checkpoint(pools, gpt_parallel_run, tmp_path):
+    root, results = gpt_parallel_run
+    (checkpoint,) = (next((root / "lightning_logs").glob("version_*")) / "checkpoints").glob("*step=12*")
+    common = ["--config", str(GPT_DEMO), "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.enable_progress_bar", "false", "--model.init_args.sample_tokens", "0",
+              "--data.init_args.max_bytes", "300000"]
+    validated = pools.get(4).run(cli_eval_job, ["validate", *common, "--trainer.limit_val_batches", "2"])[0]
+    # the same weights and batches as the fit's last validation
+    assert validated["metrics"]["val_loss"] == pytest.approx(results[0]["summary"]["final_val_loss"], rel=1e-6)
+    predicted = pools.get(4).run(cli_eval_job, ["predict", *common, "--trainer.limit_predict_batches", "2"])[0]
+    per_rank_batch = 16 // _dp_of(GPT_DEMO, 4)
+    assert predicted["predictions"] == [(per_rank_batch, 64, 256)] * 2  # next-token logits
+
+
+def _degrees(config: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+
+
+def _dp_of(config: Path, world: int) -> int:
+    degrees = _degrees(config)
+    return world // (degrees.get("tp", 1) * degrees.get("pp", 1))
+
+
+def test_moe_demo_trains_and_logs_balance(pools, tmp_path):
+    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path)])
+    summary = results[0]["summary"]
+    assert summary["final_val_loss"] < summary["first_loss"]
+    _, events = _events(tmp_path)
+    scalars = set(events.Tags()["scalars"])
+    for layer in ("blocks.1.mlp", "blocks.3.mlp"):  # moe_every=2: the second and fourth blocks
+        for key in ("balance_loss", "load_imbalance", "global_load_imbalance", "dropped_fraction"):
+            assert f"moe/{layer}/{key}" in scalars, (layer, key)
+    assert "comm/ep/all_to_all_MB" in scalars
+    assert events.Scalars("moe/blocks.1.mlp/global_load_imbalance")[-1].value >= 1.0
+
+
+def test_one_device_gives_the_same_losses(pools, gpt_parallel_run, tmp_path):
+    """The acceptance: the demo with tp=1, pp=1 on one device has the parallel run's per-step losses."""
+    _, parallel = gpt_parallel_run
+    single = pools.get(1).run(
+        cli_fit_job,
+        ["fit", "--config", str(GPT_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path),
+         "--trainer.devices", "1", "--trainer.strategy.tp", "1", "--trainer.strategy.pp", "1",
+         "--trainer.strategy.dp", "auto"],
+    )
+    expected, actual = single[0]["summary"], parallel[0]["summary"]
+    assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
+    assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
+
+
+def test_bad_configurations_fail_before_any_process_starts(tmp_path, capsys):
+    from lightning_para.cli import ConfigurationError, ParaCLI, main
+
+    # run=False: parse and instantiate only, so nothing could ever launch from inside pytest
+    base = ["--config", str(GPT_DEMO), "--trainer.default_root_dir", str(tmp_path)]
+    # degrees that do not fit the devices: the strategy's ValueError, raised in this process
+    with pytest.raises(ConfigurationError, match=r"world size 3 is not divisible by pp=\d x tp=2"):
+        ParaCLI(args=[*base, "--trainer.strategy.tp", "2", "--trainer.devices", "3"], run=False)
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigurationError, match=r"`data.path='/no/such/corpus.txt'` does not exist"):
+        ParaCLI(args=[*base, "--data.init_args.path", "/no/such/corpus.txt"], run=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigurationError, match="is an empty file"):
+        ParaCLI(args=[*base, "--data.init_args.path", str(empty)], run=False)
+    with pytest.raises(ConfigurationError, match="Vocabulary mismatch: the data's tokenizer has 257 tokens"):
+        ParaCLI(args=[*base, "--data.init_args.special_tokens", "['<|endoftext|>']"], run=False)
+    # the console script prints the message, not a traceback, and exits with status 2
+    assert main(["fit", *base, "--trainer.strategy.tp", "2", "--trainer.devices", "3"]) == 2
+    assert "lightning-para: configuration error:" in capsys.readouterr().err
+
+
+def test_console_script_launches_its_own_processes(tmp_path):
+    """Outside a pool: the CLI starts the worker processes itself (Lightning's launcher) and exits 0,
+    as the console script does (``sys.exit(main())``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    cmd = [
+        sys.executable, "-m", "lightning_para.cli", "fit", "--config", str(GPT_DEMO),
+        "--trainer.devices", "2", "--trainer.strategy.tp", "1", "--trainer.strategy.pp", "1",
+        "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+        "--data.init_args.max_bytes", "100000", "--trainer.default_root_dir", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning-para: loss at step 0" in proc.stdout
+    assert (next((tmp_path / "lightning_logs").glob("version_*")) / "para_summary.json").is_file()
