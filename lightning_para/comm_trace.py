@@ -48,13 +48,19 @@ def _nbytes(value: Any) -> int:
 
 
 def group_labels(mesh: Any) -> dict[str, str]:
-    """Process-group name -> mesh dimension name for a ``DeviceMesh`` with named dims."""
+    """Process-group name -> mesh dimension name.
+
+    ``mesh`` is a :class:`~lightning_para.mesh.ParallelDims` (preferred: it keeps the flattened
+    ``dp`` mesh itself, which torch asks callers to do instead of slicing it from the root) or a
+    ``DeviceMesh`` with named dims.
+    """
     labels: dict[str, str] = {}
     if mesh is not None:
+        sub_mesh = getattr(mesh, "get_mesh", None) or mesh.__getitem__
         subs = []
         for dim in _DIM_PRIORITY:
             try:
-                subs.append((dim, mesh[dim]))  # flattened dims ("dp") resolve on the root mesh too
+                subs.append((dim, sub_mesh(dim)))
             except (KeyError, RuntimeError, ValueError):
                 continue
         # Real groups first; then size-1 dims, whose collectives (e.g. ZeRO over dp=1) move nothing.

@@ -172,8 +172,7 @@ class ParaProfiler(Callback):
         strategy = trainer.strategy
         dims = getattr(strategy, "_dims", None)
         self._dp = dims.dp if dims is not None else trainer.world_size
-        mesh = getattr(dims, "mesh", None)
-        self._labels = group_labels(mesh)
+        self._labels = group_labels(dims if getattr(dims, "mesh", None) is not None else None)
         if self.peak_flops is None:
             self.peak_flops = detect_peak_flops(strategy.root_device)
 

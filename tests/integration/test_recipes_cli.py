@@ -117,11 +117,18 @@ def _dp_of(config: Path, world: int) -> int:
     return world // (degrees.get("tp", 1) * degrees.get("pp", 1))
 
 
-def test_moe_demo_trains_and_logs_balance(pools, tmp_path):
-    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path)])
+@pytest.fixture(scope="module")
+def moe_parallel_run(pools, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_demo")
+    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(root)])
+    return root, results
+
+
+def test_moe_demo_trains_and_logs_balance(moe_parallel_run):
+    root, results = moe_parallel_run
     summary = results[0]["summary"]
     assert summary["final_val_loss"] < summary["first_loss"]
-    _, events = _events(tmp_path)
+    _, events = _events(root)
     scalars = set(events.Tags()["scalars"])
     for layer in ("blocks.1.mlp", "blocks.3.mlp"):  # moe_every=2: the second and fourth blocks
         for key in ("balance_loss", "load_imbalance", "global_load_imbalance", "dropped_fraction"):
@@ -144,7 +151,24 @@ def test_one_device_gives_the_same_losses(pools, gpt_parallel_run, tmp_path):
     assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
 
 
-def test_bad_configurations_fail_before_any_process_starts(tmp_path, capsys):
+def test_moe_demo_on_one_device_gives_the_same_losses(pools, moe_parallel_run, tmp_path):
+    """Issue 6's recipe parity: dp=4 x ep=2 (ZeRO-1) against all experts on one device. The LM
+    losses of later steps depend on the routers' aux-loss gradients, so they check those too."""
+    _, parallel = moe_parallel_run
+    assert _degrees(MOE_DEMO).get("ep", 1) == 2
+    single = pools.get(1).run(
+        cli_fit_job,
+        ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path),
+         "--trainer.devices", "1", "--trainer.strategy.ep", "1", "--trainer.strategy.dp", "auto"],
+    )
+    expected, actual = single[0]["summary"], parallel[0]["summary"]
+    assert len(expected["train_losses"]) == 12
+    assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
+    assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
+
+
+def test_bad_configurations_fail_before_any_process_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lightning-para"])  # pytest's own argv is not the CLI's
     from lightning_para.cli import ConfigurationError, ParaCLI, main
 
     # run=False: parse and instantiate only, so nothing could ever launch from inside pytest

@@ -24,7 +24,8 @@ def test_every_recipe_config_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_recipe_config_resolves(name, tmp_path):
+def test_recipe_config_resolves(name, tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lightning-para"])  # pytest's own argv is not the CLI's
     devices, layout, model_class, preset = EXPECTED[name]
     # GPU files are checked on CPU with a tiny model: the layout, not the weights, is under test.
     args = ["--config", str(RECIPES / name), "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
