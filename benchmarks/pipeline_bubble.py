@@ -190,7 +190,7 @@ def main() -> None:
         (args.out / "pipeline_bubble.json").write_text(json.dumps(report, indent=1))
         lines = [
             "# Pipeline bubble: measured idle fraction per schedule (p=2, m=8)", "",
-            f"Command: `flock /tmp/para-cpu.lock python benchmarks/pipeline_bubble.py --out benchmarks/results`", "",
+            "Command: `flock /tmp/para-cpu.lock python benchmarks/pipeline_bubble.py --out benchmarks/results`", "",
             "Conditions: " + ", ".join(f"{k}={v}" for k, v in conditions.items()), "",
             "| schedule | v | measured idle (mean of ranks) | per rank | formula | step time / 1F1B | forward ms per stage & microbatch |",
             "|---|---|---|---|---|---|---|",

@@ -364,3 +364,43 @@ def _local_of_full(param: Tensor, full: Tensor) -> Tensor:
 
 def _copy_full_into(target: Tensor, full: Tensor) -> None:
     _local(target).copy_(_local_of_full(target, full).view(_local(target).shape))
+
+
+def load_checkpoint_in_place(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    views: Any,
+    zero: Optional[ZeroDataParallel] = None,
+    pipeline: Any = None,
+) -> dict[str, Any]:
+    """What ``ParaStrategy.load_checkpoint`` does: load ``path`` into ``module`` and ``optimizers``
+    in place and return the non-tensor part of the checkpoint.
+
+    ``path`` is a sharded DCP folder (any layout: DCP reshards on load) or a single full file
+    (``save_distributed_checkpoint=False``, or a plain Lightning checkpoint). ``views`` are
+    :func:`optimizer_params`. With no optimizers (validate/predict), ZeRO masters follow the
+    loaded weights.
+    """
+    strict = getattr(module, "strict_loading", True)
+    if is_sharded_checkpoint(path):
+        flat = load_sharded_into(path, {"state_dict": module.state_dict()})
+        missing = flat["__missing__"]
+        if missing and strict:
+            raise RuntimeError(f"The checkpoint {path} lacks model entries: {missing[:10]}.")
+        if zero is not None and not optimizers:
+            for slot in zero.slots:
+                if slot.master is not None:
+                    src = slot.local_rows(slot.local) if slot.sharded else slot.local.view(slot.master.shape)
+                    slot.master.data.copy_(src)
+        for i, optimizer in enumerate(optimizers):
+            load_optimizer_state(optimizer, views, path, f"optimizer_{i}", zero)
+        meta_file = path / METADATA_FILENAME
+        return torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint not found: {path}")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if pipeline is not None:
+        pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
+    load_full_checkpoint_into(checkpoint, module, optimizers, views, zero, strict=strict)
+    return checkpoint

@@ -10,7 +10,6 @@ under :mod:`lightning_para.parallel`.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +37,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
@@ -46,9 +44,8 @@ from lightning_para.config import ParallelConfig
 from lightning_para.memory import memory_breakdown as _memory_breakdown
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel import tensor_parallel
-from lightning_para.parallel.tp_styles import is_sharded_placement
 from lightning_para.parallel.fsdp import fsdp_no_sync
-from lightning_para.parallel.grad_norm import set_grad_replication
+from lightning_para.parallel.grad_norm import count_grad_replication, set_grad_replication
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
 
@@ -279,34 +276,10 @@ class ParaStrategy(ParallelStrategy):
                 parallel.zero.shard_optimizer(optimizer)
             for group in optimizer.param_groups:
                 for q in group["params"]:
-                    set_grad_replication(q, self._grad_replication(q))
+                    set_grad_replication(q, count_grad_replication(q, self.parallel_dims, parallel.zero, parallel.pipeline))
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-
-    def _grad_replication(self, tensor: Tensor) -> int:
-        """On how many ranks this optimizer tensor's gradient is identical (for the global norm).
-
-        All ranks of one pipeline stage (dp x tp) hold some piece of each of its parameters;
-        the replication is that count divided by the number of distinct pieces.
-        """
-        dims = self.parallel_dims
-        zero = self._parallel.zero if self._parallel is not None else None
-        slot = zero.slot_for_optimizer_param(tensor) if zero is not None else None
-        base = slot.param if slot is not None else tensor
-        distinct = slot.world if slot is not None and slot.sharded else 1
-        if isinstance(base, DTensor):
-            mesh = base.device_mesh
-            # `_StridedShard` (fused TP projections) is a shard too, though its is_shard() says False.
-            distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if is_sharded_placement(p))
-            on_ep = "ep" in (mesh.mesh_dim_names or ())
-        else:
-            on_ep = False
-        if getattr(base, "_para_expert", False) and not on_ep:
-            distinct *= dims.ep
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
-        copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
-        return max((dims.dp * dims.tp * copies) // distinct, 1)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
@@ -488,34 +461,18 @@ class ParaStrategy(ParallelStrategy):
             ckpt.write_consolidated(path, tensors, checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load model and optimizer state in place (sharded DCP folder or one full file) and
+        return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        module = self.lightning_module
-        zero = self._parallel.zero if self._parallel is not None else None
-        if ckpt.is_sharded_checkpoint(path):
-            flat = ckpt.load_sharded_into(path, {"state_dict": module.state_dict()})
-            missing = flat["__missing__"]
-            if missing and module.strict_loading:
-                raise RuntimeError(f"The checkpoint {path} lacks model entries: {missing[:10]}.")
-            if zero is not None and not self.optimizers:
-                # Evaluation only: masters follow the loaded weights.
-                for slot in zero.slots:
-                    if slot.master is not None:
-                        src = slot.local_rows(slot.local) if slot.sharded else slot.local.view(slot.master.shape)
-                        slot.master.data.copy_(src)
-            views = self._optim_views()
-            for i, optimizer in enumerate(self._raw_optimizers()):
-                ckpt.load_optimizer_state(optimizer, views, path, f"optimizer_{i}", zero)
-            meta_file = path / ckpt.METADATA_FILENAME
-            return torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
-        if not path.is_file():
-            raise FileNotFoundError(f"Checkpoint not found: {path}")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        if self._parallel is not None and self._parallel.pipeline is not None:
-            self._parallel.pipeline.check_full_checkpoint(checkpoint, bool(self.optimizers))
-        ckpt.load_full_checkpoint_into(
-            checkpoint, module, self._raw_optimizers(), self._optim_views(), zero, strict=module.strict_loading
+        parallel = self._parallel
+        return ckpt.load_checkpoint_in_place(
+            path,
+            self.lightning_module,
+            self._raw_optimizers(),
+            self._optim_views(),
+            zero=parallel.zero if parallel is not None else None,
+            pipeline=parallel.pipeline if parallel is not None else None,
         )
-        return checkpoint
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

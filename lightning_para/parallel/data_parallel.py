@@ -36,126 +36,23 @@ How it works:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_para.parallel.grad_norm import local_tensor
-
-
-@dataclass
-class ParamSlot:
-    """One model parameter's place in data parallelism: its group, its shard, its master."""
-
-    name: str
-    param: nn.Parameter
-    mesh: DeviceMesh  # 1-D data-parallel mesh that replicates this parameter ("dp", or "edp" for experts)
-    sharded: bool
-    master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
-    bucket: int = -1
-    offset: int = 0  # position inside the bucket's per-rank segment
-
-    def __post_init__(self) -> None:
-        self.group = self.mesh.get_group()
-        self.world = self.mesh.size()
-        self.rank = self.mesh.get_local_rank()
-        local = self.local
-        self.rows = local.shape[0] if local.dim() > 0 else 1
-        self.row_numel = local.numel() // self.rows if self.rows else 0
-        self.chunk_rows = math.ceil(self.rows / self.world) if self.sharded else self.rows
-        self.start_row = min(self.rank * self.chunk_rows, self.rows) if self.sharded else 0
-        self.end_row = min(self.start_row + self.chunk_rows, self.rows)
-
-    @property
-    def local(self) -> Tensor:
-        return local_tensor(self.param.data)
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.row_numel
-
-    @property
-    def segment_numel(self) -> int:
-        """Elements this parameter occupies in each rank's segment of a bucket (padded chunk)."""
-        return self.chunk_rows * self.row_numel
-
-    @property
-    def shard_numel(self) -> int:
-        return (self.end_row - self.start_row) * self.row_numel
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        shape = tuple(self.local.shape) or (1,)
-        return (self.end_row - self.start_row, *shape[1:])
-
-    @property
-    def optimizer_param(self) -> nn.Parameter:
-        return self.master if self.master is not None else self.param
-
-    def local_rows(self, tensor: Tensor) -> Tensor:
-        """The rows of a tensor shaped like the local parameter that this rank owns."""
-        flat = tensor.reshape(-1)
-        return flat[self.start_row * self.row_numel : self.end_row * self.row_numel].view(self.shard_shape)
-
-
-@dataclass
-class _Bucket:
-    slots: list[ParamSlot]
-    segment_numel: int
-    ready: int = 0
-    work: Optional[dist.Work] = None
-    buffer: Optional[Tensor] = None
-    output: Optional[Tensor] = None
-    launched: bool = False
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        return self.slots[0].mesh
-
-    @property
-    def dtype(self) -> torch.dtype:
-        # Read at launch: the precision plugin may cast the model after the buckets were built.
-        return self.slots[0].local.dtype
-
-    @property
-    def world(self) -> int:
-        return self.slots[0].world
-
-
-# torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _pack(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
-    """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
-    n = flat.numel()
-    full = n // chunk if chunk else 0
-    if full:
-        dest[:full, offset : offset + chunk].copy_(flat[: full * chunk].view(full, chunk))
-    if full < world:
-        dest[full:, offset : offset + chunk].zero_()
-        rest = n - full * chunk
-        if rest:
-            dest[full, offset : offset + rest].copy_(flat[full * chunk :])
-
-
-def _unpack(src: Tensor, chunk: int, offset: int, flat: Tensor) -> None:
-    """Inverse of :func:`_pack`: write the rank-major chunks back into ``flat``."""
-    n = flat.numel()
-    full = n // chunk if chunk else 0
-    if full:
-        flat[: full * chunk].view(full, chunk).copy_(src[:full, offset : offset + chunk])
-    rest = n - full * chunk
-    if rest:
-        flat[full * chunk :].copy_(src[full, offset : offset + rest])
+from lightning_para.parallel.zero_layout import (  # ParamSlot is re-exported: checkpoint code imports it from here
+    Bucket,
+    ParamSlot,
+    all_gather_single,
+    pack_rank_major,
+    reduce_scatter_single,
+    unpack_rank_major,
+)
 
 
 class ZeroDataParallel:
@@ -214,8 +111,8 @@ class ZeroDataParallel:
         source = slot.local_rows(local.detach()) if slot.sharded else local.detach()
         return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
 
-    def _build_buckets(self, capacity_bytes: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
+    def _build_buckets(self, capacity_bytes: int) -> list[Bucket]:
+        buckets: list[Bucket] = []
         current: list[ParamSlot] = []
 
         def close() -> None:
@@ -224,7 +121,7 @@ class ZeroDataParallel:
                 for s in current:
                     s.offset, s.bucket = seg, len(buckets)
                     seg += s.segment_numel
-                buckets.append(_Bucket(slots=list(current), segment_numel=seg))
+                buckets.append(Bucket(slots=list(current), segment_numel=seg))
                 current.clear()
 
         size = 0
@@ -298,7 +195,7 @@ class ZeroDataParallel:
             self.sync_now()
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         world = bucket.world
         if self.stage == 0:
             buffer = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=bucket.slots[0].local.device)
@@ -317,17 +214,17 @@ class ZeroDataParallel:
                 if grad is None:
                     buffer[:, slot.offset : slot.offset + slot.segment_numel].zero_()
                 else:
-                    _pack(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
+                    pack_rank_major(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
                     # The full gradient is now in the bucket; free it (ZeRO-2 never holds all of them).
                     slot.param.grad = None
             buffer.div_(world)
             output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            bucket.work = _reduce_scatter(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            bucket.work = reduce_scatter_single(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
             bucket.buffer, bucket.output = buffer, output
         bucket.launched = True
 
     @torch.no_grad()
-    def _finish(self, bucket: _Bucket) -> None:
+    def _finish(self, bucket: Bucket) -> None:
         if bucket.work is not None:
             bucket.work.wait()
         if self.stage == 0:
@@ -392,7 +289,7 @@ class ZeroDataParallel:
         self.gather_params(buckets)
 
     @torch.no_grad()
-    def gather_params(self, buckets: Optional[Sequence[_Bucket]] = None) -> None:
+    def gather_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
         buckets = self.buckets if buckets is None else buckets
         if self.stage == 0:
             for bucket in buckets:
@@ -407,12 +304,12 @@ class ZeroDataParallel:
             for slot in bucket.slots:
                 send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
             out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
-            work = _all_gather(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
+            work = all_gather_single(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
             pending.append((bucket, out, work))
         for bucket, out, work in pending:
             work.wait()
             for slot in bucket.slots:
-                _unpack(out, slot.segment_numel, slot.offset, slot.local.view(-1))
+                unpack_rank_major(out, slot.segment_numel, slot.offset, slot.local.view(-1))
 
     # ------------------------------------------------------------------ introspection
     def slot_of(self, param: Tensor) -> Optional[ParamSlot]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,34 @@ def set_grad_replication(param: Tensor, factor: int) -> None:
     if factor < 1:
         raise ValueError(f"replication factor must be >= 1, got {factor}")
     setattr(param, _ATTR, int(factor))
+
+
+def count_grad_replication(tensor: Tensor, dims: Any, zero: Any = None, pipeline: Any = None) -> int:
+    """On how many ranks the gradient of optimizer tensor ``tensor`` is identical.
+
+    All ranks of one pipeline stage (dp x tp) hold some piece of each of its parameters; the
+    replication is that count divided by the number of distinct pieces: the ZeRO shard
+    (``zero``: a ``ZeroDataParallel``), the DTensor shards (TP, EP, FSDP2) and, for an expert
+    that is not a DTensor on ``ep``, the ep split. ``pipeline`` counts parameters held by more
+    than one stage (``grad_copies``). ``dims`` is the strategy's ``ParallelDims``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from lightning_para.parallel.tp_styles import is_sharded_placement
+
+    slot = zero.slot_for_optimizer_param(tensor) if zero is not None else None
+    base = slot.param if slot is not None else tensor
+    distinct = slot.world if slot is not None and slot.sharded else 1
+    on_ep = False
+    if isinstance(base, DTensor):
+        mesh = base.device_mesh
+        # `_StridedShard` (fused TP projections) is a shard too, though its is_shard() says False.
+        distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if is_sharded_placement(p))
+        on_ep = "ep" in (mesh.mesh_dim_names or ())
+    if getattr(base, "_para_expert", False) and not on_ep:
+        distinct *= dims.ep
+    copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
+    return max((dims.dp * dims.tp * copies) // distinct, 1)
 
 
 def grad_replication(param: Tensor) -> int:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 if TYPE_CHECKING:
-    from lightning_para.parallel.data_parallel import ParamSlot
+    from lightning_para.parallel.zero_layout import ParamSlot
 
 
 def gather_rows(slot: ParamSlot, local: Tensor) -> Tensor:

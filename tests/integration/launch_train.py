@@ -6,7 +6,6 @@ Used by the launcher tests: the same script runs under Lightning's own launcher
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 

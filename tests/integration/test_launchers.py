@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch.distributed as dist
 
 from tests.models import RegressionNet, regression_dataset

@@ -11,7 +11,7 @@ from torch import nn
 from lightning_para.config import ParallelConfig
 from lightning_para.memory import expected, formula
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data_parallel import _pack, _unpack
+from lightning_para.parallel.zero_layout import pack_rank_major as _pack, unpack_rank_major as _unpack
 from lightning_para.parallel.fsdp import choose_units
 
 

@@ -131,10 +131,9 @@ def test_aux_loss_value_and_grad_scale():
     torch.manual_seed(0)
     model = nn.Sequential(MoE(8, 16, 4, z_loss_weight=0.01), MoE(8, 16, 4))
     x = torch.randn(2, 6, 8)
-    out = model(x)
     a0, a1 = naive_aux(model[0], x), naive_aux(model[1], model[0](x).detach())
     model[0].pop_aux_loss(), model[1].pop_aux_loss()  # drop the extra forward just made
-    out = model(x)
+    model(x)
     value = aux_loss(model)
     assert not value.requires_grad
     assert torch.allclose(value, (a0 + a1).detach(), atol=1e-6)

@@ -1,0 +1,130 @@
+"""Where each parameter lives in ZeRO-1/2 bucketed communication: its shard and its bucket.
+
+The layout follows ``torch.chunk`` along dim 0 (rows), the layout FSDP2 uses, so a rank's shard
+is a contiguous slice of the flattened parameter. A bucket holds ``world`` equal *segments*, one
+per rank ("rank-major"): a reduce-scatter of the bucket leaves each rank exactly the gradient
+rows of its own shards, and an all-gather rebuilds the full parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_para.parallel.grad_norm import local_tensor
+
+
+@dataclass
+class ParamSlot:
+    """One model parameter's place in data parallelism: its group, its shard, its master."""
+
+    name: str
+    param: nn.Parameter
+    mesh: DeviceMesh  # 1-D data-parallel mesh that replicates this parameter ("dp", or "edp" for experts)
+    sharded: bool
+    master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
+    bucket: int = -1
+    offset: int = 0  # position inside the bucket's per-rank segment
+
+    def __post_init__(self) -> None:
+        self.group = self.mesh.get_group()
+        self.world = self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
+        local = self.local
+        self.rows = local.shape[0] if local.dim() > 0 else 1
+        self.row_numel = local.numel() // self.rows if self.rows else 0
+        self.chunk_rows = math.ceil(self.rows / self.world) if self.sharded else self.rows
+        self.start_row = min(self.rank * self.chunk_rows, self.rows) if self.sharded else 0
+        self.end_row = min(self.start_row + self.chunk_rows, self.rows)
+
+    @property
+    def local(self) -> Tensor:
+        return local_tensor(self.param.data)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
+    def segment_numel(self) -> int:
+        """Elements this parameter occupies in each rank's segment of a bucket (padded chunk)."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return (self.end_row - self.start_row) * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.local.shape) or (1,)
+        return (self.end_row - self.start_row, *shape[1:])
+
+    @property
+    def optimizer_param(self) -> nn.Parameter:
+        return self.master if self.master is not None else self.param
+
+    def local_rows(self, tensor: Tensor) -> Tensor:
+        """The rows of a tensor shaped like the local parameter that this rank owns."""
+        flat = tensor.reshape(-1)
+        return flat[self.start_row * self.row_numel : self.end_row * self.row_numel].view(self.shard_shape)
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel in one collective, and that collective's state."""
+
+    slots: list[ParamSlot]
+    segment_numel: int
+    ready: int = 0
+    work: Optional[dist.Work] = None
+    buffer: Optional[Tensor] = None
+    output: Optional[Tensor] = None
+    launched: bool = False
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.slots[0].mesh
+
+    @property
+    def dtype(self) -> torch.dtype:
+        # Read at launch: the precision plugin may cast the model after the buckets were built.
+        return self.slots[0].local.dtype
+
+    @property
+    def world(self) -> int:
+        return self.slots[0].world
+
+
+# torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def pack_rank_major(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
+    """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
+    n = flat.numel()
+    full = n // chunk if chunk else 0
+    if full:
+        dest[:full, offset : offset + chunk].copy_(flat[: full * chunk].view(full, chunk))
+    if full < world:
+        dest[full:, offset : offset + chunk].zero_()
+        rest = n - full * chunk
+        if rest:
+            dest[full, offset : offset + rest].copy_(flat[full * chunk :])
+
+
+def unpack_rank_major(src: Tensor, chunk: int, offset: int, flat: Tensor) -> None:
+    """Inverse of :func:`pack_rank_major`: write the rank-major chunks back into ``flat``."""
+    n = flat.numel()
+    full = n // chunk if chunk else 0
+    if full:
+        flat[: full * chunk].view(full, chunk).copy_(src[:full, offset : offset + chunk])
+    rest = n - full * chunk
+    if rest:
+        flat[full * chunk :].copy_(src[full, offset : offset + rest])
