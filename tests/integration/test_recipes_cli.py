@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 
 from tests.parity import FP32_RTOL, assert_losses_close
 
@@ -27,14 +28,27 @@ FAST = [
 ]
 
 
+class AuxLossRecorder(Callback):
+    """This rank's ``train_aux_loss`` (the MoE recipe's router losses) after every step."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train_aux_loss")
+        if value is not None:
+            self.values.append(float(value))
+
+
 def cli_fit_job(args: list[str]) -> dict:
     """In every worker: run the CLI (the workers already form the process group, as torchrun would)."""
     from lightning_para.cli import run_cli
     from lightning_para.profiling import ParaProfiler
 
-    cli = run_cli(args)
+    cli = run_cli([*args, "--trainer.callbacks+=tests.integration.test_recipes_cli.AuxLossRecorder"])
     profiler = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ParaProfiler))
-    return {"rank": dist.get_rank(), "summary": profiler.last_summary, "sample": cli.model.last_sample}
+    aux = next(cb for cb in cli.trainer.callbacks if isinstance(cb, AuxLossRecorder)).values
+    return {"rank": dist.get_rank(), "summary": profiler.last_summary, "sample": cli.model.last_sample, "aux": aux}
 
 
 def _events(root: Path):
@@ -152,8 +166,9 @@ def test_one_device_gives_the_same_losses(pools, gpt_parallel_run, tmp_path):
 
 
 def test_moe_demo_on_one_device_gives_the_same_losses(pools, moe_parallel_run, tmp_path):
-    """Issue 6's recipe parity: dp=4 x ep=2 (ZeRO-1) against all experts on one device. The LM
-    losses of later steps depend on the routers' aux-loss gradients, so they check those too."""
+    """Issue 6's recipe parity: dp=4 x ep=2 (ZeRO-1) against all experts on one device, for the LM
+    loss and the routers' aux loss. Each rank's aux loss is the mean over its own sequences
+    (``balance_scope="sequence"``), so the mean over the 4 equal dp ranks is the global batch's."""
     _, parallel = moe_parallel_run
     assert _degrees(MOE_DEMO).get("ep", 1) == 2
     single = pools.get(1).run(
@@ -164,6 +179,9 @@ def test_moe_demo_on_one_device_gives_the_same_losses(pools, moe_parallel_run, t
     expected, actual = single[0]["summary"], parallel[0]["summary"]
     assert len(expected["train_losses"]) == 12
     assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
+    assert len(single[0]["aux"]) == 12 and all(v > 0 for v in single[0]["aux"])
+    aux_mean_over_dp = [sum(steps) / len(parallel) for steps in zip(*(r["aux"] for r in parallel))]
+    assert_losses_close(aux_mean_over_dp, single[0]["aux"], rtol=FP32_RTOL)
     assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
 
 
