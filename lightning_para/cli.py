@@ -89,7 +89,22 @@ def main(args: Optional[list[str]] = None) -> int:
     except ConfigurationError as err:
         print(f"lightning-para: configuration error: {err}", file=sys.stderr)
         return 2
+    _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Leave the process group explicitly before the interpreter exits.
+
+    Left to interpreter shutdown, the c10d backend's threads were sometimes destroyed while
+    still joinable ("terminate called without an active exception", exit status -6) after a
+    successful run. The barrier makes sure no rank still needs this one's sockets.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 __all__ = ["ParaCLI", "ConfigurationError", "TextDataModule", "main", "run_cli"]
