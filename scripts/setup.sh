@@ -24,9 +24,12 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
     "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
 else
     echo "setup: no GPU, installing the CPU build of torch==$TORCH_VERSION"
-    # A local CPU wheel (find-links) first; otherwise PyTorch's CPU index. Never plain PyPI,
-    # whose Linux torch wheel pulls several GB of CUDA libraries.
-    "$PY" -m pip install --quiet --no-index "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+    # Pinning the "+cpu" local version means only a CPU build can match: a local wheel
+    # (pip's find-links, e.g. /opt/wheels) or a mirror of PyTorch's CPU index, with torch's
+    # small dependencies (filelock, sympy, ...) from the configured index. Otherwise PyTorch's
+    # CPU index itself. Never plain `torch` from PyPI, whose Linux wheel pulls several GB of
+    # CUDA libraries.
+    "$PY" -m pip install --quiet "torch==$TORCH_VERSION+cpu" 2>/dev/null \
         || "$PY" -m pip install --quiet "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
 
