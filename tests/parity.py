@@ -8,6 +8,7 @@ Both return per-step losses and the final full parameters, so a test only compar
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -89,31 +90,53 @@ def fit_job(
     max_steps: int = 20,
     trainer_overrides: Optional[dict[str, Any]] = None,
     collect: tuple[str, ...] = ("losses", "params"),
+    ckpt_dir: Optional[str] = None,
+    resume: Optional[str] = None,
+    model_seed: int = 0,
 ) -> dict[str, Any]:
-    """Inside a worker: train under ParaStrategy and report what the test compares."""
+    """Inside a worker: train under ParaStrategy and report what the test compares.
+
+    ``ckpt_dir`` saves a checkpoint at every epoch end (``collect`` ``"saved"`` lists them);
+    ``resume`` continues from one. A ``model_seed`` other than the reference's 0 shows that
+    resumed weights come from the checkpoint, not from the initialisation.
+    ``collect`` may also name ``"memory"``, ``"scale"`` (the loss scale) and ``"step"``.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     from lightning_para import ParaStrategy
 
     world = dist.get_world_size()
     strategy = ParaStrategy(**strategy_kwargs)
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(model_seed, verbose=False)
     module = model_factory()
     recorder = LossRecorder()
+    callbacks: list[Callback] = [recorder]
+    overrides = dict(trainer_overrides or {})
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1))
+        overrides["enable_checkpointing"] = True
     trainer = L.Trainer(
         devices=world,
         strategy=strategy,
         max_steps=max_steps,
-        callbacks=[recorder],
+        callbacks=callbacks,
         use_distributed_sampler=False,
-        **trainer_kwargs(**(trainer_overrides or {})),
+        **trainer_kwargs(**overrides),
     )
     dp = strategy.config.resolve_dp(world)
-    trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dp))
+    trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dp), ckpt_path=resume)
     result: dict[str, Any] = {"losses": recorder.losses, "rank": dist.get_rank()}
     if "params" in collect:
         params = full_parameters(module)
         result["params"] = params if dist.get_rank() == 0 else None
     if "memory" in collect:
         result["memory"] = strategy.memory_breakdown()
+    if "saved" in collect:
+        result["saved"] = sorted(str(p) for p in Path(ckpt_dir).iterdir()) if ckpt_dir else []
+    if "scale" in collect:
+        result["scale"] = strategy.precision_plugin.scale
+    if "step" in collect:
+        result["step"] = trainer.global_step
     return result
 
 

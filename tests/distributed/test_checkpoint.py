@@ -13,18 +13,16 @@ from typing import Any, Optional
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_para import consolidate_checkpoint
 from tests.models import RegressionNet, regression_dataset
 from tests.parity import (
     LossRecorder,
-    ShardedData,
     assert_losses_close,
     assert_params_close,
+    fit_job,
     fit_reference,
-    full_parameters,
     mean_over_dp,
     trainer_kwargs,
 )
@@ -44,26 +42,9 @@ def reference() -> dict:
 def _train(strategy_kwargs: dict, max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None,
            seed: int = 0) -> dict:
     """Inside a worker: train to `max_steps`, optionally saving each epoch or resuming from a checkpoint."""
-    from lightning_para import ParaStrategy
-
-    strategy = ParaStrategy(**strategy_kwargs)
-    L.seed_everything(seed, verbose=False)
-    module = RegressionNet()
-    recorder = LossRecorder()
-    callbacks: list = [recorder]
-    overrides = dict(CLIP)
-    if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1))
-        overrides["enable_checkpointing"] = True
-    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps, callbacks=callbacks,
-                        use_distributed_sampler=False, **trainer_kwargs(**overrides))
-    dp = strategy.config.resolve_dp(dist.get_world_size())
-    L.seed_everything(0, verbose=False)
-    trainer.fit(module, datamodule=ShardedData(EPOCH_DATA, GLOBAL_BATCH // dp), ckpt_path=resume)
-    saved = sorted(str(p) for p in Path(ckpt_dir).iterdir()) if ckpt_dir else []
-    precision = strategy.precision_plugin
-    return {"losses": recorder.losses, "params": full_parameters(module), "saved": saved,
-            "scale": precision.scale, "step": trainer.global_step}
+    return fit_job(RegressionNet, strategy_kwargs, EPOCH_DATA, GLOBAL_BATCH, max_steps, CLIP,
+                   collect=("losses", "params", "saved", "scale", "step"), ckpt_dir=ckpt_dir, resume=resume,
+                   model_seed=seed)
 
 
 def _losses(results: list[dict]) -> list[float]:

@@ -23,7 +23,6 @@ from lightning_para import consolidate_checkpoint
 from tests.comm_counter import CollectiveCounter
 from tests.harness import WorkerError
 from tests.parity import (
-    LossRecorder,
     ShardedData,
     assert_losses_close,
     assert_params_close,
@@ -297,24 +296,8 @@ def test_dp2_tp2_parity_with_clipping_and_memory(pools, zero):
 
 def _train(strategy_kwargs: dict, max_steps: int, ckpt_dir: str | None = None, resume: str | None = None) -> dict:
     """Inside a worker: train NanoGPT to ``max_steps``, saving at each epoch end or resuming."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_para import ParaStrategy
-
-    strategy = ParaStrategy(**strategy_kwargs)
-    L.seed_everything(0, verbose=False)
-    module = NanoGPT()
-    recorder = LossRecorder()
-    callbacks: list = [recorder]
-    overrides = dict(CLIP)
-    if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1))
-        overrides["enable_checkpointing"] = True
-    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps, callbacks=callbacks,
-                        use_distributed_sampler=False, **trainer_kwargs(**overrides))
-    trainer.fit(module, datamodule=ShardedData(token_dataset, GLOBAL_BATCH // 2), ckpt_path=resume)
-    params = full_parameters(module)
-    return {"losses": recorder.losses, "params": params if dist.get_rank() == 0 else None}
+    return fit_job(NanoGPT, strategy_kwargs, token_dataset, GLOBAL_BATCH, max_steps, CLIP, ckpt_dir=ckpt_dir,
+                   resume=resume)
 
 
 def _reference_state(steps: int) -> dict:
