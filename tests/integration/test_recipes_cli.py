@@ -60,11 +60,31 @@ def _events(root: Path):
     return log_dir, events
 
 
+def _fit_demo(pools, config: Path, root: Path, *overrides: str, world: int = 4) -> list[dict]:
+    """A few steps (``FAST``) of a demo config under the CLI in a pool of ``world`` processes."""
+    return pools.get(world).run(
+        cli_fit_job, ["fit", "--config", str(config), *FAST, "--trainer.default_root_dir", str(root), *overrides]
+    )
+
+
+def _one_device(pools, config: Path, root: Path, *degrees_to_one: str) -> dict:
+    """The same demo on one device (the named degrees set to 1): rank 0's result."""
+    overrides = ["--trainer.devices", "1", "--trainer.strategy.dp", "auto"]
+    for degree in degrees_to_one:
+        overrides += [f"--trainer.strategy.{degree}", "1"]
+    return _fit_demo(pools, config, root, *overrides, world=1)[0]
+
+
+def _assert_same_train_and_val_losses(actual: dict, expected: dict) -> None:
+    assert len(expected["train_losses"]) == 12
+    assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
+    assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
+
+
 @pytest.fixture(scope="module")
 def gpt_parallel_run(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_demo")
-    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(GPT_DEMO), *FAST, "--trainer.default_root_dir", str(root)])
-    return root, results
+    return root, _fit_demo(pools, GPT_DEMO, root)
 
 
 def test_gpt_demo_trains_and_reports_to_tensorboard(gpt_parallel_run):
@@ -134,8 +154,7 @@ def _dp_of(config: Path, world: int) -> int:
 @pytest.fixture(scope="module")
 def moe_parallel_run(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_demo")
-    results = pools.get(4).run(cli_fit_job, ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(root)])
-    return root, results
+    return root, _fit_demo(pools, MOE_DEMO, root)
 
 
 def test_moe_demo_trains_and_logs_balance(moe_parallel_run):
@@ -154,15 +173,8 @@ def test_moe_demo_trains_and_logs_balance(moe_parallel_run):
 def test_one_device_gives_the_same_losses(pools, gpt_parallel_run, tmp_path):
     """The acceptance: the demo with tp=1, pp=1 on one device has the parallel run's per-step losses."""
     _, parallel = gpt_parallel_run
-    single = pools.get(1).run(
-        cli_fit_job,
-        ["fit", "--config", str(GPT_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path),
-         "--trainer.devices", "1", "--trainer.strategy.tp", "1", "--trainer.strategy.pp", "1",
-         "--trainer.strategy.dp", "auto"],
-    )
-    expected, actual = single[0]["summary"], parallel[0]["summary"]
-    assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
-    assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
+    single = _one_device(pools, GPT_DEMO, tmp_path, "tp", "pp")
+    _assert_same_train_and_val_losses(parallel[0]["summary"], single["summary"])
 
 
 def test_moe_demo_on_one_device_gives_the_same_losses(pools, moe_parallel_run, tmp_path):
@@ -171,18 +183,11 @@ def test_moe_demo_on_one_device_gives_the_same_losses(pools, moe_parallel_run, t
     (``balance_scope="sequence"``), so the mean over the 4 equal dp ranks is the global batch's."""
     _, parallel = moe_parallel_run
     assert _degrees(MOE_DEMO).get("ep", 1) == 2
-    single = pools.get(1).run(
-        cli_fit_job,
-        ["fit", "--config", str(MOE_DEMO), *FAST, "--trainer.default_root_dir", str(tmp_path),
-         "--trainer.devices", "1", "--trainer.strategy.ep", "1", "--trainer.strategy.dp", "auto"],
-    )
-    expected, actual = single[0]["summary"], parallel[0]["summary"]
-    assert len(expected["train_losses"]) == 12
-    assert_losses_close(actual["train_losses"], expected["train_losses"], rtol=FP32_RTOL)
-    assert len(single[0]["aux"]) == 12 and all(v > 0 for v in single[0]["aux"])
+    single = _one_device(pools, MOE_DEMO, tmp_path, "ep")
+    _assert_same_train_and_val_losses(parallel[0]["summary"], single["summary"])
+    assert len(single["aux"]) == 12 and all(v > 0 for v in single["aux"])
     aux_mean_over_dp = [sum(steps) / len(parallel) for steps in zip(*(r["aux"] for r in parallel))]
-    assert_losses_close(aux_mean_over_dp, single[0]["aux"], rtol=FP32_RTOL)
-    assert_losses_close([v for _, v in actual["val_losses"]], [v for _, v in expected["val_losses"]], rtol=FP32_RTOL)
+    assert_losses_close(aux_mean_over_dp, single["aux"], rtol=FP32_RTOL)
 
 
 def test_bad_configurations_fail_before_any_process_starts(tmp_path, capsys, monkeypatch):
