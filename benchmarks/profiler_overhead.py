@@ -36,9 +36,9 @@ def run_variant(strategy_kwargs: dict, profiler_kwargs, steps: int) -> list[floa
     from lightning.pytorch.callbacks import Callback
 
     from lightning_para import ParaStrategy
-    from lightning_para.data import TextDataModule
-    from lightning_para.profiling import ParaProfiler
-    from recipes.gpt import GPT
+    from lightning_para.recipes.data import TextDataModule
+    from lightning_para.observe.profiler import ParaProfiler
+    from lightning_para.recipes.gpt import GPT
 
     class StepClock(Callback):
         def __init__(self) -> None:

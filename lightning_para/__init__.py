@@ -2,6 +2,7 @@
 
 ``Trainer(strategy=ParaStrategy(dp=..., tp=8, pp=4, ep=..., zero=1))`` -- importing this
 package also registers ``Trainer(strategy="para")`` (and ``"para_zero1"``/``2``/``3``).
+The package map is in ``docs/architecture.md``.
 """
 
 __version__ = "0.1.0"
@@ -11,11 +12,24 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_para.checkpoint import consolidate_checkpoint
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.pipeline_parallel import PipelineSpec
+from lightning_para.observe import ParaProfiler
+from lightning_para.parallel.pipeline import PipelineSpec
+from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
 from lightning_para.strategy import ParaStrategy
 
 if "para" not in StrategyRegistry:
     ParaStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ParaStrategy", "ParaPrecision", "ParallelConfig", "ParallelDims", "PipelineSpec", "consolidate_checkpoint", "__version__"]
+__all__ = [
+    "ParaPrecision",
+    "ParaProfiler",
+    "ParaStrategy",
+    "ParallelConfig",
+    "ParallelDims",
+    "ParallelModel",
+    "PipelineSpec",
+    "__version__",
+    "consolidate_checkpoint",
+    "parallelize",
+]

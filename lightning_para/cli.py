@@ -3,13 +3,15 @@
 ::
 
     lightning-para fit --config recipes/gpt-cpu-demo.yaml
+    lightning-para fit --config gpt-cpu-demo                # a shipped config, by its short name
     lightning-para fit --config recipes/gpt-cpu-demo.yaml --trainer.strategy.tp 1 --trainer.strategy.pp 1 --trainer.devices 1
     lightning-para validate --config recipes/gpt-cpu-demo.yaml --ckpt_path lightning_logs/version_0/checkpoints/...
 
 Defaults: ``trainer.strategy`` is :class:`~lightning_para.ParaStrategy` (so
 ``--trainer.strategy.tp 2`` works without naming the class), ``data`` is
-:class:`~lightning_para.data.TextDataModule`, and a :class:`~lightning_para.profiling.ParaProfiler`
-callback is configured under ``profiling`` (``--profiling.comm_every_n_steps 0`` etc.).
+:class:`~lightning_para.recipes.TextDataModule`, and a :class:`~lightning_para.observe.ParaProfiler`
+callback is configured under ``profiling`` (``--profiling.comm_every_n_steps 0`` etc.). The recipes
+(``lightning_para.recipes.GPT``, ``MoEGPT``) are imported, so ``--model GPT`` works too.
 
 Configuration errors (degrees that do not fit the devices, a missing data path, a
 vocabulary mismatch) are raised while the classes are instantiated, in the launching
@@ -23,10 +25,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_para.data import TextDataModule, check_vocab
-from lightning_para.profiling import ParaProfiler
+from lightning_para.observe.profiler import ParaProfiler
+from lightning_para.recipes import check_vocab, config_path
 
 
 class ConfigurationError(ValueError):
@@ -45,7 +48,7 @@ class ParaCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(ParaProfiler, "profiling")
-        parser.set_defaults({"data": {"class_path": "lightning_para.data.TextDataModule"}})
+        parser.set_defaults({"data": {"class_path": "lightning_para.recipes.TextDataModule"}})
 
     def instantiate_classes(self) -> None:
         try:
@@ -57,17 +60,25 @@ class ParaCLI(LightningCLI):
             raise ConfigurationError(str(err)) from err
 
 
-def make_recipes_importable() -> None:
-    """Let ``class_path: recipes.gpt.GPT`` resolve from a clone (the current folder or the repo
-    root), and import the recipes so the short names ``--model GPT`` / ``MoEGPT`` work too."""
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (root / "recipes" / "gpt.py").is_file() and str(root) not in sys.path:
-            sys.path.append(str(root))
+def resolve_config_names(args: list[str]) -> list[str]:
+    """``--config NAME`` (or ``-c``, ``--config=NAME``) that is no file becomes the shipped config
+    ``NAME`` (:func:`lightning_para.recipes.config_path`), so configs work from any directory."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            out[i] = "--config=" + _config_file(arg[len("--config="):])
+        elif arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = _config_file(out[i + 1])
+    return out
+
+
+def _config_file(value: str) -> str:
+    if Path(value).exists() or "/" in value or "\\" in value or value.lstrip().startswith(("{", "[")) or ":" in value:
+        return value  # a path (or an inline YAML/JSON config): LightningCLI reads it as it is
     try:
-        import recipes.gpt  # noqa: F401
-        import recipes.moe  # noqa: F401
-    except ImportError:  # an installed package without the repository's recipes/
-        pass
+        return str(config_path(value))
+    except ValueError as err:
+        raise ConfigurationError(f"`--config {value}` is neither a file nor a shipped config. {err}") from None
 
 
 # Noise from Lightning's own internals on torch 2.13, printed once per rank; nothing a user can act on.
@@ -78,7 +89,7 @@ def run_cli(args: Optional[list[str]] = None, **kwargs: Any) -> ParaCLI:
     """Build and run :class:`ParaCLI` (``args`` as on the command line); returns it for inspection."""
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
-    make_recipes_importable()
+    args = resolve_config_names(sys.argv[1:] if args is None else list(args))
     return ParaCLI(args=args, **kwargs)
 
 
@@ -100,14 +111,12 @@ def _close_process_group() -> None:
     still joinable ("terminate called without an active exception", exit status -6) after a
     successful run. The barrier makes sure no rank still needs this one's sockets.
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-__all__ = ["ParaCLI", "ConfigurationError", "TextDataModule", "main", "run_cli"]
+__all__ = ["ConfigurationError", "ParaCLI", "main", "resolve_config_names", "run_cli"]
 
 if __name__ == "__main__":
     sys.exit(main())

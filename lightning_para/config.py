@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from lightning_para.mesh import ParallelDims, check_expert_degree
+from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, validate_pipeline_config
+
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
-# Pipeline schedules by user-facing name; `parallel.pipeline_parallel` maps them to torch classes.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "looped_bfs", "zbv", "dualpipev")
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
 
@@ -67,8 +68,8 @@ class ParallelConfig:
     virtual_stages: int = 1
     pipeline_split: Optional[Sequence[int]] = None
     pipeline_balance: str = "params"
-    # --- extra, passed through to the dimension modules ---
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Microbatches per pipeline step once validated (``microbatches`` or the schedule's default).
+    pipeline_microbatches: int = field(init=False, default=1)
 
     def __post_init__(self) -> None:
         if self.dp != "auto":
@@ -98,11 +99,8 @@ class ParallelConfig:
             raise ValueError(f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose 'params' or 'time'.")
         if self.pp > 1:
             self._validate_pipeline()
-        if isinstance(self.dp, int) and self.dp % self.ep != 0:
-            raise ValueError(
-                f"`ep={self.ep}` must divide `dp={self.dp}`: expert parallelism splits the data-parallel ranks."
-                f" Choose ep in {_divisors(self.dp)} or a dp that is a multiple of {self.ep}."
-            )
+        if isinstance(self.dp, int):  # known now: fail at construction, not at launch
+            check_expert_degree(self.ep, self.dp)
 
     def _validate_pipeline(self) -> None:
         if self.zero == 3:
@@ -112,12 +110,11 @@ class ParallelConfig:
                 " fire once per microbatch, or it keeps them gathered and saves nothing over ZeRO-2. Use zero=1"
                 " (or zero=2); each rank already holds only 1/pp of the model."
             )
-        from lightning_para.parallel.pipeline_schedules import validate_pipeline_config
+        self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
-        validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
-
-    def resolve_dp(self, world_size: int) -> int:
-        """The data-parallel degree for ``world_size`` processes; ``"auto"`` takes what is left."""
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        """The degrees for ``world_size`` processes (``dp="auto"`` takes what is left); raises ``ValueError``
+        naming the degrees to change. The mesh itself is built later, by the strategy."""
         model_parallel = self.pp * self.tp
         if self.dp == "auto":
             if world_size % model_parallel != 0:
@@ -128,19 +125,8 @@ class ParallelConfig:
             dp = world_size // model_parallel
         else:
             dp = int(self.dp)
-        if self.pp * dp * self.tp != world_size:
-            raise ValueError(
-                f"The parallel degrees pp={self.pp} x dp={dp} x tp={self.tp} = {self.pp * dp * self.tp} do not match"
-                f" the world size {world_size} (devices x num_nodes). Change the degrees so their product is"
-                f" {world_size}, or set dp='auto'."
-            )
-        if dp % self.ep != 0:
-            raise ValueError(
-                f"`ep={self.ep}` must divide the data-parallel degree dp={dp}: expert parallelism splits the"
-                f" data-parallel ranks. Choose ep in {_divisors(dp)}."
-            )
-        return dp
+        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, ep=self.ep, world_size=world_size)
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel degree for ``world_size`` processes."""
+        return self.resolve_dims(world_size).dp

@@ -24,10 +24,19 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_para.config import ParallelConfig
+from lightning_para._dtensor import divisors
 
 MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
 FLATTENED_DIMS = {"dp": ("edp", "ep")}
+
+
+def check_expert_degree(ep: int, dp: int) -> None:
+    """``ep`` must divide ``dp``: expert parallelism splits the data-parallel ranks (raises ``ValueError``)."""
+    if dp % ep:
+        raise ValueError(
+            f"`ep={ep}` must divide `dp={dp}`: expert parallelism splits the data-parallel ranks."
+            f" Choose ep in {divisors(dp)} or a dp that is a multiple of {ep}."
+        )
 
 
 @dataclass
@@ -42,20 +51,15 @@ class ParallelDims:
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
     _flattened: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @classmethod
-    def from_config(cls, config: ParallelConfig, world_size: int) -> "ParallelDims":
-        """Resolve ``dp="auto"`` and check every degree against ``world_size`` (raises ``ValueError``)."""
-        dp = config.resolve_dp(world_size)
-        return cls(pp=config.pp, dp=dp, tp=config.tp, ep=config.ep, world_size=world_size)
-
     def __post_init__(self) -> None:
-        if self.pp * self.dp * self.tp != self.world_size:
+        product = self.pp * self.dp * self.tp
+        if product != self.world_size:
             raise ValueError(
-                f"pp={self.pp} x dp={self.dp} x tp={self.tp} != world size {self.world_size};"
-                " change the degrees so their product equals the world size."
+                f"The parallel degrees pp={self.pp} x dp={self.dp} x tp={self.tp} = {product} do not match"
+                f" the world size {self.world_size} (devices x num_nodes). Change the degrees so their product is"
+                f" {self.world_size}, or set dp='auto'."
             )
-        if self.dp % self.ep:
-            raise ValueError(f"`ep={self.ep}` must divide `dp={self.dp}`.")
+        check_expert_degree(self.ep, self.dp)
 
     @property
     def edp(self) -> int:
@@ -67,7 +71,6 @@ class ParallelDims:
         return (self.pp, self.edp, self.ep, self.tp)
 
     pp_enabled = property(lambda self: self.pp > 1)
-    dp_enabled = property(lambda self: self.dp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
     ep_enabled = property(lambda self: self.ep > 1)
 

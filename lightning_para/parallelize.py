@@ -2,144 +2,180 @@
 
 Order, and why:
 
-1. **Pipeline split** first: each rank keeps only its own stages, so every later step works
-   on (and allocates for) a fraction of the model.
-2. **Tensor parallel** next: it turns parameters into DTensors on the ``tp`` mesh; data
+1. **Expert layout check** on the whole model: every rank raises the same ``ValueError`` for
+   an impossible ``ep`` before the pipeline split leaves each rank a part of the model.
+2. **Pipeline split**: each rank keeps only its own stages, so every later step works on
+   (and allocates for) a fraction of the model.
+3. **Tensor parallel**: it turns parameters into DTensors on the ``tp`` mesh; data
    parallelism must see those shards, not the full weights, to shard the right bytes.
-3. **Expert parallel**: experts become ``ep`` shards; marks their parameters so data
-   parallelism reduces them over ``edp`` only.
-4. **Activation checkpointing** wraps blocks that are already TP/EP-parallel, so the
+4. **Expert parallel**: experts become ``ep`` shards; the record names the expert modules, so
+   data parallelism reduces their parameters over ``edp`` only.
+5. **Activation checkpointing** wraps blocks that are already TP/EP-parallel, so the
    recomputed forward re-issues the same collectives.
-5. **Data parallel / ZeRO** last: FSDP2 (stage 3) must wrap the final parameters, and the
+6. **Data parallel / ZeRO**: FSDP2 (stage 3) must wrap the final parameters, and the
    ZeRO-0/1/2 gradient hooks must sit on the parameters that really receive gradients.
-6. **Precision** casts the model to bf16 (``bf16-true``) after ZeRO-0/1/2 took their fp32
-   master copies, so masters start from the exact fp32 initialisation.
+7. **Precision cast** to bf16 (``bf16-true``) after ZeRO-0/1/2 took their fp32 master
+   copies, so masters start from the exact fp32 initialisation (FSDP2 keeps fp32 shards and
+   gathers in bf16 itself, so ZeRO-3 is not cast).
+
+Each step is one ``apply_*`` function of its dimension's package, given its sub-mesh and its
+options explicitly. The result is a typed :class:`ParallelModel`: what was applied, per
+dimension, for the strategy and the tools that read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Callable, Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from lightning_para._dtensor import local_tensor
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data_parallel import ZeroDataParallel, expert_or_dense_mesh
-from lightning_para.parallel.fsdp import apply_fully_shard
-from lightning_para.precision import ParaPrecision
+from lightning_para.moe import MoE
+from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_para.parallel.data import GradReplication, ZeroDataParallel, apply_fully_shard
+from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
+from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
+from lightning_para.parallel.tensor import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
 
 
 @dataclass
 class ParallelModel:
-    """What :func:`parallelize` did to a module; kept by the strategy."""
+    """What :func:`parallelize` did to one module; kept by the strategy.
+
+    ``parts`` are the modules each dimension was applied to: this rank's pipeline stages, or
+    the whole model. ``tensor`` and ``experts`` hold one record per part.
+    """
 
     config: ParallelConfig
     dims: ParallelDims
+    parts: list[nn.Module]
+    pipeline: Optional[PipelineRunner] = None
+    tensor: list[TensorParallelInfo] = field(default_factory=list)
+    experts: list[ExpertParallelInfo] = field(default_factory=list)
     zero: Optional[ZeroDataParallel] = None
     fully_sharded: bool = False
-    pipeline: Optional[Any] = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
+    psi_dense: int = 0
+    psi_expert: int = 0
+    # On how many ranks each optimizer parameter's gradient is identical; set when optimizers are attached.
+    grad_replication: GradReplication = field(default_factory=GradReplication)
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the logits come out vocab-sharded, so losses run loss-parallel (tensor parallelism)."""
+        return any(info.shards_logits for info in self.tensor)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer for info in self.experts for layer in info.layers]
+
+    def expert_predicate(self) -> Callable[[Tensor], bool]:
+        """``is_expert(tensor)`` for the expert parameters as they are now, and the ZeRO masters of them.
+
+        Taken once and used for a batch of questions (the set is built at call time)."""
+        ids = {id(p) for info in self.experts for p in info.expert_parameters()}
+        if self.zero is not None:
+            ids |= {id(slot.master) for slot in self.zero.slots if slot.master is not None and id(slot.param) in ids}
+        return lambda t: id(t) in ids
 
 
 def parallelize(
-    module: nn.Module, dims: ParallelDims, config: ParallelConfig, precision: ParaPrecision
+    module: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    master_dtype: Optional[torch.dtype] = None,
 ) -> ParallelModel:
-    """Apply pp, tp, ep, activation checkpointing, ZeRO and precision to ``module`` in place."""
-    result = ParallelModel(config=config, dims=dims)
-    if dims.ep_enabled:  # on the whole model, before the pipeline split keeps a part of it
-        from lightning_para.parallel.expert_parallel import check_expert_layout
+    """Apply pp, tp, ep, activation checkpointing, ZeRO and the precision cast to ``module`` in place.
 
-        check_expert_layout(module, dims)
+    ``param_dtype`` is the dtype parameters compute in (bf16 under ``bf16-true``; ``None``: as they
+    are); ``master_dtype`` the dtype of separate optimizer copies of the weights (fp32 then).
+    """
+    if dims.ep > 1:
+        check_expert_layout(module, dims.ep, dims.dp)
+    pipeline = None
+    parts = [module]
     if dims.pp_enabled:
-        from lightning_para.parallel.pipeline_parallel import apply_pipeline_parallel
-
-        result.pipeline = apply_pipeline_parallel(module, dims, config)
-    if dims.tp_enabled:
-        from lightning_para.parallel.tensor_parallel import apply_tensor_parallel
-
-        for part in _model_parts(module, result):
-            apply_tensor_parallel(part, dims.get_mesh("tp"), config)
-    if dims.ep_enabled or _has_moe(module):
-        from lightning_para.parallel.expert_parallel import apply_expert_parallel
-
-        result.extras["moe_layers"] = [
-            layer for part in _model_parts(module, result) for layer in apply_expert_parallel(part, dims)
-        ]
-    if config.activation_checkpointing:
-        from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
-
-        for part in _model_parts(module, result):
-            apply_activation_checkpointing(part, config.activation_checkpointing)
-
-    # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
-    result.extras["psi_dense"], result.extras["psi_expert"] = _count_params(module)
-
-    dense_mesh, expert_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
-    if config.zero == 3:
-        precision.keep_fp32_params = True
-        shard_placement = None
-        if dims.tp_enabled:
-            from lightning_para.parallel.tensor_parallel import fsdp_shard_placement_fn
-
-            shard_placement = fsdp_shard_placement_fn(dims.dp)
-        for part in _model_parts(module, result):
-            apply_fully_shard(
-                part,
-                dense_mesh,
-                param_dtype=precision.param_dtype,
-                unit_mesh=_expert_unit_mesh(expert_mesh) if dims.ep_enabled else None,
-                shard_placement_fn=shard_placement,
-            )
-        result.fully_sharded = True
-    else:
-        named = [
-            (name, p, expert_or_dense_mesh(p, dense_mesh, expert_mesh))
-            for name, p in module.named_parameters()
-            if p.requires_grad
-        ]
-        result.zero = ZeroDataParallel(
-            named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=precision.master_dtype
+        pipeline = apply_pipeline_parallel(
+            module, dims.get_mesh("pp"), schedule=config.schedule, microbatches=config.pipeline_microbatches,
+            virtual_stages=config.virtual_stages, pipeline_split=config.pipeline_split,
+            pipeline_balance=config.pipeline_balance,
         )
-    precision.convert_module(module)
+        parts = list(pipeline.stage_modules)
+    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline)
+
+    if dims.tp_enabled:
+        # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
+        # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
+        # combined (the recomputed forward would install the hooks a second time).
+        keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None
+        result.tensor = [
+            apply_tensor_parallel(
+                part, dims.get_mesh("tp"), plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
+                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard,
+            )
+            for part in parts
+        ]
+        if pipeline is not None and result.loss_parallel:
+            pipeline.enable_loss_parallel()
+
+    ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
+    result.experts = [apply_expert_parallel(part, ep_mesh) for part in parts]
+
+    for part in parts:
+        apply_activation_checkpointing(part, config.activation_checkpointing)
+
+    result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
+    _apply_data_parallel(module, result, param_dtype, master_dtype)
+    if param_dtype is not None and not result.fully_sharded:
+        module.to(dtype=param_dtype)
     return result
 
 
-def _count_params(module: nn.Module) -> tuple[int, int]:
-    from lightning_para.parallel.grad_norm import local_tensor
+def _apply_data_parallel(
+    module: nn.Module, result: ParallelModel, param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype]
+) -> None:
+    dims, config = result.dims, result.config
+    dense_mesh, expert_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
+    if config.zero == 3:
+        expert_units = [m for info in result.experts for m in info.expert_modules]
+        placement = fsdp_shard_placement_fn(dims.dp) if dims.tp_enabled else None
+        for part in result.parts:
+            apply_fully_shard(
+                part, dense_mesh, param_dtype=param_dtype, expert_units=[m for m in expert_units if _inside(m, part)],
+                expert_mesh=expert_mesh if dims.ep > 1 else None, shard_placement_fn=placement,
+            )
+        result.fully_sharded = True
+        return
+    is_expert = result.expert_predicate()
+    named = [
+        (name, p, expert_mesh if is_expert(p) else dense_mesh)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    ]
+    result.zero = ZeroDataParallel(named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=master_dtype)
 
+
+def _inside(child: nn.Module, root: nn.Module) -> bool:
+    return any(m is child for m in root.modules())
+
+
+def _count_params(module: nn.Module, is_expert: Callable[[Tensor], bool]) -> tuple[int, int]:
     dense = expert = 0
     for p in module.parameters():
         if not p.requires_grad:
             continue
         n = local_tensor(p.data).numel()
-        if getattr(p, "_para_expert", False):
+        if is_expert(p):
             expert += n
         else:
             dense += n
     return dense, expert
 
 
-def _model_parts(module: nn.Module, result: ParallelModel) -> list[nn.Module]:
-    """The modules each dimension is applied to: this rank's pipeline stages, or the whole model."""
-    if result.pipeline is not None:
-        return list(result.pipeline.stage_modules)
-    return [module]
-
-
-def _has_moe(module: nn.Module) -> bool:
-    try:
-        from lightning_para.moe import MoE
-    except ImportError:
-        return False
-    return any(isinstance(m, MoE) for m in module.modules())
-
-
-def _expert_unit_mesh(expert_mesh):
-    def pick(unit: nn.Module):
-        params = list(unit.parameters())
-        if params and all(getattr(p, "_para_expert", False) for p in params):
-            return expert_mesh
-        return None
-
-    return pick
+__all__ = ["ParallelModel", "parallelize"]

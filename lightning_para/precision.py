@@ -43,8 +43,9 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
+from lightning_para._dtensor import local_tensor
 from lightning_para.config import PRECISIONS
-from lightning_para.parallel.grad_norm import clip_grads_by_global_norm, clip_grads_by_value, local_tensor
+from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
 
 
 class ParaPrecision(Precision):
@@ -79,11 +80,24 @@ class ParaPrecision(Precision):
         self.growth_interval = growth_interval
         self._growth_tracker = 0
         self.skipped_steps = 0
-        # Set by ParaStrategy: finishes any pending gradient communication before the
-        # gradients are read (unscaling, inf check, clipping).
-        self.finalize_gradients: Callable[[], None] = lambda: None
-        # Set by ParaStrategy for ZeRO-3: FSDP2 keeps fp32 shards and gathers in bf16 itself.
-        self.keep_fp32_params = False
+        # From `connect_layout`: finishes any pending gradient communication before the
+        # gradients are read (unscaling, inf check, clipping), and counts gradient replicas.
+        self._finalize_gradients: Callable[[], None] = lambda: None
+        self._grad_replication: Optional[Callable[[Tensor], int]] = None
+
+    def connect_layout(
+        self, *, finalize_gradients: Callable[[], None], grad_replication: Callable[[Tensor], int]
+    ) -> None:
+        """Called by ParaStrategy once the model is parallelized.
+
+        Args:
+            finalize_gradients: completes pending gradient communication (ZeRO's buckets); called
+                after backward, before gradients are unscaled, checked or clipped.
+            grad_replication: on how many ranks a parameter's gradient is identical, for the
+                global norm of gradient clipping.
+        """
+        self._finalize_gradients = finalize_gradients
+        self._grad_replication = grad_replication
 
     # ---------------------------------------------------------------- dtypes
     @property
@@ -106,9 +120,9 @@ class ParaPrecision(Precision):
 
     # ---------------------------------------------------------------- module and data
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.precision == "bf16-true" and not self.keep_fp32_params:
-            return module.to(dtype=torch.bfloat16)
-        return module
+        """Cast to ``param_dtype``. ParaStrategy does not call this: :func:`~lightning_para.parallelize`
+        casts at the right point of its order (after ZeRO took fp32 masters; never FSDP2's fp32 shards)."""
+        return module.to(dtype=self.param_dtype) if self.param_dtype is not None else module
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -136,7 +150,7 @@ class ParaPrecision(Precision):
 
     def _wrap_closure(self, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
-        self.finalize_gradients()
+        self._finalize_gradients()
         self._after_closure(model, optimizer)
         return closure_result
 
@@ -146,7 +160,7 @@ class ParaPrecision(Precision):
         if isinstance(optimizer, LBFGS):
             raise ValueError("`precision='16-mixed'` cannot drive LBFGS (it re-evaluates the closure); use 32-true.")
         closure_result = closure()
-        self.finalize_gradients()
+        self._finalize_gradients()
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
         if skip:
             return closure_result
@@ -191,7 +205,11 @@ class ParaPrecision(Precision):
 
     # ---------------------------------------------------------------- clipping
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grads_by_global_norm(list(self.main_params(optimizer)), float(clip_val))
+        params = list(self.main_params(optimizer))
+        if self._grad_replication is None:
+            clip_grads_by_global_norm(params, float(clip_val))
+        else:
+            clip_grads_by_global_norm(params, float(clip_val), replication=self._grad_replication)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grads_by_value(self.main_params(optimizer), float(clip_val))

@@ -5,49 +5,48 @@ starts work, build the mesh, let ``configure_model`` see it, parallelize the mod
 steps (through the pipeline schedule or FSDP2's root), skip gradient sync while
 accumulating, and save/load sharded checkpoints. Each dimension lives in its own module
 under :mod:`lightning_para.parallel`.
+
+Why this module is long: it implements Lightning's whole ``Strategy`` interface (some forty
+hooks and properties); each is a few lines that delegate to a dimension's package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
+from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
-from lightning_para.memory import memory_breakdown as _memory_breakdown
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel import tensor_parallel
-from lightning_para.parallel.fsdp import fsdp_no_sync
-from lightning_para.parallel.grad_norm import count_grad_replication, set_grad_replication
+from lightning_para.observe.memory import memory_breakdown as _memory_breakdown
+from lightning_para.parallel.data import count_grad_replication, fsdp_no_sync
+from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
+
+# The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
+# module reuses it (a module is parallelized in place, once). Weak: it keeps no module alive.
+_PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, ParallelModel]" = weakref.WeakKeyDictionary()
 
 
 class ParaStrategy(ParallelStrategy):
@@ -136,6 +135,22 @@ class ParaStrategy(ParallelStrategy):
         self._parallel: Optional[ParallelModel] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
+    # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
+    # are its methods, reused as they are. Not a subclass: Lightning's accelerator connector
+    # limits `isinstance(strategy, ModelParallelStrategy)` to its own precisions (no 16-mixed).
+    root_device = ModelParallelStrategy.root_device
+    num_processes = ModelParallelStrategy.num_processes
+    restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
+    lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
+    model_to_device = ModelParallelStrategy.model_to_device
+    # Parameters are materialized (and reset deterministically) in `setup`, before sharding.
+    tensor_init_context = ModelParallelStrategy.tensor_init_context
+    barrier = ModelParallelStrategy.barrier
+    broadcast = ModelParallelStrategy.broadcast
+    reduce = ModelParallelStrategy.reduce
+    _determine_device_ids = ModelParallelStrategy._determine_device_ids
+    set_world_ranks = ModelParallelStrategy.set_world_ranks
+
     @property
     def precision_plugin(self) -> ParaPrecision:  # type: ignore[override]
         return self._precision_plugin if self._precision_plugin is not None else ParaPrecision()
@@ -146,20 +161,18 @@ class ParaStrategy(ParallelStrategy):
         self._precision_plugin = as_para_precision(plugin)
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def parallel_dims(self) -> ParallelDims:
         """Degrees and mesh of this run (available from ``setup_environment`` on)."""
         if self._dims is None:
             raise RuntimeError("The parallel layout is resolved when the Trainer sets up the strategy.")
         return self._dims
+
+    @property
+    def parallel_model(self) -> ParallelModel:
+        """The typed record of what was applied to the model (available from ``setup`` on)."""
+        if self._parallel is None:
+            raise RuntimeError("The model is parallelized when the Trainer sets up the strategy.")
+        return self._parallel
 
     @property
     def device_mesh(self):
@@ -178,14 +191,6 @@ class ParaStrategy(ParallelStrategy):
         # Read by Lightning to decide whether to insert a DistributedSampler.
         return True
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         # Fail in the launching process, before any worker exists, if the degrees cannot fit.
@@ -194,8 +199,8 @@ class ParaStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_dims(self, world_size: int) -> ParallelDims:
-        dims = ParallelDims.from_config(self.config, world_size)
-        if self._dims is None or (self._dims.pp, self._dims.dp, self._dims.tp, self._dims.ep) != (dims.pp, dims.dp, dims.tp, dims.ep):
+        dims = self.config.resolve_dims(world_size)
+        if self._dims is None or self._dims.shape != dims.shape:
             self._dims = dims
         return self._dims
 
@@ -206,6 +211,7 @@ class ParaStrategy(ParallelStrategy):
         if dims.mesh is None:
             dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
+        # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
 
     def _setup_distributed(self) -> None:
@@ -218,12 +224,6 @@ class ParaStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
@@ -232,30 +232,32 @@ class ParaStrategy(ParallelStrategy):
         assert module is not None
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
-        existing: Optional[ParallelModel] = getattr(module, "_para_parallel", None)
+        existing = _PARALLELIZED.get(module)
         if existing is None:
             if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
                 _materialize_distributed_module(module, self.root_device)
                 module.to(self.root_device)
-            self._parallel = parallelize(module, self.parallel_dims, self.config, precision)
-            object.__setattr__(module, "_para_parallel", self._parallel)
+            self._parallel = parallelize(
+                module, self.parallel_dims, self.config,
+                param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
+            )
+            _PARALLELIZED[module] = self._parallel
         else:
             self._check_same_layout(existing)
             self._parallel = existing
-            precision.keep_fp32_params = existing.fully_sharded
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._attach_optimizers()
         self.setup_precision_plugin()
-        precision.finalize_gradients = self.finalize_gradients
+        precision.connect_layout(
+            finalize_gradients=self.finalize_gradients, grad_replication=self._parallel.grad_replication
+        )
 
     def _check_same_layout(self, existing: ParallelModel) -> None:
         old, new = existing.config, self.config
-        if (existing.dims.pp, existing.dims.dp, existing.dims.tp, existing.dims.ep, old.zero) != (
-            self.parallel_dims.pp, self.parallel_dims.dp, self.parallel_dims.tp, self.parallel_dims.ep, new.zero
-        ):
+        if (existing.dims.shape, old.zero) != (self.parallel_dims.shape, new.zero):
             raise ValueError(
                 "This LightningModule was already parallelized by another ParaStrategy with a different layout"
                 f" (pp={existing.dims.pp}, dp={existing.dims.dp}, tp={existing.dims.tp}, ep={existing.dims.ep},"
@@ -271,12 +273,13 @@ class ParaStrategy(ParallelStrategy):
     def _attach_optimizers(self) -> None:
         parallel = self._parallel
         assert parallel is not None
+        is_expert = parallel.expert_predicate()
         for optimizer in self._raw_optimizers():
             if parallel.zero is not None:
                 parallel.zero.shard_optimizer(optimizer)
             for group in optimizer.param_groups:
                 for q in group["params"]:
-                    set_grad_replication(q, count_grad_replication(q, self.parallel_dims, parallel.zero, parallel.pipeline))
+                    parallel.grad_replication.set(q, count_grad_replication(q, self.parallel_dims, parallel.zero, is_expert))
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -289,7 +292,7 @@ class ParaStrategy(ParallelStrategy):
         """MoE layers feed their aux-loss gradient in backward themselves (see ``lightning_para.moe``);
         scale it as Lightning scales the loss: times the 16-mixed loss scale, over the accumulation.
         (Under pp the pipeline runner sets it before its schedule runs backward.)"""
-        layers = self._parallel.extras.get("moe_layers") if self._parallel is not None else None
+        layers = self._parallel.moe_layers if self._parallel is not None else None
         if not layers or self._parallel.pipeline is not None:
             return
         module = self.lightning_module
@@ -304,31 +307,25 @@ class ParaStrategy(ParallelStrategy):
         if self._parallel is not None and self._parallel.zero is not None:
             self._parallel.zero.flush()
 
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Parameters are materialized (and reset deterministically) in `setup`, before sharding.
-        with (torch.device("meta") if empty_init else contextlib.nullcontext()), self.precision_plugin.tensor_init_context():
-            yield
-
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         parallel = self._parallel
         if parallel is not None and parallel.pipeline is not None:
+            precision = self.precision_plugin
             with context:  # the runner enters the tensor-parallel contexts around its stages itself
-                return parallel.pipeline.run(self, name, *args, **kwargs)
+                return parallel.pipeline.run(
+                    name, module, args[0] if args else kwargs["batch"],
+                    loss_scale=precision.scale if precision.uses_loss_scaling else 1.0, gradient_sync=parallel.zero,
+                )
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
-        with context, tensor_parallel.step_context(module):
+        with context, loss_parallel_step(parallel is not None and parallel.loss_parallel):
             if parallel is not None and parallel.fully_sharded:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 output = self._forward_redirection(module, module, name, *args, **kwargs)
             else:
                 output = getattr(module, name)(*args, **kwargs)
-        return tensor_parallel.localize_output(output, full=name == "predict_step")
+        return plain_step_output(output, gather=name == "predict_step")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
@@ -343,17 +340,18 @@ class ParaStrategy(ParallelStrategy):
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        parallel = self._parallel
+        pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
             # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
-            with tensor_parallel.backward_context(self.lightning_module):
+            with loss_parallel_backward(parallel is not None and parallel.loss_parallel):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
         self.pre_backward(closure_loss)
         self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        pipeline.finish_backward(self._parallel.zero)
+        pipeline.finish_backward(parallel.zero)
         self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -374,27 +372,6 @@ class ParaStrategy(ParallelStrategy):
         else:
             yield
 
-    # ------------------------------------------------------------------ collectives
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, Any]:
         """This rank's bytes for ``params``, ``grads`` and ``optimizer`` (fp32 masters included),
@@ -412,10 +389,11 @@ class ParaStrategy(ParallelStrategy):
             stage=self.config.zero,
             dp=self.parallel_dims.dp,
             edp=self.parallel_dims.edp,
-            psi_dense=parallel.extras.get("psi_dense", 0),
-            psi_expert=parallel.extras.get("psi_expert", 0),
+            psi_dense=parallel.psi_dense,
+            psi_expert=parallel.psi_expert,
             param_bytes=param_bytes,
             master_bytes=4 if separate_master else 0,
+            is_expert=parallel.expert_predicate(),
         )
 
     def pipeline_stats(self) -> dict[str, Any]:
@@ -452,13 +430,7 @@ class ParaStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         path = Path(self.broadcast(str(filepath)))
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors[f"optimizer_{i}"] = state
-        if self.save_distributed_checkpoint:
-            ckpt.save_sharded(path, tensors, checkpoint)
-        else:
-            ckpt.write_consolidated(path, tensors, checkpoint)
+        ckpt.save_checkpoint(path, checkpoint, sharded=self.save_distributed_checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
@@ -475,14 +447,9 @@ class ParaStrategy(ParallelStrategy):
         )
 
     # ------------------------------------------------------------------ teardown
-    def teardown(self) -> None:
-        # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
-        # would detach them from their mesh.
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+    # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
+    # would detach them from their mesh.
+    teardown = ModelParallelStrategy.teardown
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

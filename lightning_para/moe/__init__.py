@@ -7,7 +7,7 @@ returns the gate-weighted sum of their outputs (plus an optional always-on share
 
 Under ``ParaStrategy(ep=e)`` the stacked expert weights are split along dim 0 over the ``ep``
 mesh dimension and tokens travel to their experts' ranks with all-to-all (see
-:mod:`lightning_para.parallel.expert_parallel`). The same module runs unchanged on one device.
+:mod:`lightning_para.parallel.expert`). The same module runs unchanged on one device.
 
 Capacity: dropless by default (every routed token is computed, however uneven the load).
 With ``capacity_factor=c`` each expert takes at most ``ceil(tokens / experts * c * k)``

@@ -47,14 +47,12 @@ def aux_loss(module: nn.Module) -> Tensor:
 def moe_stats_paused(module: nn.Module) -> Iterator[None]:
     """Forwards inside do not count towards :func:`aux_loss` and the metrics (e.g. a pipeline's shape inference)."""
     layers = [layer for _, layer in moe_layers(module)]
-    previous = [layer._recording for layer in layers]
-    for layer in layers:
-        layer._recording = False
+    previous = [layer.set_recording(False) for layer in layers]
     try:
         yield
     finally:
         for layer, value in zip(layers, previous):
-            layer._recording = value
+            layer.set_recording(value)
 
 
 def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:

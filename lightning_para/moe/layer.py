@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
-from lightning_para.parallel.expert_parallel import ExpertParallelContext, run_experts_parallel
 
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_SCOPES = ("sequence", "batch")
+
+
+class ExpertDispatcher(Protocol):
+    """Runs routed tokens on experts that live elsewhere (expert parallelism hands one to the layer).
+
+    Called as ``dispatcher(experts, routed, counts)``: ``routed`` holds the token rows sorted by
+    global expert id, ``counts[e]`` rows for expert ``e``; it returns each row's expert output in
+    the same order. ``experts(rows, rows_per_local_expert)`` runs this rank's experts.
+    """
+
+    size: int  # ranks the experts are spread over
+
+    def __call__(self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor) -> Tensor: ...
 
 
 class TopKRouter(nn.Module):
@@ -59,8 +72,6 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> list[Optional[Tensor]]:
         """This rank's expert weights as plain tensors (DTensor shards unwrapped)."""
-        from torch.distributed.tensor import DTensor
-
         out: list[Optional[Tensor]] = []
         for w in (self.w1, self.w2, self.w3):
             if w is not None and isinstance(w, DTensor):
@@ -176,9 +187,19 @@ class MoE(nn.Module):
         self.shared_expert = FeedForward(dim, shared_hidden_dim, activation) if shared_hidden_dim else None
         # d(training loss)/d(aux loss) in backward; ParaStrategy sets it (loss scale / accumulation).
         self.aux_loss_grad_scale = 1.0
-        self.expert_parallel: Optional[ExpertParallelContext] = None  # set by apply_expert_parallel
+        self.dispatcher: Optional[ExpertDispatcher] = None  # see `set_dispatcher`
         self._recording = True  # see `moe_stats_paused`
         self._reset_stats()
+
+    def set_recording(self, recording: bool) -> bool:
+        """Whether training forwards count towards :meth:`pop_stats` and :meth:`pop_aux_loss`; returns the
+        previous setting (see :func:`~lightning_para.moe.moe_stats_paused`)."""
+        previous, self._recording = self._recording, recording
+        return previous
+
+    def set_dispatcher(self, dispatcher: Optional[ExpertDispatcher]) -> None:
+        """Run the experts through ``dispatcher`` (expert parallelism), or locally with ``None``."""
+        self.dispatcher = dispatcher
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Tensor:
@@ -205,8 +226,8 @@ class MoE(nn.Module):
         counts = torch.bincount(expert_of, minlength=self.num_experts)
         routed = tokens[assignment // k]
 
-        if self.expert_parallel is not None and self.expert_parallel.size > 1:
-            expert_out = run_experts_parallel(self.experts, routed, counts, self.expert_parallel)
+        if self.dispatcher is not None and self.dispatcher.size > 1:
+            expert_out = self.dispatcher(self.experts, routed, counts)
         else:
             expert_out = self.experts(routed, counts.tolist())
 
@@ -292,7 +313,7 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         cap = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
-        ep = self.expert_parallel.size if self.expert_parallel is not None else 1
+        ep = self.dispatcher.size if self.dispatcher is not None else 1
         return f"num_experts={self.num_experts}, top_k={self.top_k}, {cap}, ep={ep}"
 
 
@@ -319,8 +340,8 @@ def _validate(num_experts, top_k, activation, capacity_factor, balance_loss_weig
 
 
 def _in_backward() -> bool:
-    current = getattr(torch._C, "_current_graph_task_id", None)
+    current = getattr(torch._C, "_current_graph_task_id", None)  # private: see docs/architecture.md
     return current is not None and current() != -1
 
 
-__all__ = ["MoE", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]
+__all__ = ["ExpertDispatcher", "MoE", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

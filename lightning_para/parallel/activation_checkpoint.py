@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint  # private: see docs/architecture.md
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # Containers whose entries are blocks; an nn.ModuleDict is a namespace (nanoGPT's `transformer`).
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -63,8 +65,6 @@ def _save_policy() -> Any:
 
 
 def _policy(keep, ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     namespace = getattr(op, "namespace", "")
     if op in keep or namespace in ("_c10d_functional", "c10d_functional", "c10d"):
         return CheckpointPolicy.MUST_SAVE
@@ -81,8 +81,6 @@ def apply_activation_checkpointing(module: nn.Module, mode: Optional[str]) -> li
         return []
     if mode not in MODES:
         raise ValueError(f"`activation_checkpointing={mode!r}` is unknown. Choose 'full', 'selective' or None.")
-    from torch.distributed._composable import checkpoint
-
     blocks = find_blocks(module)
     if not blocks:
         raise ValueError(
@@ -91,8 +89,6 @@ def apply_activation_checkpointing(module: nn.Module, mode: Optional[str]) -> li
         )
     kwargs: dict[str, Any] = {}
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_policy, _save_policy()))
     for block in blocks:
         checkpoint(block, **kwargs)

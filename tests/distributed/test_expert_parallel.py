@@ -216,6 +216,7 @@ def moe_fit_job(
     dims = strategy.parallel_dims
     trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dims.dp))
     params = full_parameters(module)
+    is_expert = strategy.parallel_model.expert_predicate()
     out: dict[str, Any] = {
         "losses": recorder.losses,
         "params": params,  # every rank: under pp each holds only its stage's layers
@@ -223,7 +224,7 @@ def moe_fit_job(
         "dp_rank": dims.local_rank("dp"),
         "expert_local_bytes": sum(
             p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-            for p in module.parameters() if getattr(p, "_para_expert", False)
+            for p in module.parameters() if is_expert(p)
         ),
         "groups": {name: dims.group(name).group_name for name in ("dp", "edp", "ep")},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")},
@@ -231,7 +232,7 @@ def moe_fit_job(
         "edp_peers": dist.get_process_group_ranks(dims.group("edp")),
         "expert_meshes": sorted({
             tuple(p.device_mesh.mesh_dim_names) for p in module.parameters()
-            if getattr(p, "_para_expert", False) and hasattr(p, "device_mesh")
+            if is_expert(p) and hasattr(p, "device_mesh")
         }),
     }
     if counter is not None:

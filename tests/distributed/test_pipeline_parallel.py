@@ -57,15 +57,16 @@ class GradNorms(Callback):
         self.values: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        from lightning_para.parallel.grad_norm import global_grad_norm
+        from lightning_para.parallel.data.grad_norm import global_grad_norm
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.values.append(float(global_grad_norm(params)))
+        replication = trainer.strategy.parallel_model.grad_replication
+        self.values.append(float(global_grad_norm(params, replication=replication)))
 
 
 class MeasureActivations(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
-        trainer.strategy._parallel.pipeline.measure_activations = True
+        trainer.strategy.parallel_model.pipeline.measure_activations = True
 
 
 def pp_job(
@@ -160,7 +161,7 @@ def test_pp2_schedules_match_single_device(pools, layout, variant):
         assert r["logged"] == last["logged"]
         assert r["losses"] == last["losses"]
     # Each rank ran exactly the actions of the schedule, in the schedule's order.
-    from lightning_para.parallel.pipeline_schedules import schedule_action_order
+    from lightning_para.parallel.pipeline.schedules import schedule_action_order
 
     order = schedule_action_order(layout["schedule"], 2, 4, layout.get("virtual_stages", 1))
     for r in results:
@@ -352,28 +353,21 @@ def test_pp4_matches_single_device(pools):
 
 
 # ----------------------------------------------------------------------------- with tensor parallelism
-def _needs_tensor_parallel() -> None:
-    pytest.importorskip("lightning_para.parallel.tensor_parallel", reason="tensor parallelism is on another branch")
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_pp2_tp2_matches_single_device(pools, variant):
     """TP inside each stage (the model declares per-block plans); logits gathered (no loss parallel)."""
-    _needs_tensor_parallel()
     results = pools.get(4).run(pp_job, {"pp": 2, "tp": 2, "microbatches": 4, "loss_parallel": False}, VARIANTS[variant])
     assert_matches_reference(results, variant)
 
 
 def test_pp2_tp2_loss_parallel_zero_bubble_matches_single_device(pools):
     """Vocab-sharded logits with loss parallel on the last stage, under a split-backward schedule."""
-    _needs_tensor_parallel()
     results = pools.get(4).run(pp_job, {"pp": 2, "tp": 2, "microbatches": 4, "schedule": "zero_bubble"}, CLIP)
     assert_matches_reference(results, "clip")
 
 
 def test_pp2_dp2_tp2_interleaved_zero1_matches_single_device(pools):
     """All three dimensions on 8 processes: interleaved stages, ZeRO-1 over dp, TP inside stages."""
-    _needs_tensor_parallel()
     kwargs = {"pp": 2, "dp": 2, "tp": 2, "zero": 1, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}
     results = pools.get(8).run(pp_job, kwargs, ACCUMULATE)
     ref = reference("accumulate")

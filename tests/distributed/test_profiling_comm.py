@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.gpt import GPT
+from lightning_para.recipes.gpt import GPT
 
 TRACED_BATCH = 1  # ParaProfiler(comm_every_n_steps=2) traces batch 1
 
@@ -41,9 +41,9 @@ def comm_job(strategy_kwargs: dict) -> dict:
     import torch.distributed as dist
 
     from lightning_para import ParaStrategy
-    from lightning_para.comm_trace import CommTracer
-    from lightning_para.data import TextDataModule
-    from lightning_para.profiling import ParaProfiler
+    from lightning_para.observe.comm_trace import CommTracer
+    from lightning_para.recipes.data import TextDataModule
+    from lightning_para.observe.profiler import ParaProfiler
 
     captured = {}
     original_summary = CommTracer.summary

@@ -158,7 +158,7 @@ def _block_job() -> dict:
 
     from lightning_para.config import ParallelConfig
     from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
-    from lightning_para.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_para.parallel.tensor import apply_tensor_parallel
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -173,7 +173,10 @@ def _block_job() -> dict:
         block = _OneBlock()
         if kwargs:
             config = ParallelConfig(**kwargs)
-            apply_tensor_parallel(block, mesh, config)
+            apply_tensor_parallel(
+                block, mesh, sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel,
+                keep_sequence_shard=config.sp_save_input_shard and config.activation_checkpointing is None,
+            )
             apply_activation_checkpointing(block, config.activation_checkpointing)
         torch.manual_seed(1)
         x = torch.randn(B, S, H)

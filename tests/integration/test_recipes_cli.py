@@ -43,7 +43,7 @@ class AuxLossRecorder(Callback):
 def cli_fit_job(args: list[str]) -> dict:
     """In every worker: run the CLI (the workers already form the process group, as torchrun would)."""
     from lightning_para.cli import run_cli
-    from lightning_para.profiling import ParaProfiler
+    from lightning_para.observe.profiler import ParaProfiler
 
     cli = run_cli([*args, "--trainer.callbacks+=tests.integration.test_recipes_cli.AuxLossRecorder"])
     profiler = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ParaProfiler))
@@ -213,18 +213,49 @@ def test_bad_configurations_fail_before_any_process_starts(tmp_path, capsys, mon
     assert "lightning-para: configuration error:" in capsys.readouterr().err
 
 
-def test_console_script_launches_its_own_processes(tmp_path):
-    """Outside a pool: the CLI starts the worker processes itself (Lightning's launcher) and exits 0,
-    as the console script does (``sys.exit(main())``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
+def _install_wheel(tmp: Path) -> Path:
+    """``pip install`` of this repository as users get it: a built wheel, not editable, into its own
+    site directory (the dependencies come from this environment)."""
+    dist_dir, site = tmp / "dist", tmp / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist_dir), str(REPO)], check=True, timeout=300)
+    (wheel,) = dist_dir.glob("lightning_para-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True, timeout=300)
+    return site
+
+
+def test_installed_wheel_runs_the_demo_from_an_unrelated_directory(tmp_path):
+    """Outside a pool, as a user would: the console script of a non-editable install, started in a
+    folder that is not the repository, launches its own processes (Lightning's launcher), trains the
+    README's demo config (tp=2 x pp=2) and exits 0. The recipes and configs come from the wheel."""
+    site = _install_wheel(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_"))}
+    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    where = subprocess.run(
+        [sys.executable, "-c", "import lightning_para.recipes as r; print(r.__file__); print(r.config_path('gpt-cpu-demo'))"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.split()
+    assert all(Path(p).is_relative_to(site) for p in where), where  # the installed copy, shipped configs included
     cmd = [
-        sys.executable, "-m", "lightning_para.cli", "fit", "--config", str(GPT_DEMO),
-        "--trainer.devices", "2", "--trainer.strategy.tp", "1", "--trainer.strategy.pp", "1",
+        str(site / "bin" / "lightning-para"), "fit", "--config", str(GPT_DEMO),
         "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-        "--data.init_args.max_bytes", "100000", "--trainer.default_root_dir", str(tmp_path),
+        "--data.init_args.max_bytes", "100000", "--trainer.default_root_dir", str(elsewhere),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lightning-para: loss at step 0" in proc.stdout
-    assert (next((tmp_path / "lightning_logs").glob("version_*")) / "para_summary.json").is_file()
+    assert (next((elsewhere / "lightning_logs").glob("version_*")) / "para_summary.json").is_file()
+
+
+def test_config_short_names(tmp_path):
+    from lightning_para.cli import ConfigurationError, resolve_config_names
+    from lightning_para.recipes import config_names, config_path
+
+    assert {"gpt-cpu-demo", "moe-cpu-demo"} <= set(config_names())
+    assert config_path("gpt-cpu-demo").read_text() == GPT_DEMO.read_text()  # recipes/ links the shipped file
+    args = resolve_config_names(["fit", "--config", "gpt-cpu-demo", "-c", "moe-cpu-demo.yaml", f"--config={GPT_DEMO}"])
+    assert args == ["fit", "--config", str(config_path("gpt-cpu-demo")), "-c", str(config_path("moe-cpu-demo")), f"--config={GPT_DEMO}"]
+    with pytest.raises(ConfigurationError, match=r"`--config gpt-gpu-demo` is neither a file nor a shipped config.*gpt-cpu-demo"):
+        resolve_config_names(["fit", "--config", "gpt-gpu-demo"])

@@ -42,7 +42,7 @@ def test_dp_auto_and_world_size_checks():
         ParallelConfig(tp=2, pp=2).resolve_dp(6)
     with pytest.raises(ValueError, match=r"pp=1 x dp=2 x tp=2 = 4 do not match the world size 8"):
         ParallelConfig(dp=2, tp=2).resolve_dp(8)
-    with pytest.raises(ValueError, match=r"`ep=4` must divide the data-parallel degree dp=2.*Choose ep in \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"`ep=4` must divide `dp=2`.*Choose ep in \[1, 2\]"):
         ParallelConfig(ep=4).resolve_dp(2)
 
 

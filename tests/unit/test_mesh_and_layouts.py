@@ -9,10 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.memory import expected, formula
-from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.zero_layout import pack_rank_major as _pack, unpack_rank_major as _unpack
-from lightning_para.parallel.fsdp import choose_units
+from lightning_para.observe.memory import expected, formula
+from lightning_para.parallel.data.layout import pack_rank_major as _pack, unpack_rank_major as _unpack
+from lightning_para.parallel.data.fsdp import choose_units
 
 
 @pytest.fixture
@@ -35,7 +34,7 @@ def _ranks(mesh) -> list[int]:
 @pytest.mark.parametrize("rank", [0, 5])
 def test_mesh_layout_tp_innermost_pp_outermost(fake_world, rank):
     fake_world(8, rank)
-    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 8)
+    dims = ParallelConfig(tp=2, pp=2).resolve_dims(8)
     dims.build_mesh("cpu")
     assert (dims.pp, dims.dp, dims.tp, dims.ep, dims.edp) == (2, 2, 2, 1, 2)
     # rank = ((pp * edp + edp_i) * ep + ep_i) * tp + tp_i
@@ -49,7 +48,7 @@ def test_mesh_layout_tp_innermost_pp_outermost(fake_world, rank):
 
 def test_expert_parallel_borrows_inner_dp_ranks(fake_world):
     fake_world(8)
-    dims = ParallelDims.from_config(ParallelConfig(dp=4, tp=2, ep=2), 8)
+    dims = ParallelConfig(dp=4, tp=2, ep=2).resolve_dims(8)
     dims.build_mesh("cpu")
     assert (dims.dp, dims.ep, dims.edp) == (4, 2, 2)
     assert _ranks(dims.get_mesh("dp")) == [0, 2, 4, 6]
@@ -59,7 +58,7 @@ def test_expert_parallel_borrows_inner_dp_ranks(fake_world):
 
 def test_get_mesh_errors_list_valid_names(fake_world):
     fake_world(2)
-    dims = ParallelDims.from_config(ParallelConfig(), 2)
+    dims = ParallelConfig().resolve_dims(2)
     with pytest.raises(RuntimeError, match="does not exist yet"):
         dims.get_mesh("dp")
     dims.build_mesh("cpu")

@@ -22,7 +22,7 @@ from lightning_para.moe import (
     router_z_loss,
     set_aux_loss_grad_scale,
 )
-from lightning_para.parallel.expert_parallel import apply_expert_parallel
+from lightning_para.parallel.expert import check_expert_layout
 
 
 def naive_moe(layer: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,9 +248,9 @@ class _Lit(L.LightningModule):
 def test_bad_expert_parallel_layouts():
     dims = ParallelDims(pp=1, dp=4, tp=1, ep=4, world_size=4)  # no mesh: errors come before any collective
     with pytest.raises(ValueError, match=r"ep=4.*num_experts=6.*Choose ep in \[1, 2\]"):
-        apply_expert_parallel(_Lit(6), dims)
+        check_expert_layout(_Lit(6), dims.ep, dims.dp)
     with pytest.raises(ValueError, match="no `lightning_para.moe.MoE`"):
-        apply_expert_parallel(_Lit(0), dims)
+        check_expert_layout(_Lit(0), dims.ep, dims.dp)
     with pytest.raises(ValueError, match="ep=3.*must divide.*dp=4"):
         ParallelConfig(dp=4, ep=3)
     with pytest.raises(ValueError, match="ep=4.*must divide.*dp=2"):

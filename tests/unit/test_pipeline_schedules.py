@@ -16,16 +16,10 @@ from torch import nn
 
 from lightning_para import ParallelConfig, PipelineSpec
 from lightning_para.config import PIPELINE_SCHEDULES
-from lightning_para.parallel.pipeline_parallel import (
-    PipelineStageModule,
-    apply_pipeline_parallel,
-    balanced_split,
-    explicit_split,
-    named_layers_of,
-    pipeline_spec_of,
-)
-from lightning_para.parallel.pipeline_measure import SavedActivationMeter
-from lightning_para.parallel.pipeline_schedules import (
+from lightning_para.parallel.pipeline.spec import PipelineStageModule, named_layers_of, pipeline_spec_of
+from lightning_para.parallel.pipeline.split import apply_pipeline_parallel, balanced_split, explicit_split
+from lightning_para.parallel.pipeline.measure import SavedActivationMeter
+from lightning_para.parallel.pipeline.schedules import (
     expected_bubble,
     schedule_action_order,
     stage_to_rank,
@@ -258,12 +252,14 @@ def fake_world(rank: int, world_size: int):
 
 
 def split_on_fake_rank(module, rank: int, **config_kwargs):
-    from lightning_para.mesh import ParallelDims
 
     config = ParallelConfig(pp=2, **config_kwargs)
-    dims = ParallelDims.from_config(config, 2)
+    dims = config.resolve_dims(2)
     dims.build_mesh("cpu")
-    return apply_pipeline_parallel(module, dims, config)
+    return apply_pipeline_parallel(
+        module, dims.get_mesh("pp"), schedule=config.schedule, microbatches=config.pipeline_microbatches,
+        virtual_stages=config.virtual_stages, pipeline_split=config.pipeline_split, pipeline_balance=config.pipeline_balance,
+    )
 
 
 def test_each_rank_keeps_only_its_stages_under_their_original_names():

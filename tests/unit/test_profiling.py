@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_para.comm_trace import classify
-from lightning_para.data import TextDataModule
-from lightning_para.profiling import ParaProfiler, detect_peak_flops
-from lightning_para.timeline import (
+from lightning_para.observe.comm_trace import classify
+from lightning_para.recipes.data import TextDataModule
+from lightning_para.observe.profiler import ParaProfiler, detect_peak_flops
+from lightning_para.observe.timeline import (
     COLORS, IDLE, PipelineEvent, as_events, draw_timeline, idle_fraction, pipeline_metrics, rank_pipeline_record,
 )
-from recipes.gpt import GPT
+from lightning_para.recipes.gpt import GPT
 
 
 def _gpipe_events():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_para.data import ByteTokenizer, TextDataModule, TokenWindows, check_vocab, stdlib_source_files
+from lightning_para.recipes.data import ByteTokenizer, TextDataModule, TokenWindows, check_vocab, stdlib_source_files
 
 
 def _attach(dm: TextDataModule, num_replicas: int, rank: int) -> TextDataModule:

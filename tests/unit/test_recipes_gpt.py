@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_para.parallel.pipeline_parallel import PipelineStageModule
-from lightning_para.parallel.tensor_parallel import check_plan
-from lightning_para.parallel.tp_plan import resolve_plan
-from recipes.gpt import GPT, PRESETS, GPTConfig, apply_rope
+from lightning_para.parallel.pipeline.spec import PipelineStageModule
+from lightning_para.parallel.tensor.validate import check_plan
+from lightning_para.parallel.tensor.plan import resolve_plan
+from lightning_para.recipes.gpt import GPT, PRESETS, GPTConfig, apply_rope
 
 
 def expected_params(c: GPTConfig) -> int:

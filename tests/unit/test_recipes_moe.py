@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_para.parallel.pipeline_parallel import named_layers_of
-from recipes.moe import MoEGPT
-from lightning_para.parallel.tp_plan import resolve_plan
+from lightning_para.parallel.pipeline.spec import named_layers_of
+from lightning_para.recipes.moe import MoEGPT
+from lightning_para.parallel.tensor.plan import resolve_plan
 
 
 def test_moe_blocks_and_active_parameters():

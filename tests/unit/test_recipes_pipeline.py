@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lightning_para import PipelineSpec
-from lightning_para.parallel.pipeline_parallel import balanced_split, named_layers_of
-from recipes.gpt import GPT
+from lightning_para.parallel.pipeline.spec import named_layers_of
+from lightning_para.parallel.pipeline.split import balanced_split
+from lightning_para.recipes.gpt import GPT
 
 
 def test_pipeline_contract_reproduces_the_forward():

@@ -12,8 +12,8 @@ from torch import nn
 
 from lightning_para import ParallelConfig
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing, find_blocks
-from lightning_para.parallel.tensor_parallel import check_plan
-from lightning_para.parallel.tp_plan import auto_plan, match, resolve_plan
+from lightning_para.parallel.tensor.validate import check_plan
+from lightning_para.parallel.tensor.plan import auto_plan, match, resolve_plan
 from tests.tp_models import Block, LlamaLike, NanoGPT, NanoGPTThreeHeads, NanoGPTWithGate
 
 
@@ -146,7 +146,7 @@ def test_plan_typos_and_conflicts_are_errors():
     with pytest.raises(ValueError, match=r"two tensor-parallel styles"):
         resolve_plan(NanoGPT(), {"lm_head": "lm_head", "lm_*": "colwise"})
     with pytest.raises(ValueError, match=r"Unknown tensor-parallel style 'column'"):
-        from lightning_para.parallel.tp_styles import make_style
+        from lightning_para.parallel.tensor.styles import make_style
 
         make_style("column", sequence_parallel=False, loss_parallel=True)
     with pytest.raises(ValueError, match=r"'transformer.ln_f' is a LayerNorm, but 'colwise' applies to nn.Linear"):

@@ -16,6 +16,9 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
 :class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
 :class:`SequenceSlice` and :class:`GatherSequence` are new here; everything else is a
 configured torch style.
+
+Why this module is long: one ``ParallelStyle`` per shorthand, all bound by the layout contract
+above; split apart, each would have to restate it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
 # The residual stream is batch-first: [batch, seq, hidden].
 SEQ_DIM = 1
@@ -112,16 +115,6 @@ class FusedColwiseParallel(Colwise):
         return f"FusedColwiseParallel(parts={self.parts})"
 
 
-def is_strided(param: torch.Tensor) -> bool:
-    """A DTensor with a ``_StridedShard`` placement (fused projections)."""
-    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
-
-
-def is_sharded_placement(placement: Any) -> bool:
-    """``Shard`` or ``_StridedShard`` (whose ``is_shard()`` answers False)."""
-    return placement.is_shard() or isinstance(placement, _StridedShard)
-
-
 class _Regathered:
     """What a saved gathered input is packed into: its sequence shard (Megatron-SP)."""
 
@@ -142,15 +135,15 @@ class _KeepShardSaveGathered:
 
     def __init__(self, shard: DTensor, gathered: DTensor) -> None:
         self.shard = shard.detach()
-        local = gathered._local_tensor
+        local = gathered._local_tensor  # private: see docs/architecture.md
         self.ptr, self.numel = local.untyped_storage().data_ptr(), local.numel()
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # private: see docs/architecture.md
         self.outer_pack, self.outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
         self.full: Optional[DTensor] = None
         self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        local = t._local_tensor if isinstance(t, DTensor) else None
+        local = t._local_tensor if isinstance(t, DTensor) else None  # private: no autograd inside a pack hook
         if (
             local is not None and local.numel() == self.numel and local.storage_offset() == 0
             and local.is_contiguous() and local.untyped_storage().data_ptr() == self.ptr
@@ -423,5 +416,5 @@ def make_style(
 
 __all__ = [
     "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
-    "is_strided", "is_sharded_placement",
+
 ]

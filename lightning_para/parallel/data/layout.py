@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_para.parallel.grad_norm import local_tensor
+from lightning_para._dtensor import local_tensor
 
 
 @dataclass
@@ -68,6 +68,13 @@ class ParamSlot:
     @property
     def optimizer_param(self) -> nn.Parameter:
         return self.master if self.master is not None else self.param
+
+    @torch.no_grad()
+    def load_master(self, values: Tensor) -> None:
+        """Set the master from ``values`` shaped like the local parameter (this rank's rows when sharded)."""
+        assert self.master is not None
+        source = self.local_rows(values) if self.sharded else values
+        self.master.copy_(source.reshape(self.master.shape).to(self.master.dtype))
 
     def local_rows(self, tensor: Tensor) -> Tensor:
         """The rows of a tensor shaped like the local parameter that this rank owns."""

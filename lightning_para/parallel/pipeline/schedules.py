@@ -1,6 +1,7 @@
 """Pipeline schedules: the registry of torch's schedules, their rules, formulas and measurement.
 
-Everything here is independent of Lightning:
+A leaf module: it imports nothing of lightning_para, so :mod:`lightning_para.config` can
+validate a pipeline layout with it. Everything here is independent of Lightning:
 
 * :data:`SCHEDULES` maps each user-facing name to a ``torch.distributed.pipelining`` class and
   to what it needs (stages per rank, stage placement, minimum microbatches).
@@ -45,14 +46,12 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import (
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  # private: see docs/architecture.md
+from torch.distributed.pipelining.schedules import (  # private: see docs/architecture.md
     PipelineScheduleMulti,
     _batch_p2p,
     _wait_batch_p2p,
 )
-
-from lightning_para.config import PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,8 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "zbv": ScheduleInfo("zbv", ScheduleZBVZeroBubble, True, "v", 2, 2, split_backward=True),
     "dualpipev": ScheduleInfo("dualpipev", ScheduleDualPipeV, True, "v", 2, 2, split_backward=True),
 }
-assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "config.PIPELINE_SCHEDULES and SCHEDULES must list the same names"
+# The user-facing names, in the order error messages list them.
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
 
 def schedule_info(name: str) -> ScheduleInfo:
@@ -297,6 +297,7 @@ def build_schedule(
 
 
 __all__ = [
+    "PIPELINE_SCHEDULES",
     "SCHEDULES",
     "ScheduleForwardOnly",
     "ScheduleInfo",

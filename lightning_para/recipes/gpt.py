@@ -15,6 +15,9 @@ One readable file: :class:`GPTConfig` (named size presets), the blocks, and :cla
 
 The default style is Llama-like (RMSNorm, RoPE, SwiGLU, no biases, untied); GPT-2 style is
 ``norm="layernorm", pos="learned", mlp="gelu", bias=True, tie_weights=True``.
+
+Why this module is long: a recipe is one readable file per model (nanoGPT's shape), so a user
+can copy it and change it in one place.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
-from lightning_para.data import ByteTokenizer, check_vocab
+from lightning_para._dtensor import full_tensor
+from lightning_para.parallel.pipeline.spec import PipelineSpec
+from lightning_para.recipes.data import ByteTokenizer, check_vocab
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -260,13 +266,6 @@ class Head(nn.Module):
         return {"ln_f": "norm", "lm_head": "lm_head"}
 
 
-def full_tensor(t: Tensor) -> Tensor:
-    """A DTensor (e.g. vocab-sharded logits under tensor parallelism) as a full local tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 # ---------------------------------------------------------------------- the LightningModule
 class GPT(L.LightningModule):
     """A decoder-only language model trained with next-token cross-entropy.
@@ -374,8 +373,6 @@ class GPT(L.LightningModule):
     # -------------------------------------------------------------- parallel declarations
     def configure_pipeline(self):
         """The pipeline contract: embedding, each block, then final norm + head, in order."""
-        from lightning_para import PipelineSpec
-
         if self.config.tie_weights:
             raise ValueError(
                 "`tie_weights=True` shares the embedding with the output head, which pipeline parallelism puts on"
@@ -540,8 +537,6 @@ class GPT(L.LightningModule):
 
 
 def broadcast_from_rank0(t: Tensor) -> Tensor:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(t, src=0)
     return t

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"}

@@ -25,6 +25,9 @@ from typing import Any, Union
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_para._dtensor import parameter_owners
+from lightning_para.moe import MoE
+
 Style = Union[str, ParallelStyle]
 PLAN_HOOK = "tensor_parallel_plan"
 
@@ -55,11 +58,8 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def is_moe(module: nn.Module) -> bool:
-    try:
-        from lightning_para.moe import MoE
-    except ImportError:
-        MoE = ()  # noqa: N806
-    return (MoE and isinstance(module, MoE)) or bool(_MOE_CLASS.search(type(module).__name__))
+    """Our MoE layer, or a module whose class name says it is one (expert parallelism splits those, not tp)."""
+    return isinstance(module, MoE) or bool(_MOE_CLASS.search(type(module).__name__))
 
 
 # ----------------------------------------------------------------------------- patterns
@@ -162,14 +162,6 @@ def _in_block(root: nn.Module, fqn: str) -> bool:
     return False
 
 
-def _tied_groups(root: nn.Module) -> dict[int, list[str]]:
-    owners: dict[int, list[str]] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    return owners
-
-
 def auto_plan(root: nn.Module) -> dict[str, str]:
     """Derive a plan for common transformer layouts (see docs/tensor_parallel.md, "Automatic plan").
 
@@ -187,7 +179,7 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
 
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear) and not in_moe(n)}
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding) and not in_moe(n)}
-    owners = _tied_groups(root)
+    owners = {pid: [fqn for fqn, _ in held] for pid, held in parameter_owners(root).items()}
 
     # --- output head and token embedding: tied weights, or a vocab-shaped Linear outside the
     # blocks (head names first), paired with the embedding of the same vocabulary and width

@@ -10,7 +10,7 @@ the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
 * ``memory/rank{r}/...``: each rank's :meth:`ParaStrategy.memory_breakdown` (params, grads,
   optimizer state) against the ZeRO formula's expectation;
 * ``comm/{dim}/{kind}_MB`` and ``_ms``: bytes and time per mesh dimension and collective,
-  measured by :class:`~lightning_para.comm_trace.CommTracer` on sampled steps;
+  measured by :class:`~lightning_para.observe.comm_trace.CommTracer` on sampled steps;
 * ``pipeline/idle_fraction/stage{s}`` and a ``pipeline/timeline`` image drawn from the
   measured schedule events (``pp > 1``);
 * optional ``torch.profiler`` traces for a window of steps (``trace_start_step``), written
@@ -21,6 +21,9 @@ the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
 Sampled work (comm tracing, memory, timeline) runs only on its steps, and every collective
 it needs is issued by all ranks at the same step; with everything off the per-step cost is
 two clock reads.
+
+Why this module is long: it is one Lightning callback whose hooks share the sampling state;
+what it measures lives in :mod:`.comm_trace`, :mod:`.memory` and :mod:`.timeline`.
 """
 
 from __future__ import annotations
@@ -34,29 +37,24 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_para.comm_trace import CommTracer, group_labels
-from lightning_para.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
+from lightning_para.moe import moe_layers
+from lightning_para.observe.comm_trace import CommTracer, group_labels
+from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 
-# Dense bf16 tensor-core peak FLOP/s per device, from the vendors' datasheets (no sparsity).
-PEAK_FLOPS = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-    "L4": 121e12, "A10G": 70e12, "A10": 125e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
-}
 MIB = 2**20
 
 
-def detect_peak_flops(device: torch.device) -> Optional[float]:
-    """The bf16 peak of a known GPU, or ``None`` (CPUs and unknown devices: pass ``peak_flops``)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+def detect_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
+    """The device's peak FLOP/s for ``dtype`` from Lightning's table (``get_available_flops``), or
+    ``None`` for CPUs and devices it does not know (pass ``peak_flops`` then)."""
+    if device.type == "cpu":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
-        if key in name:
-            return PEAK_FLOPS[key]
-    return None
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops else None
 
 
 def _world() -> int:
@@ -72,12 +70,12 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def _moe_layers(module: Any) -> list[tuple[str, Any]]:
+def _parallel_dims(strategy: Any) -> Any:
+    """The ``ParallelDims`` of a set-up ParaStrategy (``None`` under any other strategy)."""
     try:
-        from lightning_para.moe import moe_layers
-    except ImportError:  # the MoE layer is optional
-        return []
-    return list(moe_layers(module))
+        return strategy.parallel_dims
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _first_tensor(batch: Any) -> Optional[Tensor]:
@@ -163,14 +161,14 @@ class ParaProfiler(Callback):
         # Counted before the strategy shards anything: the whole model, for the 6N fallback.
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
-        self._has_moe = bool(_moe_layers(pl_module))
+        self._has_moe = bool(list(moe_layers(pl_module)))
         # rank 0's directory on every rank (Lightning broadcasts it); no logger, no files
         log_dir = trainer.log_dir if trainer.loggers else None
         self.log_dir = Path(log_dir) if log_dir else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        dims = getattr(strategy, "_dims", None)
+        dims = _parallel_dims(strategy)
         self._dp = dims.dp if dims is not None else trainer.world_size
         self._labels = group_labels(dims if getattr(dims, "mesh", None) is not None else None)
         if self.peak_flops is None:
@@ -342,7 +340,7 @@ class ParaProfiler(Callback):
 
     def _log_pipeline(self, trainer: L.Trainer) -> None:
         strategy = trainer.strategy
-        dims = getattr(strategy, "_dims", None)
+        dims = _parallel_dims(strategy)
         if dims is None or dims.pp <= 1 or not hasattr(strategy, "pipeline_stats"):
             return
         mine = rank_pipeline_record(strategy.pipeline_stats(), dist.get_rank(), dims.local_rank("pp"))
@@ -358,7 +356,7 @@ class ParaProfiler(Callback):
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
         mine = {}
-        for name, layer in _moe_layers(pl_module):
+        for name, layer in list(moe_layers(pl_module)):
             stats = layer.pop_stats()
             if stats is not None:
                 mine[name] = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in stats.items()}

@@ -2,8 +2,9 @@
 
 Each rank holds some gradient tensors: whole (replicated over dp), ZeRO shards, TP shards,
 one pipeline stage's, one expert group's. Summing ``|g|^p`` over the world would count a
-replicated tensor once per replica. So every optimizer parameter carries a *replication
-factor*: how many ranks hold exactly the same gradient values. Each rank adds
+replicated tensor once per replica. So every optimizer parameter has a *replication
+factor* (:func:`count_grad_replication`, kept by the strategy in a :class:`GradReplication`):
+how many ranks hold exactly the same gradient values. Each rank adds
 ``sum(|g|^p) / replication`` and one all-reduce over the world gives the norm of the full
 model's gradient -- the number a single device would compute (torchtitan#596 is the bug
 this avoids for pipeline stages).
@@ -13,35 +14,55 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-_ATTR = "_para_grad_replication"
-
-
-def set_grad_replication(param: Tensor, factor: int) -> None:
-    """Record on how many ranks ``param.grad`` is identical (1 = this rank's values are unique)."""
-    if factor < 1:
-        raise ValueError(f"replication factor must be >= 1, got {factor}")
-    setattr(param, _ATTR, int(factor))
+from lightning_para._dtensor import is_sharded_placement, local_tensor
+from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.data.zero import ZeroDataParallel
 
 
-def count_grad_replication(tensor: Tensor, dims: Any, zero: Any = None, pipeline: Any = None) -> int:
+def _replicated_everywhere(param: Tensor) -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class GradReplication:
+    """On how many ranks each optimizer parameter's gradient is identical (1: unique to this rank).
+
+    Held by the strategy's record of the layout and read by clipping. Parameters it was never
+    told about count as replicated on every rank, which keeps a norm conservative (smaller).
+    Keyed weakly by identity: it keeps no parameter alive.
+    """
+
+    def __init__(self) -> None:
+        self._factors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def set(self, param: Tensor, factor: int) -> None:
+        if factor < 1:
+            raise ValueError(f"replication factor must be >= 1, got {factor}")
+        self._factors[param] = int(factor)
+
+    def __call__(self, param: Tensor) -> int:
+        factor = self._factors.get(param)
+        return _replicated_everywhere(param) if factor is None else factor
+
+
+def count_grad_replication(
+    tensor: Tensor, dims: ParallelDims, zero: Optional[ZeroDataParallel], is_expert: Callable[[Tensor], bool]
+) -> int:
     """On how many ranks the gradient of optimizer tensor ``tensor`` is identical.
 
     All ranks of one pipeline stage (dp x tp) hold some piece of each of its parameters; the
     replication is that count divided by the number of distinct pieces: the ZeRO shard
-    (``zero``: a ``ZeroDataParallel``), the DTensor shards (TP, EP, FSDP2) and, for an expert
-    that is not a DTensor on ``ep``, the ep split. ``pipeline`` counts parameters held by more
-    than one stage (``grad_copies``). ``dims`` is the strategy's ``ParallelDims``.
+    (``zero``), the DTensor shards (TP, EP, FSDP2) and, for an expert that is not a DTensor
+    on ``ep``, the ep split. Tied weights across pipeline stages are rejected, so no
+    parameter lives on two stages.
     """
-    from torch.distributed.tensor import DTensor
-
-    from lightning_para.parallel.tp_styles import is_sharded_placement
-
     slot = zero.slot_for_optimizer_param(tensor) if zero is not None else None
     base = slot.param if slot is not None else tensor
     distinct = slot.world if slot is not None and slot.sharded else 1
@@ -51,42 +72,25 @@ def count_grad_replication(tensor: Tensor, dims: Any, zero: Any = None, pipeline
         # `_StridedShard` (fused TP projections) is a shard too, though its is_shard() says False.
         distinct *= math.prod(mesh.size(i) for i, p in enumerate(base.placements) if is_sharded_placement(p))
         on_ep = "ep" in (mesh.mesh_dim_names or ())
-    if getattr(base, "_para_expert", False) and not on_ep:
+    if is_expert(base) and not on_ep:
         distinct *= dims.ep
-    copies = pipeline.grad_copies(base) if pipeline is not None and hasattr(pipeline, "grad_copies") else 1
-    return max((dims.dp * dims.tp * copies) // distinct, 1)
-
-
-def grad_replication(param: Tensor) -> int:
-    """The recorded replication factor of ``param``; unknown parameters count as replicated on every rank."""
-    factor = getattr(param, _ATTR, None)
-    if factor is None:
-        return dist.get_world_size() if dist.is_initialized() else 1
-    return factor
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's values of a plain tensor or DTensor (a reduced gradient: no pending Partial)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        if any(p.is_partial() for p in t.placements):
-            raise RuntimeError(
-                "A gradient is still a Partial DTensor when it is read; it must be reduced over its mesh first."
-                f" Placements: {t.placements}."
-            )
-        return t._local_tensor
-    return t
+    return max((dims.dp * dims.tp) // distinct, 1)
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[Tensor], norm_type: float = 2.0, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+def global_grad_norm(
+    params: Iterable[Tensor],
+    norm_type: float = 2.0,
+    group: Optional[dist.ProcessGroup] = None,
+    replication: Callable[[Tensor], int] = _replicated_everywhere,
+) -> Tensor:
     """The norm of all gradients of ``params`` as if the whole model were on one device.
 
+    ``replication(p)`` says on how many ranks ``p.grad`` is identical (a :class:`GradReplication`).
     One all-reduce over ``group`` (default: the world) of a single float.
     """
     norm_type = float(norm_type)
-    grads = [(local_tensor(p.grad), grad_replication(p)) for p in params if p.grad is not None]
+    grads = [(local_tensor(p.grad), replication(p)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = torch.zeros((), device=device, dtype=torch.float32)
@@ -107,7 +111,11 @@ def global_grad_norm(params: Iterable[Tensor], norm_type: float = 2.0, group: Op
 
 @torch.no_grad()
 def clip_grads_by_global_norm(
-    params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, group: Optional[dist.ProcessGroup] = None
+    params: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: Optional[dist.ProcessGroup] = None,
+    replication: Callable[[Tensor], int] = _replicated_everywhere,
 ) -> Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
@@ -115,7 +123,7 @@ def clip_grads_by_global_norm(
     capped at 1) so a sharded run matches a single-device run step for step.
     """
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, norm_type, group)
+    total = global_grad_norm(params, norm_type, group, replication)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         g = local_tensor(p.grad)

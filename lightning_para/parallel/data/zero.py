@@ -44,8 +44,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_para.parallel.grad_norm import local_tensor
-from lightning_para.parallel.zero_layout import (  # ParamSlot is re-exported: checkpoint code imports it from here
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_para._dtensor import local_tensor
+from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
     all_gather_single,
@@ -92,12 +94,14 @@ class ZeroDataParallel:
                 continue
             slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0)
             slot.master = self._make_master(slot, master_dtype)
-            if slot.master is not None and getattr(param, "_para_expert", False):
-                slot.master._para_expert = True  # type: ignore[attr-defined]  # memory_breakdown's expert bytes
             self.slots.append(slot)
             self._slot_of[param] = slot
+        self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
         self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad_ready) for s in self.slots]
+        # Which buckets each optimizer we sharded steps (several optimizers may share one model).
+        self._buckets_of_optimizer: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for slot in self.slots:
+            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -154,6 +158,7 @@ class ZeroDataParallel:
         if not self.sync_enabled:
             return
         if not self._callback_queued:
+            # private: see docs/architecture.md (DDP and FSDP queue their end-of-backward work the same way)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
         if not self.launch_during_backward:
@@ -193,6 +198,16 @@ class ZeroDataParallel:
         """Make sure this step's gradients are synchronised (idempotent within a step)."""
         if not self._synced_since_step:
             self.sync_now()
+
+    @contextlib.contextmanager
+    def step_without_communication(self) -> Iterator[None]:
+        """An optimizer step that neither syncs gradients nor gathers parameters (e.g. to create the
+        optimizer's state before a checkpoint is loaded into it)."""
+        self._synced_since_step, self._suppress_gather = True, True
+        try:
+            yield
+        finally:
+            self._synced_since_step, self._suppress_gather = False, False
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
@@ -248,7 +263,7 @@ class ZeroDataParallel:
     # ------------------------------------------------------------------ optimizer side
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` at this rank's masters and hook the gather after each step."""
-        if getattr(optimizer, "_para_zero", None) is self:
+        if optimizer in self._buckets_of_optimizer:
             return
         if any(optimizer.state.values()):
             raise ValueError(
@@ -271,8 +286,7 @@ class ZeroDataParallel:
                 new_params.append(slot.optimizer_param)
                 own.add(slot.bucket)
             group["params"] = new_params
-        optimizer._para_zero = self  # type: ignore[attr-defined]
-        optimizer._para_buckets = sorted(own)  # type: ignore[attr-defined]
+        self._buckets_of_optimizer[optimizer] = sorted(own)
         # No step *pre*-hook: torch runs pre-hooks before calling the closure (i.e. before
         # backward), so a flush there would synchronise stale gradients. Whoever reads the
         # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
@@ -284,8 +298,8 @@ class ZeroDataParallel:
         if self._suppress_gather:
             return
         buckets = self.buckets
-        if optimizer is not None and hasattr(optimizer, "_para_buckets"):
-            buckets = [self.buckets[i] for i in optimizer._para_buckets]
+        if optimizer is not None and optimizer in self._buckets_of_optimizer:
+            buckets = [self.buckets[i] for i in self._buckets_of_optimizer[optimizer]]
         self.gather_params(buckets)
 
     @torch.no_grad()
@@ -316,15 +330,15 @@ class ZeroDataParallel:
         return self._slot_of.get(param)
 
     def slot_for_optimizer_param(self, tensor: Tensor) -> Optional[ParamSlot]:
-        for slot in self.slots:
-            if slot.optimizer_param is tensor:
-                return slot
-        return None
+        slot = self._slot_of_optimizer_param.get(id(tensor))
+        return slot if slot is not None and slot.optimizer_param is tensor else None
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+    @torch.no_grad()
+    def reset_masters_from_params(self) -> None:
+        """Separate masters (ZeRO-1/2 shards, fp32 copies) take the model's current weights (after loading them)."""
+        for slot in self.slots:
+            if slot.master is not None:
+                slot.load_master(slot.local)
 
 
 def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
@@ -335,42 +349,4 @@ def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
         param.grad.add_(grad.to(param.dtype))
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDataParallel] = None) -> None:
-    """Create an optimizer's state tensors without changing any weight (for checkpoint loading).
-
-    Runs one step with zero gradients and ``lr=0`` (and no weight decay) on parameters that
-    have no state yet, then restores every hyperparameter.
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
-    if not params:
-        return
-    saved = [dict(g) for g in optimizer.param_groups]
-    saved_grads = {p: p.grad for p in params}
-    for g in optimizer.param_groups:
-        if "lr" in g:
-            g["lr"] = 0.0 if not isinstance(g["lr"], Tensor) else torch.zeros_like(g["lr"])
-        if "weight_decay" in g:
-            g["weight_decay"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    if zero is not None:
-        zero._synced_since_step, zero._suppress_gather = True, True
-    try:
-        optimizer.step()
-    finally:
-        if zero is not None:
-            zero._synced_since_step, zero._suppress_gather = False, False
-        for g, old in zip(optimizer.param_groups, saved):
-            for k, v in old.items():
-                if k != "params":
-                    g[k] = v
-        for p in params:
-            p.grad = saved_grads[p]
-
-
-def expert_or_dense_mesh(param: Tensor, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> DeviceMesh:
-    """Experts are replicated only over the expert-data-parallel group (see ``expert_parallel``)."""
-    return expert_mesh if getattr(param, "_para_expert", False) else dense_mesh
-
-
-__all__ = ["ParamSlot", "ZeroDataParallel", "init_optimizer_state", "expert_or_dense_mesh"]
+__all__ = ["ParamSlot", "ZeroDataParallel"]

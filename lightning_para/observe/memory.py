@@ -24,12 +24,12 @@ rows and is not counted twice.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_para.parallel.grad_norm import local_tensor
+from lightning_para._dtensor import local_tensor
 
 # Optimizer state tensors per parameter element, by optimizer class (for the expected bytes).
 _STATES_PER_ELEMENT = {
@@ -71,14 +71,16 @@ class _StorageCounter:
         return storage.nbytes()
 
 
-def measure(module: nn.Module, optimizers: list[torch.optim.Optimizer], only_experts: bool = False) -> dict[str, int]:
+def measure(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], only: Optional[Callable[[Tensor], bool]] = None
+) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated).
 
-    ``only_experts`` counts only tensors of parameters marked ``_para_expert`` (MoE experts).
+    ``only`` keeps the parameters (model or optimizer tensors) it accepts, e.g. MoE experts.
     """
 
     def keep(t: Tensor) -> bool:
-        return not only_experts or getattr(t, "_para_expert", False)
+        return only is None or only(t)
 
     counter = _StorageCounter()
     model_params = [p for p in module.parameters() if keep(p)]
@@ -137,8 +139,11 @@ def memory_breakdown(
     psi_expert: int,
     param_bytes: int,
     master_bytes: int,
+    is_expert: Callable[[Tensor], bool] = lambda t: False,
 ) -> dict[str, Any]:
-    """Measured and expected bytes for this rank (see :meth:`ParaStrategy.memory_breakdown`)."""
+    """Measured and expected bytes for this rank (see :meth:`ParaStrategy.memory_breakdown`).
+
+    ``is_expert`` tells MoE expert tensors (model parameters and the optimizer's masters of them)."""
     measured = measure(module, optimizers)
     states = None
     for o in optimizers:
@@ -153,7 +158,7 @@ def memory_breakdown(
         param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
     )
     # Expert vs dense split (MoE): experts are replicated over edp only, dense over dp.
-    expert = measure(module, optimizers, only_experts=True) if psi_expert else {k: 0 for k in measured}
+    expert = measure(module, optimizers, only=is_expert) if psi_expert else {k: 0 for k in measured}
     expert["total"] = sum(expert.values())
     dense = {k: measured[k] - expert[k] for k in ("params", "grads", "optimizer")}
     dense["total"] = sum(dense.values())

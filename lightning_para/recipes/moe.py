@@ -1,11 +1,11 @@
-"""The GPT decoder of :mod:`recipes.gpt` with Mixture-of-Experts feed-forward layers.
+"""The GPT decoder of :mod:`lightning_para.recipes.gpt` with Mixture-of-Experts feed-forward layers.
 
 Every ``moe_every``-th block (1: all, 2: every other, starting with the second, as in
 GShard/Switch) replaces its MLP with :class:`lightning_para.moe.MoE`: ``num_experts``
 experts, ``top_k`` per token, optional ``capacity_factor`` (``None``: dropless) and an
 optional shared expert. Under ``ParaStrategy(ep=e)`` the experts are split over ``e`` ranks
 and tokens travel by all-to-all; everything else (TP plan, pipeline contract, generation)
-is inherited (each :class:`~recipes.gpt.Block` declares ``gather_sequence`` for an MoE
+is inherited (each :class:`~lightning_para.recipes.gpt.Block` declares ``gather_sequence`` for an MoE
 feed-forward: it runs whole on every tp rank and expert parallelism splits its experts).
 
 The routers' auxiliary losses train through the MoE layers' own backward hook
@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from recipes.gpt import GPT
+from lightning_para.moe import MoE, aux_loss, moe_layers
+from lightning_para.recipes.gpt import GPT
 
 
 @dataclass
@@ -42,7 +43,7 @@ class MoEOptions:
 
 
 class MoEGPT(GPT):
-    """:class:`recipes.gpt.GPT` with MoE feed-forward layers.
+    """:class:`lightning_para.recipes.gpt.GPT` with MoE feed-forward layers.
 
     Args:
         num_experts, top_k, capacity_factor: routing (see :class:`lightning_para.moe.MoE`).
@@ -50,7 +51,7 @@ class MoEGPT(GPT):
         expert_hidden: hidden width of each expert (default: the dense MLP's).
         shared_expert_hidden: width of an always-on shared expert (``None``: none).
         balance_loss_weight, z_loss_weight: auxiliary loss weights (Switch 0.01; ST-MoE 0.001).
-        **kwargs: everything :class:`~recipes.gpt.GPT` takes (``preset``, ``n_layer``, ``lr``, ...).
+        **kwargs: everything :class:`~lightning_para.recipes.gpt.GPT` takes (``preset``, ``n_layer``, ``lr``, ...).
     """
 
     def __init__(
@@ -80,8 +81,6 @@ class MoEGPT(GPT):
     def make_mlp(self, layer_index: int) -> Optional[nn.Module]:
         if not self.is_moe_block(layer_index):
             return None
-        from lightning_para.moe import MoE
-
         o, config = self.moe_options, self.config
         return MoE(
             config.n_embd, o.expert_hidden or config.mlp_hidden, o.num_experts, o.top_k,
@@ -94,8 +93,6 @@ class MoEGPT(GPT):
         their weights, so ``flops_per_token`` is 6 N_active + 12 L d T."""
         total = super().num_params(matmul_only)
         if active:
-            from lightning_para.moe import moe_layers
-
             o = self.moe_options
             for _, layer in moe_layers(self):
                 expert_params = sum(p.numel() for p in layer.experts.parameters())
@@ -103,8 +100,6 @@ class MoEGPT(GPT):
         return total
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        from lightning_para.moe import aux_loss
-
         loss = super().training_step(batch, batch_idx)
         # The aux gradients are already attached inside each MoE layer; this is the value, for the logs.
         self.log("train_aux_loss", aux_loss(self))

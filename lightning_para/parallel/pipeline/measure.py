@@ -18,6 +18,9 @@ import torch
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_para._dtensor import local_tensor
+from lightning_para.moe import moe_stats_paused
+
 
 class StepRecorder:
     """Per-step clock of one rank: action events and busy/idle totals.
@@ -87,9 +90,8 @@ class TimedPipelineStage(PipelineStage):
 
     # Shape inference (first step per input shape) runs a real forward, loss and input-grad
     # backward; the recorder marks it so the loss wrapper does not count that loss.
-    def _prepare_forward_infra(self, *args: Any, **kwargs: Any):
-        from lightning_para.moe import moe_stats_paused  # its MoE aux losses are not this step's
-
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any):  # private override: see docs/architecture.md
+        # Its MoE aux losses are not this step's.
         with self.recorder.inferring_shapes(), moe_stats_paused(self.submod):
             return super()._prepare_forward_infra(*args, **kwargs)
 
@@ -119,7 +121,7 @@ class SavedActivationMeter:
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {_storage_key(_local(t)) for t in exclude}
+        self._excluded = {_storage_key(local_tensor(t, allow_partial=True)) for t in exclude}
         self._counts: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
@@ -137,7 +139,7 @@ class SavedActivationMeter:
         self._hooks = None
 
     def _pack(self, tensor: Tensor) -> Any:
-        local = _local(tensor)
+        local = local_tensor(tensor, allow_partial=True)
         key = _storage_key(local)
         if key in self._excluded or local.device.type == "meta":
             return tensor
@@ -173,12 +175,6 @@ class _SavedTensor:
 
     def __del__(self) -> None:
         self.meter._release(self.key)
-
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _storage_key(t: Tensor) -> int:

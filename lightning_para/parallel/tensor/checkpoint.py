@@ -7,33 +7,19 @@ holds its slice of every block, rows that are not contiguous in the global tenso
   instead (DCP's ``_Checkpointable`` protocol), so saving, loading and consolidation see the
   true global positions.
 * ZeRO-1/2 split the local rows of such a shard again over dp, and no placement describes
-  that chunk; :func:`gather_rows` gathers the dp rows so the optimizer state can be saved as
-  the tp shard (see :func:`lightning_para.checkpoint.slot_to_global`).
+  that chunk; :func:`lightning_para.checkpoint.optimizer.gather_rows` gathers the dp rows so the
+  optimizer state can be saved as the tp shard.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
-if TYPE_CHECKING:
-    from lightning_para.parallel.zero_layout import ParamSlot
-
-
-def gather_rows(slot: ParamSlot, local: Tensor) -> Tensor:
-    """All-gather the dp row shards (``torch.chunk`` layout) of ``slot`` into its whole local tensor."""
-    chunk = slot.chunk_rows * slot.row_numel
-    send = torch.zeros(chunk, dtype=local.dtype, device=local.device)
-    send[: local.numel()].copy_(local.reshape(-1))
-    out = torch.empty(slot.world * chunk, dtype=local.dtype, device=local.device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, send, group=slot.group)
-    return out[: slot.numel].view(slot.local.shape)  # padding only follows the last non-empty shard
-
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: see docs/architecture.md
+from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
 class StridedBoxes(Tensor):
     """A ``_StridedShard`` DTensor as DCP sees it: one box of the global tensor per block.
@@ -47,7 +33,7 @@ class StridedBoxes(Tensor):
 
     @staticmethod
     def __new__(cls, dtensor: DTensor) -> "StridedBoxes":
-        local = dtensor._local_tensor.detach()
+        local = dtensor.to_local().detach()
         self = Tensor._make_subclass(cls, local)
         self._global_size = dtensor.shape
         self._boxes = _strided_boxes(dtensor, local)
@@ -95,8 +81,6 @@ def _strided_boxes(dtensor: DTensor, local: Tensor) -> list[tuple[torch.Size, Te
     rows = dtensor.shape[0] // (blocks * ranks)
     # The other dims: their offsets as if dim 0 were replicated.
     others = [Replicate() if j == i else p for j, p in enumerate(placements)]
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, offsets = compute_local_shape_and_global_offset(dtensor.shape, mesh, others)
     return [
         (torch.Size([b * (dtensor.shape[0] // blocks) + coord * rows, *offsets[1:]]),
@@ -128,4 +112,4 @@ def for_dcp(value: Any) -> Any:
     return value
 
 
-__all__ = ["StridedBoxes", "for_dcp", "gather_rows"]
+__all__ = ["StridedBoxes", "for_dcp"]

@@ -22,12 +22,15 @@ the root after forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_para._dtensor import parameter_owners
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -36,18 +39,13 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _param_owners(root: nn.Module) -> dict[int, set[str]]:
-    """For each parameter (by id), the names of all modules that hold it directly."""
-    owners: dict[int, set[str]] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(name)
-    return owners
+def choose_units(root: nn.Module, expert_units: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """The submodules of ``root`` that get their own ``fully_shard`` (children before parents).
 
-
-def choose_units(root: nn.Module) -> list[nn.Module]:
-    """The submodules of ``root`` that get their own ``fully_shard`` (children before parents)."""
-    owners = _param_owners(root)
+    ``expert_units`` (expert stacks) come first: they shard over the expert-data-parallel mesh,
+    not over all of dp, so each must be a unit of its own, inside its block's unit.
+    """
+    owners = {pid: {fqn for fqn, _ in held} for pid, held in parameter_owners(root).items()}
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     units: list[nn.Module] = []
 
@@ -75,18 +73,8 @@ def choose_units(root: nn.Module) -> list[nn.Module]:
                 visit(child)
 
     visit(root)
-    # Expert stacks (params marked `_para_expert`) are units of their own, before their block:
-    # they shard over the expert-data-parallel mesh, not over all of dp.
-    experts = [
-        m for m in root.modules()
-        if m is not root and m not in units and _owns_only_experts(m)
-    ]
+    experts = [m for m in expert_units if m is not root and m not in units]
     return experts + units
-
-
-def _owns_only_experts(module: nn.Module) -> bool:
-    own = list(module.parameters(recurse=False))
-    return bool(own) and all(getattr(p, "_para_expert", False) for p in module.parameters())
 
 
 def _has_params_in_containers(module: nn.Module) -> bool:
@@ -100,42 +88,32 @@ def apply_fully_shard(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
-    unit_mesh: Optional[Callable[[nn.Module], DeviceMesh]] = None,
+    expert_units: Sequence[nn.Module] = (),
+    expert_mesh: Optional[DeviceMesh] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
 ) -> list[nn.Module]:
     """Shard ``root`` with FSDP2 over ``dp_mesh``; returns the units (root last).
 
     ``param_dtype`` is the compute dtype (bf16 under ``bf16-true``): FSDP2 keeps the sharded
     parameters in their own dtype (fp32, the master weights) and all-gathers in ``param_dtype``.
-    ``unit_mesh`` picks another mesh for some units (expert parallel shards experts over
-    ``edp`` only). ``shard_placement_fn`` picks the dim each parameter is sharded along
+    ``expert_units`` are sharded over ``expert_mesh`` instead (expert parallelism replicates
+    experts over ``edp`` only). ``shard_placement_fn`` picks the dim each parameter is sharded along
     (tensor parallel shards fused projections along dim 1; ``None`` means dim 0).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
-    units = choose_units(root)
-    experts = {name for name, p in root.named_parameters() if getattr(p, "_para_expert", False)}
+    units = choose_units(root, expert_units)
+    experts = {id(m) for m in expert_units}
     for unit in units:
-        mesh = unit_mesh(unit) if unit_mesh is not None else dp_mesh
+        mesh = expert_mesh if id(unit) in experts and expert_mesh is not None else dp_mesh
         fully_shard(
-            unit, mesh=mesh or dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+            unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
             shard_placement_fn=shard_placement_fn,
         )
     fully_shard(
         root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,
     )
-    for name, p in root.named_parameters():  # fully_shard made new Parameters: keep the expert mark
-        if name in experts:
-            p._para_expert = True  # type: ignore[attr-defined]
     return [*units, root]
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Runs this rank's pipeline stages for each Lightning step, and measures them.
 
 :class:`PipelineRunner` replaces ``training_step``/``validation_step``/``test_step``/
-``predict_step`` under ``pp > 1`` (``ParaStrategy._run_step`` routes to :meth:`PipelineRunner.run`):
+``predict_step`` under ``pp > 1`` (the strategy routes each step to :meth:`PipelineRunner.run`):
 
 * training: torch's schedule runs forward *and* backward over the m microbatches; the loss
   function it calls is the user's times ``scale / (m * A)`` (fp16 loss scale, accumulation),
@@ -18,17 +18,30 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_para.mesh import ParallelDims
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_para._dtensor import full_tensor
 from lightning_para.moe import aux_loss, moe_layers, set_aux_loss_grad_scale
-from lightning_para.parallel.pipeline_measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
-from lightning_para.parallel.pipeline_parallel import PipelineSpec, PipelineStageModule
-from lightning_para.parallel.pipeline_schedules import build_schedule, expected_bubble
+from lightning_para.parallel.pipeline.measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
+from lightning_para.parallel.pipeline.schedules import build_schedule, expected_bubble
+from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
+from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
+
+
+class GradientSync(Protocol):
+    """What the runner needs of data parallelism (``ZeroDataParallel``): skip sync, then sync once."""
+
+    sync_enabled: bool
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def sync_now(self) -> None: ...
 
 
 class PipelineRunner:
@@ -40,17 +53,18 @@ class PipelineRunner:
     MAX_CACHED_SHAPES = 4  # schedules are built per input shape (stage buffers are shape-specific)
 
     def __init__(
-        self, *, spec: PipelineSpec, dims: ParallelDims, schedule: str, microbatches: int, virtual_stages: int,
+        self, *, spec: PipelineSpec, pp_mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int,
         stage_modules: list[PipelineStageModule], placement: dict[int, int], layer_names: list[str],
         stage_of_layer: list[int], device: torch.device,
     ) -> None:
-        self.spec, self.dims, self.schedule = spec, dims, schedule
+        self.spec, self.schedule = spec, schedule
+        self.pp, self.pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         self.microbatches, self.virtual_stages = microbatches, virtual_stages
         self.stage_modules = stage_modules
         self.placement, self.layer_names, self.stage_of_layer = placement, layer_names, stage_of_layer
         self.device = device
-        self.num_stages = dims.pp * virtual_stages
-        self.group = dims.group("pp")
+        self.num_stages = self.pp * virtual_stages
+        self.group = pp_mesh.get_group()
         self.own_stages = [m.stage_index for m in stage_modules]
         self.has_first = 0 in self.own_stages
         self.has_last = self.num_stages - 1 in self.own_stages
@@ -64,29 +78,37 @@ class PipelineRunner:
         self._history: list[dict[str, Any]] = []
         self._raw_losses: list[Tensor] = []
         self._loss_factor = 1.0
+        self.loss_parallel = False  # set by `enable_loss_parallel` once tensor parallelism shards the head
+
+    def enable_loss_parallel(self) -> None:
+        """The last stage's logits are vocab-sharded DTensors (tensor parallelism): its loss runs loss-parallel."""
+        self.loss_parallel = True
 
     # ---------------------------------------------------------------- Lightning steps
-    def run(self, strategy: Any, step_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run one Lightning step (``training_step``, ``validation_step``, ...) through the pipeline."""
-        batch = args[0] if args else kwargs["batch"]
-        module = strategy.lightning_module
+    def run(
+        self, step_name: str, module: nn.Module, batch: Any, *, loss_scale: float = 1.0,
+        gradient_sync: Optional[GradientSync] = None,
+    ) -> Any:
+        """Run one Lightning step (``training_step``, ``validation_step``, ...) of ``module`` through the pipeline.
+
+        ``loss_scale`` is the fp16 loss scale the backward starts from (1 without loss scaling);
+        ``gradient_sync`` is data parallelism, kept from syncing until :meth:`finish_backward`.
+        """
         if step_name == "training_step":
-            return self._train_step(strategy, module, batch)
+            return self._train_step(module, batch, loss_scale, gradient_sync)
         if step_name in ("validation_step", "test_step"):
             return self._eval_step(module, batch, "val" if step_name == "validation_step" else "test")
         if step_name == "predict_step":
             return self._predict_step(batch)
         raise ValueError(f"The pipeline cannot run `{step_name}`.")
 
-    def _train_step(self, strategy: Any, module: Any, batch: Any) -> Tensor:
+    def _train_step(self, module: Any, batch: Any, loss_scale: float, gradient_sync: Optional[GradientSync]) -> Tensor:
         inputs, targets = self._split(batch)
         trainer = getattr(module, "_trainer", None)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        precision = strategy.precision_plugin
-        scale = precision.scale if precision.uses_loss_scaling else 1.0
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
-        self._loss_factor = scale / (self.microbatches * accumulate)
+        self._loss_factor = loss_scale / (self.microbatches * accumulate)
         for stage in self.stage_modules:  # MoE layers feed their aux-loss gradient in backward, scaled like the loss
             set_aux_loss_grad_scale(stage, self._loss_factor)
         self._raw_losses = []
@@ -95,10 +117,10 @@ class PipelineRunner:
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
-        zero = strategy._parallel.zero if strategy._parallel is not None else None
         meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
         # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
-        with zero.no_sync() if zero is not None else contextlib.nullcontext(), meter, self._step_contexts():
+        no_sync = gradient_sync.no_sync() if gradient_sync is not None else contextlib.nullcontext()
+        with no_sync, meter, self._step_contexts():
             self.recorder.start_step()
             schedule.step(
                 *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
@@ -119,7 +141,7 @@ class PipelineRunner:
             module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
         return loss
 
-    def finish_backward(self, zero: Any) -> None:
+    def finish_backward(self, gradient_sync: Optional[GradientSync] = None) -> None:
         """Called by ``ParaStrategy.backward``: add this step's gradients to ``.grad``, then sync over dp."""
         pending, self._pending_grads = self._pending_grads, None
         if pending is None:
@@ -131,8 +153,8 @@ class PipelineRunner:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        if zero is not None and zero.sync_enabled:
-            zero.sync_now()
+        if gradient_sync is not None and gradient_sync.sync_enabled:
+            gradient_sync.sync_now()
 
     def _eval_step(self, module: Any, batch: Any, prefix: str) -> Tensor:
         inputs, targets = self._split(batch)
@@ -151,7 +173,7 @@ class PipelineRunner:
     def _predict_step(self, batch: Any) -> Any:
         inputs, _ = self._split(batch)
         last = self._run_forward_only(inputs)
-        outputs = torch.cat([_plain(o) for o in last.output_chunks]) if last is not None else None
+        outputs = torch.cat([full_tensor(o) for o in last.output_chunks]) if last is not None else None
         box = [outputs]
         dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
         return box[0]
@@ -161,23 +183,15 @@ class PipelineRunner:
         self._eval_recorder.start_step()
         with self._step_contexts():
             schedule.step(*(inputs if self.has_first else ()), return_outputs=self.has_last)
-        return next((s for s in schedule._stages if s.is_last), None)
+        return next((s for s in schedule._stages if s.is_last), None)  # private: see docs/architecture.md
 
-    def _step_contexts(self) -> contextlib.ExitStack:
+    def _step_contexts(self) -> contextlib.AbstractContextManager[None]:
         """The tensor-parallel step context (loss parallel on vocab-sharded logits), entered once:
         its torch-function mode must not nest, and only the last stage computes a loss."""
-        stack = contextlib.ExitStack()
-        tensor_parallel = _tensor_parallel()
-        if tensor_parallel is not None:
-            stack.enter_context(tensor_parallel.step_context(self.stage_modules[-1]))
-        return stack
+        return loss_parallel_step(self.loss_parallel)
 
-    @staticmethod
-    def _backward_context(module: nn.Module) -> Callable[[], Any]:
-        tensor_parallel = _tensor_parallel()
-        if tensor_parallel is None:
-            return contextlib.nullcontext
-        return lambda: tensor_parallel.backward_context(module)
+    def _backward_context(self) -> Callable[[], Any]:
+        return lambda: loss_parallel_backward(self.loss_parallel)
 
     # ---------------------------------------------------------------- helpers
     def _split(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
@@ -201,7 +215,7 @@ class PipelineRunner:
         stages = [
             TimedPipelineStage(
                 m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder,
-                backward_context=self._backward_context(m),
+                backward_context=self._backward_context(),
             )
             for m in self.stage_modules
         ]
@@ -216,7 +230,7 @@ class PipelineRunner:
             return self.spec.loss_fn(outputs, targets) * self._loss_factor
         with self.recorder.action(self.num_stages - 1, len(self._raw_losses), "L"):
             loss = self.spec.loss_fn(outputs, targets)
-            self._raw_losses.append(_plain(loss.detach()))
+            self._raw_losses.append(full_tensor(loss.detach()))
             return loss * self._loss_factor
 
     def _trainable_params(self) -> list[nn.Parameter]:
@@ -230,7 +244,7 @@ class PipelineRunner:
     def _mean(self, losses: list[Tensor]) -> Tensor:
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return torch.stack([_plain(loss).float() for loss in losses]).mean()
+        return torch.stack([full_tensor(loss).float() for loss in losses]).mean()
 
     def _moe_aux_loss(self) -> Optional[Tensor]:
         """This rank's MoE aux-loss values (each layer's mean over the microbatches), if it has MoE layers:
@@ -282,13 +296,13 @@ class PipelineRunner:
         warm = history[1:] if len(history) > 1 else history
         result: dict[str, Any] = {
             "schedule": self.schedule,
-            "pp": self.dims.pp,
-            "pp_rank": self.dims.local_rank("pp"),
+            "pp": self.pp,
+            "pp_rank": self.pp_rank,
             "virtual_stages": self.virtual_stages,
             "microbatches": self.microbatches,
             "stages": list(self.own_stages),
             "stage_layers": {m.stage_index: list(m.layer_names) for m in self.stage_modules},
-            "expected_idle_fraction": expected_bubble(self.schedule, self.dims.pp, self.microbatches, self.virtual_stages),
+            "expected_idle_fraction": expected_bubble(self.schedule, self.pp, self.microbatches, self.virtual_stages),
             "steps": len(history),
             "mean_idle_fraction": sum(h["idle_fraction"] for h in warm) / len(warm) if warm else None,
         }
@@ -303,7 +317,7 @@ class PipelineRunner:
         Each rank's optimizer holds only its stages' parameters; a checkpoint's groups must name
         the whole model's so consolidation numbers all of them (collective over ``pp``).
         """
-        gathered: list[Any] = [None] * self.dims.pp
+        gathered: list[Any] = [None] * self.pp
         dist.all_gather_object(gathered, [list(g["params"]) for g in groups], group=self.group)
         by_length = sorted(enumerate(self.layer_names), key=lambda item: -len(item[1]))
 
@@ -333,24 +347,5 @@ class PipelineRunner:
             if key not in held and any(key.startswith(layer + ".") for layer in others):
                 del state[key]
 
-    def grad_copies(self, param: Tensor) -> int:
-        """On how many pipeline ranks a parameter's gradient lives: always one (tied weights across stages are rejected)."""
-        return 1
 
-
-def _tensor_parallel() -> Any:
-    try:
-        from lightning_para.parallel import tensor_parallel
-    except ImportError:  # a build without tensor parallelism
-        return None
-    return tensor_parallel
-
-
-def _plain(t: Tensor) -> Tensor:
-    """A full plain tensor (a DTensor loss or logits under tensor parallelism is gathered)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-__all__ = ["PipelineRunner"]
+__all__ = ["GradientSync", "PipelineRunner"]

@@ -1,0 +1,99 @@
+"""The one home of small tensor helpers every dimension needs.
+
+* the local view of a DTensor, and a full plain tensor from one;
+* plain values out of a Lightning step's output;
+* placements that shard (``Shard`` and torch's ``_StridedShard``);
+* which modules own each parameter (tied parameters), walked once;
+* ``divisors``, for error messages that list the valid degrees.
+
+Nothing here imports another module of the package, so every module may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
+
+
+def local_tensor(t: Tensor, *, allow_partial: bool = False) -> Tensor:
+    """This rank's values of a plain tensor or DTensor, sharing its storage.
+
+    For reading and writing a *reduced* gradient or a parameter's data in place: a ``Partial``
+    DTensor (a gradient not yet summed over its mesh) raises instead of silently giving one
+    rank's addend, unless ``allow_partial`` (e.g. to count the bytes it holds).
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if not allow_partial and any(p.is_partial() for p in t.placements):
+        raise RuntimeError(
+            "A gradient is still a Partial DTensor when it is read; it must be reduced over its mesh first."
+            f" Placements: {t.placements}."
+        )
+    with torch.no_grad():  # a view of the same storage, without an autograd node
+        return t.to_local()
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """A plain tensor with the global values (a DTensor is gathered; a plain tensor is returned as is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def plain_step_output(output: Any, gather: bool = False) -> Any:
+    """What a Lightning step returns, with DTensors made plain: scalar DTensors (a loss under
+    tensor parallelism) always, every DTensor when ``gather`` (``predict_step`` outputs)."""
+    if isinstance(output, DTensor):
+        return output.full_tensor() if gather or output.dim() == 0 else output
+    if isinstance(output, dict):
+        return {k: plain_step_output(v, gather) for k, v in output.items()}
+    if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
+        return type(output)(plain_step_output(v, gather) for v in output)
+    return output
+
+
+def is_sharded_placement(placement: Any) -> bool:
+    """``Shard`` or ``_StridedShard`` (whose ``is_shard()`` answers False)."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def is_strided(param: Tensor) -> bool:
+    """A DTensor with a ``_StridedShard`` placement (a fused q|k|v or gate|up projection under TP)."""
+    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
+
+
+def parameter_owners(root: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    """For each parameter (by ``id``), every ``(module name, attribute name)`` that holds it directly.
+
+    One walk with ``remove_duplicate=False``, so a module reachable under two names and a
+    parameter tied between two modules show up once per name.
+    """
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, module in root.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, name))
+    return owners
+
+
+def tied_parameter_groups(root: nn.Module) -> list[list[tuple[str, str]]]:
+    """``(module name, attribute name)`` of every parameter held by more than one module (tied weights)."""
+    return [group for group in parameter_owners(root).values() if len(group) > 1]
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (the valid degrees for a dimension of size ``n``)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+__all__ = [
+    "divisors",
+    "full_tensor",
+    "is_sharded_placement",
+    "is_strided",
+    "local_tensor",
+    "parameter_owners",
+    "plain_step_output",
+    "tied_parameter_groups",
+]

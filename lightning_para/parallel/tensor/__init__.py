@@ -1,0 +1,19 @@
+"""Tensor parallelism with sequence parallelism: plans (:mod:`.plan`), styles (:mod:`.styles`),
+validation (:mod:`.validate`), applying them (:mod:`.apply`), loss parallel (:mod:`.loss`) and
+checkpointing strided shards (:mod:`.checkpoint`)."""
+
+from lightning_para.parallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
+from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
+from lightning_para.parallel.tensor.plan import auto_plan, resolve_plan
+from lightning_para.parallel.tensor.validate import check_plan
+
+__all__ = [
+    "TensorParallelInfo",
+    "apply_tensor_parallel",
+    "auto_plan",
+    "check_plan",
+    "fsdp_shard_placement_fn",
+    "loss_parallel_backward",
+    "loss_parallel_step",
+    "resolve_plan",
+]

@@ -1,0 +1,216 @@
+"""The package's shape, checked statically (``ast``; nothing is imported or run).
+
+* No import cycles between modules of ``lightning_para``.
+* No import of the package placed inside a function just to dodge a cycle (a lazy import
+  that keeps an optional dependency optional is allowed where it says so in a comment).
+* No module assigns a ``_private`` attribute of an object it does not own (``self``/``cls``
+  are the owner; ``setattr(x, "_name", ...)`` and ``object.__setattr__`` count too).
+* No string-keyed ``extras`` bag on the typed record of ``parallelize()``.
+* ``parallel/`` has one subpackage per dimension, and a module that passes ~400 lines says why
+  in its docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lightning_para"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+DIMENSIONS = ("data", "tensor", "pipeline", "expert")
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(name: str, path: Path, tree: ast.AST, modules: dict[str, Path], top_level_only: bool) -> set[str]:
+    """Modules of the package that ``name`` imports (at module level, or anywhere)."""
+    is_package = path.name == "__init__.py"
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # module level includes `if TYPE_CHECKING:`-free if/try blocks
+        nodes = [n for stmt in tree.body for n in ast.walk(stmt) if not _is_type_checking_block(stmt)]
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_package, node)
+            if base.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {t for t in found if t in modules and t != name}
+
+
+def _is_type_checking_block(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
+
+
+def _function_nodes(tree: ast.AST) -> list[ast.AST]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Edges of module-level imports, plus the ancestor packages a target's import runs
+    (importing ``a.b.c`` executes ``a/b/__init__``) when the importer lives outside them.
+    The root package is left out: every module runs it, and it only re-exports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        edges: set[str] = set()
+        for target in _targets(name, path, tree, modules, top_level_only=True):
+            edges.add(target)
+            parts = target.split(".")
+            for i in range(2, len(parts)):
+                ancestor = ".".join(parts[:i])
+                if not name.startswith(ancestor + ".") and name != ancestor:
+                    edges.add(ancestor)
+        graph[name] = {e for e in edges if e != PACKAGE}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle as a list of modules (first == last), or ``[]``."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_find_cycle_detects_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+# A function-level import of the package is allowed only with a comment on the same line
+# saying why ("# optional: ..."), e.g. to keep an optional dependency optional.
+def test_no_function_level_imports_of_the_package():
+    offenders = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source)
+        for func in _function_nodes(tree):
+            for node in ast.walk(func):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    text = ast.unparse(node)
+                    is_ours = PACKAGE in text or (isinstance(node, ast.ImportFrom) and node.level > 0)
+                    if is_ours and "# optional:" not in lines[node.lineno - 1]:
+                        offenders.append(f"{name}:{node.lineno}: {text}")
+    assert not offenders, "imports inside functions:\n" + "\n".join(offenders)
+
+
+# Lightning's own protocol between a strategy and the LightningModule: `LightningModule.device_mesh`
+# reads `_device_mesh`, which every strategy that builds a mesh sets (as ModelParallelStrategy does).
+ALLOWED_PRIVATE_WRITES = {("lightning_para.strategy", "self.lightning_module._device_mesh")}
+
+
+def _private_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for t in ast.walk(target):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr.startswith("_")
+                    and not t.attr.startswith("__")
+                    and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+                ):
+                    found.append((node.lineno, ast.unparse(t)))
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func in ("setattr", "object.__setattr__") and len(node.args) >= 2:
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("_"):
+                    found.append((node.lineno, f"{func}(..., {key.value!r})"))
+                elif isinstance(key, ast.Name) and key.id.isupper():
+                    found.append((node.lineno, f"{func}(..., {key.id})"))
+    return found
+
+
+def test_no_writes_to_other_objects_private_state():
+    offenders = [
+        f"{name}:{line}: {what}"
+        for name, path in _modules().items()
+        for line, what in _private_writes(ast.parse(path.read_text()))
+        if (name, what) not in ALLOWED_PRIVATE_WRITES
+    ]
+    assert not offenders, "assignments to another object's private attribute:\n" + "\n".join(offenders)
+
+
+def test_private_write_check_sees_the_usual_forms():
+    tree = ast.parse("p._para_expert = True\nobject.__setattr__(m, '_x', 1)\nself._ok = 1\nsetattr(o, '_y', 2)\n")
+    assert [what for _, what in _private_writes(tree)] == ["p._para_expert", "object.__setattr__(..., '_x')", "setattr(..., '_y')"]
+
+
+def test_no_extras_dict_in_the_parallelize_record():
+    source = (ROOT / "parallelize.py").read_text()
+    assert "extras" not in source
+    tree = ast.parse(source)
+    record = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ParallelModel")
+    annotations = [ast.unparse(s.annotation) for s in record.body if isinstance(s, ast.AnnAssign)]
+    assert annotations and not any("Any" in a for a in annotations), annotations
+
+
+def test_one_subpackage_per_dimension():
+    parallel = ROOT / "parallel"
+    for dim in DIMENSIONS:
+        assert (parallel / dim / "__init__.py").is_file(), f"parallel/{dim}/ is missing"
+    loose = sorted(p.name for p in parallel.glob("*.py") if p.name != "__init__.py")
+    assert loose == ["activation_checkpoint.py"], f"loose modules in parallel/: {loose}"
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_long_modules_say_why(name):
+    path = _modules()[name]
+    source = path.read_text()
+    if len(source.splitlines()) <= MAX_LINES:
+        return
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    assert "Why this module is long" in doc, f"{name} has {len(source.splitlines())} lines and no reason in its docstring"
