@@ -8,6 +8,13 @@
 Self-contained: nothing here imports another ``lightning_para`` module.
 """
 
+from lightning_para.parallel.context.attention import (
+    CP_METHODS,
+    ContextParallelSDPA,
+    context_parallel_attention,
+    context_parallel_sdpa,
+)
+from lightning_para.parallel.context.ring import ring_attention
 from lightning_para.parallel.context.sharding import (
     chunk_ids_for_rank,
     natural_to_rank_order,
@@ -19,15 +26,24 @@ from lightning_para.parallel.context.sharding import (
     valid_cp_sizes,
     validate_cp_sequence_length,
 )
+from lightning_para.parallel.context.ulysses import all_to_all, ulysses_attention, validate_ulysses_heads
 
 __all__ = [
+    "CP_METHODS",
+    "ContextParallelSDPA",
+    "all_to_all",
     "chunk_ids_for_rank",
+    "context_parallel_attention",
+    "context_parallel_sdpa",
     "natural_to_rank_order",
     "position_ids_for_rank",
     "rank_order_positions",
     "rank_order_to_natural",
+    "ring_attention",
     "shard_sequence",
+    "ulysses_attention",
     "unshard_sequence",
     "valid_cp_sizes",
     "validate_cp_sequence_length",
+    "validate_ulysses_heads",
 ]
