@@ -164,6 +164,42 @@ def mode_parity_job(method: str) -> dict:
     return {"calls": mode.calls, "errors": errors}
 
 
+def llama_parity_job(method: str) -> dict:
+    """A tiny HF Llama (attn_implementation="sdpa", GQA, RoPE) run unchanged under the mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cp, cp_rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    ids, weight = torch.randint(0, 64, (2, 16)), torch.randn(2, 16, 64)
+
+    ref = model(ids, use_cache=False).logits
+    (ref * weight).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    # RoPE needs global positions: HF would otherwise number the local tokens 0..7 on every rank.
+    # Head-tail positions jump (0,1,2,3,12,...), which HF reads as packed sequences and answers
+    # with an explicit block mask unless a 2-D attention_mask is given: all ones, no padding,
+    # lets HF drop the mask and call SDPA with is_causal=True.
+    local_ids = shard_sequence(ids, cp_rank, cp)
+    positions = position_ids_for_rank(16, cp_rank, cp).expand(2, -1)
+    with ContextParallelSDPA(method=method) as mode:
+        logits = model(
+            local_ids, position_ids=positions, attention_mask=torch.ones_like(local_ids), use_cache=False
+        ).logits
+    (logits * shard_sequence(weight, cp_rank, cp)).sum().backward()
+    errors = {"logits": _rel(unshard_sequence(logits), ref)}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        errors[name] = _rel(p.grad, ref_grads[name])
+    return {"calls": mode.calls, "errors": errors}
+
+
 def bad_inputs_job() -> dict:
     """Each case must raise ValueError before any collective, identically on every rank."""
     cp = dist.get_world_size()
@@ -239,6 +275,14 @@ def test_cp2_ring_and_all_to_all_agree(pools, is_causal):
 def test_sdpa_mode_runs_an_unchanged_module(pools, method):
     results = pools.get(2).run(mode_parity_job, method)
     assert [r["calls"] for r in results] == [1, 1]
+    _check(results)
+
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_sdpa_mode_runs_hf_llama_unchanged(pools, method):
+    pytest.importorskip("transformers")
+    results = pools.get(2).run(llama_parity_job, method)
+    assert [r["calls"] for r in results] == [2, 2]  # one SDPA call per layer
     _check(results)
 
 

@@ -5,7 +5,9 @@ is a ``TorchFunctionMode`` that intercepts ``torch.nn.functional.scaled_dot_prod
 inside its ``with`` block, so a model that calls SDPA (the GPT recipe, the HF Llama family with
 ``attn_implementation="sdpa"``) runs context-parallel without code changes, provided its inputs
 are already sequence-sharded and its position ids are global
-(:func:`~lightning_para.parallel.context.sharding.position_ids_for_rank`).
+(:func:`~lightning_para.parallel.context.sharding.position_ids_for_rank`). HF models also need
+an all-ones 2-D ``attention_mask``: without one, transformers reads the jumps in head-tail
+position ids as packed sequences and passes SDPA an explicit mask, which this mode rejects.
 
 This module imports nothing from the rest of ``lightning_para``.
 """
