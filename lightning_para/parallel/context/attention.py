@@ -1,0 +1,154 @@
+"""One entry point for context-parallel attention, and a mode that routes SDPA calls through it.
+
+:func:`context_parallel_attention` picks ring attention or Ulysses. :class:`ContextParallelSDPA`
+is a ``TorchFunctionMode`` that intercepts ``torch.nn.functional.scaled_dot_product_attention``
+inside its ``with`` block, so a model that calls SDPA (the GPT recipe, the HF Llama family with
+``attn_implementation="sdpa"``) runs context-parallel without code changes, provided its inputs
+are already sequence-sharded and its position ids are global
+(:func:`~lightning_para.parallel.context.sharding.position_ids_for_rank`). HF models also need
+an all-ones 2-D ``attention_mask``: without one, transformers reads the jumps in head-tail
+position ids as packed sequences and passes SDPA an explicit mask, which this mode rejects.
+
+This module imports nothing from the rest of ``lightning_para``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lightning_para.parallel.context.ring import ring_attention
+from lightning_para.parallel.context.ulysses import ulysses_attention
+
+__all__ = ["CP_METHODS", "ContextParallelSDPA", "context_parallel_attention", "context_parallel_sdpa"]
+
+CP_METHODS: dict[str, Callable[..., torch.Tensor]] = {"ring": ring_attention, "all_to_all": ulysses_attention}
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+        )
+    ]
+    + [inspect.Parameter("enable_gqa", inspect.Parameter.KEYWORD_ONLY, default=False)]
+)
+
+SDPA_CONTRACT = (
+    "context-parallel attention replaces F.scaled_dot_product_attention only for self-attention with "
+    "attn_mask=None (use is_causal=True for causal masking), dropout_p=0.0, and 4-D "
+    "[batch, heads, local_seq, head_dim] query/key/value shards of equal length"
+)
+
+
+def _check_method(method: str) -> None:
+    if method not in CP_METHODS:
+        raise ValueError(
+            f"method={method!r} is not a context-parallel attention method; choose one of {sorted(CP_METHODS)}"
+        )
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    method: str = "ring",
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    load_balance: bool = True,
+) -> torch.Tensor:
+    """Attention over a sequence sharded across the cp ``group``; SDPA's layout and semantics.
+
+    Args:
+        q, k, v: local shards ``[batch, heads | kv_heads, local_seq, head_dim]``, sharded with
+            :func:`~lightning_para.parallel.context.sharding.shard_sequence` (``dim=2``).
+        group: the cp process group (``None``: the default group).
+        method: ``"ring"`` (K/V blocks around the ring: ``2(c-1)`` p2p receives forward) or
+            ``"all_to_all"`` (DeepSpeed-Ulysses: 4 all-to-alls forward; heads divisible by ``c``).
+        is_causal: causal mask over global positions.
+        scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
+        load_balance: the inputs use the head-tail layout (must match the sharding).
+
+    Returns:
+        This rank's output shard, equal to the matching rows of full-sequence SDPA.
+    """
+    _check_method(method)
+    return CP_METHODS[method](q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance)
+
+
+class ContextParallelSDPA(TorchFunctionMode):
+    """Route every ``F.scaled_dot_product_attention`` call inside the mode to context-parallel attention.
+
+    Example::
+
+        with ContextParallelSDPA(cp_group, method="ring"):
+            logits = model(shard_sequence(tokens, cp_rank, cp))  # model calls F.scaled_dot_product_attention
+
+    Calls outside :data:`SDPA_CONTRACT` (an explicit ``attn_mask``, dropout, non-4-D inputs)
+    raise ``ValueError`` rather than silently attending within the local shard only. Other
+    torch functions pass through untouched. The backward pass needs no mode: the attention
+    functions carry their own autograd.
+    """
+
+    def __init__(
+        self, group: Optional[dist.ProcessGroup] = None, *, method: str = "ring", load_balance: bool = True
+    ) -> None:
+        super().__init__()
+        _check_method(method)
+        self.group = group
+        self.method = method
+        self.load_balance = load_balance
+        self.calls = 0  # SDPA calls routed, e.g. to check that a model's attention was reached
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        try:
+            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+        except TypeError as err:
+            raise ValueError(f"{SDPA_CONTRACT}; could not read the call's arguments: {err}") from err
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["attn_mask"] is not None:
+            raise ValueError(f"{SDPA_CONTRACT}; got an explicit attn_mask of shape {tuple(a['attn_mask'].shape)}")
+        if a["dropout_p"] != 0.0:
+            raise ValueError(f"{SDPA_CONTRACT}; got dropout_p={a['dropout_p']} (set the attention dropout to 0)")
+        q, k, v = a["query"], a["key"], a["value"]
+        if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not a["enable_gqa"]:
+            raise ValueError(
+                f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for grouped-query "
+                f"attention (as F.scaled_dot_product_attention requires)"
+            )
+        self.calls += 1
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            group=self.group,
+            method=self.method,
+            is_causal=a["is_causal"],
+            scale=a["scale"],
+            load_balance=self.load_balance,
+        )
+
+
+def context_parallel_sdpa(
+    group: Optional[dist.ProcessGroup] = None, *, method: str = "ring", load_balance: bool = True
+) -> ContextParallelSDPA:
+    """The :class:`ContextParallelSDPA` mode, to use as ``with context_parallel_sdpa(group): ...``."""
+    return ContextParallelSDPA(group, method=method, load_balance=load_balance)

@@ -1,0 +1,252 @@
+"""Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers").
+
+Each of the ``c`` cp ranks keeps its query shard and passes key/value blocks peer-to-peer
+around the ring: at step ``i`` rank ``r`` holds the K/V of rank ``(r - i) mod c``. Partial
+results are merged with the online softmax (Milakov & Gimelshein 2018): keep each query row's
+log-sum-exp ``lse`` and rescale when a new block arrives, so the result equals softmax over the
+whole sequence without ever materialising it.
+
+Causal masking uses global positions. A rank's tokens are whole chunks of the sequence
+(:mod:`.sharding`); for every (query chunk, key chunk) pair the mask is all-visible, all-masked
+(skipped: no compute) or the diagonal ``q_pos >= k_pos``. With the load-balanced layout every
+rank therefore computes the same number of pairs.
+
+Communication per call, ``c`` = cp group size, counted in point-to-point receives per rank:
+
+* forward: ``2(c - 1)`` block exchanges, ``c - 1`` for K and ``c - 1`` for V;
+* backward: the same ``2(c - 1)`` K/V exchanges (blocks are recomputed from the saved q, k, v
+  and ``lse``, FlashAttention-2 style, Dao 2023) plus ``2c`` dK/dV accumulator hops: each
+  block's gradient accumulator travels with it and takes one last hop home. Accumulators
+  travel in fp32.
+
+This module imports nothing from the rest of ``lightning_para``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_para.parallel.context._checks import check_qkv, cp_rank_and_size, default_scale
+from lightning_para.parallel.context.sharding import chunk_ids_for_rank
+
+__all__ = ["ring_attention"]
+
+# Distinct tags keep K, V, dK and dV messages between the same two peers apart (for c = 2 the
+# next and previous rank coincide, and a backward step has K/V and dK/dV exchanges in flight).
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4
+
+_FULL, _DIAGONAL, _SKIP = "full", "diagonal", "skip"
+
+
+class _Ring:
+    """The cp group's ring: this rank, its neighbours (as group ranks) and the chunk layout."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], local_len: int, load_balance: bool) -> None:
+        self.group = group
+        self.rank, self.size = cp_rank_and_size(group)
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
+        self.load_balance = load_balance
+        self.chunk_len = local_len // (2 if load_balance else 1)
+
+    def chunks(self, cp_rank: int) -> tuple[int, ...]:
+        return chunk_ids_for_rank(cp_rank, self.size, self.load_balance)
+
+    def exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], tags: list[int]) -> list[Any]:
+        """Send ``sends`` to the next rank and receive ``recvs`` from the previous one, asynchronously."""
+        # group_peer: neighbours are ranks *in the cp group*, which differ from global ranks in a sub-mesh.
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag) for t, tag in zip(sends, tags)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t, tag in zip(recvs, tags)
+        ]
+        return dist.batch_isend_irecv(ops)
+
+
+def _pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
+    """How the causal mask covers a (query chunk, key chunk) pair of equal-length chunks."""
+    if not is_causal or k_chunk < q_chunk:
+        return _FULL  # every key precedes every query
+    return _DIAGONAL if k_chunk == q_chunk else _SKIP  # later keys are all masked
+
+
+def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """Scaled scores ``[b, hkv, g, sq, sk]`` of grouped queries ``q5`` against ``k`` ``[b, hkv, sk, d]``."""
+    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if kind == _DIAGONAL:  # same chunk: query i sees keys j <= i (global positions differ by a constant)
+        n = s.shape[-1]
+        visible = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _merge(
+    acc: Optional[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two normalised partial results (Milakov & Gimelshein 2018).
+
+    ``lse = log(exp(lse_a) + exp(lse_b))`` and ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+    """
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new_lse = torch.logaddexp(acc_lse, lse)
+    merged = acc_out * torch.exp(acc_lse - new_lse).unsqueeze(-1) + out * torch.exp(lse - new_lse).unsqueeze(-1)
+    return merged, new_lse
+
+
+def _split(x: torch.Tensor, ring: _Ring, dim: int) -> list[torch.Tensor]:
+    return list(x.split(ring.chunk_len, dim=dim))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: Optional[dist.ProcessGroup],
+        is_causal: bool,
+        scale: float,
+        load_balance: bool,
+    ) -> torch.Tensor:
+        b, hq, n, d = q.shape
+        hkv = k.shape[1]
+        ring = _Ring(group, n, load_balance)
+        # Grouped-query attention without copying K/V: query head i uses kv head i // g, the
+        # repeat_interleave convention of SDPA's enable_gqa.
+        q5 = q.float().reshape(b, hkv, hq // hkv, n, d)
+        q_chunks = _split(q5, ring, dim=3)
+        acc: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * len(q_chunks)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        for step in range(ring.size):
+            pending = []
+            if step + 1 < ring.size:  # start the next hop before computing on this block
+                k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+                pending = ring.exchange([k_cur, v_cur], [k_next, v_next], [_TAG_K, _TAG_V])
+            source = (ring.rank - step) % ring.size
+            k_chunks, v_chunks = _split(k_cur.float(), ring, 2), _split(v_cur.float(), ring, 2)
+            for qi, q_chunk in enumerate(ring.chunks(ring.rank)):
+                for ki, k_chunk in enumerate(ring.chunks(source)):
+                    kind = _pair_kind(q_chunk, k_chunk, is_causal)
+                    if kind == _SKIP:
+                        continue
+                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind)
+                    lse = torch.logsumexp(s, dim=-1)
+                    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v_chunks[ki].unsqueeze(2))
+                    acc[qi] = _merge(acc[qi], out, lse)
+            for work in pending:
+                work.wait()
+            if pending:
+                k_cur, v_cur = k_next, v_next
+        # Every query chunk met its own diagonal at step 0, so no accumulator is empty.
+        out5 = torch.cat([a[0] for a in acc], dim=3)  # type: ignore[index]
+        lse = torch.cat([a[1] for a in acc], dim=3)  # type: ignore[index]
+        out = out5.reshape(b, hq, n, d).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.is_causal, ctx.scale = ring, is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: _Ring = ctx.ring
+        scale: float = ctx.scale
+        b, hq, n, d = q.shape
+        hkv = k.shape[1]
+        shape5 = (b, hkv, hq // hkv, n, d)
+        q5 = q.float().reshape(shape5)
+        dout5 = grad_out.float().reshape(shape5)
+        # FlashAttention-2's D = rowsum(dO * O): the softmax Jacobian term (Dao 2023, Alg. 2).
+        delta = (dout5 * out.float().reshape(shape5)).sum(-1)
+        q_chunks, dout_chunks = _split(q5, ring, 3), _split(dout5, ring, 3)
+        lse_chunks, delta_chunks = _split(lse, ring, 3), _split(delta, ring, 3)
+        dq_chunks = [torch.zeros_like(c) for c in q_chunks]
+
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        grad_pending: list[Any] = []
+        dk_in = dv_in = None
+        for step in range(ring.size):
+            kv_pending = []
+            if step + 1 < ring.size:
+                k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+                kv_pending = ring.exchange([k_cur, v_cur], [k_next, v_next], [_TAG_K, _TAG_V])
+            source = (ring.rank - step) % ring.size
+            k_chunks, v_chunks = _split(k_cur.float(), ring, 2), _split(v_cur.float(), ring, 2)
+            dk_block = torch.zeros(b, hkv, n, d, dtype=torch.float32, device=q.device)
+            dv_block = torch.zeros_like(dk_block)
+            dk_chunks, dv_chunks = _split(dk_block, ring, 2), _split(dv_block, ring, 2)
+            for qi, q_chunk in enumerate(ring.chunks(ring.rank)):
+                for ki, k_chunk in enumerate(ring.chunks(source)):
+                    kind = _pair_kind(q_chunk, k_chunk, ctx.is_causal)
+                    if kind == _SKIP:
+                        continue
+                    # Recompute P from the saved global lse; masked entries give exp(-inf) = 0.
+                    p = torch.exp(_scores(q_chunks[qi], k_chunks[ki], scale, kind) - lse_chunks[qi].unsqueeze(-1))
+                    dv_chunks[ki].add_(torch.matmul(p.transpose(-1, -2), dout_chunks[qi]).sum(2))
+                    dp = torch.matmul(dout_chunks[qi], v_chunks[ki].unsqueeze(2).transpose(-1, -2))
+                    ds = p * (dp - delta_chunks[qi].unsqueeze(-1))
+                    dq_chunks[qi].add_(torch.matmul(ds, k_chunks[ki].unsqueeze(2)), alpha=scale)
+                    dk_chunks[ki].add_(torch.matmul(ds.transpose(-1, -2), q_chunks[qi]).sum(2), alpha=scale)
+            # The accumulator of block `source` arrived from the previous rank (which held the
+            # block one step earlier); add this rank's share and pass it on. After step c - 1
+            # the hop lands on the block's owner.
+            for work in grad_pending:
+                work.wait()
+            if dk_in is not None:
+                dk_block.add_(dk_in)
+                dv_block.add_(dv_in)
+            if ring.size == 1:  # no ring: the block's gradient is already home
+                dk_in, dv_in = dk_block, dv_block
+                break
+            dk_in, dv_in = torch.empty_like(dk_block), torch.empty_like(dv_block)
+            grad_pending = ring.exchange([dk_block, dv_block], [dk_in, dv_in], [_TAG_DK, _TAG_DV])
+            for work in kv_pending:
+                work.wait()
+            if kv_pending:
+                k_cur, v_cur = k_next, v_next
+        for work in grad_pending:
+            work.wait()
+        dq = torch.cat(dq_chunks, dim=3).reshape(q.shape).to(q.dtype)
+        return dq, dk_in.to(k.dtype), dv_in.to(v.dtype), None, None, None, None  # type: ignore[union-attr]
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    load_balance: bool = True,
+) -> torch.Tensor:
+    """Context-parallel attention by passing K/V blocks around the cp ring.
+
+    Args:
+        q: local query shard ``[batch, heads, local_seq, head_dim]`` (SDPA's layout).
+        k, v: local key/value shards ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads``
+            must divide ``heads`` (grouped-query attention, SDPA's ``enable_gqa`` convention).
+        group: the cp process group (``None``: the default group).
+        is_causal: causal mask over *global* positions.
+        scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)`` as in SDPA.
+        load_balance: whether the shards follow the head-tail layout of
+            :func:`~lightning_para.parallel.context.sharding.shard_sequence` (``True``) or are
+            contiguous slices (``False``). It must match how the inputs were sharded.
+
+    Returns:
+        This rank's shard of the attention output, ``[batch, heads, local_seq, head_dim]``,
+        equal to the matching rows of full-sequence SDPA.
+
+    Communication: ``2(c - 1)`` point-to-point K/V receives forward (``c - 1`` K, ``c - 1`` V);
+    backward ``2(c - 1)`` K/V plus ``2c`` dK/dV receives; none when ``c = 1``. Computation is in
+    fp32 whatever the input dtype; the output has the input dtype.
+    """
+    _, cp = cp_rank_and_size(group)
+    check_qkv(q, k, v, cp, load_balance)
+    return _RingAttention.apply(q, k, v, group, bool(is_causal), default_scale(q, scale), bool(load_balance))
