@@ -11,9 +11,21 @@ A pure-Python cost model (no process group, no GPU)::
 Formulas and their sources: ``docs/planner.md`` and each module's docstring.
 """
 
-from lightning_para.plan.cluster import GPU_SPECS, OPTIMIZERS, PRECISIONS, Cluster, Training
+from lightning_para.plan.cluster import (
+    GPU_SPECS,
+    OPTIMIZERS,
+    PRECISIONS,
+    Cluster,
+    Training,
+)
 from lightning_para.plan.comm import Collective
-from lightning_para.plan.cost import Estimate, MemoryBreakdown, RankEstimate, estimate, layout_problems
+from lightning_para.plan.cost import (
+    Estimate,
+    MemoryBreakdown,
+    RankEstimate,
+    estimate,
+    layout_problems,
+)
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.memory import layer_activation_bytes, zero_state_bytes

@@ -58,10 +58,10 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 # Per-GPU figures: dense bf16 peak FLOP/s, and one direction of NVLink (intra) and of the
 # GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
 GPU_SPECS: dict[str, dict[str, float]] = {
-    "h100": dict(memory_bytes=80e9, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
-    "h800": dict(memory_bytes=80e9, peak_flops=989e12, intra_node_bw=200e9, inter_node_bw=50e9),
-    "a100-80gb": dict(memory_bytes=80e9, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9),
-    "a100-40gb": dict(memory_bytes=40e9, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9),
+    "h100": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9},
+    "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
+    "a100-40gb": {"memory_bytes": 40e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
 }
 
 

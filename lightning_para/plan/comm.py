@@ -40,7 +40,8 @@ from lightning_para.plan.layout import Layout
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}  # others: n - 1
-_VOLUME = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0, "send_recv": 1.0}
+# A send_recv call is one exchange: a tensor sent to one neighbour and one received from another.
+_VOLUME = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0, "send_recv": 2.0}
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Collective:
         dim: mesh dimension (``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``edp``, ``dp_replicate``).
         op: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all`` or ``send_recv``.
         what: what is sent (e.g. "gradients", "layer activations").
-        payload: bytes of the full tensor of one call.
+        payload: bytes of the full tensor of one call (for ``send_recv``: of the one tensor sent,
+            the same size as the one received).
         calls: calls per optimizer step.
         group_size: ranks in the group.
         crosses_nodes: the group spans more than one node.
@@ -78,7 +80,7 @@ class Collective:
     def wire_bytes(self) -> float:
         """Bytes this rank puts on the wire per step: ``(n-1)/n`` of :attr:`bytes` for rings."""
         if self.op == "send_recv":
-            return self.bytes / 2  # half of send + receive is sent
+            return self.bytes / 2  # the sent half of send + receive
         return self.bytes * (self.group_size - 1) / self.group_size
 
     def exposed(self, seconds: float) -> "Collective":

@@ -173,12 +173,12 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
                 stacklevel=2,
             )
             every = min(every, indices[0] + 1)
-        moe_kwargs = dict(
-            num_experts=num_experts, top_k=top_k,
-            moe_ffn=moe_ffn or _int_attr(moe_search, MOE_FFN),
-            shared_expert_ffn=(_mlp_shape(shared, hidden, None)[0] or 0) if shared is not None else 0,
-            moe_every=every, first_k_dense=indices[0] - (every - 1),
-        )
+        moe_kwargs = {
+            "num_experts": num_experts, "top_k": top_k,
+            "moe_ffn": moe_ffn or _int_attr(moe_search, MOE_FFN),
+            "shared_expert_ffn": (_mlp_shape(shared, hidden, None)[0] or 0) if shared is not None else 0,
+            "moe_every": every, "first_k_dense": indices[0] - (every - 1),
+        }
         capacity = getattr(moe, "capacity_factor", None)
         if isinstance(capacity, (int, float)) and not isinstance(capacity, bool):
             moe_kwargs["capacity_factor"] = float(capacity)

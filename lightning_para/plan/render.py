@@ -78,9 +78,13 @@ def strategy_yaml(choice: Estimate) -> str:
     m = choice.memory
     lines = [
         f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} GPUs: {layout.label()}",
-        f"# predicted per GPU: {m.total / GB:.1f} GB of {choice.cluster.usable_memory / GB:.1f} GB;"
-        f" bubble {choice.bubble:.1%}; step {choice.step_seconds:.3g} s; MFU {choice.mfu:.1%}",
+        (
+            f"# predicted per GPU: {m.total / GB:.1f} GB of {choice.cluster.usable_memory / GB:.1f} GB;"
+            f" bubble {choice.bubble:.1%}; step {choice.step_seconds:.3g} s; MFU {choice.mfu:.1%}"
+        ),
     ]
+    per_batch = choice.training.micro_batch * choice.microbatches
+    lines.append(f"# batch per data-parallel rank and forward: {per_batch} x {choice.training.seq_len} tokens")
     counts = [r.layers for r in choice.ranks]
     if pipelined and len(set(counts)) > 1:
         lines.append(f"# layers per pipeline rank: {counts}")

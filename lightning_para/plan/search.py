@@ -194,7 +194,7 @@ def search(
                         for zero in space.zero:
                             if dp_replicate > 1 and zero == 0:
                                 continue
-                            degrees = dict(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, dp_replicate=dp_replicate, zero=zero)
+                            degrees = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "dp_replicate": dp_replicate, "zero": zero}
                             _price(model, cluster, training, space, degrees, result)
     result.fits.sort(key=lambda e: (e.step_seconds, e.layout.zero, e.memory.total))
     result.rejected.sort(key=lambda r: (r.estimate is None, -(r.estimate.headroom_bytes if r.estimate else 0)))

@@ -187,7 +187,15 @@ def test_communication_bytes_per_dimension():
     sbh_bytes = 1024 * 1 * model.hidden * 2
     # 4 per layer, plus the vocab-parallel embedding and the output head; all-reduce counts twice.
     assert tp.comm_bytes()["tp"] == pytest.approx((4 * model.layers + 2) * 2 * sbh_bytes)
-    assert tp.crosses_nodes() == {"tp": False, "dp": False, "edp": False}
+    assert tp.crosses_nodes() == {"tp": False, "dp": False}
+    # 1F1B on 4 stages: a middle rank sends one activation and one gradient per microbatch and
+    # receives as many; the comm tracer counts both directions.
+    piped = estimate(model, cluster, Training(seq_len=1024, global_batch=16, precision="bf16-true"),
+                     Layout(dp=2, pp=4, schedule="1f1b"))
+    middle = piped.ranks[1]
+    pp_bytes = sum(c.bytes for c in middle.collectives if c.dim == "pp")
+    assert pp_bytes == pytest.approx(8 * 4 * sbh_bytes)  # 8 microbatches x 4 tensors
+    assert piped.crosses_nodes() == {"pp": False, "dp": False}
 
 
 def test_expert_all_to_all_bytes():
@@ -329,13 +337,13 @@ class NanoGPT(nn.Module):
     def __init__(self, config: NanoConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([NanoBlock(config) for _ in range(config.n_layer)]),
-            ln_f=NanoLayerNorm(config.n_embd, config.bias),
-        ))
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "drop": nn.Dropout(config.dropout),
+            "h": nn.ModuleList([NanoBlock(config) for _ in range(config.n_layer)]),
+            "ln_f": NanoLayerNorm(config.n_embd, config.bias),
+        })
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
