@@ -65,21 +65,35 @@ class RankEstimate:
     dp_exposed_seconds: float  # per step
 
 
+def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
+    """Layer ``index``'s parameters as ``(tensor parallel, replicated over tp, routed experts)``.
+
+    Attention and the dense MLP are tensor parallel (Megatron-LM); norms are not, and neither is
+    an MoE block (router, shared experts, experts): lightning-para's experts are whole per rank.
+    """
+    parallel = model.attention_block_params()
+    replicated = 2 * model.norm_params()
+    if not model.is_moe_layer(index):
+        return parallel + model.mlp_params(model.ffn), replicated, 0.0
+    moe_dense = model.layer_dense_params(index) - parallel - replicated  # router and shared experts
+    return parallel, replicated + moe_dense, model.routed_expert_params_per_layer()
+
+
 def _rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float, float]:
     """``(dense, expert, largest layer)`` parameters on one rank of this pipeline rank's stage."""
-    tp, norm = layout.tp, model.norm_params()
-    dense = sum((model.layer_dense_params(i) - 2 * norm) / tp + 2 * norm for i in part.layers)
-    expert = sum(model.routed_expert_params_per_layer() / layout.ep for i in part.layers if model.is_moe_layer(i))
-    largest = max(
-        ((model.layer_dense_params(i) / tp + (model.routed_expert_params_per_layer() / layout.ep
-          if model.is_moe_layer(i) else 0)) for i in part.layers), default=0.0,
-    )
+    tp, ep = layout.tp, layout.ep
+    dense = expert = largest = 0.0
+    for i in part.layers:
+        parallel, replicated, routed = _layer_parts(model, i)
+        dense += parallel / tp + replicated
+        expert += routed / ep
+        largest = max(largest, parallel / tp + replicated + routed / ep)
     if part.embedding:
         dense += model.embedding_params() / tp
     if part.head:
         # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
         own_matrix = not model.tied_embeddings or not part.embedding
-        dense += norm + (model.vocab * model.hidden / tp if own_matrix else 0)
+        dense += model.norm_params() + (model.vocab * model.hidden / tp if own_matrix else 0)
     return dense, expert, largest
 
 
@@ -138,10 +152,14 @@ def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: R
     scores = 12.0 * model.q_dim * training.seq_len * tokens * len(part.layers) / tp
     flops = scores
     for i in part.layers:
-        flops += 6.0 * model.layer_dense_params(i) * tokens / tp
+        parallel, replicated, _ = _layer_parts(model, i)
+        flops += 6.0 * parallel * tokens / tp
         if model.is_moe_layer(i):
+            # Without SP every tp rank routes all of its tokens through its (whole) experts.
             active = model.top_k * model.mlp_params(model.moe_ffn) * (model.capacity_factor or 1.0)  # type: ignore[arg-type]
-            flops += 6.0 * active * tokens / expert_tp
+            flops += 6.0 * (active + replicated) * tokens / expert_tp
+        else:
+            flops += 6.0 * replicated * tokens / tp  # norms: negligible, counted as in 6N
     if layout.recompute == "full":
         flops *= 4.0 / 3.0
     elif layout.recompute == "selective" and not training.flash_attention:
@@ -250,6 +268,8 @@ def _dp_collectives(
 def price_rank(
     model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int
 ) -> RankEstimate:
+    """Memory, compute and communication of one pipeline rank ``part`` for one optimizer step of
+    ``per_step`` microbatches (overlap rules in :mod:`lightning_para.plan.cost`)."""
     flops, score_flops = _compute_flops(model, training, layout, part)
     speed = cluster.peak_flops * cluster.efficiency
     compute = flops / speed
