@@ -140,7 +140,10 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     lay, problems = layout, []
     if lay.world_size != cluster.world_size:
         problems.append(f"layout uses {lay.world_size} GPUs, the cluster has {cluster.world_size}")
-    for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn)):
+    checks = [("heads", model.heads), ("kv_heads", model.kv_heads)]
+    if model.num_moe_layers < model.layers:  # the dense MLP is tensor parallel; experts are not
+        checks.append(("ffn", model.ffn))
+    for name, value in checks:
         if value % lay.tp:
             problems.append(f"{name} {value} not divisible by tp={lay.tp}")
     if lay.dp_shard % lay.ep:  # type: ignore[operator]

@@ -39,7 +39,8 @@ class Layout:
         sequence_parallel: Megatron sequence parallelism with ``tp`` (Korthikanti et al. 2022).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"`` or ``"zbv"``.
         microbatches: microbatches per pipeline flush (``None``: all microbatches of the step
-            in one flush; otherwise the rest is gradient accumulation).
+            in one flush; otherwise the rest is gradient accumulation). Ignored without a
+            pipeline, where each microbatch is one accumulation step.
         virtual_stages: model chunks per pipeline rank.
         recompute: activation recomputation, ``None``, ``"selective"`` or ``"full"``.
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full

@@ -358,6 +358,67 @@ def test_describe_module_nanogpt_on_meta_device():
     assert desc.total_params() == sum(p.numel() for p in module.parameters())
 
 
+class TinyExperts(nn.Module):
+    """Stacked expert weights ``[E, ., .]`` (as lightning-para's and torchtitan's grouped experts)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+
+class TinyGatedMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = TinyExperts(dim, 24, num_experts)
+        self.shared_expert = TinyGatedMLP(dim, 40)
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, moe: bool) -> None:
+        super().__init__()
+        head_dim = dim // heads
+        self.n_head = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q_proj, self.o_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.mlp = TinyMoE(dim, num_experts=8, top_k=2) if moe else TinyGatedMLP(dim, 88)
+
+
+class TinyMoEModel(nn.Module):
+    """MoE in every other block (GShard's pattern), GQA found from the key projection's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.blocks = nn.ModuleList(TinyBlock(32, 4, 2, moe=i % 2 == 1) for i in range(4))
+        self.norm = nn.RMSNorm(32)
+        self.head = nn.Linear(32, 100, bias=False)
+
+
+def test_describe_module_moe_every_other_layer():
+    with torch.device("meta"):
+        module = TinyMoEModel()
+    desc = describe_module(module)
+    assert (desc.layers, desc.heads, desc.kv_heads, desc.ffn, desc.gated_mlp) == (4, 4, 2, 88, True)
+    assert (desc.num_experts, desc.top_k, desc.moe_ffn, desc.shared_expert_ffn) == (8, 2, 24, 40)
+    assert (desc.moe_every, desc.first_k_dense, desc.num_moe_layers) == (2, 0, 2)
+    assert [desc.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert desc.total_params() == sum(p.numel() for p in module.parameters())
+
+
 def test_describe_module_transformers_llama_and_mixtral_on_meta_device():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
