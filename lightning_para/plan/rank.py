@@ -111,7 +111,7 @@ def _memory(
             params, zero=layout.zero, shards=n, weight_bytes=precision.weight, grad_bytes=precision.grad,
             optimizer_bytes=k_bytes, full_grads=full_grads,
         )
-        states = [a + b for a, b in zip(states, parts)]
+        states = [a + b for a, b in zip(states, parts, strict=True)]
     buffers = 0.0
     if layout.zero == 3:
         # Gathered 16-bit weights: all of them while "no_sync" keeps them, else the current and

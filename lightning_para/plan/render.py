@@ -15,8 +15,8 @@ _COMM_DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
 
 
 def _grid(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *rows]]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
