@@ -1,0 +1,182 @@
+"""``Cluster`` (the machines) and ``Training`` (the run): the planner's two other inputs.
+
+Bytes per parameter by precision (what lightning-para's ``ParaPrecision`` keeps; the ZeRO
+paper's mixed-precision Adam, Rajbhandari et al. 2020 Sec. 3.1, is ``bf16-true``):
+
+============  =======  =====  ==========  ===========  =========================================
+precision     weights  grads  fp32 master  activations  note
+============  =======  =====  ==========  ===========  =========================================
+32-true       4        4      0            4            the weights are the fp32 master
+bf16-mixed    4        4      0            2            fp32 weights, bf16 autocast compute
+16-mixed      4        4      0            2            as bf16-mixed, with loss scaling
+bf16-true     2        2      4            2            ZeRO's K = 12 with Adam: 4 + 8
+============  =======  =====  ==========  ===========  =========================================
+
+Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
+OPTIMIZERS = ("adam", "sgd")
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each tensor kind under one precision."""
+
+    weight: int
+    grad: int
+    master: int
+    activation: int
+    autocast: bool  # weights are cast to 16 bits on the fly (bf16-mixed, 16-mixed)
+
+
+_PRECISION_BYTES = {
+    "32-true": PrecisionBytes(4, 4, 0, 4, False),
+    "bf16-mixed": PrecisionBytes(4, 4, 0, 2, True),
+    "16-mixed": PrecisionBytes(4, 4, 0, 2, True),
+    "bf16-true": PrecisionBytes(2, 2, 4, 2, False),
+}
+
+
+def _choices(values: Any) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _check_positive(name: str, value: Any, integer: bool = False) -> None:
+    bad_type = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+    if bad_type or not value > 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"`{name}={value!r}` must be {kind}.")
+
+
+# Per-GPU figures: dense bf16 peak FLOP/s, and one direction of NVLink (intra) and of the
+# GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
+GPU_SPECS: dict[str, dict[str, float]] = {
+    "h100": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9},
+    "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
+    "a100-40gb": {"memory_bytes": 40e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines.
+
+    Args:
+        nodes, gpus_per_node: the world is ``nodes * gpus_per_node`` GPUs.
+        memory_bytes: memory of one GPU (the planner's limit, less ``reserved_bytes``).
+        peak_flops: dense 16-bit peak FLOP/s of one GPU.
+        intra_node_bw, inter_node_bw: bytes/s one GPU sends in one direction inside a node
+            (NVLink) and to other nodes (its network adapter).
+        efficiency: the fraction of ``peak_flops`` the model's matmuls reach (an assumption:
+            calibrate it with one measured step).
+        intra_node_latency, inter_node_latency: seconds per message hop (alpha of the
+            alpha-beta model, Hockney 1994), paid ``n - 1`` times by ring collectives.
+        reserved_bytes: memory the framework keeps per GPU (CUDA context, allocator slack).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float
+    intra_node_bw: float
+    inter_node_bw: float
+    efficiency: float = 0.5
+    intra_node_latency: float = 2e-6
+    inter_node_latency: float = 8e-6
+    reserved_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("nodes", self.nodes, integer=True)
+        _check_positive("gpus_per_node", self.gpus_per_node, integer=True)
+        for name in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw"):
+            _check_positive(name, getattr(self, name))
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
+        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}={value!r}` must be a number >= 0.")
+        if self.reserved_bytes >= self.memory_bytes:
+            raise ValueError(f"`reserved_bytes={self.reserved_bytes}` leaves no memory of {self.memory_bytes}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        """What a rank may fill: ``memory_bytes - reserved_bytes``."""
+        return self.memory_bytes - self.reserved_bytes
+
+    @classmethod
+    def of(cls, gpu: str, nodes: int, gpus_per_node: int = 8, **overrides: Any) -> "Cluster":
+        """A cluster of a known GPU (see :data:`GPU_SPECS`); any field can be overridden."""
+        if gpu not in GPU_SPECS:
+            raise ValueError(f"`gpu={gpu!r}` is unknown. Choose one of {_choices(GPU_SPECS)}, or build Cluster(...).")
+        return cls(nodes=nodes, gpus_per_node=gpus_per_node, **{**GPU_SPECS[gpu], **overrides})
+
+
+@dataclass(frozen=True)
+class Training:
+    """The run.
+
+    Args:
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step, over all data-parallel ranks.
+        micro_batch: sequences per forward pass (one pipeline microbatch).
+        precision: one of ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``, ``"16-mixed"``.
+        optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
+        flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
+            PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.
+
+    Each data-parallel rank runs ``global_batch / (dp * micro_batch)`` microbatches per step
+    (:meth:`microbatches_per_step`): the pipeline's microbatches times gradient accumulation.
+    """
+
+    seq_len: int
+    global_batch: int
+    micro_batch: int = 1
+    precision: str = "bf16-mixed"
+    optimizer: str = "adam"
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "micro_batch"):
+            _check_positive(name, getattr(self, name), integer=True)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {_choices(PRECISIONS)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {_choices(OPTIMIZERS)}.")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"`micro_batch={self.micro_batch}` must divide `global_batch={self.global_batch}`.")
+
+    @property
+    def bytes(self) -> PrecisionBytes:
+        """Bytes per weight, gradient, master and activation element."""
+        return _PRECISION_BYTES[self.precision]
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """fp32 optimizer state per parameter (masters not included)."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def microbatches_per_step(self, dp: int) -> int:
+        """Microbatches each data-parallel rank runs per optimizer step; ``ValueError`` if ``dp``
+        and ``micro_batch`` do not divide ``global_batch``."""
+        if self.global_batch % (dp * self.micro_batch):
+            raise ValueError(
+                f"`global_batch={self.global_batch}` is not divisible by dp * micro_batch = {dp} * {self.micro_batch}."
+            )
+        return self.global_batch // (dp * self.micro_batch)

@@ -1,0 +1,208 @@
+"""``estimate(model, cluster, training, layout)``: memory, communication, bubble and step time of one layout.
+
+Roofline step time, per pipeline rank ``r`` (every assumption written down; sources in
+:mod:`~lightning_para.plan.memory`, :mod:`~lightning_para.plan.comm` and
+:mod:`~lightning_para.plan.pipeline`):
+
+* **compute** per microbatch: ``6 N + 12 L (a d) s`` FLOPs per token (PaLM, Appendix B) for the
+  layers, output head and experts rank ``r`` holds, divided by tp (experts: by tp only with SP,
+  otherwise every tp rank runs them), times 4/3 with full recomputation (one more forward;
+  Korthikanti et al. 2022, Sec. 5) and plus the attention-score forward with selective
+  recomputation (none with FlashAttention, which already recomputes them), at
+  ``peak_flops * efficiency``;
+* **tp and ep** collectives are on the critical path (not overlapped: the next matmul needs
+  their result), except SP's backward re-gather of saved inputs, which Megatron overlaps with
+  the weight-gradient matmul (Korthikanti et al. 2022, Sec. 4.2.2);
+* **cp** ring exchanges overlap the blockwise attention; only what exceeds it is exposed;
+* **pp** sends are exposed (one activation or gradient per chunk boundary and microbatch);
+* the **bubble** stretches the busiest rank's time: ``M t_mb / (1 - bubble)``;
+* **dp** gradient reduction (all ZeRO stages) overlaps the backward of the last microbatch
+  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer step (ZeRO-1/2)
+  overlaps the next step's first forward except its first bucket (Megatron-LM's
+  ``--overlap-param-gather``; ParaStrategy today gathers right after the step, so it pays the
+  whole all-gather: see that collective's ``seconds``); ZeRO-3 gathers overlap the compute of
+  their phase (FSDP prefetch), except the first layer's.
+
+Not modelled: the optimizer step itself, kernel launch overheads, stragglers, network
+contention between dimensions, dropped or imbalanced MoE tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lightning_para.plan.cluster import Cluster, Training
+from lightning_para.plan.comm import Collective, crosses_nodes
+from lightning_para.plan.layout import Layout
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.pipeline import (
+    bubble_fraction,
+    pipeline_ranks,
+    schedule_problem,
+)
+from lightning_para.plan.rank import (
+    MemoryBreakdown,
+    RankEstimate,
+    bucket_bytes,
+    price_rank,
+)
+
+__all__ = ["Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems"]
+
+DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one layout. ``memory`` and ``collectives`` are the
+    most memory-loaded pipeline rank's; ``ranks`` has every pipeline rank."""
+
+    model: ModelDesc
+    cluster: Cluster
+    training: Training
+    layout: Layout
+    microbatches: int  # per pipeline flush (1 without a pipeline)
+    accumulation: int  # flushes per optimizer step: Lightning's accumulate_grad_batches
+    ranks: tuple[RankEstimate, ...]
+    bubble: float
+    step_seconds: float
+    model_flops_per_step: float
+
+    @property
+    def peak_rank(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.memory.total)
+
+    @property
+    def memory(self) -> MemoryBreakdown:
+        return self.peak_rank.memory
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        return self.peak_rank.collectives
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.cluster.usable_memory
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Usable memory left on the peak rank (negative: short by that much)."""
+        return self.cluster.usable_memory - self.memory.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization (PaLM, Appendix B): model FLOPs over step time and peak."""
+        return self.model_flops_per_step / (self.step_seconds * self.cluster.world_size * self.cluster.peak_flops)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.training.tokens_per_step / self.step_seconds
+
+    def comm_bytes(self) -> dict[str, float]:
+        """Bytes per step per mesh dimension on the peak rank (comm tracer accounting)."""
+        totals: dict[str, float] = {}
+        for item in self.collectives:
+            totals[item.dim] = totals.get(item.dim, 0.0) + item.bytes
+        return totals
+
+    def exposed_comm_seconds(self) -> dict[str, float]:
+        """Exposed communication seconds per step per mesh dimension on the peak rank."""
+        totals: dict[str, float] = {}
+        for item in self.collectives:
+            totals[item.dim] = totals.get(item.dim, 0.0) + item.exposed_seconds
+        return totals
+
+    def crosses_nodes(self) -> dict[str, bool]:
+        """For each dimension of degree > 1: whether its group spans nodes."""
+        dims = [d for d in DIMS if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]
+        return {dim: crosses_nodes(self.layout, self.cluster, dim) for dim in dims}
+
+    def summary(self) -> str:
+        gb, m = 1e9, self.memory
+        return (
+            f"{self.layout.label()}: {m.total / gb:.1f} GB of {self.cluster.usable_memory / gb:.1f} GB (params"
+            f" {m.params / gb:.1f}, grads {m.grads / gb:.1f}, optimizer {m.optimizer / gb:.1f}, activations"
+            f" {m.activations / gb:.1f}, buffers {m.buffers / gb:.1f}), bubble {self.bubble:.1%},"
+            f" step {self.step_seconds:.3g} s, MFU {self.mfu:.1%}"
+        )
+
+
+def _flush(layout: Layout, per_step: int) -> int:
+    """Microbatches per pipeline flush: the layout's choice, else all of the step's; without a
+    pipeline each microbatch is its own accumulation step."""
+    if layout.pp == 1:
+        return 1
+    return layout.microbatches or per_step
+
+
+def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> list[str]:
+    """Why ``layout`` cannot run ``model`` (readable reasons; empty when it can). Memory is not checked."""
+    lay, problems = layout, []
+    if lay.world_size != cluster.world_size:
+        problems.append(f"layout uses {lay.world_size} GPUs, the cluster has {cluster.world_size}")
+    checks = [("heads", model.heads), ("kv_heads", model.kv_heads)]
+    if model.num_moe_layers < model.layers:  # the dense MLP is tensor parallel; experts are not
+        checks.append(("ffn", model.ffn))
+    for name, value in checks:
+        if value % lay.tp:
+            problems.append(f"{name} {value} not divisible by tp={lay.tp}")
+    if lay.dp_shard % lay.ep:  # type: ignore[operator]
+        dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
+        problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")
+    if lay.ep > 1 and not model.is_moe:
+        problems.append(f"ep={lay.ep} needs experts, the model has none")
+    elif model.is_moe and model.num_experts % lay.ep:
+        problems.append(f"experts {model.num_experts} not divisible by ep={lay.ep}")
+    chunks = lay.pp * lay.virtual_stages
+    if lay.pp > 1 and chunks > model.layers:
+        problems.append(f"layers {model.layers} fewer than pp*virtual_stages = {chunks}")
+    if training.seq_len % lay.cp:
+        problems.append(f"seq_len {training.seq_len} not divisible by cp={lay.cp}")
+    elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
+        problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
+    if training.global_batch % (lay.dp * training.micro_batch):
+        problems.append(
+            f"global_batch {training.global_batch} not divisible by dp*micro_batch = {lay.dp * training.micro_batch}"
+        )
+        return problems
+    per_step = training.microbatches_per_step(lay.dp)
+    flush = _flush(lay, per_step)
+    if per_step % flush:
+        problems.append(f"microbatches={flush} does not divide the {per_step} microbatches per step of a dp rank")
+    elif lay.pp > 1:
+        problem = schedule_problem(lay.schedule, lay.pp, flush, lay.virtual_stages)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> Estimate:
+    """Predict memory per rank, communication, bubble and step time of ``layout``.
+
+    Raises ``ValueError`` listing every reason when the layout cannot run the model (see
+    :func:`layout_problems`); a layout that runs out of memory is still estimated (``fits``).
+    """
+    problems = layout_problems(model, cluster, training, layout)
+    if problems:
+        raise ValueError(f"Layout {layout.label()} cannot run {model.name}: " + "; ".join(problems) + ".")
+    per_step = training.microbatches_per_step(layout.dp)
+    flush = _flush(layout, per_step)
+    parts = pipeline_ranks(model.layers, layout.schedule, layout.pp, layout.virtual_stages, flush)
+    # Ranks with the same content (layer kinds, ends, sends, in-flight) cost the same: price once.
+    priced: dict[tuple, RankEstimate] = {}
+    ranks = []
+    for part in parts:
+        n_moe = sum(model.is_moe_layer(i) for i in part.layers)
+        key = (len(part.layers), n_moe, part.embedding, part.head, part.sends_forward, part.sends_backward,
+               part.in_flight)
+        if key not in priced:
+            priced[key] = price_rank(model, cluster, training, layout, part, per_step)
+        ranks.append(replace(priced[key], pipeline_rank=part.rank))
+    bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
+    pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
+    step = pipeline_seconds + max(r.dp_exposed_seconds for r in ranks)
+    return Estimate(
+        model=model, cluster=cluster, training=training, layout=layout, microbatches=flush,
+        accumulation=per_step // flush, ranks=tuple(ranks), bubble=bubble, step_seconds=step,
+        model_flops_per_step=model.flops_per_token(training.seq_len) * training.tokens_per_step,
+    )

@@ -1,0 +1,152 @@
+"""Bytes per rank: model states (ZeRO) and activations (Megatron-LM's per-layer formulas).
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 5.1 and Fig. 1). With ``psi`` parameters on
+a rank after tp/pp/ep split them, ``w``/``g`` bytes per weight/gradient, ``K`` bytes of fp32
+master plus optimizer state, and ``N`` ranks sharing them:
+
+=====  ==========  ===================  ==========
+stage  weights     gradients            K
+=====  ==========  ===================  ==========
+0      w psi       g psi                K psi
+1      w psi       g psi                K psi / N
+2      w psi       g psi / N            K psi / N
+3      w psi / N   g psi / N            K psi / N
+=====  ==========  ===================  ==========
+
+Dense parameters use ``N = cp * dp_shard``, routed experts ``N = cp * dp_shard / ep``.
+Over several microbatches ZeRO-2/3 with ``zero_accumulation="no_sync"`` hold full gradients
+(and ZeRO-3 its gathered weights) until the last one; ``"reduce_each_step"`` keeps them sharded.
+
+Activations of one transformer layer for one microbatch (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", Sec. 4, 16-bit activations, ``s``
+sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``t`` tensor parallel):
+
+* no parallelism: ``sbh (34 + 5 a s / h)`` (Eq. 1);
+* tensor parallel: ``sbh (10 + 24/t + 5 a s / (h t))`` (Eq. 2);
+* tensor + sequence parallel: ``sbh (34/t + 5 a s / (h t))`` (Eq. 4);
+* selective recomputation drops the ``5 a s / h`` term (Sec. 5, Eq. 6);
+* full recomputation keeps the layer input, ``2 sbh`` (Table 2; ``2 sbh / t`` with SP, whose
+  input is sequence-sharded).
+
+:func:`layer_activation_bytes` derives those coefficients term by term, so they also follow
+GQA, gated MLPs, MoE layers, models without dropout and FlashAttention (see its docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_para.plan.model import ModelDesc
+
+
+def layer_activation_bytes(
+    model: ModelDesc,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    recompute: Optional[str] = None,
+    flash_attention: bool = False,
+    activation_bytes: int = 2,
+    moe_layer: bool = False,
+) -> float:
+    """Activation bytes one layer keeps for backward, for one microbatch, on one rank.
+
+    Korthikanti et al. 2022, Sec. 4.1, term by term (``e`` bytes per element, 2 in the paper):
+
+    * kept whole under tp (sharded by SP): the inputs of the two norms, of the QKV projection
+      and of the MLP, ``4 e sbh``, plus two dropout masks ``2 sbh`` (1 byte each) -> ``10 sbh``;
+    * sharded by tp: Q, K, V and the attention output, ``e sb (2 a d + 2 kv d)`` -> ``8 sbh`` for
+      MHA; the MLP's activation input and output, ``2 e sbf`` -> ``16 sbh`` for ``f = 4h``
+      (three tensors, ``3 e sbf``, for a fused SwiGLU: gate, up, and their product);
+    * attention scores: softmax output ``e as^2b``, its dropout mask ``as^2b`` and output
+      ``e as^2b`` -> ``5 as^2b`` (only the softmax without dropout; none with FlashAttention,
+      which keeps the fp32 row log-sum-exp ``4 asb`` instead);
+    * MoE layer (replacing the MLP): fp32 router probabilities ``4 sbE``; per routed token copy
+      (``top_k`` copies, times the capacity factor) the expert's input and output ``2 e h`` and
+      its hidden activations; the shared experts' hidden activations. Experts are not tensor
+      parallel: they see ``1/t`` of the tokens with SP and all of them without.
+
+    Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
+    """
+    if recompute not in (None, "selective", "full"):
+        raise ValueError(f"`recompute={recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+    s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
+    sp_divisor = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * s * b * h / sp_divisor
+    dropout_masks = 2 * s * b * h if model.dropout else 0
+    replicated = 4 * e * s * b * h + dropout_masks
+    attention = e * s * b * (2 * model.q_dim + 2 * model.kv_dim)
+    if flash_attention:
+        scores = 4.0 * model.heads * s * b
+    elif recompute == "selective":
+        scores = 0.0
+    else:
+        per_score = e + (1 + e if model.dropout else 0)
+        scores = per_score * model.heads * s * seq_len * b
+    hidden_tensors = 3 if model.gated_mlp else 2
+    if moe_layer:
+        moe_ffn = model.moe_ffn or model.ffn
+        copies = s * b * model.top_k * (model.capacity_factor or 1.0)
+        routed = copies * e * (2 * h + hidden_tensors * moe_ffn)
+        shared = e * s * b * hidden_tensors * model.shared_expert_ffn
+        experts = (4.0 * s * b * model.num_experts + routed + shared) / sp_divisor
+        mlp_sharded = 0.0
+    else:
+        experts = 0.0
+        mlp_sharded = e * s * b * hidden_tensors * model.ffn
+    tp_sharded = attention + mlp_sharded + scores
+    return replicated / sp_divisor + tp_sharded / tp + experts
+
+
+def embedding_activation_bytes(
+    model: ModelDesc, seq_len: int, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, cp: int = 1
+) -> float:
+    """The input embedding's dropout mask, ``sbh`` (Korthikanti et al. 2022, Sec. 4.3); 0 without dropout."""
+    if not model.dropout:
+        return 0.0
+    return seq_len / cp * micro_batch * model.hidden / (tp if sequence_parallel else 1)
+
+
+def head_activation_bytes(
+    model: ModelDesc,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    activation_bytes: int = 2,
+) -> float:
+    """Final norm and output projection inputs, ``2 e sbh`` (``/t`` with SP), and the fp32
+    logits the cross-entropy keeps, ``4 sbV / t`` (Korthikanti et al. 2022, Sec. 4.3)."""
+    s, b = seq_len / cp, micro_batch
+    inputs = 2 * activation_bytes * s * b * model.hidden / (tp if sequence_parallel else 1)
+    return inputs + 4.0 * s * b * model.vocab / tp
+
+
+def zero_state_bytes(
+    params: float,
+    *,
+    zero: int,
+    shards: int,
+    weight_bytes: int,
+    grad_bytes: int,
+    optimizer_bytes: int,
+    full_grads: bool = False,
+) -> tuple[float, float, float]:
+    """``(weights, gradients, optimizer)`` bytes of ``params`` parameters on one rank (table above).
+
+    ``optimizer_bytes`` is the ZeRO paper's K: fp32 master plus optimizer state. ``full_grads``:
+    gradients are held unsharded during accumulation (ZeRO-2/3 with ``"no_sync"``).
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"`zero={zero!r}` is not a ZeRO stage. Choose one of 0, 1, 2, 3.")
+    n = shards
+    weights = weight_bytes * params / (n if zero == 3 else 1)
+    grads = grad_bytes * params / (n if zero >= 2 and not full_grads else 1)
+    optimizer = optimizer_bytes * params / (n if zero >= 1 else 1)
+    return weights, grads, optimizer

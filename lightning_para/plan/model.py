@@ -1,0 +1,310 @@
+"""``ModelDesc``: the shape of a decoder-only transformer, and its parameter counts.
+
+The planner needs only a handful of numbers per model: layers ``L``, hidden size ``h``,
+attention heads ``a`` (and key/value heads for GQA), FFN width ``f``, vocabulary ``V`` and,
+for a Mixture-of-Experts model, the experts. Everything else (parameters per pipeline stage,
+FLOPs per token, activation bytes) is derived from them.
+
+Conventions (they match PyTorch's ``nn.Linear``/``nn.Embedding`` parameter shapes, so
+``describe_module`` can check the count against a real module exactly):
+
+* attention: ``q`` ``h x a d``, ``k``/``v`` ``h x kv d``, output ``a d x h`` (``d`` the head dim);
+* MLP: two matrices (``h x f``, ``f x h``), three when gated (SwiGLU: gate, up, down);
+* MoE layer: a router ``E x h``, ``E`` routed experts of width ``moe_ffn`` and optional
+  always-on shared experts of total width ``shared_expert_ffn`` (DeepSeekMoE);
+* norms: RMSNorm ``h``; LayerNorm ``2h`` with bias, ``h`` without; two per layer, one final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+NORMS = ("rmsnorm", "layernorm")
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}={value!r}` must be an integer >= {minimum}.")
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """A decoder-only transformer, as the planner sees it.
+
+    Args:
+        layers, hidden, heads, ffn, vocab: ``L``, ``h``, ``a``, dense FFN width ``f``, ``V``.
+        kv_heads: key/value heads (GQA); ``None``: ``heads`` (multi-head attention).
+        head_dim: ``None``: ``hidden // heads``.
+        num_experts, top_k: routed experts per MoE layer and experts per token (0: dense model).
+        moe_ffn: width of one routed expert (``None``: ``ffn``).
+        shared_expert_ffn: total width of the always-on shared experts of an MoE layer.
+        moe_every, first_k_dense: layer ``i`` is an MoE layer when ``i >= first_k_dense`` and
+            ``(i - first_k_dense) % moe_every == moe_every - 1`` (every layer: 1; GShard's
+            every other layer: 2; DeepSeek-V3: the first 3 layers dense).
+        capacity_factor: MoE expert capacity (GShard/Switch); ``None``: dropless.
+        tied_embeddings: the output head reuses the input embedding matrix.
+        gated_mlp: SwiGLU-style MLP with three matrices instead of two.
+        norm: ``"rmsnorm"`` or ``"layernorm"``.
+        bias: linear layers (and LayerNorms) have biases.
+        learned_positions: rows of a learned position embedding (0: RoPE or none).
+        dropout: the model trains with dropout (adds Megatron's dropout masks to activations).
+        attention_params: parameters of one attention block, overriding the formula above
+            (for attention variants such as DeepSeek's MLA, see :data:`PRESETS`).
+        name: a label for tables.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn: Optional[int] = None
+    shared_expert_ffn: int = 0
+    moe_every: int = 1
+    first_k_dense: int = 0
+    capacity_factor: Optional[float] = None
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    norm: str = "rmsnorm"
+    bias: bool = False
+    learned_positions: int = 0
+    dropout: bool = False
+    attention_params: Optional[int] = None
+    name: str = "custom"
+    # Fields that __post_init__ filled in from others, so `with_changes` derives them again.
+    _derived: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        derived = []
+        for name in ("layers", "hidden", "heads", "ffn", "vocab"):
+            _check_int(name, getattr(self, name))
+        for name in ("num_experts", "top_k", "shared_expert_ffn", "first_k_dense", "learned_positions"):
+            _check_int(name, getattr(self, name), minimum=0)
+        _check_int("moe_every", self.moe_every)
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(
+                    f"`hidden={self.hidden}` is not divisible by `heads={self.heads}`; pass `head_dim` explicitly."
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+            derived.append("head_dim")
+        _check_int("head_dim", self.head_dim)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+            derived.append("kv_heads")
+        _check_int("kv_heads", self.kv_heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"`kv_heads={self.kv_heads}` must divide `heads={self.heads}` (GQA groups).")
+        if self.norm not in NORMS:
+            raise ValueError(f"`norm={self.norm!r}` is unknown. Choose one of {', '.join(map(repr, NORMS))}.")
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"`top_k={self.top_k}` must be in 1..num_experts={self.num_experts}.")
+            if self.moe_ffn is None:
+                object.__setattr__(self, "moe_ffn", self.ffn)
+                derived.append("moe_ffn")
+            _check_int("moe_ffn", self.moe_ffn)
+            if self.first_k_dense >= self.layers:
+                raise ValueError(f"`first_k_dense={self.first_k_dense}` leaves no MoE layer of {self.layers}.")
+        elif self.top_k or self.shared_expert_ffn:
+            raise ValueError("`top_k` and `shared_expert_ffn` need `num_experts > 0` (a dense model has neither).")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"`capacity_factor={self.capacity_factor!r}` must be > 0, or None for dropless routing.")
+        if self.attention_params is not None:
+            _check_int("attention_params", self.attention_params)
+        object.__setattr__(self, "_derived", tuple(derived))
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output: ``heads * head_dim``."""
+        return self.heads * self.head_dim  # type: ignore[operator]
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim  # type: ignore[operator]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has routed experts."""
+        if not self.is_moe or index < self.first_k_dense:
+            return False
+        return (index - self.first_k_dense) % self.moe_every == self.moe_every - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    # ------------------------------------------------------------------ parameters of the parts
+    def norm_params(self) -> int:
+        """One normalization layer."""
+        return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
+
+    def attention_block_params(self) -> int:
+        """One attention block: q, k, v and output projections (and biases)."""
+        if self.attention_params is not None:
+            return self.attention_params
+        weights = 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
+        return weights + (self.q_dim + 2 * self.kv_dim + self.hidden if self.bias else 0)
+
+    def mlp_params(self, width: int) -> int:
+        """One MLP (or one expert) of hidden width ``width``."""
+        matrices = 3 if self.gated_mlp else 2
+        biases = ((2 if self.gated_mlp else 1) * width + self.hidden) if self.bias else 0
+        return matrices * self.hidden * width + biases
+
+    def routed_expert_params_per_layer(self) -> int:
+        """All routed experts of one MoE layer (0 for a dense model)."""
+        return self.num_experts * self.mlp_params(self.moe_ffn) if self.is_moe else 0  # type: ignore[arg-type]
+
+    def layer_params(self, index: int) -> int:
+        """Every parameter of layer ``index``."""
+        return self.layer_dense_params(index) + (self.routed_expert_params_per_layer() if self.is_moe_layer(index) else 0)
+
+    def layer_dense_params(self, index: int) -> int:
+        """Parameters of layer ``index`` that every token uses: all but its routed experts."""
+        common = self.attention_block_params() + 2 * self.norm_params()
+        if not self.is_moe_layer(index):
+            return common + self.mlp_params(self.ffn)
+        shared = self.mlp_params(self.shared_expert_ffn) if self.shared_expert_ffn else 0
+        return common + shared + self.num_experts * self.hidden  # router: E x h
+
+    def layer_active_params(self, index: int) -> int:
+        """Parameters one token passes through in layer ``index`` (top_k of the routed experts)."""
+        active = self.layer_dense_params(index)
+        if self.is_moe_layer(index):
+            active += self.top_k * self.mlp_params(self.moe_ffn)  # type: ignore[arg-type]
+        return active
+
+    def embedding_params(self) -> int:
+        """The input token embedding (and learned positions)."""
+        return (self.vocab + self.learned_positions) * self.hidden
+
+    def head_params(self) -> int:
+        """The final norm and the output projection (0 extra when tied to the embedding)."""
+        return self.norm_params() + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    # ------------------------------------------------------------------ totals
+    def total_params(self) -> int:
+        """Every parameter (a tied embedding counted once)."""
+        return self.embedding_params() + self.head_params() + sum(self.layer_params(i) for i in range(self.layers))
+
+    def expert_params(self) -> int:
+        """Routed-expert parameters of the whole model (sharded by ``ep``)."""
+        return self.num_moe_layers * self.routed_expert_params_per_layer()
+
+    def dense_params(self) -> int:
+        """Everything but the routed experts (replicated over all data-parallel ranks)."""
+        return self.total_params() - self.expert_params()
+
+    def active_params(self) -> int:
+        """Parameters one token uses: the dense ones plus ``top_k`` routed experts per MoE layer."""
+        return self.embedding_params() + self.head_params() + sum(self.layer_active_params(i) for i in range(self.layers))
+
+    def flops_params(self) -> int:
+        """Parameters in matrix multiplies per token: active layer parameters plus the output
+        projection (``V h``, also when tied); the embedding lookup does no multiply."""
+        return sum(self.layer_active_params(i) for i in range(self.layers)) + self.vocab * self.hidden
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, forward and backward, without recomputation.
+
+        ``6 N + 12 L (a d) s``: 6 FLOPs per matmul parameter and token (2 forward, 4 backward;
+        Kaplan et al. 2020, Sec. 2.1; Chinchilla, Hoffmann et al. 2022) plus the attention scores
+        ``Q K^T`` and ``softmax V`` (PaLM, Chowdhery et al. 2022, Appendix B, which also counts the
+        causal mask's skipped half, as MFU does by convention).
+        """
+        _check_int("seq_len", seq_len)
+        return 6.0 * self.flops_params() + 12.0 * self.layers * self.q_dim * seq_len
+
+    def summary(self) -> str:
+        """One line: name, size, shape."""
+        moe = f", {self.num_experts} experts top-{self.top_k}" if self.is_moe else ""
+        active = f" ({self.active_params() / 1e9:.1f}B active)" if self.is_moe else ""
+        return (
+            f"{self.name}: {self.total_params() / 1e9:.2f}B params{active}, L={self.layers} h={self.hidden}"
+            f" heads={self.heads}/{self.kv_heads} ffn={self.ffn} vocab={self.vocab}{moe}"
+        )
+
+    def with_changes(self, **changes: Any) -> "ModelDesc":
+        """A copy with some fields replaced (unknown field names raise ``ValueError``)."""
+        known = {f.name for f in fields(self) if f.init}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"Unknown ModelDesc fields {unknown}; valid fields: {sorted(known)}.")
+        return replace(self, **{**{name: None for name in self._derived}, **changes})
+
+
+def mla_attention_params(
+    hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_dim: int, qk_rope_dim: int, v_dim: int
+) -> int:
+    """Parameters of one Multi-head Latent Attention block (DeepSeek-V2 report, Sec. 2.1.2).
+
+    Down-projections of queries and keys/values to low ranks (with their RMSNorms), the
+    decoupled RoPE key, the up-projections, and the output projection.
+    """
+    q = hidden * q_lora_rank + q_lora_rank + q_lora_rank * heads * (qk_nope_dim + qk_rope_dim)
+    kv = hidden * (kv_lora_rank + qk_rope_dim) + kv_lora_rank + kv_lora_rank * heads * (qk_nope_dim + v_dim)
+    return q + kv + heads * v_dim * hidden
+
+
+def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelDesc:
+    # GPT-3 (Brown et al. 2020, Table 2.1): GPT-2 vocabulary, 2048 learned positions, tied
+    # embeddings, LayerNorm with biases, GeLU MLP of width 4h.
+    return ModelDesc(
+        layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=50257, tied_embeddings=True,
+        gated_mlp=False, norm="layernorm", bias=True, learned_positions=2048, name=name,
+    )
+
+
+def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelDesc:
+    # Llama 3 (Grattafiori et al. 2024, Table 3): GQA with 8 kv heads, SwiGLU, RMSNorm,
+    # 128,256-token vocabulary, untied embeddings.
+    return ModelDesc(layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=128256, name=name)
+
+
+PRESETS: dict[str, ModelDesc] = {
+    "gpt-125m": _gpt3("gpt-125m", 12, 768, 12),
+    # GPT-3 XL lists 24 heads of 128 (which does not multiply to 2048); we use 16 heads of 128,
+    # as Megatron-LM and this project's recipe do. The parameter count does not depend on it.
+    "gpt-1.3b": _gpt3("gpt-1.3b", 24, 2048, 16),
+    # The ZeRO paper's illustration (Rajbhandari et al. 2020, Fig. 1) states only psi = 7.5B, not
+    # a shape; this GPT shape (32 layers of width 4352, 34 heads of 128) has 7.502B parameters.
+    "zero-7.5b": _gpt3("zero-7.5b", 32, 4352, 34),
+    "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
+    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 SwiGLU experts of width 14336 in every layer, top-2.
+    "mixtral-8x7b": ModelDesc(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, num_experts=8, top_k=2,
+        name="mixtral-8x7b",
+    ),
+    # DeepSeek-V3 (DeepSeek-AI 2024, Sec. 4.2): 61 layers, the first 3 dense (FFN 18432), then
+    # 256 routed experts (width 2048, top-8) and 1 shared expert; 671B parameters, 37B active
+    # (the multi-token-prediction module is not counted, as in the report's 671B).
+    # MLA approximation: its parameter count is exact (`mla_attention_params`), but activation,
+    # FLOP and communication formulas treat it as multi-head attention with 128 heads of
+    # dimension 128 (the value head dim): the 64-dim decoupled RoPE part of the 192-dim query/key
+    # heads and the compressed KV latent are not modelled.
+    "deepseek-v3": ModelDesc(
+        layers=61, hidden=7168, heads=128, head_dim=128, ffn=18432, vocab=129280, num_experts=256, top_k=8,
+        moe_ffn=2048, shared_expert_ffn=2048, first_k_dense=3,
+        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128), name="deepseek-v3",
+    ),
+}
+
+
+def preset(name: str, **changes: Any) -> ModelDesc:
+    """A published model by name (see :data:`PRESETS`), with some fields optionally replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"`name={name!r}` is not a known model. Choose one of {', '.join(map(repr, PRESETS))}.")
+    return PRESETS[name].with_changes(**changes) if changes else PRESETS[name]

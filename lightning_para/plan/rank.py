@@ -1,0 +1,301 @@
+"""One pipeline rank's memory, compute and communication: the per-rank half of :func:`~lightning_para.plan.cost.estimate`.
+
+The assumptions are listed in :mod:`lightning_para.plan.cost`; the formulas' sources in
+:mod:`~lightning_para.plan.memory` and :mod:`~lightning_para.plan.comm`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_para.plan.cluster import Cluster, Training
+from lightning_para.plan.comm import Collective, collective, per_call_seconds
+from lightning_para.plan.layout import Layout
+from lightning_para.plan.memory import (
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    zero_state_bytes,
+)
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.pipeline import RankLayers
+
+
+def bucket_bytes(group_size: int, grad_bytes: int) -> float:
+    """Gradient bucket for ZeRO-0/1/2 over ``group_size`` ranks: ``max(40M, 1M * n)`` elements,
+    Megatron-LM's rule (``megatron/core/distributed``), so that each ring collective moves enough
+    bytes per step to amortize its ``n - 1`` hop latencies. Rendered as ``bucket_size_mb``."""
+    return max(40e6, 1e6 * group_size) * grad_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak."""
+
+    params: float
+    grads: float
+    optimizer: float  # fp32 masters and optimizer state
+    activations: float
+    buffers: float  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
+
+    @property
+    def model_states(self) -> float:
+        """Parameters, gradients and optimizer state: the ZeRO paper's "model states"."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """One pipeline rank (every dp/tp/cp rank of a stage looks the same)."""
+
+    pipeline_rank: int
+    layers: int
+    embedding: bool
+    head: bool
+    in_flight: float
+    memory: MemoryBreakdown
+    collectives: tuple[Collective, ...]
+    compute_seconds: float  # per microbatch
+    microbatch_seconds: float  # compute plus exposed tp/ep/cp/pp communication, per microbatch
+    dp_exposed_seconds: float  # per step
+
+
+def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
+    """Layer ``index``'s parameters as ``(tensor parallel, replicated over tp, routed experts)``.
+
+    Attention and the dense MLP are tensor parallel (Megatron-LM); norms are not, and neither is
+    an MoE block (router, shared experts, experts): lightning-para's experts are whole per rank.
+    """
+    parallel = model.attention_block_params()
+    replicated = 2 * model.norm_params()
+    if not model.is_moe_layer(index):
+        return parallel + model.mlp_params(model.ffn), replicated, 0.0
+    moe_dense = model.layer_dense_params(index) - parallel - replicated  # router and shared experts
+    return parallel, replicated + moe_dense, model.routed_expert_params_per_layer()
+
+
+def _rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float, float]:
+    """``(dense, expert, largest layer)`` parameters on one rank of this pipeline rank's stage."""
+    tp, ep = layout.tp, layout.ep
+    dense = expert = largest = 0.0
+    for i in part.layers:
+        parallel, replicated, routed = _layer_parts(model, i)
+        dense += parallel / tp + replicated
+        expert += routed / ep
+        largest = max(largest, parallel / tp + replicated + routed / ep)
+    if part.embedding:
+        dense += model.embedding_params() / tp
+    if part.head:
+        # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
+        own_matrix = not model.tied_embeddings or not part.embedding
+        dense += model.norm_params() + (model.vocab * model.hidden / tp if own_matrix else 0)
+    return dense, expert, largest
+
+
+def _memory(
+    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int
+) -> MemoryBreakdown:
+    dense, expert, largest = _rank_params(model, layout, part)
+    precision = training.bytes
+    k_bytes = precision.master + training.optimizer_state_bytes
+    full_grads = layout.zero >= 2 and layout.zero_accumulation == "no_sync" and per_step > 1
+    shards = {"dense": layout.group("dp")[0], "expert": layout.group("edp")[0]}
+    states = [0.0, 0.0, 0.0]
+    for params, n in ((dense, shards["dense"]), (expert, shards["expert"])):
+        parts = zero_state_bytes(
+            params, zero=layout.zero, shards=n, weight_bytes=precision.weight, grad_bytes=precision.grad,
+            optimizer_bytes=k_bytes, full_grads=full_grads,
+        )
+        states = [a + b for a, b in zip(states, parts, strict=True)]
+    buffers = 0.0
+    if layout.zero == 3:
+        # Gathered 16-bit weights: all of them while "no_sync" keeps them, else the current and
+        # the prefetched layer, plus one layer's unsharded gradients before its reduce-scatter.
+        gathered = (dense + expert) if full_grads else 2 * largest
+        buffers = gathered * precision.activation + (0 if full_grads else largest * precision.grad)
+    elif precision.autocast:
+        buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
+    kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
+    s, b, e = training.seq_len, training.micro_batch, precision.activation
+    per_layer = [
+        layer_activation_bytes(
+            model, s, b, recompute=layout.recompute, flash_attention=training.flash_attention,
+            activation_bytes=e, moe_layer=model.is_moe_layer(i), **kwargs,
+        ) for i in part.layers
+    ]
+    held = sum(per_layer)
+    if part.embedding:
+        held += embedding_activation_bytes(model, s, b, **kwargs)
+    if part.head:
+        held += head_activation_bytes(model, s, b, activation_bytes=e, **kwargs)
+    activations = part.in_flight * held
+    if layout.recompute == "full" and part.layers:
+        # Backward recomputes one layer at a time: its full activations are live once more.
+        activations += max(
+            layer_activation_bytes(
+                model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
+                moe_layer=model.is_moe_layer(i), **kwargs,
+            ) for i in part.layers
+        )
+    return MemoryBreakdown(states[0], states[1], states[2], activations, buffers)
+
+
+def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:
+    """``(all, attention scores)`` FLOPs of one microbatch, forward and backward, on one rank."""
+    tokens = training.micro_batch * training.seq_len / layout.cp
+    tp, expert_tp = layout.tp, (layout.tp if layout.sequence_parallel else 1)
+    scores = 12.0 * model.q_dim * training.seq_len * tokens * len(part.layers) / tp
+    flops = scores
+    for i in part.layers:
+        parallel, replicated, _ = _layer_parts(model, i)
+        flops += 6.0 * parallel * tokens / tp
+        if model.is_moe_layer(i):
+            # Without SP every tp rank routes all of its tokens through its (whole) experts.
+            active = model.top_k * model.mlp_params(model.moe_ffn) * (model.capacity_factor or 1.0)  # type: ignore[arg-type]
+            flops += 6.0 * (active + replicated) * tokens / expert_tp
+        else:
+            flops += 6.0 * replicated * tokens / tp  # norms: negligible, counted as in 6N
+    if layout.recompute == "full":
+        flops *= 4.0 / 3.0
+    elif layout.recompute == "selective" and not training.flash_attention:
+        flops += scores / 3.0  # the score forward, once more
+    if part.head:
+        flops += 6.0 * model.vocab * model.hidden * tokens / tp
+    return flops, scores
+
+
+def _microbatch_collectives(
+    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int
+) -> list[tuple[Collective, bool]]:
+    """tp, ep, cp and pp collectives of one step, each with whether it is on the critical path."""
+    e = training.bytes.activation
+    tokens = training.micro_batch * training.seq_len / layout.cp
+    activation = tokens * model.hidden * e
+    full = layout.recompute == "full"
+    n_moe = sum(model.is_moe_layer(i) for i in part.layers)
+    found: list[tuple[Collective, bool]] = []
+
+    def add(dim: str, op: str, what: str, payload: float, calls_per_microbatch: float, critical: bool = True) -> None:
+        if calls_per_microbatch > 0 and layout.group(dim)[0] > 1:
+            found.append((collective(layout, cluster, dim, op, what, payload, calls_per_microbatch * per_step), critical))
+
+    # tp: one collective before and after each tensor-parallel block (attention; dense MLP) per
+    # direction; MoE blocks are not tensor parallel. Embedding and head add one each.
+    blocks = 2 * len(part.layers) - n_moe
+    ends = int(part.embedding) + int(part.head)
+    forward = blocks * (2 if full else 1)
+    if layout.sequence_parallel:
+        add("tp", "all_gather", "layer activations", activation, forward + blocks + ends)
+        add("tp", "reduce_scatter", "layer activations", activation, forward + blocks + ends)
+        if not full:
+            add("tp", "all_gather", "saved input shards (backward)", activation, blocks, critical=False)
+    else:
+        add("tp", "all_reduce", "layer activations", activation, forward + blocks + ends)
+    tp_tokens = tokens / (layout.tp if layout.sequence_parallel else 1)
+    routed = tp_tokens * model.top_k * (model.capacity_factor or 1.0) * model.hidden * e
+    add("ep", "all_to_all", "routed tokens", routed, n_moe * (6 if full else 4))
+    kv_block = 2 * tokens * model.kv_dim * e / layout.tp  # one K and one V block
+    ring = (layout.cp - 1) * len(part.layers)
+    add("cp", "send_recv", "K/V blocks", kv_block, ring * (2 if full else 1))
+    add("cp", "send_recv", "K/V blocks and gradients", 2 * kv_block, ring)
+    add("pp", "send_recv", "stage activations / gradients", activation / (layout.tp if layout.sequence_parallel else 1),
+        part.sends_forward + part.sends_backward)
+    return found
+
+
+def _dp_collectives(
+    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int,
+    backward_window: float, forward_window: float,
+) -> tuple[list[Collective], float]:
+    """dp/edp/dp_replicate collectives of one step and their exposed seconds (module docstring)."""
+    dense, expert, _ = _rank_params(model, layout, part)
+    g, w = training.bytes.grad, training.bytes.weight
+    each_step = layout.zero_accumulation == "reduce_each_step" and layout.zero >= 2
+    reductions = per_step if each_step else 1
+    units = len(part.layers) + 1  # ZeRO-3 gathers one layer at a time (FSDP units), plus the root
+    grad_sync: list[Collective] = []
+    after_step: list[Collective] = []
+    zero3: list[Collective] = []
+    for dim, params in (("dp", dense), ("edp", expert)):
+        if params == 0 or layout.group(dim)[0] == 1:
+            continue
+        buckets = max(1, math.ceil(params * g / bucket_bytes(layout.group(dim)[0], g)))
+        if layout.zero == 0:
+            grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
+        elif layout.zero < 3:
+            grad_sync.append(collective(
+                layout, cluster, dim, "reduce_scatter", "gradients", params * g / buckets, buckets * reductions))
+            after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", params * w / buckets,
+                                         buckets))
+        else:
+            gather = params * training.bytes.activation / units
+            zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)", gather,
+                                    2 * units * reductions))
+            zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", params * g / units,
+                                    units * reductions))
+    if layout.dp_replicate > 1:
+        shard = (dense / layout.group("dp")[0] + expert / max(1, layout.group("edp")[0])) * g
+        grad_sync.append(collective(layout, cluster, "dp_replicate", "all_reduce", "gradient shards", shard, reductions))
+    exposed: list[Collective] = []
+    if grad_sync:
+        total = sum(c.seconds for c in grad_sync) / reductions
+        last_bucket = max(per_call_seconds(c) for c in grad_sync)
+        exposed_total = reductions * max(0.0, total - backward_window) + last_bucket
+        exposed += [c.exposed(exposed_total * c.seconds / (total * reductions)) for c in grad_sync]
+    if after_step:
+        # The next step's forward waits only for the first bucket (Megatron-LM's overlapped
+        # parameter all-gather); the rest streams behind the first microbatch's forward.
+        total = sum(c.seconds for c in after_step)
+        first_bucket = max(per_call_seconds(c) for c in after_step)
+        exposed_total = max(total - forward_window, first_bucket)
+        exposed += [c.exposed(exposed_total * c.seconds / total) for c in after_step]
+    if zero3:
+        gathers = sum(c.seconds for c in zero3 if c.op == "all_gather") / reductions
+        scatters = sum(c.seconds for c in zero3 if c.op == "reduce_scatter") / reductions
+        first = max(per_call_seconds(c) for c in zero3 if c.op == "all_gather")
+        per_flush = max(0.0, gathers / 2 - forward_window) + max(0.0, gathers / 2 + scatters - backward_window)
+        exposed_total = reductions * per_flush + first
+        total = (gathers + scatters) * reductions
+        exposed += [c.exposed(exposed_total * c.seconds / total) for c in zero3]
+    return exposed, sum(c.exposed_seconds for c in exposed)
+
+
+def price_rank(
+    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int
+) -> RankEstimate:
+    """Memory, compute and communication of one pipeline rank ``part`` for one optimizer step of
+    ``per_step`` microbatches (overlap rules in :mod:`lightning_para.plan.cost`)."""
+    flops, score_flops = _compute_flops(model, training, layout, part)
+    speed = cluster.peak_flops * cluster.efficiency
+    compute = flops / speed
+    critical = 0.0
+    collectives: list[Collective] = []
+    cp_seconds = 0.0
+    for item, on_path in _microbatch_collectives(model, cluster, training, layout, part, per_step):
+        if item.dim == "cp":
+            cp_seconds += item.seconds
+            collectives.append(item)
+            continue
+        item = item.exposed(item.seconds if on_path else 0.0)
+        critical += item.exposed_seconds
+        collectives.append(item)
+    if cp_seconds:
+        # Ring attention overlaps its exchanges with the blockwise attention of the step.
+        spare = max(0.0, cp_seconds - per_step * score_flops / speed)
+        collectives = [c.exposed(spare * c.seconds / cp_seconds) if c.dim == "cp" else c for c in collectives]
+        critical += spare
+    backward_share = 0.75 if layout.recompute == "full" else 2.0 / 3.0
+    dp_items, dp_exposed = _dp_collectives(
+        model, cluster, training, layout, part, per_step, backward_share * compute, (1 - backward_share) * compute
+    )
+    return RankEstimate(
+        pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
+        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
+        collectives=tuple(collectives + dp_items), compute_seconds=compute,
+        microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
+    )
