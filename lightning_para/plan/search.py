@@ -21,6 +21,7 @@ from lightning_para.plan.cost import Estimate, estimate, layout_problems
 from lightning_para.plan.layout import RECOMPUTE, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
+from lightning_para.plan.render import fits_table, rejected_table, save_chart, strategy_yaml
 
 
 def _divisors(n: int) -> list[int]:
@@ -115,20 +116,14 @@ class PlanResult:
 
     def table(self, limit: int = 10) -> str:
         """The ranked layouts that fit, as a text table."""
-        from lightning_para.plan.render import fits_table
-
         return fits_table(self, limit)
 
     def rejected_table(self, limit: int = 20) -> str:
         """The excluded layouts and their reasons, as a text table."""
-        from lightning_para.plan.render import rejected_table
-
         return rejected_table(self, limit)
 
     def strategy_yaml(self, choice: Optional[Estimate] = None) -> str:
         """``ParaStrategy(...)`` arguments of ``choice`` (default: :attr:`best`) as YAML to paste."""
-        from lightning_para.plan.render import strategy_yaml
-
         chosen = choice or self.best
         if chosen is None:
             raise ValueError("No layout fits, so there is no strategy to render; see `rejected` for the reasons.")
@@ -136,8 +131,6 @@ class PlanResult:
 
     def save_chart(self, path: Union[str, Path], limit: int = 12) -> Path:
         """Draw the ranked layouts' memory against the GPU limit as a PNG; returns the path."""
-        from lightning_para.plan.render import save_chart
-
         return save_chart(self, Path(path), limit)
 
 

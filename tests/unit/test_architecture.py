@@ -165,6 +165,9 @@ def _private_writes(tree: ast.AST) -> list[tuple[int, str]]:
                     found.append((node.lineno, ast.unparse(t)))
         if isinstance(node, ast.Call):
             func = ast.unparse(node.func)
+            owner = node.args[0] if node.args else None
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue  # a frozen dataclass setting its own field
             if func in ("setattr", "object.__setattr__") and len(node.args) >= 2:
                 key = node.args[1]
                 if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("_"):
@@ -185,7 +188,7 @@ def test_no_writes_to_other_objects_private_state():
 
 
 def test_private_write_check_sees_the_usual_forms():
-    tree = ast.parse("p._para_expert = True\nobject.__setattr__(m, '_x', 1)\nself._ok = 1\nsetattr(o, '_y', 2)\n")
+    tree = ast.parse("p._para_expert = True\nobject.__setattr__(m, '_x', 1)\nself._ok = 1\nsetattr(o, '_y', 2)\nobject.__setattr__(self, '_z', 3)\n")
     assert [what for _, what in _private_writes(tree)] == ["p._para_expert", "object.__setattr__(..., '_x')", "setattr(..., '_y')"]
 
 
