@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims, check_expert_degree
+from lightning_para.parallel.context.attention import CP_METHODS
 from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, validate_pipeline_config
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -36,10 +38,15 @@ def _choices(values: Sequence[Any]) -> str:
 class ParallelConfig:
     """The parallel layout and the options of each dimension.
 
-    Degrees multiply to the world size: ``pp * dp * tp == world_size``. Expert parallelism
+    Degrees multiply to the world size: ``pp * dp * cp * tp == world_size``. Expert parallelism
     lives *inside* data parallelism (``ep`` divides ``dp``): the ``dp`` ranks of one
     pipeline stage and tensor-parallel slot are split into ``dp // ep`` expert-data-parallel
     groups of ``ep`` ranks each, so ``ep`` adds no ranks of its own.
+
+    Hybrid sharding splits ``dp = dp_replicate * dp_shard``: ZeRO state is sharded over
+    ``dp_shard`` and replicated over ``dp_replicate`` (then ``ep`` divides ``dp_shard``). ``dp``
+    alone means ``dp_shard = dp``. Context parallelism (``cp``) splits every sequence over its
+    own ranks; the cp ranks of a data-parallel rank see the same samples.
     """
 
     dp: Degree = "auto"
@@ -62,6 +69,13 @@ class ParallelConfig:
     tp_plan: Optional[Mapping[str, Any]] = None
     loss_parallel: bool = True
     activation_checkpointing: Optional[str] = None
+    # --- context parallel (issue 16) ---
+    cp: int = 1
+    cp_method: str = "ring"  # "ring" (K/V blocks peer-to-peer) or "all_to_all" (DeepSpeed-Ulysses)
+    cp_load_balance: bool = True  # head-tail chunks, so causal attention costs the same on every cp rank
+    # --- hybrid sharded data parallel (issue 16): dp = dp_replicate x dp_shard ---
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
     # --- pipeline parallel ---
     schedule: str = "1f1b"
     microbatches: Optional[int] = None
@@ -74,8 +88,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.dp != "auto":
             _check_positive_int("dp", self.dp)
-        for name in ("tp", "pp", "ep", "virtual_stages"):
+        for name in ("tp", "pp", "ep", "cp", "virtual_stages"):
             _check_positive_int(name, getattr(self, name))
+        self._validate_context_and_hybrid()
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of {_choices(ZERO_STAGES)}.")
         if not (isinstance(self.bucket_size_mb, (int, float)) and self.bucket_size_mb > 0):
@@ -100,7 +115,45 @@ class ParallelConfig:
         if self.pp > 1:
             self._validate_pipeline()
         if isinstance(self.dp, int):  # known now: fail at construction, not at launch
-            check_expert_degree(self.ep, self.dp)
+            check_expert_degree(self.ep, self.dp, self._replicas(self.dp))
+
+    def _validate_context_and_hybrid(self) -> None:
+        """cp, cp_method and the hybrid-sharding degrees (issue 16)."""
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose one of {_choices(sorted(CP_METHODS))}.")
+        if not isinstance(self.cp_load_balance, bool):
+            raise ValueError(f"`cp_load_balance={self.cp_load_balance!r}` must be True or False.")
+        for name in ("dp_replicate", "dp_shard"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        r, s = self.dp_replicate, self.dp_shard
+        if isinstance(self.dp, int):
+            if r is not None and s is not None and r * s != self.dp:
+                raise ValueError(
+                    f"`dp_replicate={r}` x `dp_shard={s}` = {r * s} must equal `dp={self.dp}`."
+                    f" Leave out dp (it is dp_replicate x dp_shard), or choose dp_replicate x dp_shard = {self.dp}."
+                )
+            for name, value in (("dp_replicate", r), ("dp_shard", s)):
+                if value is not None and self.dp % value:
+                    raise ValueError(f"`{name}={value}` must divide `dp={self.dp}`. Choose {name} in {divisors(self.dp)}.")
+        if (r or 1) > 1 and self.zero == 0:
+            raise ValueError(
+                f"`dp_replicate={r}` (hybrid sharding) needs `zero` in 1, 2 or 3: ZeRO-0 shards nothing, so there is"
+                " nothing to replicate across groups. Use zero>=1, or leave dp_replicate out (plain data parallel)."
+            )
+
+    def _replicas(self, dp: int) -> int:
+        """``dp_replicate`` for ``dp`` data-parallel ranks (1 without hybrid sharding)."""
+        if self.dp_replicate is not None:
+            return self.dp_replicate
+        if self.dp_shard is not None:
+            if dp % self.dp_shard:
+                raise ValueError(
+                    f"`dp_shard={self.dp_shard}` must divide dp={dp} (the world size / (pp x cp x tp))."
+                    f" Choose dp_shard in {divisors(dp)}."
+                )
+            return dp // self.dp_shard
+        return 1
 
     def _validate_pipeline(self) -> None:
         if self.zero == 3:
@@ -115,17 +168,23 @@ class ParallelConfig:
     def resolve_dims(self, world_size: int) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` takes what is left); raises ``ValueError``
         naming the degrees to change. The mesh itself is built later, by the strategy."""
-        model_parallel = self.pp * self.tp
-        if self.dp == "auto":
+        model_parallel = self.pp * self.cp * self.tp
+        if self.dp == "auto" and self.dp_replicate is not None and self.dp_shard is not None:
+            dp = self.dp_replicate * self.dp_shard  # both given: dp is their product
+        elif self.dp == "auto":
             if world_size % model_parallel != 0:
                 raise ValueError(
-                    f"The world size {world_size} is not divisible by pp={self.pp} x tp={self.tp} = {model_parallel},"
-                    f" so `dp='auto'` has no valid value. Choose pp and tp whose product divides {world_size}."
+                    f"The world size {world_size} is not divisible by pp={self.pp} x cp={self.cp} x tp={self.tp} ="
+                    f" {model_parallel}, so `dp='auto'` has no valid value. Choose pp, cp and tp whose product divides"
+                    f" {world_size}."
                 )
             dp = world_size // model_parallel
         else:
             dp = int(self.dp)
-        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, ep=self.ep, world_size=world_size)
+        return ParallelDims(
+            pp=self.pp, dp=dp, tp=self.tp, ep=self.ep, world_size=world_size, cp=self.cp,
+            dp_replicate=self._replicas(dp),
+        )
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` processes."""

@@ -2,22 +2,45 @@
 
 Layout (outermost to innermost)::
 
-    ("pp", "edp", "ep", "tp")        flattened: "dp" = ("edp", "ep")
+    ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
+
+    flattened:  "dp"          = ("dp_replicate", "edp", "ep")   every data-parallel rank (the sampler's)
+                "dp_shard"    = ("edp", "ep")                    what ZeRO shards dense state over
+                "dp_shard_cp" = ("edp", "ep", "cp")              the same with the cp ranks (cp > 1)
+                "edp_cp"      = ("edp", "cp")                    what ZeRO shards expert state over (cp > 1)
 
 * ``tp`` is innermost, so tensor-parallel groups are consecutive ranks: on GPUs that is
-  one node and its NVLink (Megatron's rule: TP within a node).
+  one node and its NVLink (Megatron's rule: TP within a node). It communicates inside every
+  sublayer, forward and backward.
+* ``cp`` comes next: context parallelism exchanges K/V blocks (ring) or re-shards q/k/v
+  (all-to-all) inside every attention layer, forward and backward -- the next most frequent
+  traffic after tp, so ``tp * cp`` ranks should share a node (Megatron-Core orders its groups
+  tp-cp-ep-dp-pp; torchtitan puts cp just outside tp too).
+* ``ep`` and ``edp`` split data parallelism: experts are sharded over ``ep`` and replicated over
+  the expert-data-parallel ranks; dense parameters are replicated over all of ``dp``. ``ep``
+  all-to-alls once per MoE layer, so it sits inside the rest of dp.
+* ``dp_replicate`` (hybrid sharded data parallel) sits outside the sharded part: ZeRO state is
+  sharded over ``dp_shard`` (inside a node) and replicated over ``dp_replicate`` (across
+  nodes), so the only traffic crossing the slow links is one all-reduce of each rank's gradient
+  *shard* per step; parameters are gathered within the node.
 * ``pp`` is outermost, so pipeline neighbours sit in different nodes and only their
   point-to-point activations cross the slow links (PP across nodes).
-* ``dp`` fills the rest. Expert parallelism borrows the inner ``ep`` ranks of ``dp``: experts
-  are sharded over ``ep`` and replicated over ``edp`` ("expert data parallel"), while dense
-  parameters are replicated over the whole flattened ``dp``.
+
+``dp = dp_replicate * dp_shard`` and ``dp_shard = edp * ep``. With ``dp`` alone (the default)
+``dp_replicate = 1`` and the mesh is today's flat one. The cp ranks of a data-parallel rank see
+the same samples, so gradients are averaged over ``dp x cp``: ZeRO shards over ``dp_shard x cp``
+("dp_shard_cp"), as torchtitan's FSDP does over its flattened ``dp_shard_cp``.
 
 Every dimension exists even at size 1, so code asks for ``mesh["tp"]`` without branching.
-Sub-meshes are handed to each ``apply_*`` function explicitly; there is no global state.
+Flattened names whose ranks coincide with another name (``dp_shard`` when ``dp_replicate = 1``,
+``dp_shard_cp`` when ``cp = 1``) are the *same* mesh object, so one process group serves both
+and the comm tracer labels it by the plainer name. Sub-meshes are handed to each ``apply_*``
+function explicitly; there is no global state.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,53 +49,97 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_para._dtensor import divisors
 
-MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
-FLATTENED_DIMS = {"dp": ("edp", "ep")}
+MESH_DIM_NAMES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
+FLATTENED_DIMS = {
+    "dp": ("dp_replicate", "edp", "ep"),
+    "dp_shard": ("edp", "ep"),
+    "dp_shard_cp": ("edp", "ep", "cp"),
+    "edp_cp": ("edp", "cp"),
+}
+# A flattened name whose ranks equal another mesh's when some degree is 1: (name, degree, same as).
+_ALIASES = (("dp_shard", "dp_replicate", "dp"), ("dp_shard_cp", "cp", "dp_shard"), ("edp_cp", "cp", "edp"))
 
 
-def check_expert_degree(ep: int, dp: int) -> None:
-    """``ep`` must divide ``dp``: expert parallelism splits the data-parallel ranks (raises ``ValueError``)."""
-    if dp % ep:
+def check_expert_degree(ep: int, dp: int, dp_replicate: int = 1) -> None:
+    """``ep`` must divide the sharded part of ``dp``: expert parallelism splits the data-parallel ranks
+    of one replica (raises ``ValueError``)."""
+    dp_shard = dp // dp_replicate
+    if dp_shard % ep:
+        if dp_replicate == 1:
+            raise ValueError(
+                f"`ep={ep}` must divide `dp={dp}`: expert parallelism splits the data-parallel ranks."
+                f" Choose ep in {divisors(dp)} or a dp that is a multiple of {ep}."
+            )
         raise ValueError(
-            f"`ep={ep}` must divide `dp={dp}`: expert parallelism splits the data-parallel ranks."
-            f" Choose ep in {divisors(dp)} or a dp that is a multiple of {ep}."
+            f"`ep={ep}` must divide `dp_shard={dp_shard}`: expert parallelism splits the data-parallel ranks of"
+            f" one replica (hybrid sharding replicates whole replicas over dp_replicate={dp_replicate})."
+            f" Choose ep in {divisors(dp_shard)} or a dp_shard that is a multiple of {ep}."
         )
 
 
 @dataclass
 class ParallelDims:
-    """The degrees of each dimension for one world size, and the mesh built from them."""
+    """The degrees of each dimension for one world size, and the mesh built from them.
+
+    ``dp`` counts every data-parallel rank; ``dp_replicate`` of them hold replicas of the ZeRO
+    state and ``dp_shard = dp / dp_replicate`` shard it (hybrid sharding). ``cp`` ranks split
+    each sequence.
+    """
 
     pp: int
     dp: int
     tp: int
     ep: int
     world_size: int
+    cp: int = 1
+    dp_replicate: int = 1
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
     _flattened: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        product = self.pp * self.dp * self.tp
+        product = self.pp * self.dp * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"The parallel degrees pp={self.pp} x dp={self.dp} x tp={self.tp} = {product} do not match"
-                f" the world size {self.world_size} (devices x num_nodes). Change the degrees so their product is"
-                f" {self.world_size}, or set dp='auto'."
+                f"The parallel degrees pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {product} do not"
+                f" match the world size {self.world_size} (devices x num_nodes). Change the degrees so their product"
+                f" is {self.world_size}, or set dp='auto'."
             )
-        check_expert_degree(self.ep, self.dp)
+        if self.dp % self.dp_replicate:
+            raise ValueError(
+                f"`dp_replicate={self.dp_replicate}` must divide `dp={self.dp}` (dp = dp_replicate x dp_shard)."
+                f" Choose dp_replicate in {divisors(self.dp)}."
+            )
+        check_expert_degree(self.ep, self.dp, self.dp_replicate)
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks that shard ZeRO state (all of ``dp`` without hybrid sharding)."""
+        return self.dp // self.dp_replicate
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel degree: how many ranks hold the same experts."""
-        return self.dp // self.ep
+        """Expert-data-parallel ranks of one replica: how many ranks shard the same experts' ZeRO state."""
+        return self.dp_shard // self.ep
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks that share (shard) the ZeRO state of a dense parameter: ``dp_shard x cp``."""
+        return self.dp_shard * self.cp
+
+    @property
+    def expert_zero_shards(self) -> int:
+        """Ranks that share the ZeRO state of an expert parameter: ``edp x cp``."""
+        return self.edp * self.cp
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.pp, self.edp, self.ep, self.tp)
+        return (self.pp, self.dp_replicate, self.edp, self.ep, self.cp, self.tp)
 
     pp_enabled = property(lambda self: self.pp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
     ep_enabled = property(lambda self: self.ep > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
+    replicated = property(lambda self: self.dp_replicate > 1)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the mesh (a collective over the world); call once per process group."""
@@ -84,8 +151,24 @@ class ParallelDims:
                 f" {self.world_size}."
             )
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        degrees = dict(zip(MESH_DIM_NAMES, self.shape))
+        aliases = {name: same for name, degree, same in _ALIASES if degrees[degree] == 1}
         # Keep the flattened meshes: torch deprecates re-slicing a flattened dim from the root.
-        self._flattened = {name: mesh[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
+        flattened: dict = {}
+        for name, dims in FLATTENED_DIMS.items():
+            if name in aliases:
+                same = aliases[name]
+                flattened[name] = flattened[same] if same in flattened else mesh[same]
+            else:
+                flattened[name] = mesh[dims]._flatten(name)
+        if self.dp_replicate > 1:
+            # FSDP2's hybrid-sharding meshes (replicate, shard), built once and kept: the one 2-D
+            # slice of a flattened dim from the root, which torch warns it will deprecate.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
+                for shard in ("dp_shard_cp", "edp_cp"):
+                    flattened[("dp_replicate", shard)] = mesh["dp_replicate", flattened[shard].mesh_dim_names[0]]
+        self._flattened = flattened
         self.mesh = mesh
         return mesh
 
@@ -104,7 +187,11 @@ class ParallelDims:
             )
         if len(names) == 1 and names[0] in self._flattened:
             return self._flattened[names[0]]
-        return self.mesh[names[0] if len(names) == 1 else names]
+        if names in self._flattened:
+            return self._flattened[names]
+        # An alias (e.g. "dp_shard_cp" when cp = 1) slices the root under the name it was built with.
+        real = tuple(self._flattened[n].mesh_dim_names[0] if n in self._flattened else n for n in names)
+        return self.mesh[real[0] if len(real) == 1 else real]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of one (possibly flattened) mesh dimension."""
@@ -113,3 +200,21 @@ class ParallelDims:
     def local_rank(self, name: str) -> int:
         """This rank's coordinate along one (possibly flattened) mesh dimension."""
         return self.get_mesh(name).get_local_rank()
+
+    def zero_mesh(self, expert: bool = False) -> DeviceMesh:
+        """The 1-D mesh ZeRO shards a parameter's state over: ``dp_shard x cp`` (dense) or ``edp x cp`` (experts).
+
+        Without hybrid sharding it is also the whole gradient-averaging group (``dp x cp``); with
+        ``cp = 1`` and ``dp_replicate = 1`` it is the ``dp`` (``edp``) mesh itself.
+        """
+        return self.get_mesh("edp_cp" if expert else "dp_shard_cp")
+
+    def replicate_mesh(self) -> Optional[DeviceMesh]:
+        """The 1-D mesh over which ZeRO state is replicated (hybrid sharding), or ``None``."""
+        return self.get_mesh("dp_replicate") if self.replicated else None
+
+    def fsdp_mesh(self, expert: bool = False) -> DeviceMesh:
+        """FSDP2's mesh: the 1-D shard mesh, or 2-D ``(dp_replicate, shard)`` under hybrid sharding (HSDP)."""
+        if not self.replicated:
+            return self.zero_mesh(expert)
+        return self._flattened[("dp_replicate", "edp_cp" if expert else "dp_shard_cp")]

@@ -4,6 +4,8 @@ Order, and why:
 
 1. **Expert layout check** on the whole model: every rank raises the same ``ValueError`` for
    an impossible ``ep`` before the pipeline split leaves each rank a part of the model.
+   **Context parallel** set-up on the whole model too: it changes no parameter, it tells every
+   position-aware submodule its cp rank (before the split, so every stage's modules hear it).
 2. **Pipeline split**: each rank keeps only its own stages, so every later step works on
    (and allocates for) a fraction of the model.
 3. **Tensor parallel**: it turns parameters into DTensors on the ``tp`` mesh; data
@@ -14,6 +16,9 @@ Order, and why:
    recomputed forward re-issues the same collectives.
 6. **Data parallel / ZeRO**: FSDP2 (stage 3) must wrap the final parameters, and the
    ZeRO-0/1/2 gradient hooks must sit on the parameters that really receive gradients.
+   Gradients are averaged over ``dp x cp`` (the cp ranks hold different tokens of the same
+   samples): ZeRO shards over ``dp_shard x cp`` and, under hybrid sharding, all-reduces the
+   shards over ``dp_replicate``; FSDP2 gets the 2-D HSDP mesh then.
 7. **Precision cast** to bf16 (``bf16-true``) after ZeRO-0/1/2 took their fp32 master
    copies, so masters start from the exact fp32 initialisation (FSDP2 keeps fp32 shards and
    gathers in bf16 itself, so ZeRO-3 is not cast).
@@ -36,6 +41,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_para.parallel.context import ContextParallel, apply_context_parallel
 from lightning_para.parallel.data import GradReplication, ZeroDataParallel, apply_fully_shard
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
@@ -58,6 +64,7 @@ class ParallelModel:
     experts: list[ExpertParallelInfo] = field(default_factory=list)
     zero: Optional[ZeroDataParallel] = None
     fully_sharded: bool = False
+    context: Optional[ContextParallel] = None  # cp > 1: batch split, attention and loss around each step
     # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
     psi_dense: int = 0
     psi_expert: int = 0
@@ -98,6 +105,11 @@ def parallelize(
     """
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
+    context = None
+    if dims.cp_enabled:
+        context = apply_context_parallel(
+            module, dims.get_mesh("cp"), method=config.cp_method, load_balance=config.cp_load_balance, tp=dims.tp
+        )
     pipeline = None
     parts = [module]
     if dims.pp_enabled:
@@ -107,7 +119,7 @@ def parallelize(
             pipeline_balance=config.pipeline_balance,
         )
         parts = list(pipeline.stage_modules)
-    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline)
+    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline, context=context)
 
     if dims.tp_enabled:
         # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
@@ -141,14 +153,16 @@ def _apply_data_parallel(
     module: nn.Module, result: ParallelModel, param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype]
 ) -> None:
     dims, config = result.dims, result.config
-    dense_mesh, expert_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
+    # ZeRO shards over dp_shard x cp (experts: edp x cp); hybrid sharding replicates over dp_replicate.
+    dense_mesh, expert_mesh = dims.zero_mesh(), dims.zero_mesh(expert=True)
     if config.zero == 3:
         expert_units = [m for info in result.experts for m in info.expert_modules]
-        placement = fsdp_shard_placement_fn(dims.dp) if dims.tp_enabled else None
+        placement = fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None
         for part in result.parts:
             apply_fully_shard(
-                part, dense_mesh, param_dtype=param_dtype, expert_units=[m for m in expert_units if _inside(m, part)],
-                expert_mesh=expert_mesh if dims.ep > 1 else None, shard_placement_fn=placement,
+                part, dims.fsdp_mesh(), param_dtype=param_dtype,
+                expert_units=[m for m in expert_units if _inside(m, part)],
+                expert_mesh=dims.fsdp_mesh(expert=True) if dims.ep > 1 else None, shard_placement_fn=placement,
             )
         result.fully_sharded = True
         return
@@ -158,7 +172,10 @@ def _apply_data_parallel(
         for name, p in module.named_parameters()
         if p.requires_grad
     ]
-    result.zero = ZeroDataParallel(named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=master_dtype)
+    result.zero = ZeroDataParallel(
+        named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=master_dtype,
+        replicate_mesh=dims.replicate_mesh(),
+    )
 
 
 def _inside(child: nn.Module, root: nn.Module) -> bool:

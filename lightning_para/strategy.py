@@ -57,7 +57,15 @@ class ParaStrategy(ParallelStrategy):
         tp: tensor-parallel degree (innermost mesh dim: keep it within a node).
         pp: pipeline-parallel degree (outermost mesh dim).
         ep: expert-parallel degree; must divide ``dp`` (experts are sharded inside dp).
-        zero: ZeRO stage 0, 1, 2 or 3 over ``dp``.
+        zero: ZeRO stage 0, 1, 2 or 3 over ``dp`` (over ``dp_shard x cp`` in general).
+        cp: context-parallel degree: each sequence is split over ``cp`` ranks (load-balanced
+            head-tail chunks) and attention runs across them (``docs/context_parallel.md``).
+        cp_method: ``"ring"`` (K/V blocks passed peer-to-peer) or ``"all_to_all"`` (DeepSpeed-Ulysses).
+        cp_load_balance: head-tail chunks (``2 * cp`` must divide the sequence); ``False``:
+            contiguous slices (``cp`` must divide it; causal attention then costs more on late ranks).
+        dp_replicate, dp_shard: hybrid sharded data parallel, ``dp = dp_replicate x dp_shard``:
+            ZeRO state sharded over ``dp_shard`` (within a node), replicated over ``dp_replicate``
+            (across nodes); needs ``zero >= 1``. ``dp`` alone means ``dp_shard = dp``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``; when set it
             overrides ``Trainer(precision=...)`` (which also works, for the first three).
         sequence_parallel: shard norms/dropout/residuals along the sequence over ``tp``.
@@ -90,6 +98,11 @@ class ParaStrategy(ParallelStrategy):
         ep: int = 1,
         zero: int = 0,
         *,
+        cp: int = 1,
+        cp_method: str = "ring",
+        cp_load_balance: bool = True,
+        dp_replicate: Optional[int] = None,
+        dp_shard: Optional[int] = None,
         precision: Optional[str] = None,
         sequence_parallel: bool = False,
         sp_save_input_shard: bool = True,
@@ -118,6 +131,7 @@ class ParaStrategy(ParallelStrategy):
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
+            cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
         )
         if precision is not None:
             if precision_plugin is not None:
@@ -176,13 +190,15 @@ class ParaStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self):
-        """The one ``DeviceMesh`` with dims ``("pp", "edp", "ep", "tp")`` and flattened ``"dp"``."""
+        """The one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "edp", "ep", "cp", "tp")`` and flattened
+        ``"dp"``, ``"dp_shard"``, ``"dp_shard_cp"``, ``"edp_cp"`` (see :mod:`lightning_para.mesh`)."""
         return self.parallel_dims.mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # One sample stream per dp rank: the tp and pp ranks of a dp coordinate see the same batch
-        # (ep ranks are dp ranks, so they get different batches, as expert parallelism expects).
+        # One sample stream per dp rank: the tp, cp and pp ranks of a dp coordinate see the same batch
+        # (ep ranks are dp ranks, so they get different batches, as expert parallelism expects;
+        # cp ranks then take their own chunks of each sequence in the step).
         dims = self.parallel_dims
         return {"num_replicas": dims.dp, "rank": dims.local_rank("dp")}
 
@@ -261,6 +277,7 @@ class ParaStrategy(ParallelStrategy):
             raise ValueError(
                 "This LightningModule was already parallelized by another ParaStrategy with a different layout"
                 f" (pp={existing.dims.pp}, dp={existing.dims.dp}, tp={existing.dims.tp}, ep={existing.dims.ep},"
+                f" cp={existing.dims.cp}, dp_replicate={existing.dims.dp_replicate},"
                 f" zero={old.zero}). Create a new module instance (or load a checkpoint into one) for a new layout."
             )
         self._dims = existing.dims
@@ -309,6 +326,19 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        cp = self._parallel.context if self._parallel is not None else None
+        if cp is None:
+            return self._run_parallel_step(name, context, *args, **kwargs)
+        # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
+        # across the cp group and cross-entropy covers the whole sequence, in every stage too.
+        args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
+        mode = cp.mode()
+        with mode:
+            output = self._run_parallel_step(name, context, *args, **kwargs)
+        cp.check_attention_reached(mode)
+        return cp.gather_output(output) if name == "predict_step" else output
+
+    def _run_parallel_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         parallel = self._parallel
         if parallel is not None and parallel.pipeline is not None:
@@ -344,7 +374,9 @@ class ParaStrategy(ParallelStrategy):
         pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
             # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
-            with loss_parallel_backward(parallel is not None and parallel.loss_parallel):
+            # Context parallel: activation checkpointing recomputes attention in backward, across the cp group.
+            cp_mode = parallel.context.mode() if parallel is not None and parallel.context is not None else None
+            with loss_parallel_backward(parallel is not None and parallel.loss_parallel), cp_mode or contextlib.nullcontext():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
@@ -375,7 +407,10 @@ class ParaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, Any]:
         """This rank's bytes for ``params``, ``grads`` and ``optimizer`` (fp32 masters included),
-        with ``expected`` bytes from the ZeRO formulas for the active stage (see ``docs/``)."""
+        with ``expected`` bytes from the ZeRO formulas for the active stage (see ``docs/``).
+
+        The formulas' ``N`` is the number of ranks that *shard* the state: ``dp_shard x cp``
+        (``edp x cp`` for experts); hybrid sharding's ``dp_replicate`` replicas hold copies."""
         parallel = self._parallel
         if parallel is None:
             raise RuntimeError("memory_breakdown() is available once the Trainer has set up the strategy.")
@@ -387,8 +422,10 @@ class ParaStrategy(ParallelStrategy):
             module,
             self._raw_optimizers(),
             stage=self.config.zero,
-            dp=self.parallel_dims.dp,
-            edp=self.parallel_dims.edp,
+            dp=self.parallel_dims.zero_shards,
+            edp=self.parallel_dims.expert_zero_shards,
+            dp_replicate=self.parallel_dims.dp_replicate,
+            cp=self.parallel_dims.cp,
             psi_dense=parallel.psi_dense,
             psi_expert=parallel.psi_expert,
             param_bytes=param_bytes,

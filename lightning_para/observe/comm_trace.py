@@ -3,8 +3,10 @@
 :class:`CommTracer` is a ``TorchDispatchMode``: every c10d op (``dist.all_reduce`` ..., the
 ones ZeRO and FSDP2 issue from backward hooks, pipeline send/recv) and every functional
 collective (DTensor / tensor parallel) passes through it. Each op's process group is mapped
-to the name of the mesh dimension it belongs to (``tp``, ``dp``, ``pp``, ``ep``, ``edp``, or
-``world`` for the default group), so the counts read "tp all_reduce: 1.2 MB, 3.4 ms".
+to the name of the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``ep``,
+``edp``; under hybrid sharding ``dp_shard`` and ``dp_replicate``; with ``cp > 1`` ZeRO's group
+``dp_shard_cp``; or ``world`` for the default group), so the counts read "tp all_reduce:
+1.2 MB, 3.4 ms" and the bytes that cross nodes (``dp_replicate``, ``pp``) stand apart.
 
 Volumes follow the ZeRO paper's accounting (Rajbhandari et al. 2020, Sec. 7), which the
 docs' formulas use: an all-reduce of psi bytes counts 2 psi (reduce-scatter + all-gather),
@@ -36,7 +38,8 @@ _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrie
 _P2P = {"send", "recv", "recv_any_source"}
 # Mesh dims in labelling priority: a group shared by two dims (e.g. dp that spans the world)
 # is named after the first; dims of size 1 come after every real group.
-_DIM_PRIORITY = ("tp", "ep", "dp", "edp", "pp")
+# A flattened name that is an alias of another (same ranks, same group) takes the plainer name.
+_DIM_PRIORITY = ("tp", "cp", "ep", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "edp", "edp_cp", "pp")
 
 
 def _nbytes(value: Any) -> int:

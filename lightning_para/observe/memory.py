@@ -18,6 +18,10 @@ With bf16 weights and Adam (p = g = 2, K = 12) the totals are the paper's
 fp32 (they *are* the master copy), so p = g = 4, K = 8: still 16/N. Expert parameters use
 ``N = edp`` (they are replicated over fewer ranks).
 
+``N`` counts the ranks that *shard* the state: ``dp_shard x cp`` (context-parallel ranks hold
+the same parameters, so ZeRO shards over them too). Under hybrid sharding the ``dp_replicate``
+replicas each hold a full set of shards, so ``N = dp_shard x cp``, not ``dp x cp``.
+
 Measured bytes count each storage once: a ZeRO-1/2 fp32 master is a view of its parameter's
 rows and is not counted twice.
 """
@@ -140,10 +144,14 @@ def memory_breakdown(
     param_bytes: int,
     master_bytes: int,
     is_expert: Callable[[Tensor], bool] = lambda t: False,
+    dp_replicate: int = 1,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """Measured and expected bytes for this rank (see :meth:`ParaStrategy.memory_breakdown`).
 
-    ``is_expert`` tells MoE expert tensors (model parameters and the optimizer's masters of them)."""
+    ``dp``/``edp`` are the numbers of ranks that shard dense/expert state (the formulas' ``N``);
+    ``dp_replicate`` and ``cp`` are reported alongside. ``is_expert`` tells MoE expert tensors
+    (model parameters and the optimizer's masters of them)."""
     measured = measure(module, optimizers)
     states = None
     for o in optimizers:
@@ -174,6 +182,8 @@ def memory_breakdown(
         "zero": stage,
         "dp": dp,
         "edp": edp,
+        "dp_replicate": dp_replicate,
+        "cp": cp,
         "num_params": psi_dense + psi_expert,
         "num_expert_params": psi_expert,
         "bytes_per_param": {"param": param_bytes, "grad": param_bytes, "optimizer": optimizer_bytes},

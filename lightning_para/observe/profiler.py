@@ -336,6 +336,9 @@ class ParaProfiler(Callback):
         self._log_scalars(trainer, metrics)
         first = per_rank[0]
         header = f"ZeRO-{first['zero']} over dp={first['dp']} (edp={first['edp']}): {first['formula']}\n\n"
+        if first.get("dp_replicate", 1) > 1 or first.get("cp", 1) > 1:  # N = dp_shard x cp shards the state
+            header = (f"ZeRO-{first['zero']} sharded over N={first['dp']} ranks (dp_shard x cp, cp={first['cp']}),"
+                      f" replicated over dp_replicate={first['dp_replicate']}: {first['formula']}\n\n")
         self._log_text(trainer, "memory/breakdown", header + "\n".join(rows))
 
     def _log_pipeline(self, trainer: L.Trainer) -> None:

@@ -7,6 +7,9 @@ One readable file: :class:`GPTConfig` (named size presets), the blocks, and :cla
 * Separate ``q``/``k``/``v`` projections, so a column-wise split over ``tp`` keeps whole heads
   on each rank; attention reshapes with ``-1`` heads, so it runs unchanged with ``n_head / tp``
   local heads.
+* Context parallel: :class:`Embedding` and :class:`CausalSelfAttention` take their global token
+  positions from the strategy (``set_context_parallel``), since a cp rank holds non-contiguous
+  chunks of each sequence and ``arange(local length)`` would be wrong.
 * ``embed`` -> ``blocks`` -> ``head`` are separate modules that each map ``x -> x``: that is
   the pipeline contract (:meth:`GPT.configure_pipeline`). Each of them declares its own
   tensor-parallel plan (``tensor_parallel_plan()`` on :class:`Embedding`, :class:`Block`,
@@ -35,6 +38,7 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
 from lightning_para._dtensor import full_tensor
+from lightning_para.parallel.context import ContextParallelShard
 from lightning_para.parallel.pipeline.spec import PipelineSpec
 from lightning_para.recipes.data import ByteTokenizer, check_vocab
 
@@ -118,15 +122,18 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
-def apply_rope(x: Tensor, theta: float) -> Tensor:
+def apply_rope(x: Tensor, theta: float, positions: Optional[Tensor] = None) -> Tensor:
     """Rotary position embedding (Su et al. 2021) on ``x`` of shape (B, T, heads, head_dim).
 
-    Computed from the sequence length each call (no buffers), in fp32, so it is the same on
-    every pipeline stage and unaffected by casting the model to bf16.
+    Computed from the positions each call (no buffers), in fp32, so it is the same on every
+    pipeline stage and unaffected by casting the model to bf16. ``positions`` (T,) are the
+    tokens' global positions (context parallel); ``None`` means ``0..T-1``.
     """
     _, seq, _, dim = x.shape
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)  # (T, dim/2)
+    if positions is None:
+        positions = torch.arange(seq, device=x.device)
+    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv_freq)  # (T, dim/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -146,6 +153,11 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, d, bias=config.bias)
         self.c_proj = nn.Linear(d, d, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.context_shard: Optional[ContextParallelShard] = None  # set under context parallel
+
+    def set_context_parallel(self, shard: ContextParallelShard) -> None:
+        """Context parallel: this rank holds chunks ``shard`` of each sequence (RoPE needs their positions)."""
+        self.context_shard = shard
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
@@ -154,7 +166,9 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(batch, seq, -1, self.head_dim)
         v = self.c_v(x).view(batch, seq, -1, self.head_dim)
         if self.rope_theta is not None:
-            q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
+            shard = self.context_shard
+            positions = shard.local_positions(seq, x.device) if shard is not None else None
+            q, k = apply_rope(q, self.rope_theta, positions), apply_rope(k, self.rope_theta, positions)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, dropout_p=self.dropout if self.training else 0.0,
@@ -232,14 +246,21 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
+        self.context_shard: Optional[ContextParallelShard] = None  # set under context parallel
+
+    def set_context_parallel(self, shard: ContextParallelShard) -> None:
+        """Context parallel: ``idx`` holds chunks ``shard`` of each sequence (their positions are global)."""
+        self.context_shard = shard
 
     def forward(self, idx: Tensor) -> Tensor:
-        seq = idx.shape[1]
+        shard = self.context_shard
+        seq = idx.shape[1] * (shard.cp if shard is not None else 1)
         if seq > self.block_size:
             raise ValueError(f"A sequence of {seq} tokens is longer than the model's block_size={self.block_size}.")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(seq, device=idx.device))
+            positions = shard.local_positions(idx.shape[1], idx.device) if shard is not None else None
+            x = x + self.wpe(positions if positions is not None else torch.arange(seq, device=idx.device))
         return self.dropout(x)
 
     def tensor_parallel_plan(self) -> dict[str, str]:

@@ -3,7 +3,9 @@
 * :mod:`.sharding`: load-balanced (head-tail) sequence shards and their global positions;
 * :mod:`.ring`: ring attention (K/V blocks peer-to-peer, online softmax);
 * :mod:`.ulysses`: DeepSpeed-Ulysses (all-to-all from sequence to heads);
-* :mod:`.attention`: one entry point and a ``TorchFunctionMode`` that makes SDPA context-parallel.
+* :mod:`.attention`: one entry point and a ``TorchFunctionMode`` that makes SDPA context-parallel;
+* :mod:`.step`: ``apply_context_parallel`` and what the strategy does around each step (batch
+  split and its hook, global positions, the loss over the whole sequence).
 
 Self-contained: nothing here imports another ``lightning_para`` module.
 """
@@ -26,11 +28,21 @@ from lightning_para.parallel.context.sharding import (
     valid_cp_sizes,
     validate_cp_sequence_length,
 )
+from lightning_para.parallel.context.step import (
+    ContextParallel,
+    ContextParallelShard,
+    ContextParallelStepMode,
+    apply_context_parallel,
+)
 from lightning_para.parallel.context.ulysses import all_to_all, ulysses_attention, validate_ulysses_heads
 
 __all__ = [
     "CP_METHODS",
+    "ContextParallel",
     "ContextParallelSDPA",
+    "ContextParallelShard",
+    "ContextParallelStepMode",
+    "apply_context_parallel",
     "all_to_all",
     "chunk_ids_for_rank",
     "context_parallel_attention",

@@ -57,7 +57,7 @@ def count_grad_replication(
 ) -> int:
     """On how many ranks the gradient of optimizer tensor ``tensor`` is identical.
 
-    All ranks of one pipeline stage (dp x tp) hold some piece of each of its parameters; the
+    All ranks of one pipeline stage (dp x cp x tp) hold some piece of each of its parameters; the
     replication is that count divided by the number of distinct pieces: the ZeRO shard
     (``zero``), the DTensor shards (TP, EP, FSDP2) and, for an expert that is not a DTensor
     on ``ep``, the ep split. Tied weights across pipeline stages are rejected, so no
@@ -74,7 +74,7 @@ def count_grad_replication(
         on_ep = "ep" in (mesh.mesh_dim_names or ())
     if is_expert(base) and not on_ep:
         distinct *= dims.ep
-    return max((dims.dp * dims.tp) // distinct, 1)
+    return max((dims.dp * dims.cp * dims.tp) // distinct, 1)
 
 
 @torch.no_grad()

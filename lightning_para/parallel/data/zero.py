@@ -10,6 +10,13 @@ stage  what each of the N data-parallel ranks holds (Adam)    traffic per optimi
 
 (ZeRO paper, Rajbhandari et al. 2020, Fig. 1 and Sec. 7; stage 3 is FSDP2, see ``fsdp.py``.)
 
+Hybrid sharding (``replicate_mesh``, issue 16): ZeRO-1/2 state is sharded over each parameter's
+mesh (``dp_shard``, normally inside a node) and replicated over ``replicate_mesh``
+(``dp_replicate``, across nodes). A bucket's gradients are reduce-scattered within the shard
+group, then the shard alone is all-reduced across replicas: ``2 psi / dp_shard`` bytes cross
+the replicate dimension per step; the updated parameters are all-gathered within the shard
+group only.
+
 How it works:
 
 * Gradients are synchronised in *buckets* of ``bucket_size_mb``, in one fixed order on every
@@ -69,6 +76,8 @@ class ZeroDataParallel:
         master_dtype: dtype of separate optimizer copies of the weights (fp32 under
             ``bf16-true``). Build this object *before* casting the model, so the masters start
             from the exact fp32 values. ``None`` steps the model's own tensors.
+        replicate_mesh: hybrid sharding (stages 1-2): the 1-D mesh over which the sharded state
+            is replicated; each gradient shard is all-reduced over it after the reduce-scatter.
     """
 
     def __init__(
@@ -78,9 +87,14 @@ class ZeroDataParallel:
         *,
         bucket_size_mb: float = 25.0,
         master_dtype: Optional[torch.dtype] = None,
+        replicate_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles ZeRO stages 0-2, got {stage}; stage 3 uses FSDP2.")
+        self.replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+        if self.replicas > 1 and stage == 0:
+            raise ValueError("Hybrid sharding (dp_replicate > 1) needs ZeRO stage 1 or 2 here; stage 0 shards nothing.")
+        self.replicate_group = replicate_mesh.get_group() if self.replicas > 1 else None  # type: ignore[union-attr]
         self.stage = stage
         self.launch_during_backward = stage in (0, 2)
         self.sync_enabled = True
@@ -190,9 +204,18 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
+        if self.replicate_group is not None:
+            for bucket in self.buckets:
+                self._reduce_over_replicas(bucket)
         for bucket in self.buckets:
             self._finish(bucket)
         self._synced_since_step = True
+
+    def _reduce_over_replicas(self, bucket: Bucket) -> None:
+        """Hybrid sharding: once the shard group's reduce-scatter is done, all-reduce the shard across replicas."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        bucket.work = dist.all_reduce(bucket.output, group=self.replicate_group, async_op=True)
 
     def flush(self) -> None:
         """Make sure this step's gradients are synchronised (idempotent within a step)."""
@@ -232,7 +255,7 @@ class ZeroDataParallel:
                     pack_rank_major(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
                     # The full gradient is now in the bucket; free it (ZeRO-2 never holds all of them).
                     slot.param.grad = None
-            buffer.div_(world)
+            buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
             output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
             bucket.work = reduce_scatter_single(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
             bucket.buffer, bucket.output = buffer, output
