@@ -173,9 +173,10 @@ class ParallelConfig:
             dp = self.dp_replicate * self.dp_shard  # both given: dp is their product
         elif self.dp == "auto":
             if world_size % model_parallel != 0:
+                cp, names = (f" x cp={self.cp}", "pp, cp and tp") if self.cp > 1 else ("", "pp and tp")
                 raise ValueError(
-                    f"The world size {world_size} is not divisible by pp={self.pp} x cp={self.cp} x tp={self.tp} ="
-                    f" {model_parallel}, so `dp='auto'` has no valid value. Choose pp, cp and tp whose product divides"
+                    f"The world size {world_size} is not divisible by pp={self.pp}{cp} x tp={self.tp} ="
+                    f" {model_parallel}, so `dp='auto'` has no valid value. Choose {names} whose product divides"
                     f" {world_size}."
                 )
             dp = world_size // model_parallel

@@ -99,10 +99,11 @@ class ParallelDims:
     def __post_init__(self) -> None:
         product = self.pp * self.dp * self.cp * self.tp
         if product != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise ValueError(
-                f"The parallel degrees pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {product} do not"
-                f" match the world size {self.world_size} (devices x num_nodes). Change the degrees so their product"
-                f" is {self.world_size}, or set dp='auto'."
+                f"The parallel degrees pp={self.pp} x dp={self.dp}{cp} x tp={self.tp} = {product} do not match"
+                f" the world size {self.world_size} (devices x num_nodes). Change the degrees so their product is"
+                f" {self.world_size}, or set dp='auto'."
             )
         if self.dp % self.dp_replicate:
             raise ValueError(

@@ -62,8 +62,8 @@ def test_get_mesh_errors_list_valid_names(fake_world):
     with pytest.raises(RuntimeError, match="does not exist yet"):
         dims.get_mesh("dp")
     dims.build_mesh("cpu")
-    with pytest.raises(ValueError, match=r"Unknown mesh dimension.*Valid names: pp, edp, ep, tp, dp"):
-        dims.get_mesh("cp")
+    with pytest.raises(ValueError, match=r"Unknown mesh dimension.*Valid names: pp, dp_replicate, edp, ep, cp, tp, dp"):
+        dims.get_mesh("sp")
 
 
 @pytest.mark.parametrize("numel, chunk, world", [(12, 4, 3), (10, 4, 3), (3, 2, 4), (7, 7, 1)])
