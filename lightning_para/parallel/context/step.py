@@ -54,7 +54,7 @@ from lightning_para.parallel.context.sharding import (
     position_ids_for_rank,
     shard_sequence,
     unshard_sequence,
-    validate_cp_sequence_length,
+    valid_cp_sizes,
 )
 
 __all__ = ["ContextParallel", "ContextParallelShard", "ContextParallelStepMode", "apply_context_parallel"]
@@ -88,11 +88,16 @@ class ContextParallelShard:
 
     def check_length(self, seq_len: int) -> None:
         """Raise ``ValueError`` naming ``cp`` and the valid choices unless ``seq_len`` can be split."""
-        try:
-            validate_cp_sequence_length(seq_len, self.cp, load_balance=self.load_balance)
-        except ValueError as err:
-            hint = " (ParaStrategy(cp_load_balance=False) needs only cp to divide it)" if self.load_balance else ""
-            raise ValueError(f"ParaStrategy(cp={self.cp}): {err}{hint}") from None
+        chunks = 2 * self.cp if self.load_balance else self.cp
+        if seq_len % chunks == 0:
+            return
+        choices = sorted({1, *valid_cp_sizes(seq_len, load_balance=self.load_balance)})  # cp=1 splits nothing
+        how = f"2*cp={chunks} equal chunks (load-balanced, for causal attention)" if self.load_balance else f"{chunks} equal chunks"
+        hint = ", or set cp_load_balance=False (then cp alone must divide it)" if self.load_balance else ""
+        raise ValueError(
+            f"ParaStrategy(cp={self.cp}) splits every sequence (dim 1 of the batch tensors) into {how}, but a"
+            f" sequence has {seq_len} tokens. Choose cp in {choices}, pad sequences to a multiple of {chunks}{hint}."
+        )
 
     def split_batch(self, batch: Any) -> Any:
         """The default split: every tensor with at least two dims, along dim 1 (nested lists, tuples, dicts)."""

@@ -1,0 +1,141 @@
+"""Hybrid sharded data parallel (``dp_replicate x dp_shard``): parity, bytes per rank, bytes per dimension.
+
+Four gloo processes as ``dp_replicate=2 x dp_shard=2``: ranks {0, 1} and {2, 3} each shard the
+ZeRO state (one "node" each), ranks {0, 2} and {1, 3} are replicas. The GPT recipe trains 10
+steps with clipping and must match one device (fp32, 1e-5 relative per-step loss); memory and
+traffic are counted independently of the library (``tests/comm_counter.py``, storage bytes).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from tests.comm_counter import CollectiveCounter
+from tests.distributed.test_context_parallel_training import CLIP, GLOBAL_BATCH, STEPS, check_every_rank, gpt, reference
+from tests.parity import ShardedData, fit_job, trainer_kwargs
+from tests.tp_models import token_dataset
+
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_parity(pools, zero):
+    results = pools.get(4).run(fit_job, gpt, {**HSDP, "zero": zero}, token_dataset, GLOBAL_BATCH, STEPS, CLIP)
+    check_every_rank(results, reference(**CLIP), [[0], [1], [2], [3]])
+
+
+def test_hsdp_with_context_parallel_parity(pools):
+    """dp_replicate=2 x cp=2 (dp_shard=1): ZeRO shards over the cp ranks, replicas all-reduce the shards."""
+    kwargs = {"dp_replicate": 2, "cp": 2, "zero": 2}
+    results = pools.get(4).run(fit_job, gpt, kwargs, token_dataset, GLOBAL_BATCH, STEPS, CLIP)
+    check_every_rank(results, reference(**CLIP), [[0, 1], [2, 3]])  # rank = replica * cp + cp_rank
+
+
+# ----------------------------------------------------------------------------- bytes per rank
+class _StepCounter(Callback):
+    """Collectives of one whole training step (forward, backward, optimizer step with ZeRO's gather)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch, self.counter = batch, CollectiveCounter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch:
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch:
+            self.counter.__exit__(None, None, None)
+
+
+def _hsdp_bytes_job(strategy_kwargs: dict) -> dict:
+    from lightning_para import ParaStrategy
+
+    step = _StepCounter(batch=2)
+    strategy = ParaStrategy(**strategy_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = gpt()
+    psi = sum(p.numel() for p in module.parameters()) * 4  # fp32 bytes of the whole model
+    dp = strategy.config.resolve_dp(dist.get_world_size())
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=3, callbacks=[step],
+                        use_distributed_sampler=False, **trainer_kwargs(**CLIP))
+    trainer.fit(module, datamodule=ShardedData(token_dataset, GLOBAL_BATCH // dp))
+    dims = strategy.parallel_dims
+    names = {dims.group(name).group_name: name for name in ("dp_shard", "dp_replicate")}
+    traffic: dict = {}
+    for kind, nbytes, group in step.counter.calls:
+        key = (names.get(group, "other"), kind)
+        traffic[key] = traffic.get(key, 0) + nbytes
+
+    seen: set[int] = set()
+
+    def nbytes(t) -> int:  # each storage once, padding included (what the rank really holds)
+        if t is None:
+            return 0
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(t.untyped_storage().data_ptr())
+        return t.untyped_storage().nbytes()
+
+    optimizer = trainer.optimizers[0]
+    opt_params = [q for g in optimizer.param_groups for q in g["params"]]
+    params = sum(nbytes(p.data) for p in module.parameters())
+    grads = sum(nbytes(p.grad) for p in module.parameters()) + sum(nbytes(q.grad) for q in opt_params)
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    state += sum(nbytes(q.data) for q in opt_params)  # separate masters only (views were counted)
+    return {"psi": psi, "traffic": traffic, "params": params, "grads": grads, "optimizer": state,
+            "breakdown": strategy.memory_breakdown()}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_bytes_per_rank_and_across_replicas(pools, zero):
+    """ZeRO formula with N = dp_shard; 2 psi / dp_shard bytes per step cross dp_replicate, parameters never."""
+    dp_shard = HSDP["dp_shard"]
+    for r in pools.get(4).run(_hsdp_bytes_job, {**HSDP, "zero": zero}):
+        psi, traffic, breakdown = r["psi"], r["traffic"], r["breakdown"]
+        # --- model states per rank: the ZeRO paper's formula with N = dp_shard (AdamW: 2 fp32 states)
+        assert r["optimizer"] == pytest.approx(2 * psi / dp_shard, rel=0.05)
+        assert r["params"] == pytest.approx(psi / dp_shard if zero == 3 else psi, rel=0.05)
+        if zero >= 2:
+            assert r["grads"] <= 1.05 * psi / dp_shard
+        for key in ("params", "optimizer"):  # the library's own numbers and formula agree
+            assert breakdown[key] == r[key]
+            assert r[key] == pytest.approx(breakdown["expected"][key], rel=0.05)
+        assert (breakdown["dp"], breakdown["dp_replicate"]) == (dp_shard, 2)
+        # --- traffic: only gradient shards cross the replicate dimension (all-reduce counts 2x)
+        across = {kind: b for (dim, kind), b in traffic.items() if dim == "dp_replicate"}
+        assert set(across) == {"all_reduce"}, across
+        assert across["all_reduce"] == pytest.approx(2 * psi / dp_shard, rel=0.05)
+        within = {kind: b for (dim, kind), b in traffic.items() if dim == "dp_shard"}
+        if zero == 3:  # forward and backward gathers, one reduce-scatter (ZeRO paper Sec. 7.2.2): 3 psi
+            assert within["all_gather"] == pytest.approx(2 * psi, rel=0.05)
+        else:  # reduce-scatter, then the updated shards all-gathered: 2 psi
+            assert within["all_gather"] == pytest.approx(psi, rel=0.05)
+        assert within["reduce_scatter"] == pytest.approx(psi, rel=0.05)
+
+
+# ----------------------------------------------------------------------------- profiler labels
+@pytest.mark.parametrize(
+    "strategy_kwargs, dims",
+    # cp x tp: ring K/V under cp, gradient averaging over the cp ranks under dp_shard_cp (ZeRO's group).
+    [({"cp": 2, "tp": 2}, {"cp", "tp", "dp_shard_cp"}), ({**HSDP, "zero": 1}, {"dp_shard", "dp_replicate"})],
+    ids=["cp2-tp2", "hsdp-zero1"],
+)
+def test_profiler_labels_traffic_per_new_dimension(pools, strategy_kwargs, dims):
+    """comm/cp/... and comm/dp_replicate/..., comm/dp_shard/...: every byte attributed, equal to the counter's."""
+    from tests.distributed.test_profiling_comm import comm_job
+
+    for result in pools.get(4).run(comm_job, strategy_kwargs):
+        tracer, counter = result["tracer"], result["counter"]
+        by_kind: dict[str, float] = {}
+        seen = set()
+        for key, entry in tracer.items():
+            dim, kind = key.split("/")
+            seen.add(dim)
+            by_kind[kind] = by_kind.get(kind, 0) + entry["bytes"]
+        assert dims <= seen <= dims | {"world"}, seen  # "world": gradient clipping's one-float norm
+        assert by_kind == {k: float(v) for k, v in counter.items()}
