@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.comm_counter import CollectiveCounter
 from tests.distributed.test_context_parallel_training import CLIP, GLOBAL_BATCH, STEPS, check_every_rank, gpt, reference
-from tests.parity import ShardedData, fit_job, trainer_kwargs
+from tests.parity import ShardedData, assert_losses_close, fit_job, fit_reference, mean_over_dp, trainer_kwargs
 from tests.tp_models import token_dataset
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
@@ -139,3 +139,23 @@ def test_profiler_labels_traffic_per_new_dimension(pools, strategy_kwargs, dims)
             by_kind[kind] = by_kind.get(kind, 0) + entry["bytes"]
         assert dims <= seen <= dims | {"world"}, seen  # "world": gradient clipping's one-float norm
         assert by_kind == {k: float(v) for k, v in counter.items()}
+
+
+# ----------------------------------------------------------------------------- checkpoints move between layouts
+def gpt_constant_lr():
+    """The recipe with a constant learning rate: a run cut at step 5 and resumed equals one run of 10."""
+    from lightning_para.recipes.gpt import GPT
+
+    return GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, sample_tokens=0, warmup_steps=0,
+               min_lr_ratio=1.0)
+
+
+def test_checkpoint_from_hsdp_resumes_under_cp_and_tp(pools, tmp_path):
+    """Saved by dp_replicate=2 x dp_shard=2 (ZeRO-1), resumed by cp=2 x tp=2: the loss curve continues."""
+    pool = pools.get(4)
+    saved = pool.run(fit_job, gpt_constant_lr, {**HSDP, "zero": 1}, token_dataset, GLOBAL_BATCH, 5, None,
+                     ("losses", "saved"), ckpt_dir=str(tmp_path))[0]["saved"]
+    resumed = pool.run(fit_job, gpt_constant_lr, {"cp": 2, "tp": 2}, token_dataset, GLOBAL_BATCH, 10, None,
+                       ("losses",), resume=saved[-1], model_seed=1)
+    ref = fit_reference(gpt_constant_lr, token_dataset, GLOBAL_BATCH, 10)
+    assert_losses_close(mean_over_dp([r["losses"] for r in resumed], [[0, 1, 2, 3]]), ref["losses"][5:])
