@@ -24,11 +24,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--dp-replicate", type=int, default=None)  # hybrid sharding: replicas of the ZeRO shards
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    strategy = ParaStrategy(zero=args.zero)
+    strategy = ParaStrategy(zero=args.zero, dp_replicate=args.dp_replicate)
     L.seed_everything(0, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.steps,
@@ -37,8 +38,11 @@ def main() -> None:
     trainer.fit(RegressionNet(), datamodule=ShardedData(regression_dataset, 16 // world))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    dims = strategy.parallel_dims
     info = {"losses": recorder.losses, "environment": type(strategy.cluster_environment).__name__,
-            "rank": trainer.global_rank, "world": trainer.world_size}
+            "rank": trainer.global_rank, "world": trainer.world_size, "node": trainer.node_rank,
+            "replicate_group": dims.get_mesh("dp_replicate").mesh.flatten().tolist(),
+            "shard_group": dims.get_mesh("dp_shard").mesh.flatten().tolist()}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(info))
 
 

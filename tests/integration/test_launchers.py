@@ -42,9 +42,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read(out: Path, world: int) -> tuple[list[float], set[str]]:
+def _infos(out: Path, world: int) -> list[dict]:
     infos = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     assert [i["world"] for i in infos] == [world] * world
+    return infos
+
+
+def _read(out: Path, world: int) -> tuple[list[float], set[str]]:
+    infos = _infos(out, world)
     return mean_over_dp([i["losses"] for i in infos], [list(range(world))]), {i["environment"] for i in infos}
 
 
@@ -62,9 +67,12 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
 
 
 def test_lightning_launcher_and_two_node_torchrun_agree(tmp_path):
+    # Both launches train with hybrid sharding, dp_replicate=2 x dp_shard=2 (ZeRO-1): under torchrun
+    # the shards stay inside a "node" and the replicate group spans the two (checked at the end).
+    hsdp = ["--dp-replicate", "2"]
     # Lightning's own launcher: one command, `devices=4` spawns the other three processes.
     launcher = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--devices", "4", "--out", str(tmp_path / "lightning")],
+        [sys.executable, str(SCRIPT), "--devices", "4", "--out", str(tmp_path / "lightning"), *hsdp],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     _wait_all([launcher])
@@ -74,7 +82,7 @@ def test_lightning_launcher_and_two_node_torchrun_agree(tmp_path):
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
              "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             str(SCRIPT), "--devices", "2", "--num-nodes", "2", "--out", str(tmp_path / "torchrun")],
+             str(SCRIPT), "--devices", "2", "--num-nodes", "2", "--out", str(tmp_path / "torchrun"), *hsdp],
             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in (0, 1)
@@ -87,6 +95,14 @@ def test_lightning_launcher_and_two_node_torchrun_agree(tmp_path):
     assert_losses_close(torchrun_losses, lightning_losses, rtol=1e-7)
     reference = fit_reference(RegressionNet, regression_dataset, 16, 10, {"gradient_clip_val": 1.0})
     assert_losses_close(lightning_losses, reference["losses"])
+    # Hybrid sharding across real node boundaries: each replicate group has one rank per node,
+    # each shard group lives in one node.
+    infos = _infos(tmp_path / "torchrun", 4)
+    node_of = {i["rank"]: i["node"] for i in infos}
+    assert sorted(node_of.values()) == [0, 0, 1, 1]
+    for info in infos:
+        assert sorted(node_of[r] for r in info["replicate_group"]) == [0, 1], info
+        assert {node_of[r] for r in info["shard_group"]} == {info["node"]} and len(info["shard_group"]) == 2, info
 
 
 def _slurm_job() -> dict:
