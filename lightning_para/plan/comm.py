@@ -23,8 +23,11 @@ What each dimension sends (per microbatch unless stated; ``X = (s/cp) b h e`` on
 * ``ep`` (GShard, Lepikhin et al. 2020, Sec. 3.2): per MoE layer, all-to-all dispatch and
   combine of ``top_k * capacity`` copies of each token, forward and backward (4; 6 with full
   recomputation).
-* ``cp`` (ring attention, Liu et al. 2023): per layer, ``cp - 1`` K/V block exchanges forward,
-  K/V and their gradients backward.
+* ``cp``, ring attention (Liu et al. 2023; ``parallel/context/ring.py``): per layer, ``cp - 1``
+  K/V block exchanges forward and again backward, plus ``cp`` hops of the fp32 dK/dV
+  accumulators (one more than K/V: the last hop brings a block's gradient home). Ulysses
+  (Jacobs et al. 2023; ``cp_method="all_to_all"``): 4 all-to-alls per layer forward (q, k, v,
+  output), 4 backward.
 * ``dp`` / ``edp`` per step: ZeRO-0 all-reduces gradients (``2 psi``); ZeRO-1/2 reduce-scatter
   gradients and all-gather the updated weights (``2 psi``); ZeRO-3 gathers weights for forward
   and for backward and reduce-scatters gradients (``3 psi``, ZeRO paper Sec. 7.2.2), once per

@@ -146,6 +146,10 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     for name, value in checks:
         if value % lay.tp:
             problems.append(f"{name} {value} not divisible by tp={lay.tp}")
+    if lay.cp > 1 and lay.cp_method == "all_to_all":  # Ulysses splits each tp rank's heads over cp
+        for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
+            if value % (lay.cp * lay.tp):
+                problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
     if lay.dp_shard % lay.ep:  # type: ignore[operator]
         dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
         problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")
@@ -156,8 +160,8 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     chunks = lay.pp * lay.virtual_stages
     if lay.pp > 1 and chunks > model.layers:
         problems.append(f"layers {model.layers} fewer than pp*virtual_stages = {chunks}")
-    if training.seq_len % lay.cp:
-        problems.append(f"seq_len {training.seq_len} not divisible by cp={lay.cp}")
+    if lay.cp > 1 and training.seq_len % (2 * lay.cp):  # load-balanced: two chunks per cp rank
+        problems.append(f"seq_len {training.seq_len} not divisible by 2*cp={2 * lay.cp} (load-balanced chunks)")
     elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
         problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
     if training.global_batch % (lay.dp * training.micro_batch):

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from lightning_para.plan.pipeline import check_schedule
 
 RECOMPUTE = (None, "selective", "full")
+CP_METHODS = ("ring", "all_to_all")  # ParaStrategy's cp_method (lightning_para.parallel.context)
 ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
 
 
@@ -32,7 +33,10 @@ class Layout:
         ep: expert parallel degree, inside ``dp``: it must divide ``dp_shard`` (checked against
             the model by :func:`~lightning_para.plan.cost.layout_problems`, like every rule that
             depends on more than one argument's range).
-        cp: context parallel degree (the sequence split over ranks, ring attention).
+        cp: context parallel degree (the sequence split over ranks).
+        cp_method: ``"ring"`` (ring attention: K/V blocks passed peer-to-peer, overlapped with the
+            blockwise attention) or ``"all_to_all"`` (DeepSpeed-Ulysses: q, k, v and the output
+            re-sharded from sequence to heads; heads must divide by ``cp x tp``).
         dp_replicate, dp_shard: hybrid sharding, ``dp = dp_replicate * dp_shard``; ZeRO shards
             over ``dp_shard`` (default: all of ``dp``) and all-reduces over ``dp_replicate``.
         zero: ZeRO stage 0-3.
@@ -62,6 +66,7 @@ class Layout:
     virtual_stages: int = 1
     recompute: Optional[str] = None
     zero_accumulation: str = "no_sync"
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -88,6 +93,8 @@ class Layout:
             _check_degree("microbatches", self.microbatches)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"`recompute={self.recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose 'ring' or 'all_to_all'.")
         if self.zero_accumulation not in ZERO_ACCUMULATION:
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose 'no_sync' or 'reduce_each_step'."
@@ -130,6 +137,8 @@ class Layout:
         if self.dp_replicate > 1:
             parts[0] += f"({self.dp_replicate}x{self.dp_shard})"
         parts += [f"{name}{getattr(self, name)}" for name in ("tp", "pp", "ep", "cp") if getattr(self, name) > 1]
+        if self.cp > 1 and self.cp_method == "all_to_all":
+            parts[-1] += "(ulysses)"
         parts.append(f"z{self.zero}")
         if self.sequence_parallel:
             parts.append("sp")

@@ -199,10 +199,21 @@ def _microbatch_collectives(
     tp_tokens = tokens / (layout.tp if layout.sequence_parallel else 1)
     routed = tp_tokens * model.top_k * (model.capacity_factor or 1.0) * model.hidden * e
     add("ep", "all_to_all", "routed tokens", routed, n_moe * (6 if full else 4))
-    kv_block = 2 * tokens * model.kv_dim * e / layout.tp  # one K and one V block
-    ring = (layout.cp - 1) * len(part.layers)
-    add("cp", "send_recv", "K/V blocks", kv_block, ring * (2 if full else 1))
-    add("cp", "send_recv", "K/V blocks and gradients", 2 * kv_block, ring)
+    layers = len(part.layers)
+    if layout.cp_method == "all_to_all":
+        # Ulysses (lightning_para.parallel.context.ulysses): q, k, v to heads and the output back,
+        # 4 all-to-alls per layer forward (again under full recomputation) and their 4 adjoints.
+        passes = layers * ((2 if full else 1) + 1)
+        add("cp", "all_to_all", "q and attention output (Ulysses)", tokens * model.q_dim * e / layout.tp, 2 * passes)
+        add("cp", "all_to_all", "k and v (Ulysses)", tokens * model.kv_dim * e / layout.tp, 2 * passes)
+    else:
+        # Ring attention (lightning_para.parallel.context.ring): c - 1 K/V hops per layer forward,
+        # again under full recomputation and once more in backward; the dK/dV accumulators travel
+        # in fp32 with their block and take one last hop home: c hops.
+        kv_block = 2 * tokens * model.kv_dim * e / layout.tp  # one K and one V block
+        hops = (layout.cp - 1) * layers
+        add("cp", "send_recv", "K/V blocks", kv_block, hops * ((2 if full else 1) + 1))
+        add("cp", "send_recv", "dK/dV accumulators (fp32, backward)", kv_block * 4 / e, layout.cp * layers)
     add("pp", "send_recv", "stage activations / gradients", activation / (layout.tp if layout.sequence_parallel else 1),
         part.sends_forward + part.sends_backward)
     return found
@@ -277,7 +288,7 @@ def price_rank(
     collectives: list[Collective] = []
     cp_seconds = 0.0
     for item, on_path in _microbatch_collectives(model, cluster, training, layout, part, per_step):
-        if item.dim == "cp":
+        if item.dim == "cp" and item.op == "send_recv":  # ring hops overlap blockwise attention; all-to-alls do not
             cp_seconds += item.seconds
             collectives.append(item)
             continue

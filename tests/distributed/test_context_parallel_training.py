@@ -212,6 +212,17 @@ class _PhaseCounter(Callback):
             self.active = False
 
 
+def planned_comm_bytes(world: int, per_rank_batch: int, **layout) -> dict[str, float]:
+    """The planner's bytes per step and mesh dimension for the test GPT (fp32, one microbatch per step)."""
+    from lightning_para.plan import Cluster, Layout, Training, describe_module, estimate
+
+    lay = Layout(**layout)
+    cluster = Cluster.of("h100", nodes=1, gpus_per_node=world)
+    training = Training(seq_len=SEQ, global_batch=per_rank_batch * lay.dp, micro_batch=per_rank_batch,
+                        precision="32-true")
+    return estimate(describe_module(gpt()), cluster, training, lay).comm_bytes()
+
+
 def _cp_comm_job(method: str) -> dict:
     from lightning_para import ParaStrategy
 
@@ -252,6 +263,10 @@ def test_cp_communication_per_layer_matches_the_formulas(pools, method):
             assert bwd["all_to_all"] == (4 * layers, pytest.approx(4 * block * layers, rel=0.05))
         # The only other cp traffic: one all-reduce of (loss sum, token count) per cross-entropy.
         assert fwd.get("all_reduce", (0, 0))[0] == 1 and set(fwd) <= {"send", "recv", "all_to_all", "all_reduce"}
+        # The planner prices the same traffic (send + receive, or all-to-all input bytes).
+        attention = sum(b for phase in (fwd, bwd) for kind, (_, b) in phase.items() if kind != "all_reduce")
+        planned = planned_comm_bytes(c, GLOBAL_BATCH, cp=c, cp_method=method)["cp"]
+        assert attention == pytest.approx(planned, rel=0.05)
 
 
 # ---------------------------------------------------------------------------- bad input

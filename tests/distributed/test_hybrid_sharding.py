@@ -15,7 +15,15 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from tests.comm_counter import CollectiveCounter
-from tests.distributed.test_context_parallel_training import CLIP, GLOBAL_BATCH, STEPS, check_every_rank, gpt, reference
+from tests.distributed.test_context_parallel_training import (
+    CLIP,
+    GLOBAL_BATCH,
+    STEPS,
+    check_every_rank,
+    gpt,
+    planned_comm_bytes,
+    reference,
+)
 from tests.parity import ShardedData, assert_losses_close, fit_job, fit_reference, mean_over_dp, trainer_kwargs
 from tests.tp_models import token_dataset
 
@@ -116,6 +124,10 @@ def test_hsdp_bytes_per_rank_and_across_replicas(pools, zero):
         else:  # reduce-scatter, then the updated shards all-gathered: 2 psi
             assert within["all_gather"] == pytest.approx(psi, rel=0.05)
         assert within["reduce_scatter"] == pytest.approx(psi, rel=0.05)
+        # The planner's model of the same layout: shard-group ("dp") and replicate-group bytes.
+        planned = planned_comm_bytes(4, GLOBAL_BATCH // 4, dp=4, dp_replicate=2, zero=zero)
+        assert across["all_reduce"] == pytest.approx(planned["dp_replicate"], rel=0.05)
+        assert sum(within.values()) == pytest.approx(planned["dp"], rel=0.05)
 
 
 # ----------------------------------------------------------------------------- profiler labels

@@ -139,3 +139,29 @@ def test_gpt_recipe_uses_global_positions_under_cp(pos):
     x = torch.randn(2, 16, 4, 8)
     rotated = apply_rope(shard.split(x), 10000.0, shard.local_positions(8))
     torch.testing.assert_close(rotated, shard_sequence(apply_rope(x, 10000.0), 1, 2, dim=1))
+
+
+# ----------------------------------------------------------------------------- the planner knows both
+def test_planner_prices_cp_methods_and_checks_their_constraints():
+    from lightning_para.plan import Cluster, Layout, Training, estimate, layout_problems, preset
+
+    model, cluster = preset("llama3-8b"), Cluster.of("h100", nodes=1)
+    training = Training(seq_len=8192, global_batch=8)
+    with pytest.raises(ValueError, match="`cp_method='flash'` is unknown"):
+        Layout(cp=2, cp_method="flash")
+    ulysses = Layout(dp=1, tp=2, cp=4, cp_method="all_to_all")
+    assert ulysses.label().split()[2] == "cp4(ulysses)"
+    assert layout_problems(model, cluster, training, Layout(dp=1, tp=8, cp=1)) == []
+    # llama3-8b has 8 kv heads: Ulysses over cp x tp = 16 cannot split them; ring can.
+    two_nodes = Cluster.of("h100", nodes=2)
+    problems = layout_problems(model, two_nodes, training, Layout(dp=1, tp=4, cp=4, cp_method="all_to_all"))
+    assert problems == ["kv_heads 8 not divisible by cp x tp = 16 (Ulysses)"]
+    assert layout_problems(model, two_nodes, training, Layout(dp=1, tp=4, cp=4)) == []
+    bad = layout_problems(model, cluster, Training(seq_len=8190, global_batch=8), Layout(dp=4, cp=2))
+    assert "seq_len 8190 not divisible by 2*cp=4 (load-balanced chunks)" in bad
+    ring, a2a = (estimate(model, cluster, training, Layout(dp=2, tp=2, cp=2, cp_method=m, zero=1)) for m in
+                 ("ring", "all_to_all"))
+    assert {c.op for c in ring.collectives if c.dim == "cp"} == {"send_recv"}
+    assert {c.op for c in a2a.collectives if c.dim == "cp"} == {"all_to_all"}
+    # Ulysses' all-to-alls are not overlapped with attention: all of their time is exposed.
+    assert all(c.exposed_seconds == pytest.approx(c.seconds) for c in a2a.collectives if c.dim == "cp")
