@@ -43,6 +43,16 @@ def test_hsdp_with_context_parallel_parity(pools):
     check_every_rank(results, reference(**CLIP), [[0, 1], [2, 3]])  # rank = replica * cp + cp_rank
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_hsdp_with_expert_parallel_parity(pools, zero):
+    """ep=2 inside dp_shard=2: experts sharded over ep, their state over edp x replicated over dp_replicate."""
+    from tests.distributed.test_expert_parallel import MODEL, check_parity, moe_fit_job
+
+    clip = {"gradient_clip_val": 0.5}
+    results = pools.get(4).run(moe_fit_job, MODEL, {**HSDP, "ep": 2, "zero": zero}, overrides=clip)
+    check_parity(results, MODEL, tuple(clip.items()))
+
+
 # ----------------------------------------------------------------------------- bytes per rank
 class _StepCounter(Callback):
     """Collectives of one whole training step (forward, backward, optimizer step with ZeRO's gather)."""
