@@ -161,7 +161,7 @@ class ParallelDims:
                 same = aliases[name]
                 flattened[name] = flattened[same] if same in flattened else mesh[same]
             else:
-                flattened[name] = mesh[dims]._flatten(name)
+                flattened[name] = mesh[dims]._flatten(name)  # private: see docs/architecture.md
         if self.dp_replicate > 1:
             # FSDP2's hybrid-sharding meshes (replicate, shard), built once and kept: the one 2-D
             # slice of a flattened dim from the root, which torch warns it will deprecate.
