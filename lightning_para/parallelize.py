@@ -140,7 +140,8 @@ def parallelize(
     result.experts = [apply_expert_parallel(part, ep_mesh) for part in parts]
 
     for part in parts:
-        apply_activation_checkpointing(part, config.activation_checkpointing)
+        # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).
+        apply_activation_checkpointing(part, config.activation_checkpointing, context.mode if context else None)
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
     _apply_data_parallel(module, result, param_dtype, master_dtype)

@@ -374,9 +374,7 @@ class ParaStrategy(ParallelStrategy):
         pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
             # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
-            # Context parallel: activation checkpointing recomputes attention in backward, across the cp group.
-            cp_mode = parallel.context.mode() if parallel is not None and parallel.context is not None else None
-            with loss_parallel_backward(parallel is not None and parallel.loss_parallel), cp_mode or contextlib.nullcontext():
+            with loss_parallel_backward(parallel is not None and parallel.loss_parallel):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync

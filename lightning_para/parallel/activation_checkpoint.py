@@ -22,6 +22,8 @@ Recomputation replays the block's forward collectives (TP/SP), on every rank ali
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
 
@@ -71,11 +73,17 @@ def _policy(keep, ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(module: nn.Module, mode: Optional[str]) -> list[nn.Module]:
+def apply_activation_checkpointing(
+    module: nn.Module,
+    mode: Optional[str],
+    recompute_context: Optional[Callable[[], contextlib.AbstractContextManager[Any]]] = None,
+) -> list[nn.Module]:
     """Recompute the activations of every block of ``module`` in backward; returns the blocks.
 
-    ``mode`` is ``"full"``, ``"selective"`` or ``None`` (nothing). Raises ``ValueError`` for
-    another value or when the module has no blocks to checkpoint.
+    ``mode`` is ``"full"``, ``"selective"`` or ``None`` (nothing). ``recompute_context`` (full
+    mode) makes a context entered around each recomputation: torch-function modes active in the
+    forward (context parallel's attention) are not active in backward, where the block's forward
+    runs again. Raises ``ValueError`` for another value or when the module has no blocks to checkpoint.
     """
     if mode is None:
         return []
@@ -90,6 +98,8 @@ def apply_activation_checkpointing(module: nn.Module, mode: Optional[str]) -> li
     kwargs: dict[str, Any] = {}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_policy, _save_policy()))
+    elif recompute_context is not None:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
     for block in blocks:
         checkpoint(block, **kwargs)
     return blocks

@@ -84,6 +84,21 @@ def test_cp2_parity_gpt_recipe(pools, method, model):
     check_every_rank(results, reference(model, **CLIP), [[0, 1]])
 
 
+@pytest.mark.parametrize(
+    "kwargs, overrides",
+    [
+        ({"cp": 2, "activation_checkpointing": "full"}, {}),  # recomputed attention runs across cp again
+        ({"cp": 2, "cp_method": "all_to_all", "activation_checkpointing": "full"}, {}),
+        ({"cp": 2, "zero": 2}, {"accumulate_grad_batches": 2}),
+        ({"cp": 2, "cp_load_balance": False}, {}),  # contiguous slices
+    ],
+    ids=["ring-recompute", "ulysses-recompute", "zero2-accumulate", "contiguous"],
+)
+def test_cp2_options_parity(pools, kwargs, overrides):
+    results = pools.get(2).run(fit_job, gpt, kwargs, token_dataset, GLOBAL_BATCH, STEPS, overrides, ("losses",))
+    check_every_rank(results, reference(**overrides), [[0, 1]], params=False)
+
+
 # ---------------------------------------------------------------------------- Hugging Face Llama
 class LabelledTokens(Dataset):
     """``{"input_ids", "labels"}`` with next-token labels, a fifth of them ``-100`` (ignored, unevenly per chunk)."""

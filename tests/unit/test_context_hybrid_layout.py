@@ -18,6 +18,7 @@ from lightning_para.recipes.gpt import GPT, apply_rope
     [
         ({"cp_method": "flash"}, None, r"`cp_method='flash'` is unknown. Choose one of 'all_to_all', 'ring'"),
         ({"cp": 0}, None, r"`cp=0` must be a positive integer"),
+        ({"cp": 2, "activation_checkpointing": "selective"}, None, r"'selective'` with `cp>1` is not supported.*'full'"),
         ({"dp": 4, "dp_replicate": 3, "dp_shard": 2, "zero": 1}, None,
          r"`dp_replicate=3` x `dp_shard=2` = 6 must equal `dp=4`"),
         ({"dp": 4, "dp_replicate": 3, "zero": 1}, None, r"`dp_replicate=3` must divide `dp=4`. Choose dp_replicate in \[1, 2, 4\]"),
@@ -28,7 +29,7 @@ from lightning_para.recipes.gpt import GPT, apply_rope
         ({"cp": 2, "tp": 2}, 6, r"world size 6 is not divisible by pp=1 x cp=2 x tp=2 = 4.* Choose pp, cp and tp"),
         ({"dp": 2, "cp": 2}, 8, r"pp=1 x dp=2 x cp=2 x tp=1 = 4 do not match the world size 8"),
     ],
-    ids=["cp-method", "cp-zero", "replicate-times-shard", "replicate-divides", "replicate-needs-zero",
+    ids=["cp-method", "cp-zero", "cp-selective", "replicate-times-shard", "replicate-divides", "replicate-needs-zero",
          "ep-inside-shard", "shard-divides", "auto-dp", "world-size"],
 )
 def test_bad_configuration_names_the_argument(kwargs, world, message):

@@ -229,7 +229,8 @@ class ContextParallel:
         return self.shard.cp
 
     def mode(self) -> ContextParallelStepMode:
-        """A fresh mode for one step (or one backward: activation checkpointing recomputes attention)."""
+        """A fresh mode for one step, or for one recomputation under activation checkpointing (torch-function
+        modes are not active in backward, where a checkpointed block's forward runs again)."""
         return ContextParallelStepMode(self.group, method=self.method, load_balance=self.shard.load_balance, tp=self.tp)
 
     def split_batch(self, module: nn.Module, batch: Any) -> Any:
@@ -264,9 +265,7 @@ class ContextParallel:
         """After the first step: raise on every rank if no rank's model called SDPA (one all-reduce, once)."""
         if self.checked:
             return
-        calls = torch.tensor([float(mode.calls)])
-        if dist.get_backend() == "nccl":
-            calls = calls.cuda()
+        calls = torch.tensor([float(mode.calls)], device=self.mesh.device_type)
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # pipeline stages without attention count on the others
         self.checked = True
         if calls.item() == 0:
