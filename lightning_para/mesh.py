@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -94,7 +94,8 @@ class ParallelDims:
     cp: int = 1
     dp_replicate: int = 1
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
-    _flattened: dict = field(default_factory=dict, repr=False, compare=False)
+    # Flattened meshes by name, and FSDP2's 2-D hybrid meshes by ("dp_replicate", shard name).
+    _flattened: dict[Union[str, tuple[str, str]], DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         product = self.pp * self.dp * self.cp * self.tp
@@ -155,7 +156,7 @@ class ParallelDims:
         degrees = dict(zip(MESH_DIM_NAMES, self.shape))
         aliases = {name: same for name, degree, same in _ALIASES if degrees[degree] == 1}
         # Keep the flattened meshes: torch deprecates re-slicing a flattened dim from the root.
-        flattened: dict = {}
+        flattened: dict[Union[str, tuple[str, str]], DeviceMesh] = {}
         for name, dims in FLATTENED_DIMS.items():
             if name in aliases:
                 same = aliases[name]
