@@ -9,7 +9,8 @@ Three implementations of the same product, chosen per device and dtype:
 * ``"loop"``: one matmul per expert, the reference the others are tested against.
 
 ``"auto"`` takes ``grouped_mm`` where a one-time probe on tiny tensors shows it runs for this
-device and dtype, else ``bmm``. Under autocast both operands are cast to the autocast dtype
+device and dtype and both expert widths are whole multiples of 16 bytes (its kernels' alignment),
+else ``bmm``. Under autocast both operands are cast to the autocast dtype
 first, as the loop's matmuls would be.
 """
 
@@ -36,7 +37,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             try:
                 a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
                 b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                fn(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32)).sum().backward()
+                out = fn(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+                out.backward(torch.ones_like(out))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _SUPPORT[key] = ok
@@ -72,7 +74,13 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], implementat
         raise ValueError(f"{len(counts)} row counts for {weight.shape[0]} experts; give one count per local expert.")
     x, weight = _autocast(x, weight)
     if implementation == "auto":
-        implementation = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "bmm"
+        fits = _aligned(x, weight) and grouped_mm_supported(x.device, x.dtype)
+        implementation = "grouped_mm" if fits else "bmm"
+    elif implementation == "grouped_mm" and not _aligned(x, weight):
+        raise ValueError(
+            f"`implementation='grouped_mm'` needs the expert widths ({weight.shape[-2]} -> {weight.shape[-1]}) to be"
+            " whole multiples of 16 bytes; use 'auto' (which falls back to 'bmm') or 'bmm'."
+        )
     if implementation == "loop":
         return torch.cat([chunk @ weight[e] for e, chunk in enumerate(x.split(list(counts)))])
     if implementation == "grouped_mm":
@@ -81,10 +89,17 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], implementat
     return _padded_bmm(x, weight, counts)
 
 
+def _aligned(x: Tensor, weight: Tensor) -> bool:
+    """grouped_mm's kernels need 16-byte aligned rows: both widths a multiple of 16 bytes."""
+    return all(width * x.element_size() % 16 == 0 for width in (weight.shape[-2], weight.shape[-1]))
+
+
 def _padded_bmm(x: Tensor, weight: Tensor, counts: Sequence[int]) -> Tensor:
     experts, most = len(counts), max(counts, default=0)
     if most == 0:
-        return x.new_zeros(0, weight.shape[-1])
+        # No rows at all, but the result must stay in the graph: under expert parallelism the backward
+        # all-to-all behind `x` runs on every rank, whether or not it received tokens.
+        return x @ weight[0]
     count = torch.tensor(counts, device=x.device)
     expert = torch.repeat_interleave(torch.arange(experts, device=x.device), count)
     start = torch.cumsum(count, 0) - count

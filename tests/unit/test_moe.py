@@ -294,3 +294,28 @@ def test_grouped_linear_bad_input():
         grouped_linear(torch.zeros(2, 4), torch.zeros(2, 4, 4), [1, 1, 0])
     with pytest.raises(ValueError, match="implementation='fast'"):
         MoE(8, 16, 4).experts.__class__(8, 16, 4, implementation="fast")
+    with pytest.raises(ValueError, match=r"needs the expert widths \(6 -> 4\) to be whole multiples of 16 bytes"):
+        grouped_linear(torch.zeros(2, 6), torch.zeros(2, 6, 4), [1, 1], "grouped_mm")
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "bmm", "loop", "auto"])
+def test_grouped_experts_without_rows_stay_in_the_graph(implementation):
+    """A rank whose experts receive no token must still run backward through them: expert
+    parallelism's backward all-to-all hangs behind the experts' input on every rank."""
+    from lightning_para.moe.grouped import grouped_linear
+
+    x = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(3, 8, 4, requires_grad=True)
+    out = grouped_linear(x, weight, [0, 0, 0], implementation)
+    assert out.shape == (0, 4) and out.grad_fn is not None
+    out.backward(torch.zeros_like(out))
+    assert x.grad is not None and x.grad.shape == (0, 8)
+    assert weight.grad is not None and not weight.grad.any()
+
+
+def test_grouped_mm_is_used_where_it_runs():
+    from lightning_para.moe.grouped import grouped_mm_supported
+
+    if hasattr(torch.nn.functional, "grouped_mm"):  # torch >= 2.13 runs it on CPU in fp32
+        assert grouped_mm_supported(torch.device("cpu"), torch.float32)
+    assert not grouped_mm_supported(torch.device("cpu"), torch.float64)
