@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 import lightning.pytorch as pl
@@ -43,6 +44,7 @@ from lightning_para.parallel.data import count_grad_replication, fsdp_no_sync
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
+from lightning_para.threads import apply_thread_budget, available_cores
 
 # The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
 # module reuses it (a module is parallelized in place, once). Weak: it keeps no module alive.
@@ -222,6 +224,13 @@ class ParaStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         dims = self._resolve_dims(self.num_nodes * self.num_processes)  # raises before any collective
+        threads = apply_thread_budget(self.num_processes)  # ranks of one node share its cores
+        if threads is not None:
+            rank_zero_info(
+                f"lightning-para: {self.num_processes} ranks per node share {available_cores()} CPU cores:"
+                f" {threads} intra-op thread(s) per rank. Set OMP_NUM_THREADS or call torch.set_num_threads"
+                " to choose otherwise."
+            )
         super().setup_environment()
         self._setup_distributed()
         if dims.mesh is None:

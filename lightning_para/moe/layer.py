@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -50,13 +51,20 @@ class TopKRouter(nn.Module):
 class GroupedExperts(nn.Module):
     """``num_experts`` FFNs with stacked weights: ``w1, w3: [E, dim, hidden]``, ``w2: [E, hidden, dim]``.
 
+    The local experts run as grouped matrix products, one kernel per weight
+    (:mod:`lightning_para.moe.grouped`; ``implementation="loop"`` runs one matmul per expert).
     Expert parallelism replaces each weight by a DTensor sharded ``Shard(0)`` over the ``ep``
     mesh, so a rank holds ``E / ep`` whole experts and checkpoints see the full stack.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, activation: str = "swiglu") -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, num_experts: int, activation: str = "swiglu", implementation: str = "auto"
+    ) -> None:
         super().__init__()
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"`implementation={implementation!r}` is unknown. Choose one of {IMPLEMENTATIONS}.")
         self.dim, self.hidden_dim, self.num_experts, self.activation = dim, hidden_dim, num_experts, activation
+        self.implementation = implementation
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -84,13 +92,10 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: Tensor, counts: list[int]) -> Tensor:
         """``tokens`` grouped by local expert, ``counts[e]`` rows each; returns the same layout."""
         w1, w2, w3 = self.local_weights()
-        outputs = []
-        # Every local expert runs, even on zero rows: each weight always gets a gradient.
-        for e, chunk in enumerate(tokens.split(counts)):
-            h = chunk @ w1[e]
-            h = F.silu(h) * (chunk @ w3[e]) if w3 is not None else F.gelu(h)
-            outputs.append(h @ w2[e])
-        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.dim)
+        # Experts with zero rows still get a (zero) gradient: each weight is one tensor.
+        h = grouped_linear(tokens, w1, counts, self.implementation)
+        h = F.silu(h) * grouped_linear(tokens, w3, counts, self.implementation) if w3 is not None else F.gelu(h)
+        return grouped_linear(h, w2, counts, self.implementation)
 
 
 class _ScaleGrad(torch.autograd.Function):

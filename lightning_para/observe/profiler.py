@@ -78,6 +78,14 @@ def _parallel_dims(strategy: Any) -> Any:
         return None
 
 
+def _pipeline_runner(strategy: Any) -> Any:
+    """The pipeline runner of a set-up ParaStrategy with ``pp > 1`` (``None`` otherwise)."""
+    try:
+        return strategy.parallel_model.pipeline
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _first_tensor(batch: Any) -> Optional[Tensor]:
     if isinstance(batch, Tensor):
         return batch
@@ -184,6 +192,9 @@ class ParaProfiler(Callback):
             self._start_torch_profiler(trainer)
         if self._torch_profiler is not None:
             self._traced = True
+        runner = _pipeline_runner(trainer.strategy)
+        if runner is not None and (self._timeline_pending or self._due(self.timeline_every_n_steps)):
+            runner.measure_timing = True  # per-action device events for this step's timeline (no host sync)
         if self._due(self.comm_every_n_steps) and _world() > 1:
             self._tracer = CommTracer(self._labels, self.time_collectives)
             self._tracer.__enter__()
@@ -222,6 +233,9 @@ class ParaProfiler(Callback):
         if self._timeline_pending and not self._traced:  # a traced step's timings are distorted
             self._timeline_pending = False
             self._log_pipeline(trainer)
+            runner = _pipeline_runner(trainer.strategy)
+            if runner is not None:
+                runner.measure_timing = runner.device.type == "cpu"  # back to its default
         self._batches += 1
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -89,6 +89,47 @@ def test_tp2_parity_nanogpt_names_and_memory_breakdown(pools):
     assert memory["params"] < 0.6 * _expected_param_bytes(tp=1)
 
 
+def _size_one_dp_job() -> dict:
+    """tp=2 over the whole world, so dp=1: count every collective of a few steps, by group."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_para import ParaStrategy
+
+    class CountAll(Callback):
+        def __init__(self) -> None:
+            self.counter = CollectiveCounter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                self.counter.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 3:
+                self.counter.__exit__(None, None, None)
+
+    strategy, count = ParaStrategy(tp=2), CountAll()
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=4, callbacks=[count],
+                        use_distributed_sampler=False, **trainer_kwargs(**CLIP))
+    trainer.fit(NanoGPT(), datamodule=ShardedData(token_dataset, GLOBAL_BATCH))
+    dims = strategy.parallel_dims
+    return {
+        "groups": [group for _, _, group in count.counter.calls],
+        "dp_group": dims.group("dp").group_name,
+        "tp_group": dims.group("tp").group_name,
+        "buckets": len(strategy.parallel_model.zero.buckets),
+    }
+
+
+def test_size_one_data_parallel_issues_no_collective(pools):
+    """A dimension of size 1 costs nothing: with dp=1 ZeRO keeps no bucket and no collective runs
+    on the data-parallel group; tensor parallelism's own collectives still run on tp."""
+    for result in pools.get(2).run(_size_one_dp_job):
+        assert result["buckets"] == 0
+        assert result["dp_group"] not in result["groups"], result["groups"]
+        assert result["tp_group"] in result["groups"]
+
+
 def test_tp2_sequence_parallel_parity_with_clipping(pools):
     results = pools.get(2).run(
         fit_job, NanoGPT, {"tp": 2, "sequence_parallel": True}, token_dataset, GLOBAL_BATCH, STEPS, CLIP

@@ -255,3 +255,67 @@ def test_bad_expert_parallel_layouts():
         ParallelConfig(dp=4, ep=3)
     with pytest.raises(ValueError, match="ep=4.*must divide.*dp=2"):
         ParallelConfig(tp=2, ep=4).resolve_dp(4)
+
+
+# ----------------------------------------------------------------------------- grouped experts
+def _expert_outputs(layer: MoE, x: torch.Tensor, implementation: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    layer.experts.implementation = implementation
+    layer.zero_grad()
+    x = x.detach().requires_grad_(True)
+    out = layer(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()  # a contiguous, non-uniform grad
+    return out.detach(), [x.grad, *(p.grad.clone() for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_experts_equal_the_loop(capacity_factor, activation):
+    """One grouped kernel per weight (grouped_mm, or padded bmm) gives the loop's outputs and
+    gradients within 1e-6, with capacity drops and with experts that receive no rows."""
+    torch.manual_seed(0)
+    layer = MoE(16, 32, 6, top_k=2, activation=activation, capacity_factor=capacity_factor)
+    with torch.no_grad():
+        layer.router.weight[3:].mul_(-50)  # experts 3..5 get (almost) no tokens: uneven and empty groups
+    x = torch.randn(2, 9, 16)
+    loop_out, loop_grads = _expert_outputs(layer, x, "loop")
+    for implementation in ("grouped_mm", "bmm", "auto"):
+        out, grads = _expert_outputs(layer, x, implementation)
+        torch.testing.assert_close(out, loop_out, rtol=1e-6, atol=1e-6)
+        for g, ref in zip(grads, loop_grads):
+            torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_linear_bad_input():
+    from lightning_para.moe.grouped import grouped_linear
+
+    with pytest.raises(ValueError, match="implementation='fast'.*Choose one of"):
+        grouped_linear(torch.zeros(2, 4), torch.zeros(2, 4, 4), [1, 1], "fast")
+    with pytest.raises(ValueError, match="3 row counts for 2 experts"):
+        grouped_linear(torch.zeros(2, 4), torch.zeros(2, 4, 4), [1, 1, 0])
+    with pytest.raises(ValueError, match="implementation='fast'"):
+        MoE(8, 16, 4).experts.__class__(8, 16, 4, implementation="fast")
+    with pytest.raises(ValueError, match=r"needs the expert widths \(6 -> 4\) to be whole multiples of 16 bytes"):
+        grouped_linear(torch.zeros(2, 6), torch.zeros(2, 6, 4), [1, 1], "grouped_mm")
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "bmm", "loop", "auto"])
+def test_grouped_experts_without_rows_stay_in_the_graph(implementation):
+    """A rank whose experts receive no token must still run backward through them: expert
+    parallelism's backward all-to-all hangs behind the experts' input on every rank."""
+    from lightning_para.moe.grouped import grouped_linear
+
+    x = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(3, 8, 4, requires_grad=True)
+    out = grouped_linear(x, weight, [0, 0, 0], implementation)
+    assert out.shape == (0, 4) and out.grad_fn is not None
+    out.backward(torch.zeros_like(out))
+    assert x.grad is not None and x.grad.shape == (0, 8)
+    assert weight.grad is not None and not weight.grad.any()
+
+
+def test_grouped_mm_is_used_where_it_runs():
+    from lightning_para.moe.grouped import grouped_mm_supported
+
+    if hasattr(torch.nn.functional, "grouped_mm"):  # torch >= 2.13 runs it on CPU in fp32
+        assert grouped_mm_supported(torch.device("cpu"), torch.float32)
+    assert not grouped_mm_supported(torch.device("cpu"), torch.float64)

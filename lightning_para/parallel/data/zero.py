@@ -103,11 +103,18 @@ class ZeroDataParallel:
         self._suppress_gather = False
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[nn.Parameter, ParamSlot] = {}
+        # Parameters of a data-parallel group of one rank with nothing to copy: no bucket, no hook,
+        # no collective; the optimizer steps them as they are (e.g. tp=2 with dp=1).
+        self._untouched: set[int] = set()
         for name, param, mesh in named_params:
             if not param.requires_grad or param.numel() == 0 or param in self._slot_of:
                 continue
-            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0)
+            alone = mesh.size() == 1 and self.replicas == 1  # nobody else holds this gradient
+            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone)
             slot.master = self._make_master(slot, master_dtype)
+            if alone and slot.master is None:
+                self._untouched.add(id(param))
+                continue
             self.slots.append(slot)
             self._slot_of[param] = slot
         self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
@@ -241,8 +248,9 @@ class ZeroDataParallel:
                 dest = buffer[slot.offset : slot.offset + slot.numel]
                 grad = slot.param.grad
                 dest.copy_(local_tensor(grad).reshape(-1)) if grad is not None else dest.zero_()
-            buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
-            bucket.work = dist.all_reduce(buffer, group=bucket.slots[0].group, async_op=True)
+            if world > 1:  # a group of one rank: its gradient is already the average
+                buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
+                bucket.work = dist.all_reduce(buffer, group=bucket.slots[0].group, async_op=True)
             bucket.buffer = buffer
         else:
             device = bucket.slots[0].local.device
@@ -255,9 +263,13 @@ class ZeroDataParallel:
                     pack_rank_major(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
                     # The full gradient is now in the bucket; free it (ZeRO-2 never holds all of them).
                     slot.param.grad = None
-            buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
-            output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            bucket.work = reduce_scatter_single(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
+                buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
+            if world > 1:
+                output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
+                bucket.work = reduce_scatter_single(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+            else:  # a shard group of one rank holds the whole "shard": no reduce-scatter
+                output = buffer[0]
             bucket.buffer, bucket.output = buffer, output
         bucket.launched = True
 
@@ -299,7 +311,8 @@ class ZeroDataParallel:
             for p in group["params"]:
                 slot = self._slot_of.get(p)
                 if slot is None:
-                    if p.requires_grad and not any(p is s.optimizer_param for s in self.slots):
+                    known = id(p) in self._untouched or any(p is s.optimizer_param for s in self.slots)
+                    if p.requires_grad and not known:
                         raise ValueError(
                             "An optimizer parameter is not a parameter of the LightningModule; ZeRO can only shard"
                             " parameters of the model it set up. Build the optimizer from `self.parameters()`."
@@ -340,11 +353,15 @@ class ZeroDataParallel:
             send = torch.zeros(bucket.segment_numel, dtype=bucket.dtype, device=device)
             for slot in bucket.slots:
                 send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
+            if bucket.world == 1:
+                pending.append((bucket, send.view(1, -1), None))
+                continue
             out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
             work = all_gather_single(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
             pending.append((bucket, out, work))
         for bucket, out, work in pending:
-            work.wait()
+            if work is not None:
+                work.wait()
             for slot in bucket.slots:
                 unpack_rank_major(out, slot.segment_numel, slot.offset, slot.local.view(-1))
 

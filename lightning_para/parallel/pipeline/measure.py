@@ -23,21 +23,45 @@ from lightning_para.moe import moe_stats_paused
 
 
 class StepRecorder:
-    """Per-step clock of one rank: action events and busy/idle totals.
+    """Per-step clock of one rank: action events and busy/idle totals, with no host synchronization.
 
     An event is a dict ``{"stage": int, "microbatch": int, "action": str, "start": float,
-    "end": float}`` with times in seconds since the step began (``time.perf_counter``).
-    Actions: ``F`` forward, ``B`` full backward, ``I`` input-grad backward, ``W``
-    weight-grad backward, ``L`` loss of a microbatch on the last stage. ``step_start_unix``
-    (``time.time()``) aligns the ranks of one machine on a common clock.
+    "end": float}`` with times in seconds since the step began. Actions: ``F`` forward, ``B``
+    full backward, ``I`` input-grad backward, ``W`` weight-grad backward, ``L`` loss of a
+    microbatch on the last stage. ``step_start_unix`` (``time.time()``) aligns the ranks of one
+    machine on a common clock.
+
+    On CPU the clock is ``time.perf_counter``. On an accelerator, each mark is a device event
+    recorded in the current stream (``torch.Event(enable_timing=True)``): recording never waits
+    for the device, so the schedule's sends, receives and kernels keep overlapping; the step's
+    events are read once, in :meth:`end_step`, by waiting for the last one. With ``enabled``
+    off (the default on accelerators unless the profiler asks) nothing is recorded at all.
     """
 
-    def __init__(self, synchronize: Optional[Callable[[], None]] = None) -> None:
-        self.synchronize = synchronize or (lambda: None)
+    def __init__(self, device: Optional[torch.device] = None, enabled: bool = True) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+        self.enabled = enabled
         self.events: list[dict[str, Any]] = []
-        self.step_start = 0.0
         self.step_start_unix = 0.0
         self.inferring = False
+        self._marks: list[tuple[int, int, str, Any, Any]] = []
+        self._start: Any = None
+
+    @property
+    def _uses_device_events(self) -> bool:
+        return self.device.type != "cpu"
+
+    def _mark(self) -> Any:
+        if not self._uses_device_events:
+            return time.perf_counter()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        if not self._uses_device_events:
+            return end - start
+        return start.elapsed_time(end) / 1000.0  # milliseconds
 
     @contextlib.contextmanager
     def inferring_shapes(self) -> Iterator[None]:
@@ -48,28 +72,37 @@ class StepRecorder:
             self.inferring = previous
 
     def start_step(self) -> None:
-        self.events = []
-        self.synchronize()
-        self.step_start_unix = time.time()
-        self.step_start = time.perf_counter()
+        self.events, self._marks = [], []
+        if self.enabled:
+            self.step_start_unix = time.time()
+            self._start = self._mark()
 
-    def end_step(self) -> float:
-        self.synchronize()
-        return time.perf_counter() - self.step_start
+    def end_step(self) -> Optional[float]:
+        """The step's wall time in seconds (``None`` when not enabled); resolves the action events."""
+        if not self.enabled or self._start is None:
+            return None
+        end = self._mark()
+        if self._uses_device_events:
+            end.synchronize()  # once per measured step: every earlier mark is complete too
+        self.events = [
+            {"stage": stage, "microbatch": mb, "action": action,
+             "start": self._seconds(self._start, a), "end": self._seconds(self._start, b)}
+            for stage, mb, action, a, b in self._marks
+        ]
+        wall = self._seconds(self._start, end)
+        self._start = None
+        return wall
 
     @contextlib.contextmanager
     def action(self, stage: int, microbatch: int, action: str) -> Iterator[None]:
-        self.synchronize()
-        start = time.perf_counter()
+        if not self.enabled or self._start is None:
+            yield
+            return
+        start = self._mark()
         try:
             yield
         finally:
-            self.synchronize()
-            end = time.perf_counter()
-            self.events.append(
-                {"stage": stage, "microbatch": microbatch, "action": action,
-                 "start": start - self.step_start, "end": end - self.step_start}
-            )
+            self._marks.append((stage, microbatch, action, start, self._mark()))
 
     @property
     def busy_time(self) -> float:

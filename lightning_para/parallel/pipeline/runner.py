@@ -70,9 +70,11 @@ class PipelineRunner:
         self.has_last = self.num_stages - 1 in self.own_stages
         self.last_rank = placement[self.num_stages - 1]
         self.measure_activations = False
-        sync = None if device.type == "cpu" else (lambda: torch.get_device_module(device.type).synchronize(device))
-        self.recorder = StepRecorder(sync)
-        self._eval_recorder = StepRecorder()
+        # Per-action timing (idle fraction, timeline): free on CPU; on an accelerator only when asked
+        # (the profiler turns it on for the steps it samples), since reading device events waits once a step.
+        self.measure_timing = device.type == "cpu"
+        self.recorder = StepRecorder(device, enabled=self.measure_timing)
+        self._eval_recorder = StepRecorder(device, enabled=False)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._pending_grads: Optional[list[Optional[Tensor]]] = None
         self._history: list[dict[str, Any]] = []
@@ -121,6 +123,7 @@ class PipelineRunner:
         # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
         no_sync = gradient_sync.no_sync() if gradient_sync is not None else contextlib.nullcontext()
         with no_sync, meter, self._step_contexts():
+            self.recorder.enabled = self.measure_timing
             self.recorder.start_step()
             schedule.step(
                 *(inputs if self.has_first else ()), target=targets if self.has_last else None, return_outputs=False
@@ -135,9 +138,10 @@ class PipelineRunner:
         self._pending_grads = [p.grad for p in params]
         for p, g in zip(params, previous):
             p.grad = g
-        self._record_step(wall, meter)
+        if wall is not None:
+            self._record_step(wall, meter)
         self._log(module, "train", loss, prog_bar=True)
-        if trainer is not None:
+        if trainer is not None and wall is not None:
             module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
         return loss
 
@@ -290,7 +294,8 @@ class PipelineRunner:
         schedule's own bookkeeping) up to the loss all-reduce, which ends the step on all
         pipeline ranks together -- so it is the bubble the formulas describe.
         ``mean_idle_fraction`` averages the recorded steps after the first (which also infers
-        shapes). ``events`` is described in :class:`~lightning_para.parallel.pipeline_measure.StepRecorder`.
+        shapes). ``events`` is described in :class:`~lightning_para.parallel.pipeline.measure.StepRecorder`.
+        Timing is recorded while :attr:`measure_timing` is on (always on CPU).
         """
         history = self._history
         warm = history[1:] if len(history) > 1 else history

@@ -1,0 +1,51 @@
+"""The thread budget per rank (issue 17): cores shared out between the ranks of a node, unless the
+user chose. The cases run in fresh interpreters, since the test process itself is pinned to one
+thread (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_para.threads import available_cores, thread_budget
+
+# Torch's default threads shared out between 2 x cores ranks (one each); then a user's own
+# torch.set_num_threads (a count that is never torch's default) is kept.
+DEFAULT_THEN_USER = """
+import torch
+from lightning_para.threads import apply_thread_budget, available_cores
+cores = available_cores()
+first = apply_thread_budget(2 * cores)
+after_default = torch.get_num_threads()
+torch.set_num_threads(cores + 1)
+print(first, after_default, apply_thread_budget(4), torch.get_num_threads())
+"""
+ENVIRONMENT = """
+import torch
+from lightning_para.threads import apply_thread_budget
+print(apply_thread_budget(1), torch.get_num_threads())
+"""
+
+
+def _run(script: str, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return subprocess.run(
+        [sys.executable, "-c", script], env={**clean, **env}, capture_output=True, text=True, timeout=180, check=True
+    ).stdout.split()
+
+
+def test_budget_is_cores_over_ranks():
+    assert thread_budget(4, cores=2) == 1 and thread_budget(2, cores=16) == 8 and thread_budget(3, cores=8) == 2
+    with pytest.raises(ValueError, match="ranks_on_this_node=0"):
+        thread_budget(0)
+
+
+def test_default_threads_are_shared_out_and_the_users_choice_wins():
+    first, after_default, second, after_user = _run(DEFAULT_THEN_USER)
+    assert after_default == "1" and first in ("1", "None")  # None: torch already ran one thread here
+    assert (second, after_user) == ("None", str(available_cores() + 1))
+    # OMP_NUM_THREADS=1 wins over the budget of one rank (every core)
+    assert _run(ENVIRONMENT, OMP_NUM_THREADS="1") == ["None", "1"]
