@@ -14,6 +14,11 @@ Layout (outermost to innermost)::
 
 Every dimension exists even at size 1, so code asks for ``mesh["tp"]`` without branching.
 Sub-meshes are handed to each ``apply_*`` function explicitly; there is no global state.
+
+Lightning's names: the mesh also answers to ``"data_parallel"`` and ``"tensor_parallel"``
+(:data:`LIGHTNING_ALIASES`), the dims of Lightning's ``ModelParallelStrategy`` mesh, so a
+``configure_model`` written for it (``self.device_mesh["tensor_parallel"]``) runs unchanged.
+Each alias is a flattened copy of its dim (same ranks, its own process group).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from lightning_para._dtensor import divisors
 
 MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
 FLATTENED_DIMS = {"dp": ("edp", "ep")}
+# Lightning's ModelParallelStrategy names -> ours (each alias is flattened from its target once the mesh exists).
+LIGHTNING_ALIASES = {"data_parallel": "dp", "tensor_parallel": "tp"}
 
 
 def check_expert_degree(ep: int, dp: int) -> None:
@@ -86,12 +93,15 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
         # Keep the flattened meshes: torch deprecates re-slicing a flattened dim from the root.
         self._flattened = {name: mesh[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
+        for alias, target in LIGHTNING_ALIASES.items():
+            source = self._flattened.get(target) or mesh[target]
+            self._flattened[alias] = source._flatten(alias)
         self.mesh = mesh
         return mesh
 
     @property
     def valid_mesh_names(self) -> tuple[str, ...]:
-        return MESH_DIM_NAMES + tuple(FLATTENED_DIMS)
+        return MESH_DIM_NAMES + tuple(FLATTENED_DIMS) + tuple(LIGHTNING_ALIASES)
 
     def get_mesh(self, *names: str) -> DeviceMesh:
         """A sub-mesh by name, e.g. ``get_mesh("tp")`` or ``get_mesh("dp", "tp")``."""
