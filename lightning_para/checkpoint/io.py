@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -33,7 +34,7 @@ def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = T
         if not dist.is_initialized() or dist.get_rank() == 0:
             if path.is_dir():
                 shutil.rmtree(path)  # a sharded checkpoint of the same name
-            torch.save(checkpoint, path)
+            TorchCheckpointIO().save_checkpoint(checkpoint, path)  # creates the folder, writes atomically
         return
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
