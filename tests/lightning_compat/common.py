@@ -99,6 +99,9 @@ class FeedForwardModule(L.LightningModule):
         x, y = batch
         self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -124,6 +127,8 @@ def fit_job(
     trainer_overrides: Optional[dict[str, Any]] = None,
     callbacks: tuple[Callback, ...] = (),
     after_fit: Optional[Callable[[L.Trainer, L.LightningModule], Any]] = None,
+    ckpt_path: Optional[str] = None,
+    dataset: Callable[[], Any] = vector_dataset,
 ) -> dict[str, Any]:
     """Inside a worker: fit under ``ModelParallelStrategy`` (``kind="mps"``) or ``ParaStrategy``.
 
@@ -138,8 +143,8 @@ def fit_job(
         devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=[recorder, *callbacks],
         use_distributed_sampler=False, **trainer_kwargs(**(trainer_overrides or {})),
     )
-    data = _DpData(vector_dataset, global_batch)
-    trainer.fit(module, datamodule=data)
+    data = _DpData(dataset, global_batch)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     sampler = trainer.strategy.distributed_sampler_kwargs
     out = {"losses": recorder.losses, "dp_rank": sampler["rank"], "dp": sampler["num_replicas"], "rank": dist.get_rank()}
     if after_fit is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback

@@ -12,10 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from tests.harness import WorkerError
 from tests.lightning_compat.common import FeedForwardModule, dp_mean_losses, fit_job, max_rel_diff, vector_dataset
 from tests.parity import FP32_RTOL, fit_reference
 
