@@ -9,10 +9,10 @@ of the user's FSDP2 reduces every gradient twice, which trains to silently wrong
 
 :func:`detect_user_parallelism` looks at the model as ``configure_model`` left it:
 
-* **tensor parallel**: a parameter is a DTensor over a mesh dim whose ranks are this
-  strategy's ``tp`` group (its size is ``tp``);
-* **FSDP2**: a module is an ``FSDPModule``; its parameters' data-parallel mesh dim must be
-  this strategy's ``dp`` group.
+* **FSDP2**: a module is an ``FSDPModule``; the first mesh dim of the parameters it manages
+  (FSDP2 puts its shard dim first) must be this strategy's ``dp`` group;
+* **tensor parallel**: any other mesh dim of a DTensor parameter; it must be this strategy's
+  ``tp`` group (its size is ``tp``).
 
 A mesh dim that is neither (another size, other ranks) is a ``ValueError`` that says which
 degrees to set: the data sampler and every collective of the strategy follow its own mesh, so
@@ -76,6 +76,8 @@ def detect_user_parallelism(module: nn.Module, dims: ParallelDims, config: Paral
         return UserParallelism()
     tp_ranks = _ranks(dims.group("tp"))
     dp_ranks = _ranks(dims.group("dp"))
+    # FSDP2 puts its data-parallel shard dim first (before any TP dims) on the parameters it manages.
+    fsdp_managed = {id(p) for m in fsdp_modules for p in m.parameters()}
     user_tp = False
     for name, p in dtensor_params:
         mesh = p.device_mesh
@@ -83,19 +85,20 @@ def detect_user_parallelism(module: nn.Module, dims: ParallelDims, config: Paral
             if mesh.size(i) == 1:
                 continue
             ranks = _ranks(mesh.get_group(i))
-            if ranks == tp_ranks:
-                user_tp = True
-            elif ranks == dp_ranks and fsdp_modules:
-                continue  # FSDP2's data-parallel shard dim
-            else:
+            is_fsdp_dim = i == 0 and id(p) in fsdp_managed
+            expected, degree, what = (dp_ranks, dims.dp, "data-parallel (fully_shard)") if is_fsdp_dim else (
+                tp_ranks, dims.tp, "tensor-parallel")
+            if ranks != expected:
                 dim_name = (mesh.mesh_dim_names or ("?",) * mesh.ndim)[i]
                 raise ValueError(
                     f"configure_model made `{name}` a DTensor over ranks {list(ranks)} (mesh dim {dim_name!r}, size"
-                    f" {mesh.size(i)}), which is neither ParaStrategy's tensor-parallel group {list(tp_ranks)}"
-                    f" (tp={dims.tp}) nor, for fully_shard, its data-parallel group {list(dp_ranks)} (dp={dims.dp})."
-                    " Build the meshes from `self.device_mesh['tensor_parallel']` / `['data_parallel']` (or 'tp' /"
-                    " 'dp') and set ParaStrategy(tp=..., dp=...) to the degrees configure_model uses."
+                    f" {mesh.size(i)}), which is not ParaStrategy's {what} group {list(expected)} (degree {degree};"
+                    f" its tensor-parallel group is {list(tp_ranks)}, tp={dims.tp}, its data-parallel group"
+                    f" {list(dp_ranks)}, dp={dims.dp}). Build the meshes from `self.device_mesh['tensor_parallel']` /"
+                    " `['data_parallel']` (or 'tp' / 'dp') and set ParaStrategy(tp=..., dp=...) to the degrees"
+                    " configure_model uses."
                 )
+            user_tp = user_tp or not is_fsdp_dim
     user = UserParallelism(
         tensor_parallel=user_tp, fully_sharded=bool(fsdp_modules), fsdp_roots=_outermost(fsdp_modules)
     )

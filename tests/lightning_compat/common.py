@@ -140,8 +140,8 @@ def fit_job(
     module = model_factory()
     recorder = LossRecorder()
     trainer = L.Trainer(
-        devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=[recorder, *callbacks],
-        use_distributed_sampler=False, **trainer_kwargs(**(trainer_overrides or {})),
+        devices=dist.get_world_size(), strategy=strategy, callbacks=[recorder, *callbacks],
+        use_distributed_sampler=False, **trainer_kwargs(**{"max_steps": steps, **(trainer_overrides or {})}),
     )
     data = _DpData(dataset, global_batch)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
