@@ -289,3 +289,29 @@ def test_auto_degrees_resolve_like_model_parallel_strategy():
     with pytest.raises(ValueError, match="tp_unplanned"):
         ParallelConfig(tp_unplanned="shard")
 
+
+
+# ----------------------------------------------------------------------------- fit, validate, test (DDP-style)
+def _fit_validate_test(tmp: str) -> dict[str, Any]:
+    """Lightning's DDP fit-then-test flow: val metrics synced, EarlyStopping and ModelCheckpoint on them,
+    ``trainer.test(ckpt_path="best")``."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    L.seed_everything(0, verbose=False)
+    model = FeedForwardModule()
+    best = ModelCheckpoint(dirpath=tmp, monitor="val_loss")
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(zero=2), max_epochs=3,
+                        limit_train_batches=4, callbacks=[EarlyStopping(monitor="val_loss", patience=1), best],
+                        **trainer_kwargs(enable_checkpointing=True))
+    data = torch.utils.data.DataLoader(vector_dataset(64), batch_size=8)
+    trainer.fit(model, data, data)
+    tested = trainer.test(ckpt_path="best", dataloaders=data, verbose=False)[0]["test_loss"]
+    return {"best": best.best_model_path, "best_score": float(best.best_model_score), "test": tested}
+
+
+def test_fit_validate_test_from_best_checkpoint(pools, tmp_path):
+    results = pools.get(2).run(_fit_validate_test, str(tmp_path))
+    assert results[0]["best"] and all(r["best"] == results[0]["best"] for r in results)
+    # The best checkpoint's validation loss is its test loss on the same data (the val/test steps are one loss).
+    for r in results:
+        assert abs(r["test"] - r["best_score"]) <= 1e-6 * r["best_score"], r
