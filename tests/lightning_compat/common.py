@@ -176,3 +176,35 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return ((x - y).abs() / y.abs().clamp_min(1e-12)).max().item()
+
+
+# ----------------------------------------------------------------------------- ModelParallelStrategy parity
+MPS_STEPS = 5
+MPS_GLOBAL_BATCH = 16
+# Same module, same ranks, same data under both strategies: only the order of a few fp32 sums
+# (ParaStrategy's ZeRO-1 reduce-scatter vs FSDP2's) can differ, ~1e-7 relative per step.
+MPS_RTOL = 1e-6
+_one_device: dict[str, list[float]] = {}
+
+
+def compare_with_mps(pool, mps_kwargs: dict[str, Any], para_kwargs: dict[str, Any], model: Callable[[], L.LightningModule],
+                     para_model: Optional[Callable[[], L.LightningModule]] = None) -> tuple[float, float]:
+    """Fit ``model`` under ``ModelParallelStrategy(**mps_kwargs)`` and ``para_model or model`` under
+    ``ParaStrategy(**para_kwargs)`` on the same ranks; every rank's per-step losses agree within
+    ``MPS_RTOL``, and their dp mean matches one device on the global batch within ``FP32_RTOL``.
+    Returns both largest relative differences."""
+    from tests.parity import FP32_RTOL, fit_reference
+
+    mps = pool.run(fit_job, "mps", mps_kwargs, model, MPS_STEPS, MPS_GLOBAL_BATCH)
+    para = pool.run(fit_job, "para", para_kwargs, para_model or model, MPS_STEPS, MPS_GLOBAL_BATCH)
+    worst = 0.0
+    for m, p in zip(mps, para):
+        assert (m["dp_rank"], m["dp"]) == (p["dp_rank"], p["dp"]), "the strategies split the data differently"
+        worst = max(worst, max_rel_diff(p["losses"], m["losses"]))
+    assert worst <= MPS_RTOL, [(m["losses"], p["losses"]) for m, p in zip(mps, para)]
+    if "losses" not in _one_device:
+        _one_device["losses"] = fit_reference(FeedForwardModule, vector_dataset, MPS_GLOBAL_BATCH, MPS_STEPS)["losses"]
+    to_one_device = max_rel_diff(dp_mean_losses(para), _one_device["losses"])
+    assert to_one_device <= FP32_RTOL
+    print(f"vs ModelParallelStrategy: {worst:.2e}; vs one device: {to_one_device:.2e}")
+    return worst, to_one_device

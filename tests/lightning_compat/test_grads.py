@@ -19,7 +19,6 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_para import grad_norm
-from tests.harness import WorkerError
 from tests.lightning_compat.common import FeedForwardModule, dp_mean_losses, fit_job, max_rel_diff, vector_dataset
 from tests.parity import FP32_RTOL, fit_reference
 
@@ -126,9 +125,18 @@ def test_lightning_grad_norm_works_under_zero0(pools):
     pools.get(2).run(fit_job, "para", {"zero": 0}, LogsLightningGradNorm, 2, GLOBAL_BATCH)
 
 
-@pytest.mark.xfail(raises=WorkerError, strict=True, reason=(
-    "Lightning's grad_norm builds torch.tensor(list of per-parameter norms), which cannot read a DTensor"
-    " (no storage): it fails for any DTensor gradient, under Lightning's ModelParallelStrategy with FSDP2 as"
-    " well. Use lightning_para.grad_norm (same signature and keys)."))
-def test_lightning_grad_norm_under_zero2(pools):
-    pools.get(2).run(fit_job, "para", {"zero": 2}, LogsLightningGradNorm, 2, GLOBAL_BATCH)
+def _lightning_grad_norm_error(zero: int) -> str:
+    try:
+        fit_job("para", {"zero": zero}, LogsLightningGradNorm, 2, GLOBAL_BATCH)
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def test_lightning_grad_norm_cannot_read_dtensor_gradients(pools):
+    """A known limit, kept visible: Lightning's ``grad_norm`` builds ``torch.tensor(list of norms)``, which
+    cannot read a DTensor (it has no storage). It fails for every DTensor gradient -- ZeRO-1/2/3 here, and
+    tensor parallelism or FSDP2 under Lightning's own ModelParallelStrategy too. ``lightning_para.grad_norm``
+    takes the same arguments and returns the same keys (checked against one device above)."""
+    messages = pools.get(2).run(_lightning_grad_norm_error, 2)
+    assert all("data is not allocated" in m for m in messages), messages
