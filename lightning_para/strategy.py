@@ -259,6 +259,7 @@ class ParaStrategy(ParallelStrategy):
         else:
             self._check_same_layout(existing)
             self._parallel = existing
+            self._sync_batchnorm(module)  # a no-op if converted before; a clear error if FSDP2 holds plain BatchNorms
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
