@@ -43,6 +43,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Callable, Optional
@@ -97,7 +98,8 @@ class ZeroDataParallel:
         self._callback_queued = False
         self._synced_since_step = False
         self._suppress_gather = False
-        self._mesh_of = mesh_of
+        # Sliced once per name tuple: each slice of the root mesh builds a new DeviceMesh object.
+        self._mesh_of = functools.lru_cache(maxsize=None)(mesh_of) if mesh_of is not None else None
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[nn.Parameter, ParamSlot] = {}
         for name, param, mesh in named_params:
