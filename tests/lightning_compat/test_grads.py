@@ -89,8 +89,10 @@ def test_grad_norms_match_one_device(pools, zero, accumulate):
         expected_kind = ["Tensor"] if zero == 0 else ["DTensor"]
         assert all(rec["kinds"] == expected_kind for rec in records), records[0]["kinds"]
         # Both norms are global on every rank: the one-device value, within fp32 summation order.
-        assert max_rel_diff([rec["total"] for rec in records], ref["totals"]) <= FP32_RTOL
-        assert max_rel_diff([rec["get_total_norm"] for rec in records], ref["totals"]) <= FP32_RTOL
+        total_diff = max_rel_diff([rec["total"] for rec in records], ref["totals"])
+        torch_diff = max_rel_diff([rec["get_total_norm"] for rec in records], ref["totals"])
+        print(f"zero={zero} accumulate={accumulate}: grad_norm total {total_diff:.1e}, get_total_norm {torch_diff:.1e}")
+        assert total_diff <= FP32_RTOL and torch_diff <= FP32_RTOL
         if zero in (1, 2):
             assert all(rec["shard0_over_dp"] and rec["shares_storage"] for rec in records)
 
