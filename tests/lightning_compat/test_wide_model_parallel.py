@@ -1,11 +1,12 @@
 """The 4-process half of ``test_model_parallel.py`` (it sorts last so the package's one pool of
 workers grows from 2 to 4 processes once): tp=4, dp=4, dp=2 x tp=2 with the user's TP and FSDP2,
-ZeRO-1 added by ParaStrategy to the user's TP, and Lightning's own FSDP2+TP checks."""
+ZeRO-1 or ZeRO-3 added by ParaStrategy to the user's TP, and Lightning's own FSDP2+TP checks."""
 
 from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -27,10 +28,11 @@ def test_user_tp_and_fsdp2_match_model_parallel_strategy(pools):
                      partial(FeedForwardModule, tp=True, fsdp=True))
 
 
-def test_user_tp_with_zero1_added_by_para_strategy(pools):
-    """configure_model applies only TP; ParaStrategy adds ZeRO-1 over dp. Lightning's equivalent
+@pytest.mark.parametrize("zero", [1, 3])
+def test_user_tp_with_zero_added_by_para_strategy(pools, zero):
+    """configure_model applies only TP; ParaStrategy adds ZeRO-1 (or FSDP2) over dp. Lightning's equivalent
     (ModelParallelStrategy cannot add data parallelism itself) is the user's TP + FSDP2."""
-    compare_with_mps(pools.get(4), {"data_parallel_size": 2, "tensor_parallel_size": 2}, {"dp": 2, "tp": 2, "zero": 1},
+    compare_with_mps(pools.get(4), {"data_parallel_size": 2, "tensor_parallel_size": 2}, {"dp": 2, "tp": 2, "zero": zero},
                      partial(FeedForwardModule, tp=True, fsdp=True), para_model=partial(FeedForwardModule, tp=True))
 
 
