@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_para.checkpoint import consolidate_checkpoint
+from lightning_para.compat import grad_norm
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe import ParaProfiler
@@ -31,5 +32,6 @@ __all__ = [
     "PipelineSpec",
     "__version__",
     "consolidate_checkpoint",
+    "grad_norm",
     "parallelize",
 ]

@@ -18,9 +18,10 @@ from lightning_para.parallel.context.attention import CP_METHODS
 from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, validate_pipeline_config
 
 ZERO_STAGES = (0, 1, 2, 3)
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
+TP_UNPLANNED = ("error", "replicate")
 
 Degree = Union[int, Literal["auto"]]
 
@@ -50,7 +51,8 @@ class ParallelConfig:
     """
 
     dp: Degree = "auto"
-    tp: int = 1
+    # "auto": ModelParallelStrategy's meaning, the devices of one node (or what dp leaves, when dp is set).
+    tp: Degree = 1
     pp: int = 1
     ep: int = 1
     zero: int = 0
@@ -67,6 +69,8 @@ class ParallelConfig:
     # per sublayer. False keeps the gathered input: the same bytes as TP, more memory.
     sp_save_input_shard: bool = True
     tp_plan: Optional[Mapping[str, Any]] = None
+    # An nn.Linear the plan does not cover: "error" (default) or "replicate" (whole on every tp rank).
+    tp_unplanned: str = "error"
     loss_parallel: bool = True
     activation_checkpointing: Optional[str] = None
     # --- context parallel (issue 16) ---
@@ -88,8 +92,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.dp != "auto":
             _check_positive_int("dp", self.dp)
-        for name in ("tp", "pp", "ep", "cp", "virtual_stages"):
+        if self.tp != "auto":
+            _check_positive_int("tp", self.tp)
+        for name in ("pp", "ep", "cp", "virtual_stages"):
             _check_positive_int(name, getattr(self, name))
+        if self.tp_unplanned not in TP_UNPLANNED:
+            raise ValueError(f"`tp_unplanned={self.tp_unplanned!r}` is unknown. Choose one of {_choices(TP_UNPLANNED)}.")
         self._validate_context_and_hybrid()
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of {_choices(ZERO_STAGES)}.")
@@ -171,17 +179,22 @@ class ParallelConfig:
             )
         self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
-    def resolve_dims(self, world_size: int) -> ParallelDims:
+    def resolve_dims(self, world_size: int, devices_per_node: Optional[int] = None) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` takes what is left); raises ``ValueError``
-        naming the degrees to change. The mesh itself is built later, by the strategy."""
-        model_parallel = self.pp * self.cp * self.tp
+        naming the degrees to change. The mesh itself is built later, by the strategy.
+
+        ``tp="auto"`` follows Lightning's ``ModelParallelStrategy``: the devices of one node
+        (``devices_per_node``, default: the world size), so with ``dp="auto"`` too, dp is the
+        number of nodes. With an explicit ``dp``, ``tp="auto"`` takes what dp, pp and cp leave."""
+        tp = self._resolve_tp(world_size, devices_per_node)
+        model_parallel = self.pp * self.cp * tp
         if self.dp == "auto" and self.dp_replicate is not None and self.dp_shard is not None:
             dp = self.dp_replicate * self.dp_shard  # both given: dp is their product
         elif self.dp == "auto":
             if world_size % model_parallel != 0:
                 cp, names = (f" x cp={self.cp}", "pp, cp and tp") if self.cp > 1 else ("", "pp and tp")
                 raise ValueError(
-                    f"The world size {world_size} is not divisible by pp={self.pp}{cp} x tp={self.tp} ="
+                    f"The world size {world_size} is not divisible by pp={self.pp}{cp} x tp={tp} ="
                     f" {model_parallel}, so `dp='auto'` has no valid value. Choose {names} whose product divides"
                     f" {world_size}."
                 )
@@ -189,9 +202,24 @@ class ParallelConfig:
         else:
             dp = int(self.dp)
         return ParallelDims(
-            pp=self.pp, dp=dp, tp=self.tp, ep=self.ep, world_size=world_size, cp=self.cp,
+            pp=self.pp, dp=dp, tp=tp, ep=self.ep, world_size=world_size, cp=self.cp,
             dp_replicate=self._replicas(dp),
         )
+
+    def _resolve_tp(self, world_size: int, devices_per_node: Optional[int]) -> int:
+        if self.tp != "auto":
+            return int(self.tp)
+        if self.dp != "auto":
+            taken = int(self.dp) * self.pp * self.cp
+            rest = world_size // taken
+            if rest < 1 or rest * taken != world_size:
+                raise ValueError(
+                    f"`tp='auto'` takes what dp={self.dp} x pp={self.pp} x cp={self.cp} leave of the world size"
+                    f" {world_size}, but {taken} does not divide it. Set tp explicitly or choose dp that divides"
+                    f" {world_size}."
+                )
+            return rest
+        return devices_per_node or world_size
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` processes."""

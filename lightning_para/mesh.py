@@ -36,6 +36,11 @@ Flattened names whose ranks coincide with another name (``dp_shard`` when ``dp_r
 ``dp_shard_cp`` when ``cp = 1``) are the *same* mesh object, so one process group serves both
 and the comm tracer labels it by the plainer name. Sub-meshes are handed to each ``apply_*``
 function explicitly; there is no global state.
+
+Lightning's names: the mesh also answers to ``"data_parallel"`` and ``"tensor_parallel"``
+(:data:`LIGHTNING_ALIASES`), the dims of Lightning's ``ModelParallelStrategy`` mesh, so a
+``configure_model`` written for it (``self.device_mesh["tensor_parallel"]``) runs unchanged.
+Each alias is a flattened copy of its dim (same ranks, its own process group).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ FLATTENED_DIMS = {
 }
 # A flattened name whose ranks equal another mesh's when some degree is 1: (name, degree, same as).
 _ALIASES = (("dp_shard", "dp_replicate", "dp"), ("dp_shard_cp", "cp", "dp_shard"), ("edp_cp", "cp", "edp"))
+# Lightning's ModelParallelStrategy names -> ours (each alias is flattened from its target once the mesh exists).
+LIGHTNING_ALIASES = {"data_parallel": "dp", "tensor_parallel": "tp"}
 
 
 def check_expert_degree(ep: int, dp: int, dp_replicate: int = 1) -> None:
@@ -170,13 +177,16 @@ class ParallelDims:
                 warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
                 for shard in ("dp_shard_cp", "edp_cp"):
                     flattened[("dp_replicate", shard)] = mesh["dp_replicate", flattened[shard].mesh_dim_names[0]]
+        for alias, target in LIGHTNING_ALIASES.items():
+            source = flattened[target] if target in flattened else mesh[target]
+            flattened[alias] = source._flatten(alias)  # private: see docs/architecture.md
         self._flattened = flattened
         self.mesh = mesh
         return mesh
 
     @property
     def valid_mesh_names(self) -> tuple[str, ...]:
-        return MESH_DIM_NAMES + tuple(FLATTENED_DIMS)
+        return MESH_DIM_NAMES + tuple(FLATTENED_DIMS) + tuple(LIGHTNING_ALIASES)
 
     def get_mesh(self, *names: str) -> DeviceMesh:
         """A sub-mesh by name, e.g. ``get_mesh("tp")`` or ``get_mesh("dp", "tp")``."""

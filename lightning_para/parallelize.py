@@ -23,6 +23,11 @@ Order, and why:
    copies, so masters start from the exact fp32 initialisation (FSDP2 keeps fp32 shards and
    gathers in bf16 itself, so ZeRO-3 is not cast).
 
+Before step 1, :func:`~lightning_para.compat.detect_user_parallelism` looks at what the user's
+``configure_model`` already applied (TP with ``parallelize_module``, FSDP2 with ``fully_shard``),
+checks it against the degrees, and those dimensions are skipped: a model the user fully sharded
+gets nothing more; one the user split with TP gets only data parallelism (ZeRO) on top.
+
 Each step is one ``apply_*`` function of its dimension's package, given its sub-mesh and its
 options explicitly. The result is a typed :class:`ParallelModel`: what was applied, per
 dimension, for the strategy and the tools that read it.
@@ -37,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_para._dtensor import local_tensor
+from lightning_para.compat import UserParallelism, detect_user_parallelism
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
@@ -45,7 +51,12 @@ from lightning_para.parallel.context import ContextParallel, apply_context_paral
 from lightning_para.parallel.data import GradReplication, ZeroDataParallel, apply_fully_shard
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
-from lightning_para.parallel.tensor import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
+from lightning_para.parallel.tensor import (
+    TensorParallelInfo,
+    apply_tensor_parallel,
+    fsdp_shard_placement_fn,
+    hook_grad_layouts,
+)
 
 
 @dataclass
@@ -70,6 +81,8 @@ class ParallelModel:
     psi_expert: int = 0
     # On how many ranks each optimizer parameter's gradient is identical; set when optimizers are attached.
     grad_replication: GradReplication = field(default_factory=GradReplication)
+    # What the user's configure_model already applied (those dimensions were skipped).
+    user: UserParallelism = field(default_factory=UserParallelism)
 
     @property
     def loss_parallel(self) -> bool:
@@ -103,6 +116,9 @@ def parallelize(
     ``param_dtype`` is the dtype parameters compute in (bf16 under ``bf16-true``; ``None``: as they
     are); ``master_dtype`` the dtype of separate optimizer copies of the weights (fp32 then).
     """
+    user = detect_user_parallelism(module, dims, config)
+    if user.fully_sharded:
+        return _keep_user_fully_sharded(module, dims, config, user, param_dtype)
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
     context = None
@@ -119,9 +135,11 @@ def parallelize(
             pipeline_balance=config.pipeline_balance,
         )
         parts = list(pipeline.stage_modules)
-    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline, context=context)
+    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline, context=context, user=user)
 
-    if dims.tp_enabled:
+    if user.tensor_parallel:
+        hook_grad_layouts(module)  # the user's TP stays as it is; its gradients get their parameters' layouts
+    elif dims.tp_enabled:
         # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
         # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
         # combined (the recomputed forward would install the hooks a second time).
@@ -129,7 +147,7 @@ def parallelize(
         result.tensor = [
             apply_tensor_parallel(
                 part, dims.get_mesh("tp"), plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
-                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard,
+                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
             )
             for part in parts
         ]
@@ -150,6 +168,19 @@ def parallelize(
     return result
 
 
+def _keep_user_fully_sharded(
+    module: nn.Module, dims: ParallelDims, config: ParallelConfig, user: UserParallelism, param_dtype: Optional[torch.dtype]
+) -> ParallelModel:
+    """The user's ``fully_shard`` (and TP, if any) is the whole layout: nothing is added. Under ``*-true``
+    the model is cast as Lightning's ModelParallelStrategy casts it (FSDP2 keeps shards in that dtype)."""
+    result = ParallelModel(config=config, dims=dims, parts=[module], user=user, fully_sharded=True)
+    dense, _ = _count_params(module, result.expert_predicate())
+    result.psi_dense = dense * dims.dp  # the shards FSDP2 left this rank, times the ranks that share them
+    if param_dtype is not None:
+        module.to(dtype=param_dtype)
+    return result
+
+
 def _apply_data_parallel(
     module: nn.Module, result: ParallelModel, param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype]
 ) -> None:
@@ -157,6 +188,8 @@ def _apply_data_parallel(
     # ZeRO shards over dp_shard x cp (experts: edp x cp); hybrid sharding replicates over dp_replicate.
     dense_mesh, expert_mesh = dims.zero_mesh(), dims.zero_mesh(expert=True)
     if config.zero == 3:
+        if master_dtype is not None and any(p.dtype != master_dtype for p in module.parameters() if p.is_floating_point()):
+            module.to(dtype=master_dtype)  # weights made in bf16 (`trainer.init_module()`): FSDP2's shards are the masters
         expert_units = [m for info in result.experts for m in info.expert_modules]
         placement = fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None
         for part in result.parts:
@@ -175,7 +208,7 @@ def _apply_data_parallel(
     ]
     result.zero = ZeroDataParallel(
         named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=master_dtype,
-        replicate_mesh=dims.replicate_mesh(),
+        replicate_mesh=dims.replicate_mesh(), mesh_of=dims.get_mesh,
     )
 
 

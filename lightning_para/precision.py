@@ -8,8 +8,15 @@ mode          parameters / compute            optimizer steps
 32-true       fp32 / fp32                     the fp32 parameters
 bf16-mixed    fp32 / bf16 autocast            the fp32 parameters
 bf16-true     bf16 / bf16                     fp32 master weights, sharded with ZeRO
+16-true       fp16 / fp16                     fp32 master weights, sharded with ZeRO
 16-mixed      fp32 / fp16 autocast            fp32 parameters, dynamic loss scaling
 ============  ==============================  =======================================
+
+Under ``*-true``, ``trainer.init_module()`` creates the weights in bf16/fp16 (as Lightning's
+plugins do) and the fp32 masters are upcast copies of them; a model built outside
+``init_module()`` is fp32 first and its masters keep the exact fp32 initialisation.
+``.scaler`` is the ``GradScaler``-compatible view of the loss scaling under ``16-mixed``
+(:class:`~lightning_para.scaler.ParaGradScaler`) and ``None`` otherwise, as in Lightning.
 
 ``bf16-true`` is the ZeRO paper's 16 bytes/parameter layout: 2 (bf16 weights) + 2 (bf16
 grads) + 4 (fp32 master) + 8 (Adam moments), where the optimizer's 12 bytes are divided by
@@ -38,6 +45,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
@@ -46,13 +54,16 @@ from torch.optim import LBFGS, Optimizer
 from lightning_para._dtensor import local_tensor
 from lightning_para.config import PRECISIONS
 from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
+from lightning_para.scaler import ParaGradScaler
+
+_HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
 
 
 class ParaPrecision(Precision):
     """Precision plugin for :class:`~lightning_para.ParaStrategy`.
 
     Args:
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` or ``"16-mixed"``.
         init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
             ``"16-mixed"`` (same meaning as ``torch.amp.GradScaler``).
     """
@@ -84,6 +95,7 @@ class ParaPrecision(Precision):
         # gradients are read (unscaling, inf check, clipping), and counts gradient replicas.
         self._finalize_gradients: Callable[[], None] = lambda: None
         self._grad_replication: Optional[Callable[[Tensor], int]] = None
+        self._scaler = ParaGradScaler(self) if precision == "16-mixed" else None
 
     def connect_layout(
         self, *, finalize_gradients: Callable[[], None], grad_replication: Callable[[Tensor], int]
@@ -99,20 +111,37 @@ class ParaPrecision(Precision):
         self._finalize_gradients = finalize_gradients
         self._grad_replication = grad_replication
 
+    def finalize_gradients(self) -> None:
+        """Finish pending gradient communication (ZeRO's buckets) before gradients are read."""
+        self._finalize_gradients()
+
+    @property
+    def scaler(self) -> Optional[ParaGradScaler]:
+        """A ``torch.amp.GradScaler``-compatible view of the loss scaling (``16-mixed``), else ``None``."""
+        return self._scaler
+
     # ---------------------------------------------------------------- dtypes
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
-        return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
+        return _HALF_DTYPES.get(self.precision)
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
         """dtype of the model's parameters during compute (``None``: unchanged, fp32)."""
-        return torch.bfloat16 if self.precision == "bf16-true" else None
+        return _HALF_DTYPES[self.precision] if self.precision.endswith("-true") and self.precision != "32-true" else None
 
     @property
     def master_dtype(self) -> Optional[torch.dtype]:
         """dtype of the optimizer's copy of the weights when it differs from the model's."""
-        return torch.float32 if self.precision == "bf16-true" else None
+        return torch.float32 if self.param_dtype is not None else None
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """``trainer.init_module()`` creates floating-point tensors in the parameter dtype (as Lightning's
+        half-precision plugins do); the fp32 masters are then upcast from those weights."""
+        return _DtypeContextManager(self.param_dtype) if self.param_dtype is not None else contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -133,12 +162,13 @@ class ParaPrecision(Precision):
             yield
 
     def convert_input(self, data: Any) -> Any:
-        if self.precision == "bf16-true":
-            return apply_to_collection(data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        dtype = self.param_dtype
+        if dtype is not None:
+            return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
         return data
 
     def convert_output(self, data: Any) -> Any:
-        if self.precision == "bf16-true":
+        if self.param_dtype is not None:
             return apply_to_collection(data, Tensor, lambda t: t.float() if t.is_floating_point() else t)
         return data
 
@@ -164,18 +194,19 @@ class ParaPrecision(Precision):
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
         if skip:
             return closure_result
-        found_inf = self._unscale_and_check(optimizer)
+        found_inf = self.unscale_and_check(optimizer)
         self._after_closure(model, optimizer)
         if found_inf:
             self.skipped_steps += 1
-            self._update_scale(found_inf=True)
+            self.update_scale(found_inf=True)
             return closure_result
         output = optimizer.step(**kwargs)
-        self._update_scale(found_inf=False)
+        self.update_scale(found_inf=False)
         return output
 
     @torch.no_grad()
-    def _unscale_and_check(self, optimizer: Optimizer) -> bool:
+    def unscale_and_check(self, optimizer: Optimizer) -> bool:
+        """Divide the optimizer's gradients by the scale; True if any rank found inf/NaN (all-reduced MAX)."""
         inv_scale = 1.0 / self.scale
         local_inf = torch.zeros((), dtype=torch.float32)
         for p in self.main_params(optimizer):
@@ -193,7 +224,12 @@ class ParaPrecision(Precision):
             local_inf = flag.cpu()
         return bool(local_inf.item() > 0)
 
-    def _update_scale(self, found_inf: bool) -> None:
+    def growth_tracker(self) -> int:
+        """Consecutive finite steps since the scale last changed."""
+        return self._growth_tracker
+
+    def update_scale(self, found_inf: bool) -> None:
+        """Back off after an inf/NaN step; grow after ``growth_interval`` finite ones (``GradScaler.update``)."""
         if found_inf:
             self.scale *= self.backoff_factor
             self._growth_tracker = 0

@@ -26,6 +26,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -40,7 +41,13 @@ from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe.memory import memory_breakdown as _memory_breakdown
-from lightning_para.parallel.data import count_grad_replication, fsdp_no_sync
+from lightning_para.parallel.data import (
+    convert_sync_batchnorm,
+    count_grad_replication,
+    fsdp_no_sync,
+    fsdp_without_gradient_sync,
+    is_fsdp_root,
+)
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
@@ -56,7 +63,8 @@ class ParaStrategy(ParallelStrategy):
 
     Args:
         dp: data-parallel degree; ``"auto"`` takes what is left of the world size.
-        tp: tensor-parallel degree (innermost mesh dim: keep it within a node).
+        tp: tensor-parallel degree (innermost mesh dim: keep it within a node); ``"auto"`` as in
+            Lightning's ``ModelParallelStrategy``: the devices of one node (what dp leaves if dp is set).
         pp: pipeline-parallel degree (outermost mesh dim).
         ep: expert-parallel degree; must divide ``dp`` (experts are sharded inside dp).
         zero: ZeRO stage 0, 1, 2 or 3 over ``dp`` (over ``dp_shard x cp`` in general).
@@ -68,13 +76,15 @@ class ParaStrategy(ParallelStrategy):
         dp_replicate, dp_shard: hybrid sharded data parallel, ``dp = dp_replicate x dp_shard``:
             ZeRO state sharded over ``dp_shard`` (within a node), replicated over ``dp_replicate``
             (across nodes); needs ``zero >= 1``. ``dp`` alone means ``dp_shard = dp``.
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``; when set it
-            overrides ``Trainer(precision=...)`` (which also works, for the first three).
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` or ``"16-mixed"``; when set
+            it overrides ``Trainer(precision=...)`` (which also works).
         sequence_parallel: shard norms/dropout/residuals along the sequence over ``tp``.
         sp_save_input_shard: under sequence parallel, save only the sequence shard of each
             sublayer input for backward and all-gather it again there (Megatron-SP; less memory,
             one more all-gather per sublayer). ``False`` keeps the gathered input instead.
         tp_plan: module-name pattern -> parallel style; overrides the model's declared plan.
+        tp_unplanned: ``"error"`` (default) for an ``nn.Linear`` no plan covers, or ``"replicate"``
+            to keep such Linears whole on every tp rank.
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
         activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
         schedule: pipeline schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...).
@@ -85,7 +95,9 @@ class ParaStrategy(ParallelStrategy):
         bucket_size_mb: gradient bucket size for ZeRO 0-2.
         zero_accumulation: ``"no_sync"`` (no communication until the last micro-step) or
             ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating).
-        save_distributed_checkpoint: sharded directory (default) or one consolidated file.
+        save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
+            ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
+            tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
         process_group_backend: override ``"gloo"``/``"nccl"`` chosen from the device.
         timeout: process-group timeout.
     """
@@ -95,7 +107,7 @@ class ParaStrategy(ParallelStrategy):
     def __init__(
         self,
         dp: Union[int, str] = "auto",
-        tp: int = 1,
+        tp: Union[int, str] = 1,
         pp: int = 1,
         ep: int = 1,
         zero: int = 0,
@@ -109,6 +121,7 @@ class ParaStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         sp_save_input_shard: bool = True,
         tp_plan: Optional[Mapping[str, Any]] = None,
+        tp_unplanned: str = "error",
         loss_parallel: bool = True,
         activation_checkpointing: Optional[str] = None,
         schedule: str = "1f1b",
@@ -129,7 +142,7 @@ class ParaStrategy(ParallelStrategy):
     ) -> None:
         self.config = ParallelConfig(
             dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
-            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan,
+            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan, tp_unplanned=tp_unplanned,
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
@@ -217,7 +230,7 @@ class ParaStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_dims(self, world_size: int) -> ParallelDims:
-        dims = self.config.resolve_dims(world_size)
+        dims = self.config.resolve_dims(world_size, devices_per_node=self.num_processes or None)
         if self._dims is None or self._dims.shape != dims.shape:
             self._dims = dims
         return self._dims
@@ -262,6 +275,7 @@ class ParaStrategy(ParallelStrategy):
             if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
                 _materialize_distributed_module(module, self.root_device)
                 module.to(self.root_device)
+            self._sync_batchnorm(module)
             self._parallel = parallelize(
                 module, self.parallel_dims, self.config,
                 param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
@@ -270,6 +284,7 @@ class ParaStrategy(ParallelStrategy):
         else:
             self._check_same_layout(existing)
             self._parallel = existing
+            self._sync_batchnorm(module)  # a no-op if converted before; a clear error if FSDP2 holds plain BatchNorms
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -279,6 +294,17 @@ class ParaStrategy(ParallelStrategy):
         precision.connect_layout(
             finalize_gradients=self.finalize_gradients, grad_replication=self._parallel.grad_replication
         )
+
+    def _sync_batchnorm(self, module: nn.Module) -> None:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the dp group, on any device
+        (:mod:`lightning_para.parallel.data.sync_batchnorm`). Layers stay converted after ``fit``."""
+        layer_sync = self._layer_sync
+        if layer_sync is None:
+            return
+        if isinstance(layer_sync, TorchSyncBatchNorm):
+            convert_sync_batchnorm(module, self.parallel_dims.group("dp"), self.root_device.type)
+        else:
+            layer_sync.apply(module)  # the user's own LayerSync plugin decides (in place)
 
     def _check_same_layout(self, existing: ParallelModel) -> None:
         old, new = existing.config, self.config
@@ -359,7 +385,7 @@ class ParaStrategy(ParallelStrategy):
                 )
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
         with context, loss_parallel_step(parallel is not None and parallel.loss_parallel):
-            if parallel is not None and parallel.fully_sharded:
+            if parallel is not None and parallel.fully_sharded and is_fsdp_root(module):
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 output = self._forward_redirection(module, module, name, *args, **kwargs)
             else:
@@ -404,6 +430,9 @@ class ParaStrategy(ParallelStrategy):
             yield
         elif parallel.zero is not None:
             with parallel.zero.no_sync():
+                yield
+        elif parallel.user.fully_sharded:  # the user's fully_shard: no reduce-scatter, their reshard settings kept
+            with fsdp_without_gradient_sync(parallel.user.fsdp_roots):
                 yield
         elif parallel.fully_sharded:
             with fsdp_no_sync(self.lightning_module):
@@ -453,15 +482,26 @@ class ParaStrategy(ParallelStrategy):
         return ckpt.optimizer_params(self.lightning_module, self._parallel.zero, self.parallel_dims)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()
+        """Sharded (DTensors) on every rank; with ``save_distributed_checkpoint=False``, the full state as
+        plain tensors on rank 0 and ``{}`` elsewhere (Lightning's contract; collective)."""
+        if self.save_distributed_checkpoint:
+            return self.lightning_module.state_dict()
+        parallel = self._parallel
+        return ckpt.full_model_state(
+            self.lightning_module, parallel.zero if parallel is not None else None, self.parallel_dims
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """By parameter name with global DTensors; with ``save_distributed_checkpoint=False``, PyTorch's own
+        format with full plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         state = ckpt.optimizer_state_dict(optimizer, self._optim_views())
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is not None:  # each stage's optimizer names only its own parameters
             state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
+        if not self.save_distributed_checkpoint:
+            return ckpt.full_optimizer_state(state, self.lightning_module, self.parallel_dims)
         return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -481,6 +521,12 @@ class ParaStrategy(ParallelStrategy):
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         parallel = self._parallel
+        # `trainer.test(ckpt_path=...)` may run under torch.inference_mode(): tensors DCP reads there could
+        # not be copied into parameters ("Cannot set version_counter for inference tensor").
+        with torch.inference_mode(False), torch.no_grad():
+            return self._load_in_place(path, parallel)
+
+    def _load_in_place(self, path: Path, parallel: Optional[ParallelModel]) -> dict[str, Any]:
         return ckpt.load_checkpoint_in_place(
             path,
             self.lightning_module,

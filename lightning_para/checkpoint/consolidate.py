@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import math
-import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # private: see docs/architecture.md
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private: see docs/architecture.md
 
-from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint, save_sharded
+from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
 
 
 def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, Path]] = None) -> dict[str, Any]:
@@ -31,57 +31,91 @@ def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, P
         raise ValueError(f"{path} is not a sharded lightning-para checkpoint (no `.metadata` file in it).")
     loaded: dict[str, Any] = {}
     _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    checkpoint: dict[str, Any] = {}
     meta_file = path / METADATA_FILENAME
     if meta_file.is_file():
-        checkpoint.update(torch.load(meta_file, weights_only=False))
-    model_state = dict(loaded.get("state_dict", {}))
-    optimizer_states = []
-    index = 0
-    while f"optimizer_{index}" in loaded:
-        osd = loaded[f"optimizer_{index}"]
-        state, groups, numbered = {}, [], 0
-        for group in osd["param_groups"]:
-            ids = []
-            for fqn in group["params"]:
-                entry = dict(osd["state"].get(fqn, {}))
-                master = entry.pop(MASTER_KEY, None)
-                if master is not None and fqn in model_state:
-                    model_state[fqn] = master.reshape(model_state[fqn].shape)
-                shape = model_state[fqn].shape if fqn in model_state else None
-                entry = {
-                    k: (v.reshape(shape) if isinstance(v, Tensor) and shape is not None and v.numel() == math.prod(shape) and v.dim() > 0 else v)
-                    for k, v in entry.items()
-                    if "@rank" not in k
-                }
-                if entry:
-                    state[numbered] = entry
-                ids.append(numbered)
-                numbered += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        optimizer_states.append({"state": state, "param_groups": groups})
-        index += 1
-    checkpoint["state_dict"] = model_state
-    checkpoint["optimizer_states"] = optimizer_states
+        loaded.update(torch.load(meta_file, weights_only=False))
+    checkpoint = trainer_format(loaded)
     if output is not None:
         torch.save(checkpoint, output)
     return checkpoint
 
 
-def write_consolidated(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Save sharded to a temporary directory, then rank 0 consolidates it into the file ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".sharded-tmp")
-    save_sharded(tmp, tensors, metadata)
-    if dist.is_initialized():
-        dist.barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if path.is_dir():
-            shutil.rmtree(path)
-        consolidate_checkpoint(tmp, path)
-        shutil.rmtree(tmp)
-    if dist.is_initialized():
-        dist.barrier()
+def trainer_format(loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """A sharded directory's content, loaded whole, in the format of Lightning's Trainer checkpoints.
+
+    ``loaded`` has the model under ``state_dict`` and each optimizer, keyed by parameter name,
+    under ``optimizer_<i>``, plus Lightning's metadata: what a sharded directory holds, and what
+    Lightning's own ``python -m lightning.fabric.utilities.consolidate_checkpoint DIR`` writes.
+    The result has ``optimizer_states`` numbered as PyTorch numbers them, with fp32 master
+    weights (``bf16-true``) as the model weights.
+    """
+    checkpoint = {k: v for k, v in loaded.items() if k != "state_dict" and not _is_optimizer_key(k)}
+    model_state = dict(loaded.get("state_dict", {}))
+    shapes = {fqn: t.shape for fqn, t in model_state.items() if isinstance(t, Tensor)}
+    optimizer_states = []
+    index = 0
+    while f"optimizer_{index}" in loaded:
+        masters: dict[str, Tensor] = {}
+        optimizer_states.append(number_optimizer_state(loaded[f"optimizer_{index}"], shapes, masters))
+        model_state.update({fqn: m.reshape(shapes[fqn]) for fqn, m in masters.items() if fqn in shapes})
+        index += 1
+    checkpoint["state_dict"] = model_state
+    checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint
 
 
-__all__ = ["consolidate_checkpoint", "write_consolidated"]
+def _is_optimizer_key(key: str) -> bool:
+    return key.startswith("optimizer_") and key[len("optimizer_"):].isdigit()
+
+
+def number_optimizer_state(
+    osd: Mapping[str, Any], shapes: Mapping[str, torch.Size], masters: Optional[dict[str, Tensor]] = None
+) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (full tensors) in PyTorch's own format.
+
+    Parameters are numbered in param-group order; parameter-sized tensors take their
+    parameter's shape from ``shapes``; per-rank (``@rank``) entries are dropped; fp32 master
+    weights (``_master``) go to ``masters`` by name (dropped when ``masters`` is ``None``).
+    """
+    state, groups, numbered = {}, [], 0
+    for group in osd["param_groups"]:
+        ids = []
+        for fqn in group["params"]:
+            entry = dict(osd["state"].get(fqn, {}))
+            master = entry.pop(MASTER_KEY, None)
+            if master is not None and masters is not None:
+                masters[fqn] = master
+            shape = shapes.get(fqn)
+            entry = {
+                k: (v.reshape(shape) if isinstance(v, Tensor) and shape is not None and v.numel() == math.prod(shape) and v.dim() > 0 else v)
+                for k, v in entry.items()
+                if "@rank" not in k
+            }
+            if entry:
+                state[numbered] = entry
+            ids.append(numbered)
+            numbered += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+__all__ = ["consolidate_checkpoint", "number_optimizer_state", "trainer_format"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m lightning_para.checkpoint.consolidate DIR [--output_file FILE]`` (the arguments of
+    Lightning's ``lightning.pytorch.utilities.consolidate_checkpoint``): one Trainer-loadable file."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("checkpoint_folder", type=Path)
+    parser.add_argument("--output_file", type=Path, default=None)
+    args = parser.parse_args(argv)
+    output = args.output_file or args.checkpoint_folder.with_suffix(args.checkpoint_folder.suffix + ".consolidated")
+    if output.exists():
+        parser.error(f"{output} exists already; choose another --output_file or move it away.")
+    consolidate_checkpoint(args.checkpoint_folder, output)
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

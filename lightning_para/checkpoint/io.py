@@ -7,16 +7,19 @@ single-device Lightning checkpoint, into whatever layout the model has now.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import is_strided, local_tensor
-from lightning_para.checkpoint.consolidate import write_consolidated
+from lightning_para.checkpoint.consolidate import trainer_format
 from lightning_para.checkpoint.format import METADATA_FILENAME, is_sharded_checkpoint, load_sharded_into, save_sharded
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.parallel.data.zero import ZeroDataParallel
@@ -24,15 +27,19 @@ from lightning_para.parallel.pipeline.runner import PipelineRunner
 
 
 def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = True) -> None:
-    """Write Lightning's ``checkpoint`` dict (collective): model and optimizer states through DCP, the
-    rest into ``meta.pt``; ``sharded=False`` consolidates into the single file ``path`` on rank 0."""
+    """Write Lightning's ``checkpoint`` dict: model and optimizer states through DCP, the rest into
+    ``meta.pt`` (collective). ``sharded=False``: the dict already holds the full state on rank 0
+    (:mod:`.full_state`), which writes it as one ordinary file; the other ranks write nothing."""
+    if not sharded:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if path.is_dir():
+                shutil.rmtree(path)  # a sharded checkpoint of the same name
+            TorchCheckpointIO().save_checkpoint(checkpoint, path)  # creates the folder, writes atomically
+        return
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
-    if sharded:
-        save_sharded(path, tensors, checkpoint)
-    else:
-        write_consolidated(path, tensors, checkpoint)
+    save_sharded(path, tensors, checkpoint)
 
 
 @torch.no_grad()
@@ -131,6 +138,9 @@ def load_checkpoint_in_place(
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint not found: {path}")
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
+        # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
+        checkpoint = trainer_format(checkpoint)
     if pipeline is not None:
         pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
     load_full_checkpoint_into(checkpoint, module, optimizers, views, zero, strict=strict)

@@ -19,7 +19,6 @@ name them; describing every layout here gives one format that all layouts read.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +27,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_para.checkpoint.format import MASTER_KEY, load_sharded_into
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data.layout import ParamSlot, all_gather_single
+from lightning_para.parallel.data.layout import ParamSlot, all_gather_single, contiguous_stride
 from lightning_para.parallel.data.zero import ZeroDataParallel
 
 
@@ -49,9 +47,7 @@ class OptimParam:
     def gathered(self) -> bool:
         """Saved gathered over dp (see :func:`slot_to_global`): loading copies this rank's rows back."""
         slot = self.slot
-        return slot is not None and slot.sharded and any(
-            isinstance(p, _StridedShard) for p in getattr(slot.param, "placements", ())
-        )
+        return slot is not None and slot.sharded and not slot.describable
 
     def copy_back(self, loaded: Any, target: Tensor) -> None:
         assert self.slot is not None
@@ -59,18 +55,7 @@ class OptimParam:
 
     @property
     def separate_master(self) -> bool:
-        slot = self.slot
-        if slot is None or slot.master is None:
-            return False
-        return slot.master.untyped_storage().data_ptr() != slot.local.untyped_storage().data_ptr()
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
+        return self.slot is not None and self.slot.separate_master
 
 
 def gather_rows(slot: ParamSlot, local: Tensor) -> Tensor:
@@ -95,26 +80,16 @@ def slot_to_global(slot: ParamSlot, local: Tensor, dims: ParallelDims) -> Any:
                 shape=param.shape, stride=param.stride(),
             )
         return local
-    if is_dtensor:
-        base = param.device_mesh
-        mesh = dims.get_mesh(slot.mesh.mesh_dim_names[0], *base.mesh_dim_names)
-        if any(isinstance(p, _StridedShard) for p in param.placements):
-            # A dp chunk of a strided TP shard (a fused q|k|v projection) mixes rows of the
-            # blocks; no placement describes it. Gather the dp rows and describe the tp shard,
-            # replicated over dp (`OptimParam.copy_back` takes this rank's rows after loading).
-            return DTensor.from_local(
-                gather_rows(slot, local), mesh, (Replicate(), *param.placements), run_check=False,
-                shape=global_shape, stride=_contiguous_stride(global_shape),
-            )
-        rows_split = math.prod(base.size(i) for i, p in enumerate(param.placements) if p.is_shard(0))
-        dp_placement = _StridedShard(0, split_factor=rows_split) if rows_split > 1 else Shard(0)
-        placements = (dp_placement, *param.placements)
-    else:
-        mesh, placements = slot.mesh, (Shard(0),)
-    return DTensor.from_local(
-        local.view(slot.shard_shape), mesh, placements, run_check=False,
-        shape=global_shape, stride=_contiguous_stride(global_shape),
-    )
+    if is_dtensor and not slot.describable:
+        # A dp chunk of a strided TP shard (a fused q|k|v projection) mixes rows of the
+        # blocks; no placement describes it. Gather the dp rows and describe the tp shard,
+        # replicated over dp (`OptimParam.copy_back` takes this rank's rows after loading).
+        mesh = dims.get_mesh(slot.mesh.mesh_dim_names[0], *param.device_mesh.mesh_dim_names)
+        return DTensor.from_local(
+            gather_rows(slot, local), mesh, (Replicate(), *param.placements), run_check=False,
+            shape=global_shape, stride=contiguous_stride(global_shape),
+        )
+    return slot.shard_as_dtensor(local, dims.get_mesh)
 
 
 def optimizer_params(module: nn.Module, zero: Optional[ZeroDataParallel], dims: ParallelDims) -> dict[int, OptimParam]:

@@ -70,10 +70,17 @@ def test_strategy_precision_argument_wins_and_enables_fp16_on_cpu():
 
 
 def test_precision_choices():
-    with pytest.raises(ValueError, match=r"`precision='16-true'` is not supported.*'32-true', 'bf16-mixed'"):
-        ParaPrecision("16-true")
-    with pytest.raises(ValueError, match=r"does not support `precision='16-true'`"):
-        as_para_precision(HalfPrecision("16-true"))
+    with pytest.raises(ValueError, match=r"`precision='64-true'` is not supported.*'32-true', 'bf16-mixed'"):
+        ParaPrecision("64-true")
+    class DoublePrecision(Precision):
+        precision = "64-true"
+
+    with pytest.raises(ValueError, match=r"does not support `precision='64-true'`"):
+        as_para_precision(DoublePrecision())
+    fp16 = as_para_precision(HalfPrecision("16-true"))
+    assert (fp16.param_dtype, fp16.master_dtype, fp16.scaler) == (
+        __import__("torch").float16, __import__("torch").float32, None,
+    )
     assert as_para_precision(Precision()).precision == "32-true"
     assert as_para_precision(MixedPrecision("bf16-mixed", "cpu")).precision == "bf16-mixed"
     assert as_para_precision(HalfPrecision("bf16-true")).master_dtype is not None

@@ -1,7 +1,14 @@
 """Data parallelism: ZeRO 0-2 (:mod:`.zero`, bucket layout in :mod:`.layout`), ZeRO-3 on FSDP2
-(:mod:`.fsdp`), and the global gradient norm over every dimension (:mod:`.grad_norm`)."""
+(:mod:`.fsdp`), the global gradient norm over every dimension (:mod:`.grad_norm`), and BatchNorm
+statistics over the dp group (:mod:`.sync_batchnorm`, ``Trainer(sync_batchnorm=True)``)."""
 
-from lightning_para.parallel.data.fsdp import apply_fully_shard, choose_units, fsdp_no_sync
+from lightning_para.parallel.data.fsdp import (
+    apply_fully_shard,
+    choose_units,
+    fsdp_no_sync,
+    fsdp_without_gradient_sync,
+    is_fsdp_root,
+)
 from lightning_para.parallel.data.grad_norm import (
     GradReplication,
     clip_grads_by_global_norm,
@@ -10,9 +17,11 @@ from lightning_para.parallel.data.grad_norm import (
     global_grad_norm,
 )
 from lightning_para.parallel.data.layout import ParamSlot
+from lightning_para.parallel.data.sync_batchnorm import DataParallelBatchNorm, convert_sync_batchnorm
 from lightning_para.parallel.data.zero import ZeroDataParallel
 
 __all__ = [
+    "DataParallelBatchNorm",
     "GradReplication",
     "ParamSlot",
     "ZeroDataParallel",
@@ -20,7 +29,10 @@ __all__ = [
     "choose_units",
     "clip_grads_by_global_norm",
     "clip_grads_by_value",
+    "convert_sync_batchnorm",
     "count_grad_replication",
     "fsdp_no_sync",
+    "fsdp_without_gradient_sync",
     "global_grad_norm",
+    "is_fsdp_root",
 ]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_para._dtensor import parameter_owners
 
@@ -138,3 +138,22 @@ def fsdp_no_sync(root: nn.Module, *, keep_unsharded: bool = True) -> Iterator[No
         if keep_unsharded:
             root.set_reshard_after_forward(True)
             root.set_reshard_after_backward(True)
+
+
+def is_fsdp_root(module: nn.Module) -> bool:
+    """Whether ``module`` itself was given ``fully_shard`` (then steps run through its ``__call__``)."""
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def fsdp_without_gradient_sync(units: Sequence[nn.Module]) -> Iterator[None]:
+    """Accumulation micro-steps for modules the *user* gave ``fully_shard``: no reduce-scatter
+    (gradients accumulate unsharded), and their reshard settings left as the user chose them."""
+    fsdp_units = [u for u in units if isinstance(u, FSDPModule)]
+    for unit in fsdp_units:
+        unit.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for unit in fsdp_units:
+            unit.set_requires_gradient_sync(True)

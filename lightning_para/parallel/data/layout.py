@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
 from lightning_para._dtensor import local_tensor
 
@@ -31,6 +33,8 @@ class ParamSlot:
     master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
     bucket: int = -1
     offset: int = 0  # position inside the bucket's per-rank segment
+    # The gradient ZeRO put into ``param.grad`` for users to read (cleared before the next backward).
+    exposed_grad: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         self.group = self.mesh.get_group()
@@ -66,6 +70,13 @@ class ParamSlot:
         return (self.end_row - self.start_row, *shape[1:])
 
     @property
+    def separate_master(self) -> bool:
+        """The optimizer steps a tensor of its own (an fp32 copy), not a view of the parameter's rows."""
+        if self.master is None:
+            return False
+        return self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+
+    @property
     def optimizer_param(self) -> nn.Parameter:
         return self.master if self.master is not None else self.param
 
@@ -75,6 +86,67 @@ class ParamSlot:
         assert self.master is not None
         source = self.local_rows(values) if self.sharded else values
         self.master.copy_(source.reshape(self.master.shape).to(self.master.dtype))
+
+    def shard_as_dtensor(self, local: Tensor, mesh_of: Callable[..., DeviceMesh]) -> DTensor:
+        """``local``, shaped like this rank's shard, as the global DTensor it is a piece of.
+
+        ``Shard(0)`` over the data-parallel mesh (the ``torch.chunk`` row layout); for a
+        tensor-parallel parameter, that placement comes before the parameter's own ones on the
+        joint ``(dp, tp)`` mesh (``mesh_of(*names)`` slices it), and when tp also splits rows
+        the dp rows are ``_StridedShard`` of them (the layout FSDP2 uses). A parameter with a
+        strided (fused q|k|v) tp shard has no such description (see :attr:`describable`).
+        """
+        param = self.param
+        global_shape = tuple(param.shape) or (1,)
+        if isinstance(param, DTensor):
+            base = param.device_mesh
+            mesh = mesh_of(self.mesh.mesh_dim_names[0], *base.mesh_dim_names)
+            rows_split = math.prod(base.size(i) for i, p in enumerate(param.placements) if p.is_shard(0))
+            placements = (_StridedShard(0, split_factor=rows_split) if rows_split > 1 else Shard(0), *param.placements)
+        else:
+            mesh, placements = self.mesh, (Shard(0),)
+        return DTensor.from_local(
+            local.view(self.shard_shape), mesh, placements, run_check=False,
+            shape=global_shape, stride=contiguous_stride(global_shape),
+        )
+
+    @property
+    def describable(self) -> bool:
+        """Whether :meth:`shard_as_dtensor` can describe this parameter's shard (not a strided TP shard)."""
+        return not any(isinstance(p, _StridedShard) for p in getattr(self.param, "placements", ()))
+
+    def expose_grad(self, grad: Tensor, mesh_of: Optional[Callable[..., DeviceMesh]]) -> None:
+        """Put the synchronised gradient into ``param.grad`` for users to read (ZeRO's ``.grad`` contract).
+
+        ``grad`` is the whole local gradient (unsharded) or this rank's row shard (ZeRO-1/2),
+        shared with what the optimizer reads wherever the dtypes agree. A shard becomes a DTensor
+        (:meth:`shard_as_dtensor`); a scalar's single row lives on one rank, so the others hold zero
+        of a ``Partial`` sum. A strided (fused q|k|v) tp shard has no DTensor description and gets
+        no ``.grad`` (``docs/data_parallel.md``).
+        """
+        param = self.param
+        if not self.sharded:
+            view: Tensor = grad
+            if isinstance(param, DTensor):
+                view = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                          shape=param.shape, stride=param.stride())
+        elif param.dim() == 0:
+            local = grad.reshape(()) if grad.numel() else grad.new_zeros(())
+            view = DTensor.from_local(local, self.mesh, (Partial(),), run_check=False, shape=(), stride=())
+        elif self.describable and not isinstance(param, DTensor):
+            view = self.shard_as_dtensor(grad, lambda *names: self.mesh)
+        elif self.describable and mesh_of is not None:
+            view = self.shard_as_dtensor(grad, mesh_of)
+        else:
+            return
+        param.grad = view
+        self.exposed_grad = view
+
+    def clear_exposed_grad(self) -> None:
+        """Drop the gradient :meth:`expose_grad` showed (before the next backward accumulates, after a step)."""
+        if self.exposed_grad is not None and self.param.grad is self.exposed_grad:
+            self.param.grad = None
+        self.exposed_grad = None
 
     def local_rows(self, tensor: Tensor) -> Tensor:
         """The rows of a tensor shaped like the local parameter that this rank owns."""
@@ -106,6 +178,15 @@ class Bucket:
     @property
     def world(self) -> int:
         return self.slots[0].world
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
 
 
 # torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.

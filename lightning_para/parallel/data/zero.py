@@ -38,19 +38,30 @@ How it works:
   bytes/param of the ZeRO paper, sharded with the stage.
 * Gradient accumulation: inside :meth:`ZeroDataParallel.no_sync` the hooks do nothing, so
   gradients accumulate locally and the last micro-step communicates once.
+* Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
+  the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
+  itself. Stages 1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's
+  gradient shard (no copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of
+  ``p.grad`` reaches the optimizer. A tensor hook clears it before the next backward
+  accumulates (and the optimizer step clears it), so autograd never adds into it.
+  ``docs/data_parallel.md`` says what users may do with it per stage.
+
+Why this module is long: it is one engine whose backward hooks, bucket launches and
+optimizer hooks share the bucket state; the shard and bucket layout itself is in ``layout.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_para._dtensor import local_tensor
@@ -78,6 +89,8 @@ class ZeroDataParallel:
             from the exact fp32 values. ``None`` steps the model's own tensors.
         replicate_mesh: hybrid sharding (stages 1-2): the 1-D mesh over which the sharded state
             is replicated; each gradient shard is all-reduced over it after the reduce-scatter.
+        mesh_of: slices the joint ``(dp, tp)`` mesh by names (``ParallelDims.get_mesh``), to
+            describe the gradient shards of tensor-parallel parameters as DTensors in ``.grad``.
     """
 
     def __init__(
@@ -88,6 +101,7 @@ class ZeroDataParallel:
         bucket_size_mb: float = 25.0,
         master_dtype: Optional[torch.dtype] = None,
         replicate_mesh: Optional[DeviceMesh] = None,
+        mesh_of: Optional[Callable[..., DeviceMesh]] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles ZeRO stages 0-2, got {stage}; stage 3 uses FSDP2.")
@@ -101,6 +115,8 @@ class ZeroDataParallel:
         self._callback_queued = False
         self._synced_since_step = False
         self._suppress_gather = False
+        # Sliced once per name tuple: each slice of the root mesh builds a new DeviceMesh object.
+        self._mesh_of = functools.lru_cache(maxsize=None)(mesh_of) if mesh_of is not None else None
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[nn.Parameter, ParamSlot] = {}
         # Parameters of a data-parallel group of one rank with nothing to copy: no bucket, no hook,
@@ -122,6 +138,8 @@ class ZeroDataParallel:
         # Which buckets each optimizer we sharded steps (several optimizers may share one model).
         self._buckets_of_optimizer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         for slot in self.slots:
+            # Before accumulation: drop the gradient shown to users, so autograd starts afresh.
+            slot.param.register_hook(partial(self._before_accumulate, slot))
             slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ construction
@@ -282,18 +300,31 @@ class ZeroDataParallel:
                 reduced = bucket.buffer[slot.offset : slot.offset + slot.numel]
                 if slot.master is not None:
                     _accumulate_grad(slot.master, reduced.view(slot.master.shape))
-                    slot.param.grad = None
+                    # Users still read the averaged gradient in the parameter's dtype (the optimizer reads the master's).
+                    self._expose(slot, reduced.view(slot.local.shape))
                 else:
                     if slot.param.grad is None:
                         slot.param.grad = torch.zeros_like(slot.param)
                     local_tensor(slot.param.grad).view(-1).copy_(reduced)
         else:
             for slot in bucket.slots:
-                shard = bucket.output[slot.offset : slot.offset + slot.shard_numel]
-                _accumulate_grad(slot.master, shard.view(slot.shard_shape))
+                shard = bucket.output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
+                fresh = slot.master.grad is None
+                _accumulate_grad(slot.master, shard)
+                grad = slot.master.grad
+                if grad.dtype != slot.local.dtype:  # fp32 masters of bf16 weights: show the reduced bf16 shard
+                    grad = shard if fresh else grad.to(slot.local.dtype)
+                self._expose(slot, grad)
         bucket.work = bucket.buffer = bucket.output = None
         bucket.ready = 0
         bucket.launched = False
+
+    # ------------------------------------------------------------------ gradients users read
+    def _expose(self, slot: ParamSlot, grad: Tensor) -> None:
+        slot.expose_grad(grad, self._mesh_of)
+
+    def _before_accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
+        slot.clear_exposed_grad()
 
     # ------------------------------------------------------------------ optimizer side
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -336,6 +367,9 @@ class ZeroDataParallel:
         buckets = self.buckets
         if optimizer is not None and optimizer in self._buckets_of_optimizer:
             buckets = [self.buckets[i] for i in self._buckets_of_optimizer[optimizer]]
+        for bucket in buckets:  # the gradients shown to users are this step's: gone with it
+            for slot in bucket.slots:
+                slot.clear_exposed_grad()
         self.gather_params(buckets)
 
     @torch.no_grad()

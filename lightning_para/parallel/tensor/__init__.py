@@ -2,7 +2,12 @@
 validation (:mod:`.validate`), applying them (:mod:`.apply`), loss parallel (:mod:`.loss`) and
 checkpointing strided shards (:mod:`.checkpoint`)."""
 
-from lightning_para.parallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
+from lightning_para.parallel.tensor.apply import (
+    TensorParallelInfo,
+    apply_tensor_parallel,
+    fsdp_shard_placement_fn,
+    hook_grad_layouts,
+)
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.plan import auto_plan, resolve_plan
 from lightning_para.parallel.tensor.validate import check_plan
@@ -13,6 +18,7 @@ __all__ = [
     "auto_plan",
     "check_plan",
     "fsdp_shard_placement_fn",
+    "hook_grad_layouts",
     "loss_parallel_backward",
     "loss_parallel_step",
     "resolve_plan",

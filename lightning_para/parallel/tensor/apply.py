@@ -60,17 +60,20 @@ def apply_tensor_parallel(
     sequence_parallel: bool = False,
     loss_parallel: bool = True,
     keep_sequence_shard: bool = True,
+    unplanned: str = "error",
 ) -> TensorParallelInfo:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following its plan (see module docstring).
 
     ``plan`` overrides the module's declared or automatic plan (``ParaStrategy(tp_plan=...)``).
     ``keep_sequence_shard`` (Megatron-SP, with ``sequence_parallel``): keep only the sequence
     shard of each sublayer input for backward and all-gather it again there.
+    ``unplanned="replicate"`` keeps ``nn.Linear`` modules the plan leaves out whole on every rank
+    (``ParaStrategy(tp_unplanned=...)``) instead of raising.
     """
     tp = tp_mesh.size()
     sp, lp = bool(sequence_parallel), bool(loss_parallel)
     resolved, source = resolve_plan(module, plan)
-    heads = check_plan(module, resolved, tp, sequence_parallel=sp)
+    heads = check_plan(module, resolved, tp, sequence_parallel=sp, unplanned=unplanned)
     tied = tied_parameter_groups(module)
     for fqn, style in resolved.items():
         if isinstance(style, str):
@@ -81,10 +84,16 @@ def apply_tensor_parallel(
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
 
     _retie(module, tied)
+    hook_grad_layouts(module)
+    return TensorParallelInfo(resolved, source, tp, sp, lp, heads)
+
+
+def hook_grad_layouts(module: nn.Module) -> None:
+    """Give each DTensor parameter's gradient its parameter's layout right after accumulation
+    (also for tensor parallelism the user applied in ``configure_model``)."""
     for p in module.parameters():
         if isinstance(p, DTensor):
             p.register_post_accumulate_grad_hook(_grad_to_param_layout)
-    return TensorParallelInfo(resolved, source, tp, sp, lp, heads)
 
 
 # ----------------------------------------------------------------------------- tied weights and gradients
@@ -138,4 +147,4 @@ def fsdp_shard_placement_fn(dp: int) -> Callable[[nn.Parameter], Optional[Shard]
     return placement
 
 
-__all__ = ["TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn"]
+__all__ = ["TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn", "hook_grad_layouts"]

@@ -19,9 +19,13 @@ from lightning_para.parallel.tensor.plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style
 from lightning_para.parallel.tensor.styles import COVERS_DESCENDANTS, LINEAR_STYLES, SHORTHANDS
 
 
-def check_plan(module: nn.Module, plan: Mapping[str, Style], tp: int, *, sequence_parallel: bool) -> dict[str, dict[str, int]]:
+def check_plan(
+    module: nn.Module, plan: Mapping[str, Style], tp: int, *, sequence_parallel: bool, unplanned: str = "error"
+) -> dict[str, dict[str, int]]:
     """Validate ``plan`` for ``tp`` ranks; returns the head attributes to divide per attention module.
 
+    ``unplanned="replicate"`` accepts ``nn.Linear`` modules the plan leaves out as whole on every tp
+    rank, where that is correct (outside attention/MLP sublayers, without sequence parallel).
     Raises ``ValueError`` (identically on every rank: no communication here).
     """
     modules = dict(module.named_modules())
@@ -71,7 +75,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, Style], tp: int, *, sequenc
             f"tp={tp} does not divide these dimensions:\n  {lines}\nChoose tp in {valid} (the values that divide"
             " every split dimension of this model), or change the model sizes."
         )
-    _check_coverage(modules, plan, sequence_parallel)
+    _check_coverage(modules, plan, sequence_parallel, replicate_unplanned=unplanned == "replicate")
     _check_tied(module, plan, sequence_parallel)
     return heads
 
@@ -126,7 +130,9 @@ def _sublayer_of(fqn: str, plan: Mapping[str, Style]) -> Any:
     return None
 
 
-def _check_coverage(modules: Mapping[str, nn.Module], plan: Mapping[str, Style], sequence_parallel: bool) -> None:
+def _check_coverage(
+    modules: Mapping[str, nn.Module], plan: Mapping[str, Style], sequence_parallel: bool, replicate_unplanned: bool = False
+) -> None:
     unplanned, shard_params, sp_params, open_colwise = [], [], [], []
     for fqn, m in modules.items():
         if not fqn or fqn in plan or _covered(fqn, plan):
@@ -134,7 +140,7 @@ def _check_coverage(modules: Mapping[str, nn.Module], plan: Mapping[str, Style],
                 if _sublayer_of(fqn, plan) is None:
                     open_colwise.append(fqn)
             continue
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and not replicate_unplanned:
             unplanned.append(f"{fqn} ({type(m).__name__} {m.in_features} -> {m.out_features})")
         elif any(True for _ in m.parameters(recurse=False)):
             if _sublayer_of(fqn, plan) is not None:
@@ -153,7 +159,9 @@ def _check_coverage(modules: Mapping[str, nn.Module], plan: Mapping[str, Style],
             " every tp rank:\n  " + "\n  ".join(unplanned) + "\nPlan them with ParaStrategy(tp_plan={pattern: style})"
             " or a `tensor_parallel_plan()` method on the model, e.g. {'blocks.*.attn.q_proj': 'colwise',"
             " 'blocks.*.attn.o_proj': 'rowwise', 'blocks.*.attn': 'attention'}; use 'replicate' to keep one whole on"
-            f" purpose. Styles: {', '.join(SHORTHANDS)}. See docs/tensor_parallel.md.{hint}"
+            " purpose, or ParaStrategy(tp_unplanned='replicate') to keep every unplanned Linear whole on every tp"
+            " rank (as Lightning's ModelParallelStrategy leaves modules your plan does not name)."
+            f" Styles: {', '.join(SHORTHANDS)}. See docs/tensor_parallel.md.{hint}"
         )
     if shard_params:
         raise ValueError(
