@@ -4,8 +4,13 @@ Each shorthand becomes a :class:`~torch.distributed.tensor.parallel.ParallelStyl
 depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout contract
 (Megatron-LM, Shoeybi et al. 2019; sequence parallel: Korthikanti et al. 2022):
 
-* The residual stream between sublayers is a plain tensor ``[batch, seq, hidden]``: the
-  full tensor on every tp rank (TP), or this rank's ``seq / tp`` slice of it (TP+SP).
+* The residual stream between sublayers is ``[batch, seq, hidden]``: a plain tensor, the
+  full one on every tp rank (TP); under TP+SP a DTensor ``Shard(1)`` holding this rank's
+  ``seq / tp`` slice, whose ``.shape`` is still the *global* one, so model code that builds
+  positions, rotary tables or causal masks from ``hidden.shape[1]`` (Hugging Face models do)
+  sees the real sequence length. The vocab-parallel embedding starts that stream. A module
+  handed this rank's slice as a *plain* tensor (a block called on its own) gives plain
+  tensors back: every SP style returns the kind of tensor it was given.
 * An attention/MLP *sublayer* gets its input as one replicated DTensor (an all-gather along
   the sequence under SP), so its column-parallel children share one collective: in backward,
   their partial input gradients add up first, then one all-reduce (TP) or one reduce-scatter
@@ -14,8 +19,8 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
   reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
 
 :class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
-:class:`SequenceSlice` and :class:`GatherSequence` are new here; everything else is a
-configured torch style.
+:class:`SequenceShardedNorm`, :class:`SequenceSlice`, :class:`GatherSequence` and
+:func:`shard_stage_boundary` are new here; everything else is a configured torch style.
 
 Why this module is long: one ``ParallelStyle`` per shorthand, all bound by the layout contract
 above; split apart, each would have to restate it.
@@ -30,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
 # The residual stream is batch-first: [batch, seq, hidden].
@@ -46,6 +51,23 @@ def check_sequence_divisible(seq_len: int, tp: int, where: str) -> None:
             f"sequence_parallel=True splits the sequence over tp={tp}, but the sequence length is {seq_len} ({where})."
             f" Use sequence lengths that are multiples of {tp} (pad the batch), or set sequence_parallel=False."
         )
+
+
+def _is_sequence_shard(x: Any) -> bool:
+    """A DTensor whose only placement shards the sequence dimension (the SP residual stream)."""
+    return isinstance(x, DTensor) and len(x.placements) == 1 and x.placements[0] == Shard(SEQ_DIM)
+
+
+def _like_input(out: Any, input_was_plain: bool) -> Any:
+    """Under SP: give a sequence-sharded output back as this rank's plain slice if the input was plain
+    (the first tensor of a tuple output: attention returns ``(output, weights)``)."""
+    if not input_was_plain:
+        return out
+    if _is_sequence_shard(out):
+        return out.to_local()
+    if isinstance(out, tuple) and out and _is_sequence_shard(out[0]):
+        return (out[0].to_local(), *out[1:])
+    return out
 
 
 class Colwise(ColwiseParallel):
@@ -182,8 +204,10 @@ class SublayerInput(ParallelStyle):
         self.head_attributes = dict(head_attributes or {})
         self.keep_shard = keep_shard and sequence_parallel
         self._active: list[_KeepShardSaveGathered] = []
+        self._plain_inputs: list[bool] = []  # per call in flight: was the hidden input a plain tensor?
 
     def _to_replicated(self, x: Any, mesh: DeviceMesh) -> Any:
+        self._plain_inputs.append(not isinstance(x, DTensor))
         if isinstance(x, DTensor):
             if all(p.is_replicate() for p in x.placements):
                 return x
@@ -214,35 +238,104 @@ class SublayerInput(ParallelStyle):
             " PrepareModuleInput style instead of 'attention'/'mlp'."
         )
 
-    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._active:
             self._active.pop().context.__exit__(None, None, None)
+        input_was_plain = self._plain_inputs.pop() if self._plain_inputs else False
+        # The row-parallel output is a sequence-sharded DTensor (the SP stream); a caller that
+        # passed this rank's slice as a plain tensor gets a plain tensor back.
+        return _like_input(output, input_was_plain) if self.sequence_parallel else output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         for attr, full in self.head_attributes.items():
             setattr(module, attr, full // tp)
         module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
-        if self.keep_shard:
-            module.register_forward_hook(self._finish, always_call=True)
+        module.register_forward_hook(self._finish, always_call=True)
         return module
 
     def __repr__(self) -> str:
         return f"SublayerInput(sequence_parallel={self.sequence_parallel}, head_attributes={self.head_attributes})"
 
 
+class SequenceShardedNorm(ParallelStyle):
+    """SP: a norm (LayerNorm/RMSNorm) on the sequence shard of the stream (Korthikanti et al. 2022).
+
+    torch's ``SequenceParallel`` with one difference: the output has the kind of the input. A
+    sequence-sharded DTensor (the stream) gives a DTensor; this rank's slice as a plain tensor
+    gives a plain tensor, so ``x + norm(x)``-style code keeps working on plain slices. The
+    weights become ``Replicate`` DTensors; their gradients come back ``Partial`` (each rank saw
+    other tokens) and are summed over tp by :func:`~.apply.apply_tensor_parallel`'s hook.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plain_inputs: list[bool] = []
+
+    def _prepare(self, mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"'norm' expects the hidden states as the first positional argument of {type(module).__name__}.")
+        self._plain_inputs.append(not isinstance(x, DTensor))
+        if isinstance(x, DTensor):
+            x = x if _is_sequence_shard(x) else x.redistribute(mesh, [Shard(SEQ_DIM)])
+        else:
+            x = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
+        return (x, *args[1:])
+
+    def _finish(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        return _like_input(out, self._plain_inputs.pop() if self._plain_inputs else False)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            # Every rank holds the same initialised weights: no communication needed.
+            replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(partial(self._prepare, device_mesh))
+        module.register_forward_hook(self._finish, always_call=True)
+        return module
+
+
+def shard_stage_boundary(stage: nn.Module, mesh: DeviceMesh) -> None:
+    """SP with pipeline stages: the stream crosses stages as this rank's plain sequence slice.
+
+    Point-to-point sends take plain tensors, and a slice is ``1/tp`` of the bytes. Inside the
+    stage the stream is the same global-shaped DTensor as without pipelining: a received
+    floating-point input of ``[batch, seq/tp, ...]`` becomes a ``Shard(1)`` DTensor (token ids,
+    integers, pass through), and a sequence-sharded output is sent as its local slice.
+    """
+
+    def enter(module: nn.Module, args: tuple) -> tuple:
+        return tuple(
+            DTensor.from_local(a, mesh, [Shard(SEQ_DIM)], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point() and a.dim() > SEQ_DIM
+            else a
+            for a in args
+        )
+
+    def leave(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return tuple(o.to_local() if _is_sequence_shard(o) else o for o in out)
+        return out.to_local() if _is_sequence_shard(out) else out
+
+    stage.register_forward_pre_hook(enter)
+    stage.register_forward_hook(leave)
+
+
 class SequenceSlice(ParallelStyle):
     """SP only: keep this rank's slice (dim -2) of a module output that covers the whole sequence.
 
     For learned position (or token-type) embeddings added to the sequence-sharded residual
-    stream. Backward all-gathers the output gradient, so the (plain, replicated) weights get
-    the full gradient on every rank.
+    stream: the output is a DTensor sharded along dim -2 with its global shape, so adding it to
+    the stream (``Shard(1)`` of ``[batch, seq, hidden]``) broadcasts without communication.
+    Backward all-gathers the output gradient, so the (plain, replicated) weights get the full
+    gradient on every rank.
     """
 
-    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, out: torch.Tensor) -> DTensor:
         dim = out.dim() - 2
         check_sequence_divisible(out.shape[dim], mesh.size(), f"the output of {type(module).__name__}")
-        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(partial(self._slice, device_mesh))
@@ -257,8 +350,13 @@ class GatherSequence(ParallelStyle):
     computes the same thing, so parameter gradients are identical and stay plain tensors.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._plain_inputs: list[bool] = []  # per call in flight: was the first input a plain tensor?
+
     def _gather(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self._plain_inputs.append(first is not None and not isinstance(first, DTensor))
         if first is None:
             return args, kwargs
 
@@ -273,8 +371,11 @@ class GatherSequence(ParallelStyle):
         return tuple(gather(a) for a in args), kwargs
 
     def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        input_was_plain = self._plain_inputs.pop() if self._plain_inputs else True
+
         def cut(x: torch.Tensor) -> torch.Tensor:
-            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
+            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(SEQ_DIM)])
+            return shard.to_local() if input_was_plain else shard
 
         if isinstance(out, torch.Tensor):
             return cut(out)
@@ -284,7 +385,7 @@ class GatherSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(partial(self._gather, device_mesh), with_kwargs=True)
-        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True, always_call=True)
         return module
 
 
@@ -327,8 +428,11 @@ class VocabParallelEmbedding(ParallelStyle):
         local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
         out = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight, local_padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
+        summed = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        if self.sequence_parallel:
+            # Reduce-scatter along the sequence; the stream stays a DTensor with its global shape.
+            return summed.redistribute(mesh, [Shard(SEQ_DIM)])
+        return summed.redistribute(mesh, [Replicate()]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
@@ -384,7 +488,9 @@ def make_style(
     if shorthand == "colwise":
         return Colwise()
     if shorthand == "rowwise":
-        return RowwiseParallel(output_layouts=Shard(SEQ_DIM) if sp else Replicate())
+        # SP: the reduce-scattered output stays a global-shaped DTensor (the stream); the sublayer
+        # around it hands a plain slice back to a caller that passed one.
+        return RowwiseParallel(output_layouts=Shard(SEQ_DIM), use_local_output=False) if sp else RowwiseParallel()
     if shorthand == "fused_qkv":
         return FusedColwiseParallel(parts=3)
     if shorthand == "fused_gate_up":
@@ -401,7 +507,7 @@ def make_style(
             use_local_output=not loss_parallel,
         )
     if shorthand == "norm":
-        return SequenceParallel(sequence_dim=SEQ_DIM) if sp else _NoOp()
+        return SequenceShardedNorm() if sp else _NoOp()
     if shorthand == "sequence_slice":
         return SequenceSlice() if sp else _NoOp()
     if shorthand == "gather_sequence":
@@ -416,5 +522,5 @@ def make_style(
 
 __all__ = [
     "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
-
+    "SequenceShardedNorm", "shard_stage_boundary",
 ]
