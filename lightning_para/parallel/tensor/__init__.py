@@ -2,12 +2,18 @@
 validation (:mod:`.validate`), applying them (:mod:`.apply`), loss parallel (:mod:`.loss`) and
 checkpointing strided shards (:mod:`.checkpoint`)."""
 
-from lightning_para.parallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
+from lightning_para.parallel.tensor.apply import (
+    TensorParallelInfo,
+    apply_tensor_parallel,
+    fsdp_shard_placement_fn,
+    plan_tensor_parallel,
+)
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
-from lightning_para.parallel.tensor.plan import auto_plan, resolve_plan
+from lightning_para.parallel.tensor.plan import ModulePlan, auto_plan, resolve_plan
 from lightning_para.parallel.tensor.validate import check_plan
 
 __all__ = [
+    "ModulePlan",
     "TensorParallelInfo",
     "apply_tensor_parallel",
     "auto_plan",
@@ -15,5 +21,6 @@ __all__ = [
     "fsdp_shard_placement_fn",
     "loss_parallel_backward",
     "loss_parallel_step",
+    "plan_tensor_parallel",
     "resolve_plan",
 ]
