@@ -39,7 +39,12 @@ from lightning_para.parallel.activation_checkpoint import apply_activation_check
 from lightning_para.parallel.data import GradReplication, ZeroDataParallel, apply_fully_shard
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
-from lightning_para.parallel.tensor import TensorParallelInfo, apply_tensor_parallel, fsdp_shard_placement_fn
+from lightning_para.parallel.tensor import (
+    TensorParallelInfo,
+    apply_tensor_parallel,
+    fsdp_shard_placement_fn,
+    plan_tensor_parallel,
+)
 
 
 @dataclass
@@ -98,6 +103,13 @@ def parallelize(
     """
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
+    # The tensor-parallel plan is resolved and checked on the whole model, keyed by module: every
+    # rank raises the same error, and each pipeline stage later gets exactly its modules' styles
+    # whatever names (wrappers, references) reach them.
+    tp_plan = (
+        plan_tensor_parallel(module, dims.tp, plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
+        if dims.tp_enabled else None
+    )
     pipeline = None
     parts = [module]
     if dims.pp_enabled:
@@ -116,16 +128,18 @@ def parallelize(
         keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None
         result.tensor = [
             apply_tensor_parallel(
-                part, dims.get_mesh("tp"), plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
-                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard,
+                part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
+                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, pipeline_stage=pipeline is not None,
             )
             for part in parts
         ]
         if pipeline is not None and result.loss_parallel:
             pipeline.enable_loss_parallel()
+        if pipeline is not None and config.sequence_parallel:
+            pipeline.require_sequence_multiple(dims.tp)  # checked on every pipeline rank before any send
 
     ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
-    result.experts = [apply_expert_parallel(part, ep_mesh) for part in parts]
+    result.experts = [apply_expert_parallel(part, ep_mesh, dims.get_mesh("dp")) for part in parts]
 
     for part in parts:
         apply_activation_checkpointing(part, config.activation_checkpointing)
