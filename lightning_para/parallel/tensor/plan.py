@@ -294,11 +294,23 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
         if e != token and emb.embedding_dim == hidden and not in_sublayer(e):
             plan[e] = "sequence_slice"
 
-    # --- norms on the residual stream (not inside a sublayer: those act on tp shards)
+    # --- norms on the residual stream; inside attention, norms over head_dim (q/k norms) run on
+    # this rank's heads. Other parameter-holding modules inside a sublayer are left for the check.
     for n, m in modules.items():
-        if n and is_norm(m) and not in_moe(n) and not in_sublayer(n):
+        if not n or not is_norm(m) or in_moe(n):
+            continue
+        if not in_sublayer(n):
             plan[n] = "norm"
+        elif sublayers.get(_parent(n)) == "attention" and _norms_head_dim(m, modules[_parent(n)]):
+            plan[n] = "head_norm"
     return plan
+
+
+def _norms_head_dim(norm: nn.Module, attention: nn.Module) -> bool:
+    """A norm whose weight has the attention's ``head_dim`` elements (q_norm/k_norm), not its width."""
+    head_dim = getattr(attention, "head_dim", None)
+    weight = getattr(norm, "weight", None)
+    return isinstance(head_dim, int) and weight is not None and tuple(weight.shape) == (head_dim,)
 
 
 def _classify(fqn: str, lin: nn.Linear, hidden: Any) -> Any:

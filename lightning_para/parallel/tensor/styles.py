@@ -19,7 +19,7 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
   reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
 
 :class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
-:class:`SequenceShardedNorm`, :class:`SequenceSlice`, :class:`GatherSequence` and
+:class:`SequenceShardedNorm`, :class:`HeadNorm`, :class:`SequenceSlice`, :class:`GatherSequence` and
 :func:`shard_stage_boundary` are new here; everything else is a configured torch style.
 
 Why this module is long: one ``ParallelStyle`` per shorthand, all bound by the layout contract
@@ -296,6 +296,36 @@ class SequenceShardedNorm(ParallelStyle):
         return module
 
 
+class HeadNorm(ParallelStyle):
+    """A norm over ``head_dim`` inside attention (Qwen3's ``q_norm``/``k_norm``, OLMo-2's, ...).
+
+    It runs on this rank's heads (``[..., heads/tp, head_dim]``, a plain tensor), so its weight
+    sees only those heads: the weight becomes a ``Replicate`` DTensor and the input a DTensor
+    sharded along the heads dimension (-2), so the weight's gradient comes back ``Partial`` and is
+    summed over tp by the same hook as sequence-parallel norms. The output is plain again.
+    """
+
+    def _prepare(self, mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            if x.dim() < 2:
+                raise ValueError(f"'head_norm' expects [..., heads, head_dim] inputs in {type(module).__name__}, got {tuple(x.shape)}.")
+            x = DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+        return (x, *args[1:])
+
+    @staticmethod
+    def _finish(module: nn.Module, args: tuple, out: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(partial(self._prepare, device_mesh))
+        module.register_forward_hook(self._finish)
+        return module
+
+
 def shard_stage_boundary(stage: nn.Module, mesh: DeviceMesh) -> None:
     """SP with pipeline stages: the stream crosses stages as this rank's plain sequence slice.
 
@@ -462,6 +492,7 @@ SHORTHANDS = {
     "vocab_parallel": "nn.Embedding split by vocabulary rows",
     "lm_head": "output nn.Linear split by vocabulary; logits stay sharded for loss parallel",
     "norm": "LayerNorm/RMSNorm on the residual stream: sequence-sharded under SP",
+    "head_norm": "a norm over head_dim inside attention (q/k norms): runs on this rank's heads",
     "sequence_slice": "a full-sequence output added to the residual stream (position embedding)",
     "gather_sequence": "a module run replicated on the full sequence (MoE layer, unsupported attention)",
     "replicate": "leave the module replicated on every tp rank (e.g. a small router)",
@@ -508,6 +539,8 @@ def make_style(
         )
     if shorthand == "norm":
         return SequenceShardedNorm() if sp else _NoOp()
+    if shorthand == "head_norm":
+        return HeadNorm()
     if shorthand == "sequence_slice":
         return SequenceSlice() if sp else _NoOp()
     if shorthand == "gather_sequence":
@@ -522,5 +555,5 @@ def make_style(
 
 __all__ = [
     "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
-    "SequenceShardedNorm", "shard_stage_boundary",
+    "HeadNorm", "SequenceShardedNorm", "shard_stage_boundary",
 ]
