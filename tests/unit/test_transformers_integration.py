@@ -160,6 +160,13 @@ def test_each_module_is_planned_once_and_the_head_is_found_by_structure(tied):
     check_plan(module, resolved.by_name, 2, sequence_parallel=True)
 
 
+def test_qwen3_query_key_norms_run_on_each_ranks_heads():
+    model = _model(FAMILIES["qwen3"]())
+    plan = auto_plan(model)
+    assert plan["model.layers.0.self_attn.q_norm"] == plan["model.layers.0.self_attn.k_norm"] == "head_norm"
+    check_plan(model, plan, 2, sequence_parallel=True)
+
+
 def test_tp_not_dividing_key_value_heads_names_the_config_field():
     module = HFCausalLM(llama_config())  # 4 heads, 2 key/value heads
     with pytest.raises(ValueError, match=r"tp=4 does not divide[\s\S]*key/value heads `config.num_key_value_heads` of"
