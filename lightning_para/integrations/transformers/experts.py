@@ -20,7 +20,9 @@ never imports ``parallel/``: expert parallelism hands it a dispatcher.
   layers of its batch. Data parallelism gives each rank a part of the batch, and the loss is not a
   mean over tokens, so the per-rank values do not average to the one-device value. The hook
   recomputes ``aux`` from the batch statistics summed over the data-parallel group (one
-  all-reduce of ``2E + 1`` numbers per forward), with the gradient a single device would give.
+  all-reduce of ``2E + 1`` numbers per forward that computes a loss, i.e. is given labels: every
+  data-parallel rank must run those forwards, as Lightning's loops do), with the gradient a
+  single device would give.
 
 Why this module is long: it holds the whole transformers-MoE story (recognition, the error for
 an unsupported block, the dispatch forward and the global auxiliary loss), each relying on the
@@ -264,8 +266,10 @@ def is_transformers_moe_lm(module: nn.Module) -> bool:
 def _global_router_loss_hook(group: Any, group_size: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     aux_local = getattr(output, "aux_loss", None)
     router_logits = getattr(output, "router_logits", None)
-    if not isinstance(aux_local, Tensor) or not router_logits:
-        return output  # no router loss requested, or a tuple output
+    if not isinstance(aux_local, Tensor) or not router_logits or getattr(output, "loss", None) is None:
+        # No router loss requested, a tuple output, or no loss computed (no labels: generation, which
+        # may run on one rank only, must not wait in a collective).
+        return output
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     num_experts, top_k = int(module.num_experts), int(module.num_experts_per_tok)
     counts, probs, rows = router_statistics(tuple(router_logits), num_experts, top_k, mask)
@@ -278,9 +282,8 @@ def _global_router_loss_hook(group: Any, group_size: int, module: nn.Module, arg
             " Set config.output_router_logits=False, or train it with dp=1."
         )
     aux_global = global_balancing_loss(counts, probs, rows, num_experts, group, group_size)
-    if getattr(output, "loss", None) is not None:
-        coef = float(module.router_aux_loss_coef)
-        output.loss = output.loss + coef * (aux_global - aux_local.to(aux_global.device))
+    coef = float(module.router_aux_loss_coef)
+    output.loss = output.loss + coef * (aux_global - aux_local.to(aux_global.device))
     output.aux_loss = aux_global
     return output
 
