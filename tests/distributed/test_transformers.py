@@ -333,9 +333,15 @@ def _check_export(tmp_path: Path, trained: dict[str, torch.Tensor], factory) -> 
     assert {k.removeprefix("model.") for k in state} == set(module.model.state_dict())  # save_pretrained names
     assert set(trained) == set(dict(module.named_parameters()))
     module.load_state_dict(trained)  # the trained model, whole on this process
-    exported = AutoModelForCausalLM.from_pretrained(export(checkpoint, tmp_path / "hf"))
+    folder = export(checkpoint, tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(folder)
     ids = hf_tokens()[0][0][None]
     module.eval()
     with torch.no_grad():
         expected, got = module.model(input_ids=ids).logits, exported(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # The recipe starts from such a folder too.
+    from lightning_para.recipes import HFCausalLM as Recipe
+
+    with torch.no_grad():
+        torch.testing.assert_close(Recipe(pretrained=str(folder)).eval()(ids), expected, rtol=0, atol=1e-6)
