@@ -244,3 +244,12 @@ def test_bad_expert_layouts_name_the_field_and_the_class():
     with pytest.raises(ValueError, match=r"`layers.0.mlp` \(SparseMoeBlock\): `experts` is an nn.ModuleList of"
                                          r" per-expert modules \(transformers 4 layout\)"):
         check_expert_layout(old, 2, 2)
+
+
+def test_recipe_builds_a_random_config_model_and_names_an_unknown_type():
+    from lightning_para.recipes import HFCausalLM
+
+    module = HFCausalLM(model_type="qwen3", config={**COMMON, "head_dim": 8})
+    assert type(module.model).__name__ == "Qwen3ForCausalLM" and module.config.vocab_size == 96
+    with pytest.raises(ValueError, match="`model.model_type='nope'`"):
+        HFCausalLM(model_type="nope")
