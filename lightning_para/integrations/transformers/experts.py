@@ -23,10 +23,6 @@ never imports ``parallel/``: expert parallelism hands it a dispatcher.
   all-reduce of ``2E + 1`` numbers per forward that computes a loss, i.e. is given labels: every
   data-parallel rank must run those forwards, as Lightning's loops do), with the gradient a
   single device would give.
-
-Why this module is long: it holds the whole transformers-MoE story (recognition, the error for
-an unsupported block, the dispatch forward and the global auxiliary loss), each relying on the
-same reading of the experts interface.
 """
 
 from __future__ import annotations
