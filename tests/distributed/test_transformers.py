@@ -110,9 +110,11 @@ def test_llama_two_ranks(pools, kwargs):
     run_and_compare(pools, 2, llama, kwargs)
 
 
-def test_mixtral_ep2_with_router_loss(pools):
-    """ep=2 (= dp=2): experts sharded, tokens by all-to-all, and the router aux loss over the whole batch."""
-    results = run_and_compare(pools, 2, mixtral, {"ep": 2})
+@pytest.mark.parametrize("zero", [0, 3])
+def test_mixtral_ep2_with_router_loss(pools, zero):
+    """ep=2 (= dp=2): experts sharded, tokens by all-to-all, and the router aux loss over the whole batch;
+    with ZeRO-3 the experts are FSDP2 units of their own."""
+    results = run_and_compare(pools, 2, mixtral, {"ep": 2, "zero": zero})
     assert all(share == 0.5 for r in results for share in r["expert_shares"]) and results[0]["expert_shares"]
 
 
