@@ -2,8 +2,10 @@
 
 Order, and why:
 
-1. **Expert layout check** on the whole model: every rank raises the same ``ValueError`` for
-   an impossible ``ep`` before the pipeline split leaves each rank a part of the model.
+1. **Expert layout check and tensor-parallel plan** on the whole model: every rank raises the
+   same ``ValueError`` for an impossible ``ep`` or ``tp`` before the pipeline split leaves each
+   rank a part of the model; the plan is kept by module identity, so each stage later gets its
+   modules' styles whatever names reach them.
 2. **Pipeline split**: each rank keeps only its own stages, so every later step works on
    (and allocates for) a fraction of the model.
 3. **Tensor parallel**: it turns parameters into DTensors on the ``tp`` mesh; data
