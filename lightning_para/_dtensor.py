@@ -4,7 +4,8 @@
 * plain values out of a Lightning step's output;
 * placements that shard (``Shard`` and torch's ``_StridedShard``);
 * which modules own each parameter (tied parameters), walked once;
-* ``divisors``, for error messages that list the valid degrees.
+* ``divisors``, for error messages that list the valid degrees;
+* ``scale_grad``: identity forward, scaled gradient (expert weights under expert parallelism).
 
 Nothing here imports another module of the package, so every module may import it.
 """
@@ -78,8 +79,35 @@ def parameter_owners(root: nn.Module) -> dict[int, list[tuple[str, str]]]:
 
 
 def tied_parameter_groups(root: nn.Module) -> list[list[tuple[str, str]]]:
-    """``(module name, attribute name)`` of every parameter held by more than one module (tied weights)."""
-    return [group for group in parameter_owners(root).values() if len(group) > 1]
+    """``(module name, attribute name)`` of every parameter held by more than one module (tied weights).
+
+    One module reachable under two names (a user's wrapper, a ``ModuleList`` of references)
+    is one holder, listed under its first name: that is not tying.
+    """
+    groups = []
+    for owners in parameter_owners(root).values():
+        holders: dict[tuple[int, str], tuple[str, str]] = {}
+        for fqn, name in owners:
+            holders.setdefault((id(root.get_submodule(fqn)), name), (fqn, name))
+        if len(holders) > 1:
+            groups.append(list(holders.values()))
+    return groups
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """``x`` in forward; its gradient times ``scale`` in backward (expert weights under expert parallelism)."""
+    return _ScaleGrad.apply(x, scale)
 
 
 def divisors(n: int) -> list[int]:
@@ -95,5 +123,6 @@ __all__ = [
     "local_tensor",
     "parameter_owners",
     "plain_step_output",
+    "scale_grad",
     "tied_parameter_groups",
 ]

@@ -2,10 +2,12 @@
 
 Order, and why:
 
-1. **Expert layout check** on the whole model: every rank raises the same ``ValueError`` for
-   an impossible ``ep`` before the pipeline split leaves each rank a part of the model.
-   **Context parallel** set-up on the whole model too: it changes no parameter, it tells every
-   position-aware submodule its cp rank (before the split, so every stage's modules hear it).
+1. **Expert layout check and tensor-parallel plan** on the whole model: every rank raises the
+   same ``ValueError`` for an impossible ``ep`` or ``tp`` before the pipeline split leaves each
+   rank a part of the model; the plan is kept by module identity, so each stage later gets its
+   modules' styles whatever names reach them. **Context parallel** set-up on the whole model
+   too: it changes no parameter, it tells every position-aware submodule its cp rank (before the
+   split, so every stage's modules hear it).
 2. **Pipeline split**: each rank keeps only its own stages, so every later step works on
    (and allocates for) a fraction of the model.
 3. **Tensor parallel**: it turns parameters into DTensors on the ``tp`` mesh; data
@@ -56,6 +58,7 @@ from lightning_para.parallel.tensor import (
     apply_tensor_parallel,
     fsdp_shard_placement_fn,
     hook_grad_layouts,
+    plan_tensor_parallel,
 )
 
 
@@ -126,6 +129,16 @@ def parallelize(
         context = apply_context_parallel(
             module, dims.get_mesh("cp"), method=config.cp_method, load_balance=config.cp_load_balance, tp=dims.tp
         )
+    # The tensor-parallel plan is resolved and checked on the whole model, keyed by module: every
+    # rank raises the same error, and each pipeline stage later gets exactly its modules' styles
+    # whatever names (wrappers, references) reach them. A user's own TP (configure_model) is kept.
+    tp_plan = (
+        plan_tensor_parallel(
+            module, dims.tp, plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
+            unplanned=config.tp_unplanned,
+        )
+        if dims.tp_enabled and not user.tensor_parallel else None
+    )
     pipeline = None
     parts = [module]
     if dims.pp_enabled:
@@ -146,16 +159,19 @@ def parallelize(
         keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None
         result.tensor = [
             apply_tensor_parallel(
-                part, dims.get_mesh("tp"), plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
+                part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
                 loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
+                pipeline_stage=pipeline is not None,
             )
             for part in parts
         ]
         if pipeline is not None and result.loss_parallel:
             pipeline.enable_loss_parallel()
+        if pipeline is not None and config.sequence_parallel:
+            pipeline.require_sequence_multiple(dims.tp)  # checked on every pipeline rank before any send
 
     ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
-    result.experts = [apply_expert_parallel(part, ep_mesh) for part in parts]
+    result.experts = [apply_expert_parallel(part, ep_mesh, dims.get_mesh("dp")) for part in parts]
 
     for part in parts:
         # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).

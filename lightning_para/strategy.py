@@ -39,6 +39,8 @@ import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
+from lightning_para.integrations.transformers.export import CHECKPOINT_KEY as TRANSFORMERS_CHECKPOINT_KEY
+from lightning_para.integrations.transformers.export import transformers_models
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe.memory import memory_breakdown as _memory_breakdown
 from lightning_para.parallel.data import (
@@ -514,6 +516,11 @@ class ParaStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         path = Path(self.broadcast(str(filepath)))
+        # transformers models in the module: their class and config, so `integrations.transformers.export`
+        # can write a folder that `from_pretrained` opens from this checkpoint alone.
+        hf_models = transformers_models(self.lightning_module) if self.lightning_module is not None else {}
+        if hf_models:
+            checkpoint[TRANSFORMERS_CHECKPOINT_KEY] = hf_models
         ckpt.save_checkpoint(path, checkpoint, sharded=self.save_distributed_checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_para._dtensor import scale_grad
 from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
@@ -85,7 +86,7 @@ class GroupedExperts(nn.Module):
             if w is not None and isinstance(w, DTensor):
                 w = w.to_local()
             if w is not None and self.grad_scale != 1.0:
-                w = _ScaleGrad.apply(w, self.grad_scale)
+                w = scale_grad(w, self.grad_scale)
             out.append(w)
         return out
 
@@ -96,17 +97,6 @@ class GroupedExperts(nn.Module):
         h = grouped_linear(tokens, w1, counts, self.implementation)
         h = F.silu(h) * grouped_linear(tokens, w3, counts, self.implementation) if w3 is not None else F.gelu(h)
         return grouped_linear(h, w2, counts, self.implementation)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class FeedForward(nn.Module):

@@ -1,11 +1,13 @@
-"""Ready-to-train recipes shipped with the package: ``lightning_para.recipes.GPT``, ``MoEGPT`` and
-``TextDataModule``, and their LightningCLI configs (``configs/*.yaml``, also linked from the
-repository's ``recipes/``), found by short name with :func:`config_path`."""
+"""Ready-to-train recipes shipped with the package: ``lightning_para.recipes.GPT``, ``MoEGPT``,
+``HFCausalLM`` (a transformers causal LM) and ``TextDataModule``, and their LightningCLI configs
+(``configs/*.yaml``, also linked from the repository's ``recipes/``), found by short name with
+:func:`config_path`."""
 
 from pathlib import Path
 
 from lightning_para.recipes.data import ByteTokenizer, TextDataModule, check_vocab
 from lightning_para.recipes.gpt import GPT, GPTConfig
+from lightning_para.recipes.hf import HFCausalLM
 from lightning_para.recipes.moe import MoEGPT
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -25,4 +27,4 @@ def config_path(name: str) -> Path:
     return path
 
 
-__all__ = ["ByteTokenizer", "CONFIG_DIR", "GPT", "GPTConfig", "MoEGPT", "TextDataModule", "check_vocab", "config_names", "config_path"]
+__all__ = ["ByteTokenizer", "CONFIG_DIR", "GPT", "GPTConfig", "HFCausalLM", "MoEGPT", "TextDataModule", "check_vocab", "config_names", "config_path"]

@@ -17,6 +17,9 @@ EXPECTED = {
     "gpt-125m-8gpu.yaml": (8, (1, 8, 1, 1), "GPT", "gpt-125m"),
     "gpt-1.3b-tp2-pp2.yaml": (8, (2, 2, 2, 1), "GPT", "gpt-1.3b"),
     "moe-8gpu.yaml": (8, (1, 8, 1, 4), "MoEGPT", "gpt-350m"),
+    # transformers models from a tiny random config (no preset): tp=2 x pp=2 with SP; tp=2 x ep=2 in dp=2
+    "hf-llama-cpu-demo.yaml": (4, (2, 1, 2, 1), "HFCausalLM", None),
+    "hf-mixtral-cpu-demo.yaml": (4, (1, 2, 2, 2), "HFCausalLM", None),
 }
 
 
@@ -30,7 +33,7 @@ def test_recipe_config_resolves(name, tmp_path, monkeypatch):
     devices, layout, model_class, preset = EXPECTED[name]
     # GPU files are checked on CPU with a tiny model: the layout, not the weights, is under test.
     args = ["--config", str(RECIPES / name), "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
-    if preset != "tiny":
+    if preset not in ("tiny", None):
         args += ["--model.init_args.preset", "tiny"]
     cli = ParaCLI(args=args, run=False)
     strategy = cli.trainer.strategy
@@ -40,6 +43,11 @@ def test_recipe_config_resolves(name, tmp_path, monkeypatch):
     if "cpu-demo" in name:  # the demos show at least two parallel dimensions at once
         assert sum(d > 1 for d in (dims.pp, dims.dp, dims.tp, dims.ep)) >= 2
     assert type(cli.model).__name__ == model_class
-    assert cli.model.config.n_layer == 4  # the tiny preset (the GPU files were switched to it above)
-    assert cli.datamodule.seq_len <= cli.model.config.block_size
+    if preset is None:  # a transformers config: its own field names
+        assert cli.model.config.num_hidden_layers == 4 and not cli.model.config.tie_word_embeddings
+        assert cli.datamodule.seq_len <= cli.model.config.max_position_embeddings
+        assert cli.model.config.vocab_size == cli.datamodule.vocab_size
+    else:
+        assert cli.model.config.n_layer == 4  # the tiny preset (the GPU files were switched to it above)
+        assert cli.datamodule.seq_len <= cli.model.config.block_size
     assert cli.datamodule.global_batch_size % dims.dp == 0

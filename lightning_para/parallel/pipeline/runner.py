@@ -81,10 +81,16 @@ class PipelineRunner:
         self._raw_losses: list[Tensor] = []
         self._loss_factor = 1.0
         self.loss_parallel = False  # set by `enable_loss_parallel` once tensor parallelism shards the head
+        self.sequence_multiple = 1  # set by `require_sequence_multiple` under sequence parallelism
 
     def enable_loss_parallel(self) -> None:
         """The last stage's logits are vocab-sharded DTensors (tensor parallelism): its loss runs loss-parallel."""
         self.loss_parallel = True
+
+    def require_sequence_multiple(self, tp: int) -> None:
+        """Sequence parallelism splits the sequence (dim 1 of the first-stage input) over ``tp``: every
+        pipeline rank checks each batch before the schedule, so a bad length cannot leave a stage waiting."""
+        self.sequence_multiple = tp
 
     # ---------------------------------------------------------------- Lightning steps
     def run(
@@ -201,6 +207,12 @@ class PipelineRunner:
     def _split(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
         inputs, targets = self.spec.split_batch(batch)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        if self.sequence_multiple > 1 and inputs[0].dim() > 1 and inputs[0].shape[1] % self.sequence_multiple:
+            raise ValueError(
+                f"sequence_parallel=True splits the sequence over tp={self.sequence_multiple}, but the sequence length"
+                f" is {inputs[0].shape[1]} (the pipeline's first-stage input). Use sequence lengths that are multiples"
+                f" of {self.sequence_multiple} (pad the batch), or set sequence_parallel=False."
+            )
         size = inputs[0].shape[0]
         if size % self.microbatches:
             raise ValueError(

@@ -7,12 +7,14 @@ from lightning_para.parallel.tensor.apply import (
     apply_tensor_parallel,
     fsdp_shard_placement_fn,
     hook_grad_layouts,
+    plan_tensor_parallel,
 )
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
-from lightning_para.parallel.tensor.plan import auto_plan, resolve_plan
+from lightning_para.parallel.tensor.plan import ModulePlan, auto_plan, resolve_plan
 from lightning_para.parallel.tensor.validate import check_plan
 
 __all__ = [
+    "ModulePlan",
     "TensorParallelInfo",
     "apply_tensor_parallel",
     "auto_plan",
@@ -21,5 +23,6 @@ __all__ = [
     "hook_grad_layouts",
     "loss_parallel_backward",
     "loss_parallel_step",
+    "plan_tensor_parallel",
     "resolve_plan",
 ]

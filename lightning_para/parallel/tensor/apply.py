@@ -3,7 +3,10 @@
 :func:`apply_tensor_parallel` turns a module's plan (see :mod:`.plan` and
 ``docs/tensor_parallel.md``) into torch ``ParallelStyle``\\ s over the 1-D ``tp`` mesh:
 
-1. resolve the plan (strategy override > declared ``tensor_parallel_plan()`` > automatic);
+1. resolve the plan (strategy override > declared ``tensor_parallel_plan()`` > automatic),
+   once on the whole model and keyed by module identity (:func:`plan_tensor_parallel`), so a
+   module reachable under several names is planned once and a pipeline stage gets the plan
+   of exactly the modules it holds;
 2. validate it *without communication* (:func:`~.validate.check_plan`): styles fit module types, every
    split dimension divides by tp, no ``nn.Linear`` is left unplanned, sequence-parallel
    regions are closed, tied weights get one layout. Every rank sees the same model, so
@@ -30,8 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_para._dtensor import is_strided, tied_parameter_groups
-from lightning_para.parallel.tensor.plan import Style, resolve_plan
-from lightning_para.parallel.tensor.styles import make_style
+from lightning_para.parallel.tensor.plan import ModulePlan, Style, plan_modules, resolve_plan
+from lightning_para.parallel.tensor.styles import make_style, shard_stage_boundary
 from lightning_para.parallel.tensor.validate import check_plan
 
 
@@ -52,27 +55,53 @@ class TensorParallelInfo:
         return self.loss_parallel and bool(self.plan)
 
 
+def plan_tensor_parallel(
+    model: nn.Module,
+    tp: int,
+    *,
+    plan: Optional[Mapping[str, Any]] = None,
+    sequence_parallel: bool = False,
+    unplanned: str = "error",
+) -> ModulePlan:
+    """Resolve and validate the plan of the *whole* model, before a pipeline split (no communication).
+
+    Every rank sees the whole model here, so every rank raises the same ``ValueError``; the
+    result, keyed by module, is then applied to each part with :func:`apply_tensor_parallel`.
+    """
+    resolved = plan_modules(model, plan)
+    check_plan(model, resolved.by_name, tp, sequence_parallel=sequence_parallel, unplanned=unplanned)
+    return resolved
+
+
 def apply_tensor_parallel(
     module: nn.Module,
     tp_mesh: DeviceMesh,
     *,
-    plan: Optional[Mapping[str, Any]] = None,
+    plan: Optional[Any] = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = True,
     keep_sequence_shard: bool = True,
     unplanned: str = "error",
+    pipeline_stage: bool = False,
 ) -> TensorParallelInfo:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following its plan (see module docstring).
 
-    ``plan`` overrides the module's declared or automatic plan (``ParaStrategy(tp_plan=...)``).
+    ``plan``: a :class:`~.plan.ModulePlan` of the whole model (:func:`plan_tensor_parallel`), of
+    which ``module`` is a part; or patterns that override the module's declared or automatic
+    plan (``ParaStrategy(tp_plan=...)``); ``None``: declared or automatic.
     ``keep_sequence_shard`` (Megatron-SP, with ``sequence_parallel``): keep only the sequence
     shard of each sublayer input for backward and all-gather it again there.
     ``unplanned="replicate"`` keeps ``nn.Linear`` modules the plan leaves out whole on every rank
     (``ParaStrategy(tp_unplanned=...)``) instead of raising.
+    ``pipeline_stage``: ``module`` is a pipeline stage; under SP the stream enters and leaves it
+    as this rank's plain sequence slice (:func:`~.styles.shard_stage_boundary`).
     """
     tp = tp_mesh.size()
     sp, lp = bool(sequence_parallel), bool(loss_parallel)
-    resolved, source = resolve_plan(module, plan)
+    if isinstance(plan, ModulePlan):
+        resolved, source = plan.for_part(module), plan.source
+    else:
+        resolved, source = resolve_plan(module, plan)
     heads = check_plan(module, resolved, tp, sequence_parallel=sp, unplanned=unplanned)
     tied = tied_parameter_groups(module)
     for fqn, style in resolved.items():
@@ -85,6 +114,8 @@ def apply_tensor_parallel(
 
     _retie(module, tied)
     hook_grad_layouts(module)
+    if sp and pipeline_stage:
+        shard_stage_boundary(module, tp_mesh)
     return TensorParallelInfo(resolved, source, tp, sp, lp, heads)
 
 
@@ -147,4 +178,4 @@ def fsdp_shard_placement_fn(dp: int) -> Callable[[nn.Parameter], Optional[Shard]
     return placement
 
 
-__all__ = ["TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn", "hook_grad_layouts"]
+__all__ = ["TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn", "hook_grad_layouts", "plan_tensor_parallel"]

@@ -47,7 +47,10 @@ class _CrossEntropyOnShards(TorchFunctionMode):
                 out = func(*args, **kwargs)
             if not isinstance(out, DTensor):  # an enclosing mode of this kind already converted it
                 return out
-            return out.to_local() if all(p.is_replicate() for p in out.placements) else out.full_tensor()
+            plain = out.to_local() if all(p.is_replicate() for p in out.placements) else out.full_tensor()
+            # A copy, not the custom op's output view: user code may add to it in place (transformers'
+            # MoE models do `loss += coef * aux_loss`), which autograd forbids on that view.
+            return plain.clone()
         return func(*args, **kwargs)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Union
 
@@ -45,6 +46,7 @@ _HEAD_NAMES = {"lm_head", "output", "head", "embed_out", "out_head", "unembed", 
 _TOKEN_EMBEDDING_NAMES = {"wte", "tok_embeddings", "embed_tokens", "word_embeddings", "token_embedding", "tok_emb",
                           "embedding", "embeddings", "token_embeddings", "emb"}
 _MOE_CLASS = re.compile(r"moe|mixtureofexperts", re.IGNORECASE)
+_SUBLAYER_NAMES = _FUSED_QKV | _INTERLEAVED_QKV | _QKV | _OUT | _MLP_IN | _FUSED_GATE_UP
 
 # Integer attributes of an attention module that attention code reshapes with (divided by tp).
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads", "n_local_heads", "heads")
@@ -127,6 +129,37 @@ def resolve_plan(root: nn.Module, override: Any = None) -> tuple[dict[str, Style
     return auto_plan(root), "auto"
 
 
+@dataclass
+class ModulePlan:
+    """A plan resolved once on the whole model and keyed by module *identity*.
+
+    Each planned module appears once, under its first (canonical) name in the whole model,
+    however many names reach it later: user wrappers, ``ModuleList``\ s of references, a
+    pipeline stage that holds it under another parent. :meth:`for_part` gives the plan of any
+    part of the model (a pipeline stage) in that part's own names.
+    """
+
+    source: str  # "override", "declared" or "auto"
+    entries: list[tuple[str, nn.Module, Style]] = field(default_factory=list)  # (canonical name, module, style)
+
+    @property
+    def by_name(self) -> dict[str, Style]:
+        return {name: style for name, _, style in self.entries}
+
+    def for_part(self, part: nn.Module) -> dict[str, Style]:
+        """``{name in part: style}`` for the planned modules that ``part`` holds (each once)."""
+        names: dict[int, str] = {}
+        for name, module in part.named_modules():
+            names.setdefault(id(module), name)
+        return {names[id(m)]: style for _, m, style in self.entries if id(m) in names and names[id(m)]}
+
+
+def plan_modules(root: nn.Module, override: Any = None) -> ModulePlan:
+    """Resolve the plan of the whole model (see :func:`resolve_plan`) and key it by module."""
+    plan, source = resolve_plan(root, override)
+    return ModulePlan(source, [(name, root.get_submodule(name), style) for name, style in plan.items()])
+
+
 # ----------------------------------------------------------------------------- head attributes
 def head_attributes(module: nn.Module, q_width: int) -> dict[str, int]:
     """The head-count / width attributes of an attention module (to divide by tp)."""
@@ -140,6 +173,21 @@ def head_attributes(module: nn.Module, q_width: int) -> dict[str, int]:
         # Only a width that *is* the attention width: other widths (e.g. a model dim that
         # differs from n_head * head_dim) are not per-rank quantities.
         if isinstance(value, int) and not isinstance(value, bool) and value == q_width:
+            found[attr] = value
+    return found
+
+
+def config_head_counts(module: nn.Module) -> dict[str, int]:
+    """Head counts an attention module reads from its model config (Hugging Face: ``self.config``).
+
+    Checked against tp but never divided: the config object is shared by every layer and by
+    code outside the attention (the model computes ``num_key_value_groups`` from it once).
+    """
+    config = getattr(module, "config", None)
+    found: dict[str, int] = {}
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, attr, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             found[attr] = value
     return found
 
@@ -181,8 +229,11 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding) and not in_moe(n)}
     owners = {pid: [fqn for fqn, _ in held] for pid, held in parameter_owners(root).items()}
 
-    # --- output head and token embedding: tied weights, or a vocab-shaped Linear outside the
-    # blocks (head names first), paired with the embedding of the same vocabulary and width
+    # --- output head and token embedding, found by structure: a Linear whose weight is tied to
+    # an Embedding, else a Linear (hidden -> vocabulary) matching an Embedding (vocabulary, hidden):
+    # head names first, then outside the blocks, then anywhere (a user's pipeline wrapper may hold
+    # the head inside a ModuleList). A Linear named like a projection (q_proj, c_fc...) never is
+    # the head, even when vocabulary == width.
     head, token = None, None
     for n, lin in linears.items():
         tied = [o for o in owners[id(lin.weight)] if o != n and o in embeddings]
@@ -190,8 +241,8 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
             head, token = n, tied[0]
             break
     if head is None:
-        outside = [n for n in linears if not _in_block(root, n)]
-        for n in sorted(outside, key=lambda n: _leaf(n) not in _HEAD_NAMES):
+        candidates = [n for n in linears if _leaf(n) not in _SUBLAYER_NAMES]
+        for n in sorted(candidates, key=lambda n: (_leaf(n) not in _HEAD_NAMES, _in_block(root, n))):
             lin = linears[n]
             pair = [e for e, emb in embeddings.items() if emb.num_embeddings == lin.out_features and emb.embedding_dim == lin.in_features]
             if pair:
@@ -243,11 +294,23 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
         if e != token and emb.embedding_dim == hidden and not in_sublayer(e):
             plan[e] = "sequence_slice"
 
-    # --- norms on the residual stream (not inside a sublayer: those act on tp shards)
+    # --- norms on the residual stream; inside attention, norms over head_dim (q/k norms) run on
+    # this rank's heads. Other parameter-holding modules inside a sublayer are left for the check.
     for n, m in modules.items():
-        if n and is_norm(m) and not in_moe(n) and not in_sublayer(n):
+        if not n or not is_norm(m) or in_moe(n):
+            continue
+        if not in_sublayer(n):
             plan[n] = "norm"
+        elif sublayers.get(_parent(n)) == "attention" and _norms_head_dim(m, modules[_parent(n)]):
+            plan[n] = "head_norm"
     return plan
+
+
+def _norms_head_dim(norm: nn.Module, attention: nn.Module) -> bool:
+    """A norm whose weight has the attention's ``head_dim`` elements (q_norm/k_norm), not its width."""
+    head_dim = getattr(attention, "head_dim", None)
+    weight = getattr(norm, "weight", None)
+    return isinstance(head_dim, int) and weight is not None and tuple(weight.shape) == (head_dim,)
 
 
 def _classify(fqn: str, lin: nn.Linear, hidden: Any) -> Any:
@@ -268,4 +331,7 @@ def _classify(fqn: str, lin: nn.Linear, hidden: Any) -> Any:
     return None
 
 
-__all__ = ["auto_plan", "declared_plan", "resolve_plan", "expand", "match", "head_attributes", "is_norm", "is_moe"]
+__all__ = [
+    "ModulePlan", "auto_plan", "config_head_counts", "declared_plan", "expand", "head_attributes", "is_moe", "is_norm",
+    "match", "plan_modules", "resolve_plan",
+]

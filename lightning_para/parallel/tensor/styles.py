@@ -4,8 +4,13 @@ Each shorthand becomes a :class:`~torch.distributed.tensor.parallel.ParallelStyl
 depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout contract
 (Megatron-LM, Shoeybi et al. 2019; sequence parallel: Korthikanti et al. 2022):
 
-* The residual stream between sublayers is a plain tensor ``[batch, seq, hidden]``: the
-  full tensor on every tp rank (TP), or this rank's ``seq / tp`` slice of it (TP+SP).
+* The residual stream between sublayers is ``[batch, seq, hidden]``: a plain tensor, the
+  full one on every tp rank (TP); under TP+SP a DTensor ``Shard(1)`` holding this rank's
+  ``seq / tp`` slice, whose ``.shape`` is still the *global* one, so model code that builds
+  positions, rotary tables or causal masks from ``hidden.shape[1]`` (Hugging Face models do)
+  sees the real sequence length. The vocab-parallel embedding starts that stream. A module
+  handed this rank's slice as a *plain* tensor (a block called on its own) gives plain
+  tensors back: every SP style returns the kind of tensor it was given.
 * An attention/MLP *sublayer* gets its input as one replicated DTensor (an all-gather along
   the sequence under SP), so its column-parallel children share one collective: in backward,
   their partial input gradients add up first, then one all-reduce (TP) or one reduce-scatter
@@ -13,9 +18,9 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
 * The row-parallel output projection ends the sublayer with an all-reduce (TP) or a
   reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
 
-:class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput`,
-:class:`SequenceSlice` and :class:`GatherSequence` are new here; everything else is a
-configured torch style.
+:class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput` and
+:class:`HeadNorm` are new here, and the styles on the sequence-sharded stream outside the
+sublayers live in :mod:`.sequence`; everything else is a configured torch style.
 
 Why this module is long: one ``ParallelStyle`` per shorthand, all bound by the layout contract
 above; split apart, each would have to restate it.
@@ -30,22 +35,21 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
-# The residual stream is batch-first: [batch, seq, hidden].
-SEQ_DIM = 1
+from lightning_para.parallel.tensor.sequence import (
+    SEQ_DIM,
+    GatherSequence,
+    SequenceShardedNorm,
+    SequenceSlice,
+    check_sequence_divisible,
+    like_input,
+    shard_stage_boundary,
+)
+
 # Names of the hidden-states argument when a sublayer is called with keywords (HF style).
 HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "input", "inputs", "query", "h")
-
-
-def check_sequence_divisible(seq_len: int, tp: int, where: str) -> None:
-    """Sequence parallel splits the sequence evenly over tp; anything else is a clear error."""
-    if seq_len % tp:
-        raise ValueError(
-            f"sequence_parallel=True splits the sequence over tp={tp}, but the sequence length is {seq_len} ({where})."
-            f" Use sequence lengths that are multiples of {tp} (pad the batch), or set sequence_parallel=False."
-        )
 
 
 class Colwise(ColwiseParallel):
@@ -182,8 +186,10 @@ class SublayerInput(ParallelStyle):
         self.head_attributes = dict(head_attributes or {})
         self.keep_shard = keep_shard and sequence_parallel
         self._active: list[_KeepShardSaveGathered] = []
+        self._plain_inputs: list[bool] = []  # per call in flight: was the hidden input a plain tensor?
 
     def _to_replicated(self, x: Any, mesh: DeviceMesh) -> Any:
+        self._plain_inputs.append(not isinstance(x, DTensor))
         if isinstance(x, DTensor):
             if all(p.is_replicate() for p in x.placements):
                 return x
@@ -214,77 +220,53 @@ class SublayerInput(ParallelStyle):
             " PrepareModuleInput style instead of 'attention'/'mlp'."
         )
 
-    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._active:
             self._active.pop().context.__exit__(None, None, None)
+        input_was_plain = self._plain_inputs.pop() if self._plain_inputs else False
+        # The row-parallel output is a sequence-sharded DTensor (the SP stream); a caller that
+        # passed this rank's slice as a plain tensor gets a plain tensor back.
+        return like_input(output, input_was_plain) if self.sequence_parallel else output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         for attr, full in self.head_attributes.items():
             setattr(module, attr, full // tp)
         module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
-        if self.keep_shard:
-            module.register_forward_hook(self._finish, always_call=True)
+        module.register_forward_hook(self._finish, always_call=True)
         return module
 
     def __repr__(self) -> str:
         return f"SublayerInput(sequence_parallel={self.sequence_parallel}, head_attributes={self.head_attributes})"
 
 
-class SequenceSlice(ParallelStyle):
-    """SP only: keep this rank's slice (dim -2) of a module output that covers the whole sequence.
+class HeadNorm(ParallelStyle):
+    """A norm over ``head_dim`` inside attention (Qwen3's ``q_norm``/``k_norm``, OLMo-2's, ...).
 
-    For learned position (or token-type) embeddings added to the sequence-sharded residual
-    stream. Backward all-gathers the output gradient, so the (plain, replicated) weights get
-    the full gradient on every rank.
+    It runs on this rank's heads (``[..., heads/tp, head_dim]``, a plain tensor), so its weight
+    sees only those heads: the weight becomes a ``Replicate`` DTensor and the input a DTensor
+    sharded along the heads dimension (-2), so the weight's gradient comes back ``Partial`` and is
+    summed over tp by the same hook as sequence-parallel norms. The output is plain again.
     """
 
-    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        dim = out.dim() - 2
-        check_sequence_divisible(out.shape[dim], mesh.size(), f"the output of {type(module).__name__}")
-        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+    def _prepare(self, mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            if x.dim() < 2:
+                raise ValueError(f"'head_norm' expects [..., heads, head_dim] inputs in {type(module).__name__}, got {tuple(x.shape)}.")
+            x = DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+        return (x, *args[1:])
+
+    @staticmethod
+    def _finish(module: nn.Module, args: tuple, out: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(partial(self._slice, device_mesh))
-        return module
-
-
-class GatherSequence(ParallelStyle):
-    """SP only: run a module replicated on the full sequence (e.g. an MoE layer), then re-slice.
-
-    Tensor inputs shaped like the first one are all-gathered along the sequence; the first
-    tensor output (or the first element of a tuple output) is sliced back. Every tp rank
-    computes the same thing, so parameter gradients are identical and stay plain tensors.
-    """
-
-    def _gather(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None:
-            return args, kwargs
-
-        def gather(x: Any) -> Any:
-            if isinstance(x, DTensor):
-                return x.full_tensor()
-            if isinstance(x, torch.Tensor) and x.shape == first.shape:
-                full = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
-                return full.redistribute(mesh, [Replicate()]).to_local()
-            return x
-
-        return tuple(gather(a) for a in args), kwargs
-
-    def _slice(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-        def cut(x: torch.Tensor) -> torch.Tensor:
-            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
-
-        if isinstance(out, torch.Tensor):
-            return cut(out)
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return (cut(out[0]), *out[1:])
-        return out
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(self._gather, device_mesh), with_kwargs=True)
-        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True)
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(partial(self._prepare, device_mesh))
+        module.register_forward_hook(self._finish)
         return module
 
 
@@ -327,8 +309,11 @@ class VocabParallelEmbedding(ParallelStyle):
         local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
         out = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight, local_padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        layout = Shard(SEQ_DIM) if self.sequence_parallel else Replicate()
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
+        summed = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        if self.sequence_parallel:
+            # Reduce-scatter along the sequence; the stream stays a DTensor with its global shape.
+            return summed.redistribute(mesh, [Shard(SEQ_DIM)])
+        return summed.redistribute(mesh, [Replicate()]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
@@ -358,6 +343,7 @@ SHORTHANDS = {
     "vocab_parallel": "nn.Embedding split by vocabulary rows",
     "lm_head": "output nn.Linear split by vocabulary; logits stay sharded for loss parallel",
     "norm": "LayerNorm/RMSNorm on the residual stream: sequence-sharded under SP",
+    "head_norm": "a norm over head_dim inside attention (q/k norms): runs on this rank's heads",
     "sequence_slice": "a full-sequence output added to the residual stream (position embedding)",
     "gather_sequence": "a module run replicated on the full sequence (MoE layer, unsupported attention)",
     "replicate": "leave the module replicated on every tp rank (e.g. a small router)",
@@ -384,7 +370,9 @@ def make_style(
     if shorthand == "colwise":
         return Colwise()
     if shorthand == "rowwise":
-        return RowwiseParallel(output_layouts=Shard(SEQ_DIM) if sp else Replicate())
+        # SP: the reduce-scattered output stays a global-shaped DTensor (the stream); the sublayer
+        # around it hands a plain slice back to a caller that passed one.
+        return RowwiseParallel(output_layouts=Shard(SEQ_DIM), use_local_output=False) if sp else RowwiseParallel()
     if shorthand == "fused_qkv":
         return FusedColwiseParallel(parts=3)
     if shorthand == "fused_gate_up":
@@ -401,7 +389,9 @@ def make_style(
             use_local_output=not loss_parallel,
         )
     if shorthand == "norm":
-        return SequenceParallel(sequence_dim=SEQ_DIM) if sp else _NoOp()
+        return SequenceShardedNorm() if sp else _NoOp()
+    if shorthand == "head_norm":
+        return HeadNorm()
     if shorthand == "sequence_slice":
         return SequenceSlice() if sp else _NoOp()
     if shorthand == "gather_sequence":
@@ -416,5 +406,5 @@ def make_style(
 
 __all__ = [
     "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
-
+    "HeadNorm", "SequenceShardedNorm", "shard_stage_boundary",
 ]

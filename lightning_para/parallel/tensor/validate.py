@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from lightning_para._dtensor import divisors, tied_parameter_groups
-from lightning_para.parallel.tensor.plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style, head_attributes
+from lightning_para.parallel.tensor.plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style, config_head_counts, head_attributes
 from lightning_para.parallel.tensor.styles import COVERS_DESCENDANTS, LINEAR_STYLES, SHORTHANDS
 
 
@@ -57,6 +57,12 @@ def check_plan(
             for attr, value in heads[fqn].items():
                 what = "key/value heads" if attr in KV_HEAD_ATTRS else "attention heads" if attr in HEAD_ATTRS else "attention width"
                 splits.append((f"{what} `{attr}`", fqn, value))
+            # Head counts in the model's config (Hugging Face attention reshapes with -1 and head_dim,
+            # so only whole heads per rank keep it right): checked, never divided (the config is shared).
+            for attr, value in config_head_counts(m).items():
+                if attr not in heads[fqn]:
+                    what = "key/value heads" if attr in KV_HEAD_ATTRS else "attention heads"
+                    splits.append((f"{what} `config.{attr}`", fqn, value))
     if problems:
         raise ValueError("Invalid tensor-parallel plan:\n  " + "\n  ".join(problems))
 

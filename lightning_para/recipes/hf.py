@@ -1,0 +1,153 @@
+"""Fine-tune a Hugging Face ``transformers`` causal LM with any layout: :class:`HFCausalLM`.
+
+An ordinary LightningModule around ``AutoModelForCausalLM``: a tiny random-config model built
+from ``model_type`` + ``config`` (no download), or a local ``pretrained`` folder. Its loss is the
+model's own (labels in the transformers convention, shifted inside; plus the router auxiliary
+loss for MoE models with ``output_router_logits``). Everything parallel comes from
+``ParaStrategy``: the automatic tensor-parallel plan, expert parallelism for transformers MoE
+blocks, and for ``pp > 1`` the one-line ``configure_pipeline()`` of
+:func:`lightning_para.integrations.transformers.pipeline_spec`.
+
+Batches of :class:`~lightning_para.recipes.TextDataModule` are ``(x, y)`` next-token windows;
+the transformers convention wants ``labels == input_ids`` (the model shifts them), so a window
+gives ``input_ids = labels = x`` (``seq_len - 1`` predictions per window). Dict batches with
+``input_ids`` (and ``labels``) are used as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lightning_para.integrations.transformers.pipeline import pipeline_spec, split_causal_lm_batch
+from lightning_para.recipes.data import check_vocab
+
+
+def causal_lm_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    """``(input_ids, labels)`` in the transformers convention from a TextDataModule window ``(x, y)``
+    (``labels = x``), or from a dict / ``input_ids`` batch (see ``split_causal_lm_batch``)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not isinstance(batch, Mapping):
+        x, _ = batch
+        return x, x
+    return split_causal_lm_batch(batch)
+
+
+class HFCausalLM(L.LightningModule):
+    """A transformers causal LM as a LightningModule.
+
+    Args:
+        model_type: a transformers model type (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
+            ``"mixtral"``, ...); with ``config``, a randomly initialised model (no download).
+        config: fields of that model type's config (``hidden_size``, ``num_hidden_layers``, ...).
+        pretrained: a local folder written by ``save_pretrained`` (or ``lightning_para.integrations.
+            transformers.export``) to start from instead; ``model_type``/``config`` are then ignored.
+        lr, weight_decay, betas: AdamW (no decay on norms and biases).
+        warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``.
+    """
+
+    def __init__(
+        self,
+        model_type: str = "llama",
+        config: Optional[dict[str, Any]] = None,
+        pretrained: Optional[str] = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # optional: transformers is needed only by this recipe
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if pretrained is not None:
+            self.model = AutoModelForCausalLM.from_pretrained(pretrained)
+        else:
+            try:
+                hf_config = AutoConfig.for_model(model_type, **(config or {}))
+            except ValueError as err:
+                raise ValueError(f"`model.model_type={model_type!r}`: {err}") from None
+            self.model = AutoModelForCausalLM.from_config(hf_config)
+        # Counted now, on the whole model: after a pipeline split a rank holds only its stages.
+        self.flops_params = self._active_params()
+
+    @property
+    def config(self) -> Any:
+        """The transformers config (its ``vocab_size`` is checked against the data's tokenizer)."""
+        return self.model.config
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        check_vocab(self.config.vocab_size, datamodule)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def _loss(self, batch: Any) -> tuple[Tensor, Optional[Tensor]]:
+        input_ids, labels = causal_lm_batch(batch)
+        out = self.model(input_ids=input_ids, labels=labels)
+        return out.loss, getattr(out, "aux_loss", None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss, aux = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)  # the name the pipeline runner logs under pp > 1
+        if isinstance(aux, Tensor):
+            self.log("train_aux_loss", aux.detach())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_pipeline(self):
+        return pipeline_spec(self.model, split_batch=causal_lm_batch)
+
+    def _active_params(self) -> int:
+        """Parameters a token uses: all, with only ``top_k / num_experts`` of the routed experts."""
+        config = self.config
+        params = sum(p.numel() for p in self.model.parameters())
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if experts and top_k:
+            expert_params = sum(p.numel() for n, p in self.model.named_parameters() if ".experts." in n)
+            params -= expert_params - expert_params * top_k // experts
+        return params
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> float:
+        """Training FLOPs per token, 6 N (Kaplan et al. 2020) with N the parameters a token uses."""
+        return 6.0 * self.flops_params
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        decay_ids = {id(p) for p in decay}
+        no_decay = [p for p in self.parameters() if id(p) not in decay_ids]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+        )
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+__all__ = ["HFCausalLM", "causal_lm_batch"]
