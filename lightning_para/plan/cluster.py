@@ -18,7 +18,7 @@ Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
 OPTIMIZERS = ("adam", "sgd")
@@ -131,7 +131,12 @@ class Training:
     Args:
         seq_len: tokens per sequence.
         global_batch: sequences per optimizer step, over all data-parallel ranks.
-        micro_batch: sequences per forward pass (one pipeline microbatch).
+        micro_batch: sequences per forward pass (one pipeline microbatch). ``None``: as a
+            Lightning run under ParaStrategy does it: each data-parallel rank loads
+            ``global_batch / (accumulation * dp)`` sequences per batch and the pipeline splits
+            that batch into its ``microbatches`` (default ``pp * virtual_stages``).
+        accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
+            used with ``micro_batch=None``.
         precision: one of ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``, ``"16-mixed"``.
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
@@ -143,19 +148,26 @@ class Training:
 
     seq_len: int
     global_batch: int
-    micro_batch: int = 1
+    micro_batch: Optional[int] = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adam"
     flash_attention: bool = True
+    accumulation: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "global_batch", "micro_batch"):
+        for name in ("seq_len", "global_batch", "accumulation"):
             _check_positive(name, getattr(self, name), integer=True)
+        if self.micro_batch is not None:
+            _check_positive("micro_batch", self.micro_batch, integer=True)
+        elif self.global_batch % self.accumulation:
+            raise ValueError(
+                f"`accumulation={self.accumulation}` must divide `global_batch={self.global_batch}` (batches per step)."
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {_choices(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {_choices(OPTIMIZERS)}.")
-        if self.global_batch % self.micro_batch:
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:
             raise ValueError(f"`micro_batch={self.micro_batch}` must divide `global_batch={self.global_batch}`.")
 
     @property
@@ -174,7 +186,9 @@ class Training:
 
     def microbatches_per_step(self, dp: int) -> int:
         """Microbatches each data-parallel rank runs per optimizer step; ``ValueError`` if ``dp``
-        and ``micro_batch`` do not divide ``global_batch``."""
+        and ``micro_batch`` do not divide ``global_batch`` (``micro_batch`` must be set)."""
+        if self.micro_batch is None:
+            raise ValueError("`micro_batch=None` depends on the layout's pipeline microbatches; see `resolve_batch`.")
         if self.global_batch % (dp * self.micro_batch):
             raise ValueError(
                 f"`global_batch={self.global_batch}` is not divisible by dp * micro_batch = {dp} * {self.micro_batch}."

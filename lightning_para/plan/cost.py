@@ -39,6 +39,7 @@ from lightning_para.plan.pipeline import (
     bubble_fraction,
     pipeline_ranks,
     schedule_problem,
+    unit_split,
 )
 from lightning_para.plan.rank import (
     MemoryBreakdown,
@@ -47,7 +48,9 @@ from lightning_para.plan.rank import (
     price_rank,
 )
 
-__all__ = ["Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems"]
+__all__ = [
+    "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
+]
 
 DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
 
@@ -135,6 +138,41 @@ def _flush(layout: Layout, per_step: int) -> int:
     return layout.microbatches or per_step
 
 
+def _default_microbatches(layout: Layout) -> int:
+    """ParaStrategy's microbatches per pipeline step when none are given: one per stage."""
+    return layout.microbatches or (layout.pp * layout.virtual_stages if layout.pp > 1 else 1)
+
+
+def resolve_batch(training: Training, layout: Layout) -> tuple[Training, int, int]:
+    """``(training with an integer micro_batch, microbatches per pipeline flush, flushes per step)``.
+
+    With ``training.micro_batch=None`` (a Lightning run under ParaStrategy) each data-parallel
+    rank loads ``global_batch / (accumulation * dp)`` sequences per batch, and the pipeline splits
+    them into its microbatches; otherwise the step's microbatches go in flushes of
+    ``layout.microbatches`` (all in one by default). Raises ``ValueError`` when a division fails
+    (:func:`layout_problems` reports the same reasons).
+    """
+    if training.micro_batch is not None:
+        per_step = training.microbatches_per_step(layout.dp)
+        flush = _flush(layout, per_step)
+        return training, flush, per_step // flush
+    per_rank = training.global_batch // training.accumulation
+    microbatches = _default_microbatches(layout)
+    if per_rank % layout.dp or (per_rank // layout.dp) % microbatches:
+        raise ValueError(_batch_problem(training, layout))
+    micro = per_rank // layout.dp // microbatches
+    return replace(training, micro_batch=micro), microbatches, training.accumulation
+
+
+def _batch_problem(training: Training, layout: Layout) -> str:
+    per_rank = training.global_batch // training.accumulation
+    if per_rank % layout.dp:
+        return f"batch {per_rank} per step not divisible by dp={layout.dp}"
+    return (
+        f"batch {per_rank // layout.dp} per dp rank not divisible by microbatches={_default_microbatches(layout)}"
+    )
+
+
 def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> list[str]:
     """Why ``layout`` cannot run ``model`` (readable reasons; empty when it can). Memory is not checked."""
     lay, problems = layout, []
@@ -154,19 +192,34 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     elif model.is_moe and model.num_experts % lay.ep:
         problems.append(f"experts {model.num_experts} not divisible by ep={lay.ep}")
     chunks = lay.pp * lay.virtual_stages
-    if lay.pp > 1 and chunks > model.layers:
-        problems.append(f"layers {model.layers} fewer than pp*virtual_stages = {chunks}")
+    if lay.pp > 1 and chunks > len(model.units()):
+        problems.append(f"pipeline layers {len(model.units())} fewer than pp*virtual_stages = {chunks}")
     if training.seq_len % lay.cp:
         problems.append(f"seq_len {training.seq_len} not divisible by cp={lay.cp}")
     elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
         problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
-    if training.global_batch % (lay.dp * training.micro_batch):
+    if lay.zero == 3 and lay.pp > 1:
+        # ParaStrategy's rule (config.py): FSDP2 would gather a stage for every microbatch.
+        problems.append("zero=3 with pp>1 is not supported by ParaStrategy (use zero=1 or 2)")
+    if lay.pipeline_split is not None and lay.pp > 1:
+        try:
+            unit_split([1.0] * len(model.units()), lay.pp * lay.virtual_stages, lay.pipeline_split)
+        except ValueError as err:
+            problems.append(str(err))
+    if training.micro_batch is None:
+        per_rank = training.global_batch // training.accumulation
+        if per_rank % lay.dp or (per_rank // lay.dp) % _default_microbatches(lay):
+            problems.append(_batch_problem(training, lay))
+            return problems
+        flush, per_step = _default_microbatches(lay), _default_microbatches(lay) * training.accumulation
+    elif training.global_batch % (lay.dp * training.micro_batch):
         problems.append(
             f"global_batch {training.global_batch} not divisible by dp*micro_batch = {lay.dp * training.micro_batch}"
         )
         return problems
-    per_step = training.microbatches_per_step(lay.dp)
-    flush = _flush(lay, per_step)
+    else:
+        per_step = training.microbatches_per_step(lay.dp)
+        flush = _flush(lay, per_step)
     if per_step % flush:
         problems.append(f"microbatches={flush} does not divide the {per_step} microbatches per step of a dp rank")
     elif lay.pp > 1:
@@ -185,24 +238,24 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
     problems = layout_problems(model, cluster, training, layout)
     if problems:
         raise ValueError(f"Layout {layout.label()} cannot run {model.name}: " + "; ".join(problems) + ".")
-    per_step = training.microbatches_per_step(layout.dp)
-    flush = _flush(layout, per_step)
-    parts = pipeline_ranks(model.layers, layout.schedule, layout.pp, layout.virtual_stages, flush)
+    training, flush, flushes = resolve_batch(training, layout)
+    per_step = flush * flushes
+    parts = pipeline_ranks(model, layout.schedule, layout.pp, layout.virtual_stages, flush, layout.pipeline_split)
     # Ranks with the same content (layer kinds, ends, sends, in-flight) cost the same: price once.
     priced: dict[tuple, RankEstimate] = {}
     ranks = []
     for part in parts:
-        n_moe = sum(model.is_moe_layer(i) for i in part.layers)
-        key = (len(part.layers), n_moe, part.embedding, part.head, part.sends_forward, part.sends_backward,
-               part.in_flight)
+        kinds = tuple(model.is_moe_layer(i) for i in part.layers)
+        key = (kinds, part.embedding, part.head, part.final_norm, part.last_stage, part.sends_forward,
+               part.sends_backward, part.in_flight)
         if key not in priced:
-            priced[key] = price_rank(model, cluster, training, layout, part, per_step)
+            priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
     bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
     step = pipeline_seconds + max(r.dp_exposed_seconds for r in ranks)
     return Estimate(
         model=model, cluster=cluster, training=training, layout=layout, microbatches=flush,
-        accumulation=per_step // flush, ranks=tuple(ranks), bubble=bubble, step_seconds=step,
+        accumulation=flushes, ranks=tuple(ranks), bubble=bubble, step_seconds=step,
         model_flops_per_step=model.flops_per_token(training.seq_len) * training.tokens_per_step,
     )

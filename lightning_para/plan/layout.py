@@ -46,6 +46,9 @@ class Layout:
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
             gradients and reduces once per step, ``"reduce_each_step"`` reduce-scatters every
             microbatch (ParaStrategy's option of the same name).
+        pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
+            entries (ParaStrategy's ``pipeline_split``); ``None``: balanced by parameter count,
+            as ParaStrategy does by default.
     """
 
     dp: int = 1
@@ -62,6 +65,7 @@ class Layout:
     virtual_stages: int = 1
     recompute: Optional[str] = None
     zero_accumulation: str = "no_sync"
+    pipeline_split: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -88,6 +92,8 @@ class Layout:
             _check_degree("microbatches", self.microbatches)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"`recompute={self.recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+        if self.pipeline_split is not None:
+            object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
         if self.zero_accumulation not in ZERO_ACCUMULATION:
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose 'no_sync' or 'reduce_each_step'."

@@ -199,7 +199,10 @@ def _price(
 ) -> None:
     """Price the variants of one choice of degrees; add fits and rejections to ``result``."""
     dp, tp = degrees["dp"], degrees["tp"]
-    per_step = None if training.global_batch % (dp * training.micro_batch) else training.microbatches_per_step(dp)
+    if training.micro_batch is None:
+        per_step: Optional[int] = training.accumulation  # the pipeline's microbatches never reduce in between
+    else:
+        per_step = None if training.global_batch % (dp * training.micro_batch) else training.microbatches_per_step(dp)
     fits: list[Estimate] = []
     misses: list[Rejected] = []
     for layout in _variants(degrees, space, per_step):
