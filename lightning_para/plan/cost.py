@@ -115,6 +115,27 @@ class Estimate:
             totals[item.dim] = totals.get(item.dim, 0.0) + item.exposed_seconds
         return totals
 
+    def idle_fractions(self) -> tuple[float, ...]:
+        """Predicted idle fraction of each pipeline rank (waiting, not computing), from its own
+        microbatch time ``t_r`` (compute plus exposed tp/ep/pp communication).
+
+        The schedule's fill and drain add ``k (sum_r t_r - t_max)`` to the ``m t_max`` the slowest
+        rank needs, with ``k = 1`` for GPipe and 1F1B, ``1/v`` interleaved, ``1/3`` zero-bubble (ZB-H1)
+        and 0 for ZB-V; rank ``r`` idles ``1 - m t_r / T``. With equal ``t_r`` it is exactly
+        :func:`~lightning_para.plan.pipeline.bubble_fraction` of the papers (see
+        :mod:`~lightning_para.plan.pipeline`); unequal stages (the embedding's and the head's)
+        make the faster ranks wait more.
+        """
+        if self.layout.pp == 1:
+            return (0.0,)
+        layout, m = self.layout, self.microbatches
+        fill = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / layout.virtual_stages, "zero_bubble": 1.0 / 3.0}
+        k = fill.get(layout.schedule, 0.0)
+        times = [r.microbatch_seconds for r in self.ranks]
+        slowest = max(times)
+        step = m * slowest + k * (sum(times) - slowest)
+        return tuple(1.0 - m * t / step if step > 0 else 0.0 for t in times)
+
     def crosses_nodes(self) -> dict[str, bool]:
         """For each dimension of degree > 1: whether its group spans nodes."""
         dims = [d for d in DIMS if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]

@@ -270,15 +270,6 @@ def _microbatch_collectives(
     return found
 
 
-def _zero3_root(model: ModelDesc, part: RankLayers, dense: list[ParamTensor]) -> list[ParamTensor]:
-    """Tensors FSDP2 leaves to its root unit: a tied embedding (shared by two modules, so no unit of
-    its own, ``parallel/data/fsdp.py``). The root gathers them once per step (it is not resharded
-    after forward); every other unit gathers for forward and again for backward."""
-    if model.tied_embeddings and part.embedding and part.head:
-        return [t for t in dense if t.name == "embedding.tokens"]
-    return []
-
-
 def _dp_collectives(
     model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, flushes: int,
     backward_window: float, forward_window: float,
@@ -312,14 +303,10 @@ def _dp_collectives(
             after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:
-            root = _zero3_root(model, part, group)
-            once = n * shard_numel(root, n)
-            twice = padded - once
+            # Every unit, the root with a tied embedding included (measured), gathers for forward and
+            # again for backward.
             zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)",
-                                    twice * w / units, 2 * units * reductions))
-            if once:
-                zero3.append(collective(layout, cluster, dim, "all_gather", "root weights (tied, gathered once)",
-                                        once * w, reductions))
+                                    padded * w / units, 2 * units * reductions))
             zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", padded * g / units,
                                     units * reductions))
     if layout.dp_replicate > 1:

@@ -1,0 +1,91 @@
+"""The planner's prediction for the run being profiled, next to what the profiler measured.
+
+:class:`~lightning_para.observe.profiler.ParaProfiler` calls these three in order:
+
+1. :func:`describe_for_prediction` at ``setup``, while the module is still whole (before the
+   strategy splits, shards or wraps it);
+2. :func:`measure_rank` at the end of training, on every rank: this rank's memory per
+   component (``strategy.memory_breakdown()``), comm bytes per dimension of its last traced step,
+   its mean pipeline idle fraction and step time;
+3. :func:`check_run` on every rank with every rank's measurement: the planner prices this run's
+   layout, batch, precision and optimizer (:mod:`lightning_para.plan.run`) and compares
+   (:mod:`lightning_para.plan.check`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_para.plan.check import MeasuredRank, PredictionCheck, comm_by_dimension, compare
+from lightning_para.plan.describe import describe_module
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.run import local_cluster, optimizer_kind, predict_run, run_training
+
+
+def describe_for_prediction(module: nn.Module) -> tuple[Optional[ModelDesc], Optional[str]]:
+    """``(description, None)``, or ``(None, why not)`` for a module the planner cannot describe."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a parameter-count mismatch shows up in the comparison itself
+            return describe_module(module), None
+    except ValueError as err:
+        return None, str(err)
+
+
+def measure_rank(
+    strategy: Any, rank: int, comm_summary: Optional[Mapping[str, Mapping[str, float]]], step_seconds: Optional[float]
+) -> MeasuredRank:
+    """This rank's measurement (no communication): memory now (between steps), the traced step's
+    bytes per dimension, the mean pipeline idle fraction of the warm steps."""
+    dims = strategy.parallel_dims
+    memory = strategy.memory_breakdown()
+    idle = strategy.pipeline_stats().get("mean_idle_fraction") if dims.pp > 1 else None
+    return MeasuredRank(
+        rank=rank, pp_rank=dims.local_rank("pp"),
+        memory={k: float(memory[k]) for k in ("params", "grads", "optimizer")},
+        comm=comm_by_dimension(comm_summary) if comm_summary else {},
+        idle=idle, step_seconds=step_seconds,
+    )
+
+
+def check_run(
+    model: ModelDesc,
+    strategy: Any,
+    trainer: Any,
+    batch_shape: Sequence[int],
+    measured: Sequence[MeasuredRank],
+    peak_flops: Optional[float] = None,
+) -> PredictionCheck:
+    """Price this run with the planner and compare it with ``measured`` (raises ``ValueError`` if the
+    planner cannot price it). ``batch_shape`` is a training batch's token tensor, ``(batch, seq)``."""
+    dims, config = strategy.parallel_dims, strategy.config
+    if len(batch_shape) < 2:
+        raise ValueError(f"a training batch of shape {tuple(batch_shape)} is not (batch, sequence) tokens")
+    kind = optimizer_kind(trainer.optimizers[0]) if trainer.optimizers else None
+    accumulation = int(trainer.accumulate_grad_batches)
+    training = run_training(
+        int(batch_shape[1]), int(batch_shape[0]), dims.dp, accumulation=accumulation,
+        precision=strategy.precision_plugin.precision, optimizer=kind or "adam",
+    )
+    per_node = int(getattr(strategy, "num_processes", 1) or 1)
+    cluster = local_cluster(dims.world_size, per_node, strategy.root_device, peak_flops=peak_flops)
+    estimate = predict_run(model, config, dims, training, cluster)
+    if kind is None or accumulation > 1:
+        # An optimizer the planner does not model has no optimizer prediction; a traced batch
+        # under accumulation is one micro-step of the optimizer step the planner prices.
+        measured = [
+            MeasuredRank(
+                m.rank, m.pp_rank, {k: v for k, v in m.memory.items() if kind is not None or k != "optimizer"},
+                {} if accumulation > 1 else m.comm, m.idle, m.step_seconds,
+            )
+            for m in measured
+        ]
+    sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep, "edp": dims.edp}
+    return compare(estimate, measured, sizes)
+
+
+__all__ = ["check_run", "describe_for_prediction", "measure_rank"]
