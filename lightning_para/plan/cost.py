@@ -30,6 +30,7 @@ contention between dimensions, dropped or imbalanced MoE tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
@@ -142,13 +143,27 @@ class Estimate:
         return {dim: crosses_nodes(self.layout, self.cluster, dim) for dim in dims}
 
     def summary(self) -> str:
-        gb, m = 1e9, self.memory
+        m, unit = self.memory, memory_unit(self.memory.total)
         return (
-            f"{self.layout.label()}: {m.total / gb:.1f} GB of {self.cluster.usable_memory / gb:.1f} GB (params"
-            f" {m.params / gb:.1f}, grads {m.grads / gb:.1f}, optimizer {m.optimizer / gb:.1f}, activations"
-            f" {m.activations / gb:.1f}, buffers {m.buffers / gb:.1f}), bubble {self.bubble:.1%},"
+            f"{self.layout.label()}: {format_bytes(m.total, unit)} of {format_bytes(self.cluster.usable_memory)}"
+            f" (params {format_bytes(m.params, unit, False)}, grads {format_bytes(m.grads, unit, False)},"
+            f" optimizer {format_bytes(m.optimizer, unit, False)}, activations {format_bytes(m.activations, unit, False)},"
+            f" buffers {format_bytes(m.buffers, unit, False)}), bubble {self.bubble:.1%},"
             f" step {self.step_seconds:.3g} s, MFU {self.mfu:.1%}"
         )
+
+
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """GB for a billion bytes and more, else MB: tiny CPU models stay readable."""
+    return ("GB", 1e9) if abs(nbytes) >= 1e9 else ("MB", 1e6)
+
+
+def format_bytes(nbytes: float, unit: Optional[tuple[str, float]] = None, suffix: bool = True) -> str:
+    """``nbytes`` in ``unit`` (default: :func:`memory_unit`), e.g. ``"12.3 MB"``."""
+    name, scale = unit or memory_unit(nbytes)
+    value = nbytes / scale
+    text = f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:.3g}"
+    return f"{text} {name}" if suffix else text
 
 
 def _flush(layout: Layout, per_step: int) -> int:
@@ -177,21 +192,33 @@ def resolve_batch(training: Training, layout: Layout) -> tuple[Training, int, in
         per_step = training.microbatches_per_step(layout.dp)
         flush = _flush(layout, per_step)
         return training, flush, per_step // flush
-    per_rank = training.global_batch // training.accumulation
+    problem = _batch_problem(training, layout)
+    if problem:
+        raise ValueError(problem)
     microbatches = _default_microbatches(layout)
-    if per_rank % layout.dp or (per_rank // layout.dp) % microbatches:
-        raise ValueError(_batch_problem(training, layout))
-    micro = per_rank // layout.dp // microbatches
-    return replace(training, micro_batch=micro), microbatches, training.accumulation
+    per_rank = _rank_batch(training, layout)
+    global_batch = per_rank * layout.dp * training.accumulation
+    resolved = replace(training, global_batch=global_batch, batch_per_rank=None, micro_batch=per_rank // microbatches)
+    return resolved, microbatches, training.accumulation
 
 
-def _batch_problem(training: Training, layout: Layout) -> str:
-    per_rank = training.global_batch // training.accumulation
-    if per_rank % layout.dp:
-        return f"batch {per_rank} per step not divisible by dp={layout.dp}"
-    return (
-        f"batch {per_rank // layout.dp} per dp rank not divisible by microbatches={_default_microbatches(layout)}"
-    )
+def _rank_batch(training: Training, layout: Layout) -> int:
+    """Sequences a data-parallel rank loads per batch (``micro_batch=None``)."""
+    if training.batch_per_rank is not None:
+        return training.batch_per_rank
+    return training.global_batch // training.accumulation // layout.dp  # type: ignore[operator]
+
+
+def _batch_problem(training: Training, layout: Layout) -> Optional[str]:
+    """Why the batch cannot be split for ``layout`` (``micro_batch=None``), or ``None``."""
+    if training.batch_per_rank is None:
+        per_step = training.global_batch // training.accumulation  # type: ignore[operator]
+        if per_step % layout.dp:
+            return f"batch {per_step} per step not divisible by dp={layout.dp}"
+    per_rank, microbatches = _rank_batch(training, layout), _default_microbatches(layout)
+    if per_rank % microbatches:
+        return f"batch {per_rank} per dp rank not divisible by microbatches={microbatches}"
+    return None
 
 
 def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> list[str]:
@@ -228,9 +255,9 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         except ValueError as err:
             problems.append(str(err))
     if training.micro_batch is None:
-        per_rank = training.global_batch // training.accumulation
-        if per_rank % lay.dp or (per_rank // lay.dp) % _default_microbatches(lay):
-            problems.append(_batch_problem(training, lay))
+        problem = _batch_problem(training, lay)
+        if problem:
+            problems.append(problem)
             return problems
         flush, per_step = _default_microbatches(lay), _default_microbatches(lay) * training.accumulation
     elif training.global_batch % (lay.dp * training.micro_batch):

@@ -279,9 +279,9 @@ class ModelDesc:
     def summary(self) -> str:
         """One line: name, size, shape."""
         moe = f", {self.num_experts} experts top-{self.top_k}" if self.is_moe else ""
-        active = f" ({self.active_params() / 1e9:.1f}B active)" if self.is_moe else ""
+        active = f" ({_count(self.active_params())} active)" if self.is_moe else ""
         return (
-            f"{self.name}: {self.total_params() / 1e9:.2f}B params{active}, L={self.layers} h={self.hidden}"
+            f"{self.name}: {_count(self.total_params())} params{active}, L={self.layers} h={self.hidden}"
             f" heads={self.heads}/{self.kv_heads} ffn={self.ffn} vocab={self.vocab}{moe}"
         )
 
@@ -292,6 +292,14 @@ class ModelDesc:
         if unknown:
             raise ValueError(f"Unknown ModelDesc fields {unknown}; valid fields: {sorted(known)}.")
         return replace(self, **{**{name: None for name in self._derived}, **changes})
+
+
+def _count(n: int) -> str:
+    """``8.03B``, ``125M``, ``919K``: a parameter count at a readable scale."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
+    return str(n)
 
 
 def mla_attention_params(
