@@ -385,7 +385,7 @@ class ParaProfiler(Callback):
             self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
             worst = ", ".join(f"{k} {v:.1%}" if k != "idle" else f"idle {v:.3f}" for k, v in check.worst().items())
             failing = len(check.failures())
-            print(f"lightning-para: planner vs measured for {check.estimate.layout.label()}: worst error {worst}"
+            print(f"lightning-para: planner vs measured for {check.label}: worst error {worst}"
                   f"{f'; {failing} outside tolerance' if failing else ''}", flush=True)
 
     def _log_pipeline(self, trainer: L.Trainer) -> None:

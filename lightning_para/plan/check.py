@@ -81,10 +81,19 @@ class Comparison:
 
 @dataclass
 class PredictionCheck:
-    """Every comparison of one run, and the estimate they come from."""
+    """Every comparison of one run, the layout's label, and the estimate they come from (``None``
+    when rebuilt from :meth:`as_dict`, e.g. read back from ``para_summary.json``)."""
 
-    estimate: Estimate
+    label: str
     rows: list[Comparison]
+    estimate: Optional[Estimate] = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PredictionCheck":
+        """The inverse of :meth:`as_dict` (without the estimate)."""
+        rows = [Comparison(int(r["rank"]), r["kind"], r["name"], float(r["predicted"]), float(r["measured"]))
+                for r in data["rows"]]
+        return cls(str(data["layout"]), rows)
 
     def failures(self) -> list[Comparison]:
         """Comparisons outside their tolerance (memory and comm 10%, idle 0.05; step time is not gated)."""
@@ -115,12 +124,12 @@ class PredictionCheck:
         text.insert(1, "  ".join("-" * w for w in widths))
         worst = ", ".join(f"{kind} {value:.2%}" if kind != "idle" else f"idle {value:.3f}"
                           for kind, value in self.worst().items())
-        return f"{self.estimate.layout.label()}: predicted vs measured (worst: {worst})\n" + "\n".join(text)
+        return f"{self.label}: predicted vs measured (worst: {worst})\n" + "\n".join(text)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: the layout, every comparison and the worst errors."""
         return {
-            "layout": self.estimate.layout.label(),
+            "layout": self.label,
             "rows": [
                 {"rank": r.rank, "kind": r.kind, "name": r.name, "predicted": r.predicted, "measured": r.measured,
                  "ratio": r.ratio, "error": r.error, "ok": r.ok}
@@ -164,7 +173,7 @@ def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: M
             rows.append(Comparison(rank.rank, "idle", "idle", idle[rank.pp_rank], float(rank.idle)))
         if rank.step_seconds is not None:
             rows.append(Comparison(rank.rank, "step", "step", estimate.step_seconds, float(rank.step_seconds)))
-    return PredictionCheck(estimate, rows)
+    return PredictionCheck(estimate.layout.label(), rows, estimate)
 
 
 __all__ = ["Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare"]

@@ -40,7 +40,7 @@ def fits_table(result: "PlanResult", limit: int = 10) -> str:
             comm_text or "-", f"{item.step_seconds:.3g}", f"{item.mfu:.1%}",
         ])
     title = (
-        f"{result.model.summary()}\n{result.cluster.world_size} GPUs ({result.cluster.nodes} x"
+        f"{result.model.summary()}\n{result.cluster.world_size} devices ({result.cluster.nodes} x"
         f" {result.cluster.gpus_per_node}), {format_bytes(result.cluster.usable_memory)} usable each;"
         f" seq {result.training.seq_len}, {result.training.batch_label()}, {result.training.precision}\n"
     )
@@ -79,9 +79,9 @@ def strategy_yaml(choice: Estimate) -> str:
         args["zero_accumulation"] = layout.zero_accumulation
     m = choice.memory
     lines = [
-        f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} GPUs: {layout.label()}",
+        f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} devices: {layout.label()}",
         (
-            f"# predicted per GPU: {format_bytes(m.total)} of {format_bytes(choice.cluster.usable_memory)};"
+            f"# predicted per device: {format_bytes(m.total)} of {format_bytes(choice.cluster.usable_memory)};"
             f" bubble {choice.bubble:.1%}; step {choice.step_seconds:.3g} s; MFU {choice.mfu:.1%}"
         ),
     ]
@@ -120,7 +120,7 @@ def save_chart(result: "PlanResult", path: Path, limit: int = 12) -> Path:
     scale_max = max(limit_bytes, max(e.memory.total for e in items)) * 1.05
     image = Image.new("RGB", (label_w + bar_w + 20, top + row_h * len(items) + 40), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((10, 8), f"{result.model.name}: memory per GPU by layout, fastest first", fill="black")
+    draw.text((10, 8), f"{result.model.name}: memory per device by layout, fastest first", fill="black")
     for row, item in enumerate(items):
         y = top + row * row_h
         tag = "" if item.fits else "  [does not fit]"
@@ -130,6 +130,7 @@ def save_chart(result: "PlanResult", path: Path, limit: int = 12) -> Path:
             width = getattr(item.memory, name) / scale_max * bar_w
             draw.rectangle([x, y + 3, x + width, y + row_h - 3], fill=color)
             x += width
+        draw.text((x + 4, y + 4), format_bytes(item.memory.total), fill="black")
     limit_x = label_w + limit_bytes / scale_max * bar_w
     draw.line([limit_x, top - 6, limit_x, top + row_h * len(items)], fill="black", width=2)
     draw.text((limit_x + 3, top - 16), format_bytes(limit_bytes), fill="black")

@@ -111,6 +111,65 @@ def config_from_layout(config: ParallelConfig, layout: Layout) -> ParallelConfig
     )
 
 
+# `--layout "tp=2,pp=2,zero=1"` keys (and short aliases) -> ParaStrategy arguments, with their types.
+LAYOUT_KEYS: dict[str, tuple[str, type]] = {
+    "dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "ep": ("ep", int), "zero": ("zero", int),
+    "sp": ("sequence_parallel", bool), "sequence_parallel": ("sequence_parallel", bool),
+    "schedule": ("schedule", str), "microbatches": ("microbatches", int), "m": ("microbatches", int),
+    "virtual_stages": ("virtual_stages", int), "v": ("virtual_stages", int),
+    "recompute": ("activation_checkpointing", str), "activation_checkpointing": ("activation_checkpointing", str),
+    "zero_accumulation": ("zero_accumulation", str),
+}
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """``"tp=2,pp=2,zero=1"`` -> ParaStrategy arguments (``ValueError`` naming a bad entry).
+
+    Keys: ``dp tp pp ep zero sp schedule microbatches (m) virtual_stages (v) recompute zero_accumulation``;
+    ``1``/``0``/``true``/``false`` for ``sp``.
+    """
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in LAYOUT_KEYS or not value:
+            raise ValueError(
+                f"`--layout` entry {item!r} is not KEY=VALUE with a key among {', '.join(LAYOUT_KEYS)}"
+                f" (e.g. --layout \"tp=2,pp=2\")."
+            )
+        name, kind = LAYOUT_KEYS[key]
+        if kind is bool:
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes true or false.")
+            out[name] = value.lower() in ("1", "true")
+        elif kind is int:
+            if not value.isdigit() or int(value) < (0 if name == "zero" else 1):
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes a positive integer.")
+            out[name] = int(value)
+        else:
+            out[name] = None if value.lower() in ("none", "null") else value
+    return out
+
+
+def layout_arguments(layout: Layout) -> dict[str, Any]:
+    """ParaStrategy arguments of a planner :class:`Layout`."""
+    return {
+        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "zero": layout.zero,
+        "sequence_parallel": layout.sequence_parallel, "schedule": layout.schedule,
+        "microbatches": layout.microbatches, "virtual_stages": layout.virtual_stages,
+        "activation_checkpointing": layout.recompute, "zero_accumulation": layout.zero_accumulation,
+    }
+
+
+def strategy_overrides(arguments: dict[str, Any]) -> list[str]:
+    """``--trainer.strategy.KEY VALUE`` command-line overrides for LightningCLI."""
+    out = []
+    for key, value in arguments.items():
+        text = "null" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
+        out += [f"--trainer.strategy.{key}", text]
+    return out
+
+
 def optimizer_kind(optimizer: Any) -> Optional[str]:
     """The planner's optimizer name for a torch optimizer: ``"adam"`` (Adam family: two fp32
     moments), ``"sgd"`` (SGD with momentum), or ``None`` for anything it does not model."""
@@ -149,6 +208,7 @@ def predict_run(
 
 
 __all__ = [
-    "CPU_PROCESS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_from_config",
-    "local_cluster", "optimizer_kind", "predict_run", "run_training",
+    "CPU_PROCESS", "LAYOUT_KEYS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_arguments",
+    "layout_from_config", "local_cluster", "optimizer_kind", "parse_layout", "predict_run", "run_training",
+    "strategy_overrides",
 ]
