@@ -159,6 +159,7 @@ class ParaProfiler(Callback):
         self._model_desc: Optional[ModelDesc] = None
         self._no_prediction: Optional[str] = None  # why there is no prediction, when there is none
         self._last_comm: Optional[dict[str, dict[str, float]]] = None
+        self._pipeline_steps: list[dict[str, Any]] = []  # pipeline_stats() of recent untraced steps
         self._batch_shape: tuple[int, ...] = ()
         self.prediction_check: Optional[PredictionCheck] = None
 
@@ -226,6 +227,10 @@ class ParaProfiler(Callback):
         if tracer is not None:
             self._last_comm = tracer.summary()
             self._log_comm(trainer, tracer, seconds)
+        dims = _parallel_dims(trainer.strategy)
+        # Not the first batch (shape inference runs inside it), not a traced one (the tracer waits).
+        if self.check_predictions and not self._traced and self._batches > 0 and dims is not None and dims.pp > 1:
+            self._pipeline_steps = [*self._pipeline_steps[-7:], trainer.strategy.pipeline_stats()]
         step = trainer.global_step
         if self.memory_every_n_steps and step != self._last_memory_step and (
             step == 1 or step % self.memory_every_n_steps == 0
@@ -359,7 +364,9 @@ class ParaProfiler(Callback):
     def _check_predictions(self, trainer: L.Trainer) -> None:
         """Predicted against measured for this run (every rank measures; all ranks get the result)."""
         warm = [seconds for seconds, _ in self._all_steps[1:]] or [self._all_steps[-1][0]]
-        mine = measure_rank(trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm))
+        mine = measure_rank(
+            trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm), self._pipeline_steps
+        )
         measured = gather_objects(mine)  # a world collective: every rank is here
         if self._model_desc is None:
             if trainer.is_global_zero:
@@ -377,13 +384,14 @@ class ParaProfiler(Callback):
             key = f"plan/rank{row.rank}/{row.kind}_{row.name}" if row.kind in ("memory", "comm") else f"plan/rank{row.rank}/{row.kind}"
             metrics[key + "_predicted"] = row.predicted
             metrics[key + "_measured"] = row.measured
-            metrics[key + ("_diff" if row.kind == "idle" else "_ratio")] = row.error if row.kind == "idle" else row.ratio
+            idle = row.kind.startswith("idle")
+            metrics[key + ("_diff" if idle else "_ratio")] = row.error if idle else row.ratio
         for kind, value in check.worst().items():
             metrics[f"plan/worst_{kind}_error"] = value
         self._log_scalars(trainer, metrics)
         if trainer.is_global_zero:
             self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
-            worst = ", ".join(f"{k} {v:.1%}" if k != "idle" else f"idle {v:.3f}" for k, v in check.worst().items())
+            worst = ", ".join(f"{k} {v:.1%}" if not k.startswith("idle") else f"{k} {v:.3f}" for k, v in check.worst().items())
             failing = len(check.failures())
             print(f"lightning-para: planner vs measured for {check.label}: worst error {worst}"
                   f"{f'; {failing} outside tolerance' if failing else ''}", flush=True)

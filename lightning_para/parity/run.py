@@ -38,11 +38,15 @@ Layout = Union[str, Mapping[str, Any], None]
 
 
 def strategy_arguments(layout: Layout) -> dict[str, Any]:
-    """ParaStrategy arguments of ``"tp=2,pp=2"`` / a dict / ``None`` (one device)."""
+    """ParaStrategy arguments of ``"tp=2,pp=2"`` / a dict / ``None`` (one device).
+
+    Degrees not given are 1 (the layout is the whole layout, not a change to the config's);
+    options not given (``zero``, ``schedule``, ...) stay the config's.
+    """
     if layout is None:
         return dict(ONE_DEVICE)
     arguments = parse_layout(layout) if isinstance(layout, str) else dict(layout)
-    return {"dp": 1, **arguments}
+    return {"dp": 1, "tp": 1, "pp": 1, "ep": 1, **arguments}
 
 
 def world_of(arguments: Mapping[str, Any]) -> int:
@@ -103,7 +107,8 @@ def compare(
     Args:
         config: a LightningCLI YAML (or a shipped config's short name), as for ``lightning-para fit``.
         layout: ``"tp=2,pp=2"`` (keys: ``dp tp pp ep zero sp schedule microbatches virtual_stages
-            recompute zero_accumulation``) or a dict of ParaStrategy arguments; ``dp`` defaults to 1.
+            recompute zero_accumulation``) or a dict of ParaStrategy arguments; degrees not given
+            are 1, options not given are the config's.
         steps: optimizer steps of each run.
         reference: ``None`` for one device, or a layout as ``layout``.
         extra_args: more LightningCLI arguments for both runs (e.g. ``["--data.init_args.max_bytes", "100000"]``).

@@ -8,8 +8,12 @@ What is compared, per rank (the measurement's source in brackets):
 * communication bytes per mesh dimension over one optimizer step, in the ZeRO paper's
   accounting (the profiler's :class:`~lightning_para.observe.comm_trace.CommTracer`) against
   the planner's collectives of that rank (dimensions of size 1 move nothing and are skipped);
-* the pipeline idle fraction (``ParaStrategy.pipeline_stats()["mean_idle_fraction"]``) against
-  :meth:`Estimate.idle_fractions <lightning_para.plan.cost.Estimate.idle_fractions>`;
+* the pipeline idle fraction against :meth:`Estimate.idle_fractions
+  <lightning_para.plan.cost.Estimate.idle_fractions>`: gated is the measured schedule re-timed
+  with each action's CPU time (:func:`~lightning_para.observe.timeline.replayed_idle_fraction`:
+  what a core per process would give), reported next to it the wall-clock idle fraction
+  (``pipeline_stats()["idle_fraction"]``), which on an oversubscribed host also counts the
+  time the OS ran other processes;
 * step time (measured wall clock against the roofline): reported, never gated -- on CPU its
   peak and link figures are nominal.
 
@@ -43,8 +47,9 @@ class MeasuredRank:
     pp_rank: int
     memory: Mapping[str, float] = field(default_factory=dict)
     comm: Mapping[str, float] = field(default_factory=dict)
-    idle: Optional[float] = None
+    idle: Optional[float] = None  # replayed with CPU times (gated)
     step_seconds: Optional[float] = None
+    idle_wall: Optional[float] = None  # wall clock (reported)
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class Comparison:
     """One predicted quantity of one rank next to its measurement."""
 
     rank: int
-    kind: str  # "memory", "comm", "idle" or "step"
+    kind: str  # "memory", "comm", "idle" (replayed; gated), "idle_wall" or "step" (reported)
     name: str  # the component ("params"), dimension ("tp"), or "idle" / "step"
     predicted: float
     measured: float
@@ -65,7 +70,7 @@ class Comparison:
     @property
     def error(self) -> float:
         """Relative error (memory, comm, step) or the difference of fractions (idle)."""
-        if self.kind == "idle":
+        if self.kind in ("idle", "idle_wall"):
             return self.measured - self.predicted
         return self.ratio - 1.0 if math.isfinite(self.ratio) else math.inf
 
@@ -111,8 +116,9 @@ class PredictionCheck:
         header = ["rank", "quantity", "predicted", "measured", "measured/predicted", ""]
         lines = []
         for row in self.rows:
-            if row.kind == "idle":
-                values = [f"{row.predicted:.3f}", f"{row.measured:.3f}", f"{row.error:+.3f} (diff)"]
+            if row.kind in ("idle", "idle_wall"):
+                gated = "" if row.kind == "idle" else ", not gated"
+                values = [f"{row.predicted:.3f}", f"{row.measured:.3f}", f"{row.error:+.3f} (diff{gated})"]
             elif row.kind == "step":
                 values = [f"{row.predicted * 1e3:.1f} ms", f"{row.measured * 1e3:.1f} ms", f"{row.ratio:.2f} (not gated)"]
             else:
@@ -122,7 +128,7 @@ class PredictionCheck:
         widths = [max(len(x) for x in column) for column in zip(header, *lines, strict=True)]
         text = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *lines]]
         text.insert(1, "  ".join("-" * w for w in widths))
-        worst = ", ".join(f"{kind} {value:.2%}" if kind != "idle" else f"idle {value:.3f}"
+        worst = ", ".join(f"{kind} {value:.2%}" if not kind.startswith("idle") else f"{kind} {value:.3f}"
                           for kind, value in self.worst().items())
         return f"{self.label}: predicted vs measured (worst: {worst})\n" + "\n".join(text)
 
@@ -170,7 +176,9 @@ def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: M
             dims = [d for d in sorted(set(predicted) | set(rank.comm)) if group_sizes.get(d, 2) > 1]
             rows += [Comparison(rank.rank, "comm", d, predicted.get(d, 0.0), float(rank.comm.get(d, 0.0))) for d in dims]
         if rank.idle is not None and estimate.layout.pp > 1:
-            rows.append(Comparison(rank.rank, "idle", "idle", idle[rank.pp_rank], float(rank.idle)))
+            rows.append(Comparison(rank.rank, "idle", "replayed", idle[rank.pp_rank], float(rank.idle)))
+        if rank.idle_wall is not None and estimate.layout.pp > 1:
+            rows.append(Comparison(rank.rank, "idle_wall", "wall", idle[rank.pp_rank], float(rank.idle_wall)))
         if rank.step_seconds is not None:
             rows.append(Comparison(rank.rank, "step", "step", estimate.step_seconds, float(rank.step_seconds)))
     return PredictionCheck(estimate.layout.label(), rows, estimate)

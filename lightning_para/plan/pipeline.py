@@ -127,8 +127,8 @@ class RankLayers:
     layers: tuple[int, ...]
     embedding: bool
     head: bool
-    sends_forward: int  # chunks whose output goes to another rank (not the last chunk)
-    sends_backward: int  # chunks whose input gradient goes to another rank (not chunk 0)
+    sends_forward: int  # chunks whose output goes to another rank
+    sends_backward: int  # chunks whose input gradient goes to another rank
     in_flight: float
     final_norm: bool = False
     last_stage: bool = False  # holds the last chunk: computes the loss
@@ -165,8 +165,9 @@ def pipeline_ranks(
                 layers=tuple(i for unit in held for i in unit.layers),
                 embedding=any(u.embedding for u in held),
                 head=any(u.head for u in held),
-                sends_forward=sum(c != chunks - 1 for c in owned),
-                sends_backward=sum(c != 0 for c in owned),
+                # Only boundaries to another rank communicate (ZB-V's rank p-1 holds chunks p-1 and p).
+                sends_forward=sum(c != chunks - 1 and placement[c + 1] != rank for c in owned),
+                sends_backward=sum(c != 0 and placement[c - 1] != rank for c in owned),
                 in_flight=in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
                 final_norm=any(u.final_norm for u in held),
                 last_stage=chunks - 1 in owned,

@@ -26,7 +26,9 @@ class StepRecorder:
     """Per-step clock of one rank: action events and busy/idle totals.
 
     An event is a dict ``{"stage": int, "microbatch": int, "action": str, "start": float,
-    "end": float}`` with times in seconds since the step began (``time.perf_counter``).
+    "end": float, "cpu": float}`` with times in seconds since the step began
+    (``time.perf_counter``) and ``cpu`` the thread CPU seconds the action used
+    (``time.thread_time``: unlike wall time, not stretched while the OS runs another process).
     Actions: ``F`` forward, ``B`` full backward, ``I`` input-grad backward, ``W``
     weight-grad backward, ``L`` loss of a microbatch on the last stage. ``step_start_unix``
     (``time.time()``) aligns the ranks of one machine on a common clock.
@@ -60,15 +62,15 @@ class StepRecorder:
     @contextlib.contextmanager
     def action(self, stage: int, microbatch: int, action: str) -> Iterator[None]:
         self.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.synchronize()
-            end = time.perf_counter()
+            end, cpu = time.perf_counter(), time.thread_time() - cpu_start
             self.events.append(
                 {"stage": stage, "microbatch": microbatch, "action": action,
-                 "start": start - self.step_start, "end": end - self.step_start}
+                 "start": start - self.step_start, "end": end - self.step_start, "cpu": cpu}
             )
 
     @property
