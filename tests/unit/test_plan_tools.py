@@ -112,7 +112,8 @@ def test_batch_as_the_run_loads_it():
     resolved, _, _ = resolve_batch(per_rank, Layout(dp=4))
     assert (resolved.global_batch, resolved.micro_batch) == (24, 6)
     model, cluster = preset("gpt-125m"), Cluster.of("h100", nodes=1)
-    assert layout_problems(model, cluster, per_rank, Layout(dp=4, pp=2)) == ["batch 6 per dp rank not divisible by microbatches=4"]
+    assert layout_problems(model, cluster, per_rank, Layout(dp=4, pp=2, microbatches=4)) == [
+        "batch 6 per dp rank not divisible by microbatches=4"]
     assert layout_problems(model, cluster, Training(seq_len=64, global_batch=6, micro_batch=None), Layout(dp=8)) == [
         "batch 6 per step not divisible by dp=8"]
     with pytest.raises(ValueError, match="exactly one of `global_batch`"):
