@@ -12,7 +12,7 @@
    (:mod:`lightning_para.plan.check`).
 
 The measured idle fraction of a pipeline stage is the mean, over those steps and over the
-stage's ranks (its dp/tp replicas run the same schedule), of the replayed schedule
+stage's ranks (its dp/tp replicas run the same schedule), of each pipeline's replayed schedule
 (:func:`~lightning_para.observe.timeline.replayed_idle_fraction`).
 """
 
@@ -84,10 +84,20 @@ def check_run(
     measured = [m for m, _ in per_rank]
     steps = min((len(events) for _, events in per_rank), default=0)
     if steps and dims.pp > 1:
-        replays = [replayed_idle_fraction([e for _, events in per_rank for e in events[k]]) for k in range(steps)]
+        # One replay per pipeline: the pp ranks that share their dp/tp coordinates (pp is the
+        # outermost mesh dimension, so rank r belongs to pipeline r mod (world / pp)).
+        per_pipeline = dims.world_size // dims.pp
+        replays: dict[int, float] = {}
+        for k in range(steps):
+            pipelines: dict[int, list[PipelineEvent]] = {}
+            for m, events in per_rank:
+                pipelines.setdefault(m.rank % per_pipeline, []).extend(events[k])
+            for pipeline_events in pipelines.values():
+                for rank, value in replayed_idle_fraction(pipeline_events).items():
+                    replays[rank] = replays.get(rank, 0.0) + value / steps
         by_stage: dict[int, list[float]] = {}
         for m in measured:
-            by_stage.setdefault(m.pp_rank, []).extend(replay[m.rank] for replay in replays)
+            by_stage.setdefault(m.pp_rank, []).append(replays[m.rank])
         stage_idle = {stage: sum(values) / len(values) for stage, values in by_stage.items()}
         measured = [replace(m, idle=stage_idle[m.pp_rank]) for m in measured]
     if len(batch_shape) < 2:

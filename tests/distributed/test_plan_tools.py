@@ -75,14 +75,29 @@ GATE_LAYOUTS = [  # (ParaStrategy arguments, model arguments, MoE?)
 ]
 
 
+def _summary_line(label: str, rows: list[dict]) -> str:
+    """One markdown row: worst error per kind over all ranks (memory per component, comm per dimension)."""
+    def worst(kind: str, name: str | None = None) -> str:
+        errors = [abs(r["error"]) for r in rows if r["kind"] == kind and (name is None or r["name"] == name)]
+        if not errors:
+            return "-"
+        return f"{max(errors):.3f}" if kind.startswith("idle") else f"{100 * max(errors):.2f}%"
+
+    comm = " ".join(f"{d} {worst('comm', d)}" for d in sorted({r["name"] for r in rows if r["kind"] == "comm"}))
+    steps = [r["ratio"] for r in rows if r["kind"] == "step"]
+    return (f"| {label} | {worst('memory', 'params')} | {worst('memory', 'grads')} | {worst('memory', 'optimizer')}"
+            f" | {comm} | {worst('idle')} | {worst('idle_wall')} | {sum(steps) / len(steps):.2f} |")
+
+
 def test_predictions_are_within_tolerance_of_measurement(pools):
     pool = pools.get(4)
     covered: set[str] = set()
-    tables = []
+    tables, summary = [], []
     for strategy_kwargs, model_kwargs, moe in GATE_LAYOUTS:
         result = pool.run(prediction_job, strategy_kwargs, model_kwargs, moe)[0]  # every rank holds every row
         rows, tables = result["rows"], tables + [result["table"]]
         label = result["label"]
+        summary.append(_summary_line(label, rows))
         # Not vacuous: three memory components per rank, and bytes for every dimension of the layout.
         assert sum(r["kind"] == "memory" for r in rows) == 3 * 4, label
         dims = {r["name"] for r in rows if r["kind"] == "comm"}
@@ -102,6 +117,7 @@ def test_predictions_are_within_tolerance_of_measurement(pools):
             assert sum(r["kind"] == "idle" for r in rows) == 4, label  # every rank's replayed idle fraction
     assert covered == {"dp", "tp", "pp", "ep", "z0", "z1", "z2", "z3"}, covered
     print("\n\n".join(tables))
+    print("\n".join(summary))  # the table in docs/planner.md, "Prediction error against measurement"
 
 
 # ----------------------------------------------------------------------------- plan --validate
