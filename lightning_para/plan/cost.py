@@ -17,11 +17,14 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
 * **pp** sends are exposed (one activation or gradient per chunk boundary and microbatch);
 * the **bubble** stretches the busiest rank's time: ``M t_mb / (1 - bubble)``;
 * **dp** gradient reduction (all ZeRO stages) overlaps the backward of the last microbatch
-  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer step (ZeRO-1/2)
-  overlaps the next step's first forward except its first bucket (Megatron-LM's
-  ``--overlap-param-gather``; ParaStrategy today gathers right after the step, so it pays the
-  whole all-gather: see that collective's ``seconds``); ZeRO-3 gathers overlap the compute of
-  their phase (FSDP prefetch), except the first layer's.
+  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer
+  step (ZeRO-1/2) overlaps the next step's first forward except its first bucket (Megatron-LM's
+  ``--overlap-param-gather``); ZeRO-3 gathers overlap the compute of their phase (FSDP
+  prefetch), except the first layer's. This is what a well-overlapped engine reaches, and what
+  the published layouts were trained with. ParaStrategy today is less overlapped: its ZeRO-1
+  reduce-scatters after backward, a pipeline stage syncs after its schedule, and ZeRO-1/2
+  all-gather in the optimizer's step hook; its step takes up to those collectives' ``seconds``
+  longer (reported by the profiler's step-time comparison, which is not gated).
 
 Not modelled: the optimizer step itself, kernel launch overheads, stragglers, network
 contention between dimensions, dropped or imbalanced MoE tokens.

@@ -49,6 +49,9 @@ class Layout:
         pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
             entries (ParaStrategy's ``pipeline_split``); ``None``: balanced by parameter count,
             as ParaStrategy does by default.
+        bucket_mb: ZeRO-0/1/2 gradient bucket size in MiB (ParaStrategy's ``bucket_size_mb``);
+            ``None``: Megatron-LM's rule (:func:`~lightning_para.plan.rank.bucket_bytes`), which
+            the YAML then suggests. It changes the number of calls, not the bytes.
     """
 
     dp: int = 1
@@ -66,6 +69,7 @@ class Layout:
     recompute: Optional[str] = None
     zero_accumulation: str = "no_sync"
     pipeline_split: Optional[tuple[int, ...]] = None
+    bucket_mb: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -94,6 +98,8 @@ class Layout:
             raise ValueError(f"`recompute={self.recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
         if self.pipeline_split is not None:
             object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
+        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise ValueError(f"`bucket_mb={self.bucket_mb!r}` must be a positive number of MiB.")
         if self.zero_accumulation not in ZERO_ACCUMULATION:
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose 'no_sync' or 'reduce_each_step'."

@@ -294,7 +294,8 @@ def _dp_collectives(
         if not group or n == 1:
             continue
         params, padded = total_numel(group), n * shard_numel(group, n)
-        buckets = max(1, math.ceil(params * g / bucket_bytes(n, g)))
+        capacity = layout.bucket_mb * 2**20 if layout.bucket_mb is not None else bucket_bytes(n, g)
+        buckets = max(1, math.ceil(params * g / capacity))
         if layout.zero == 0:
             grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
         elif layout.zero < 3:
@@ -323,6 +324,7 @@ def _dp_collectives(
     if after_step:
         # The next step's forward waits only for the first bucket (Megatron-LM's overlapped
         # parameter all-gather); the rest streams behind the first microbatch's forward.
+        # ParaStrategy itself gathers in the optimizer's step hook (see the cost module docstring).
         total = sum(c.seconds for c in after_step)
         first_bucket = max(per_call_seconds(c) for c in after_step)
         exposed_total = max(total - forward_window, first_bucket)

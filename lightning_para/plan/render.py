@@ -74,7 +74,8 @@ def strategy_yaml(choice: Estimate) -> str:
         "activation_checkpointing": layout.recompute,
     }
     if layout.zero < 3 and layout.group("dp")[0] > 1:
-        args["bucket_size_mb"] = round(bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 1e6)
+        bucket = layout.bucket_mb or bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 2**20
+        args["bucket_size_mb"] = round(bucket)
     if layout.zero >= 2 and layout.zero_accumulation != "no_sync":
         args["zero_accumulation"] = layout.zero_accumulation
     m = choice.memory

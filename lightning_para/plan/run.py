@@ -98,6 +98,7 @@ def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
         recompute=config.activation_checkpointing,
         zero_accumulation=config.zero_accumulation,
         pipeline_split=tuple(config.pipeline_split) if pipelined and config.pipeline_split is not None else None,
+        bucket_mb=config.bucket_size_mb,
     )
 
 
