@@ -135,6 +135,7 @@ def test_plan_validate_prints_predicted_against_measured(pools):
     argv = ["plan", "--config", GPT_DEMO, "--layout", "tp=2,pp=2", "--validate", "--steps", "4", "--top", "3",
             "--rejected", "2"]
     text = pools.get(4).run(validate_job, argv)[0]
+    print(text)
     assert "trainer:\n  strategy:" in text  # the best layout's YAML
     table = text[text.index("dp1 tp2 pp2 z0 1f1b m2: predicted vs measured"):]
     for quantity in ("memory params", "memory grads", "memory optimizer", "comm tp", "comm pp", "idle replayed"):
@@ -166,6 +167,7 @@ def _parity(pools, config: str, layout: str | dict, extra: list[str] = ()):
 
 def test_parity_tool_matches_the_gpt_demo_at_tp2_pp2(pools):
     report = _parity(pools, GPT_DEMO, "tp=2,pp=2")
+    print(report.text())
     assert report.verdict == "match", report.text()
     assert len(report.steps) == PARITY_STEPS and report.loss_tolerance == 1e-5  # fp32 tolerances (32-true)
     assert report.steps[0].grad_norm > 0 and math.isfinite(report.steps[-1].loss)
@@ -173,6 +175,7 @@ def test_parity_tool_matches_the_gpt_demo_at_tp2_pp2(pools):
 
 def test_parity_tool_matches_the_moe_demo_at_dp4_ep2(pools):
     report = _parity(pools, MOE_DEMO, "dp=4,ep=2,zero=1")
+    print(report.text())
     assert report.verdict == "match", report.text()
     assert any("experts" in name for name in dict(report.steps[0].worst_params))  # expert gradients compared too
 
