@@ -5,6 +5,7 @@ where the unit under test is pure arithmetic; the measured comparisons are in
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,3 +244,20 @@ def test_parity_report_verdict_first_step_and_offending_parameters():
     assert tolerances("bf16-mixed") == (2e-2, 5e-2)
     shorter = compare_records(_record("tp=2", [2.0], [{"a": 1.0, "b": 2.0}]), reference)
     assert shorter.verdict == "mismatch" and "1 steps vs 3 in the reference" in shorter.problems[0]
+
+
+def test_bucket_size_changes_calls_not_bytes():
+    """ParaStrategy's bucket_size_mb (Layout.bucket_mb) sets how many collectives ZeRO issues, not their bytes."""
+    model, cluster = preset("gpt-125m"), Cluster.of("h100", nodes=1)
+    training = Training(seq_len=1024, global_batch=8, precision="bf16-true")
+
+    def dp(bucket_mb):
+        return [c for c in estimate(model, cluster, training, Layout(dp=8, zero=1, bucket_mb=bucket_mb)).collectives
+                if c.dim == "dp"]
+
+    default, small = dp(None), dp(25.0)
+    assert [c.bytes for c in small] == pytest.approx([c.bytes for c in default])
+    psi_bytes = sum(c.bytes for c in small if c.op == "reduce_scatter")
+    assert small[0].calls == math.ceil(psi_bytes / (25 * 2**20)) > default[0].calls  # Megatron: 40M elements
+    with pytest.raises(ValueError, match="`bucket_mb=0` must be a positive number of MiB"):
+        Layout(bucket_mb=0)
