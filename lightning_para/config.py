@@ -86,6 +86,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     pipeline_split: Optional[Sequence[int]] = None
     pipeline_balance: str = "params"
+    # --- layout="auto" (issue 15): the planner picks what the user left at its default at setup ---
+    layout: Optional[str] = None
+    layout_memory_gb: Optional[float] = None  # memory per process the planner may fill (default: the device's)
     # Microbatches per pipeline step once validated (``microbatches`` or the schedule's default).
     pipeline_microbatches: int = field(init=False, default=1)
 
@@ -118,6 +121,13 @@ class ParallelConfig:
             raise ValueError(f"`schedule={self.schedule!r}` is unknown. Choose one of {_choices(PIPELINE_SCHEDULES)}.")
         if self.microbatches is not None:
             _check_positive_int("microbatches", self.microbatches)
+        if self.layout not in (None, "auto"):
+            raise ValueError(f"`layout={self.layout!r}` is unknown. Choose 'auto' (the planner picks) or None.")
+        if self.layout_memory_gb is not None and not (
+            isinstance(self.layout_memory_gb, (int, float)) and not isinstance(self.layout_memory_gb, bool)
+            and self.layout_memory_gb > 0
+        ):
+            raise ValueError(f"`layout_memory_gb={self.layout_memory_gb!r}` must be a positive number of GB.")
         if self.pipeline_balance not in ("params", "time"):
             raise ValueError(f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose 'params' or 'time'.")
         if self.pp > 1:

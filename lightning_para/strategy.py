@@ -52,6 +52,7 @@ from lightning_para.parallel.data import (
 )
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
+from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -102,6 +103,11 @@ class ParaStrategy(ParallelStrategy):
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
         process_group_backend: override ``"gloo"``/``"nccl"`` chosen from the device.
         timeout: process-group timeout.
+        layout: ``"auto"``: at setup the planner (``lightning_para.plan``) picks every degree and
+            option left at its default for this model, world size and device memory, logs the
+            choice and the runner-up, and uses it; values you set are kept (see ``docs/planner.md``).
+        layout_memory_gb: memory per process the planner may fill (default: the device's; on CPU
+            the RAM divided among the node's processes).
     """
 
     strategy_name = "para"
@@ -136,6 +142,8 @@ class ParaStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        layout: Optional[str] = None,
+        layout_memory_gb: Optional[float] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -149,6 +157,7 @@ class ParaStrategy(ParallelStrategy):
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
+            layout=layout, layout_memory_gb=layout_memory_gb,
         )
         if precision is not None:
             if precision_plugin is not None:
@@ -164,6 +173,7 @@ class ParaStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._dims: Optional[ParallelDims] = None
         self._parallel: Optional[ParallelModel] = None
+        self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -248,11 +258,26 @@ class ParaStrategy(ParallelStrategy):
             )
         super().setup_environment()
         self._setup_distributed()
+        if self.config.layout == "auto":  # the planner decides on rank 0 and broadcasts, before the mesh exists
+            dims = self._plan_layout()
         if dims.mesh is None:
             dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
+
+    def _plan_layout(self) -> ParallelDims:
+        module = self.lightning_module
+        assert module is not None
+        trainer = module._trainer
+        self.config, self.layout_choice = auto_configure(
+            self.config, module, getattr(trainer, "datamodule", None),
+            world_size=self.num_nodes * self.num_processes, processes_per_node=self.num_processes,
+            device=self.root_device, precision=self.precision_plugin.precision,
+            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1,
+        )
+        rank_zero_info(self.layout_choice.report)
+        return self._resolve_dims(self.num_nodes * self.num_processes)
 
     def _setup_distributed(self) -> None:
         reset_seed()

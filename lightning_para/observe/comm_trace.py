@@ -20,6 +20,11 @@ Point-to-point ops are never waited on (two neighbours that both receive first w
 deadlock), so pipeline send/recv report bytes only; the pipeline's idle time shows their cost.
 
 The mode only runs on the steps it is entered for, so profiling costs nothing on others.
+
+A collective can name a process group the mesh does not list but that joins the same ranks:
+DTensor's redistributions resolve a group by its ranks and may get an older group over the
+same ranks (e.g. one a previous layout in the same processes created). Such a group is
+labelled by its ranks, so its bytes still count for the right dimension.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group  # private: see docs/architecture.md
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -119,9 +125,15 @@ class CommTracer(TorchDispatchMode):
 
     def __init__(self, labels: dict[str, str], time_collectives: bool = True) -> None:
         super().__init__()
-        self.labels = labels
+        self.labels = dict(labels)
         self.time_collectives = time_collectives
         self.stats: dict[tuple[str, str], CommStat] = defaultdict(CommStat)
+        # Rank set -> dimension, in the labels' priority order, for groups the mesh does not name.
+        self._by_ranks: dict[tuple[int, ...], str] = {}
+        for name, dim in self.labels.items():
+            ranks = _group_ranks(name)
+            if ranks is not None:
+                self._by_ranks.setdefault(ranks, dim)
 
     def reset(self) -> None:
         self.stats = defaultdict(CommStat)
@@ -138,6 +150,10 @@ class CommTracer(TorchDispatchMode):
                     continue
             if name is not None and name in self.labels:
                 return self.labels[name]
+            ranks = _group_ranks(name) if name is not None else None
+            if ranks in self._by_ranks:
+                self.labels[name] = self._by_ranks[ranks]  # type: ignore[index]
+                return self.labels[name]  # type: ignore[index]
         return "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -172,6 +188,16 @@ class CommTracer(TorchDispatchMode):
                 entry["seconds"] = s.seconds
             out[f"{dim}/{kind}"] = entry
         return out
+
+
+def _group_ranks(group_name: str) -> Optional[tuple[int, ...]]:
+    """The global ranks of the process group called ``group_name`` (``None`` if there is none)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def _wait(out: Any, namespace: str, args: tuple) -> None:

@@ -13,6 +13,10 @@ the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
   measured by :class:`~lightning_para.observe.comm_trace.CommTracer` on sampled steps;
 * ``pipeline/idle_fraction/stage{s}`` and a ``pipeline/timeline`` image drawn from the
   measured schedule events (``pp > 1``);
+* ``plan/...``: the planner's prediction for this run against what was measured, per rank:
+  memory per component, comm bytes per mesh dimension, the pipeline idle fraction, step time
+  (``check_predictions``; :mod:`.prediction`, :mod:`lightning_para.plan.check`), and a
+  ``plan/predicted_vs_measured`` table;
 * optional ``torch.profiler`` traces for a window of steps (``trace_start_step``), written
   per rank to ``<log_dir>/traces`` (open in TensorBoard's profiler plugin or Perfetto);
 * at the end of ``fit``, ``<log_dir>/para_summary.json`` and a one-line summary: loss at
@@ -37,24 +41,18 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_para.moe import moe_layers
 from lightning_para.observe.comm_trace import CommTracer, group_labels
+from lightning_para.observe.prediction import check_run, describe_for_prediction, measure_rank
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
+from lightning_para.plan.check import PredictionCheck
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.run import detect_peak_flops
 
 MIB = 2**20
-
-
-def detect_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
-    """The device's peak FLOP/s for ``dtype`` from Lightning's table (``get_available_flops``), or
-    ``None`` for CPUs and devices it does not know (pass ``peak_flops`` then)."""
-    if device.type == "cpu":
-        return None
-    flops = get_available_flops(device, dtype)
-    return float(flops) if flops else None
 
 
 def _world() -> int:
@@ -112,6 +110,10 @@ class ParaProfiler(Callback):
         trace_start_step, trace_steps: ``torch.profiler`` trace of batches
             ``[start, start + steps)``; ``None`` (default) records no trace.
         val_loss_key: the validation loss metric used in the end-of-fit summary.
+        check_predictions: at the end of training, compare the planner's prediction for this run
+            with what was measured (memory per component, comm bytes per dimension of the last
+            traced step, pipeline idle fraction, step time); logged under ``plan/``, kept in
+            :attr:`prediction_check` and in ``para_summary.json``.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class ParaProfiler(Callback):
         trace_start_step: Optional[int] = None,
         trace_steps: int = 3,
         val_loss_key: str = "val_loss",
+        check_predictions: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (("memory_every_n_steps", memory_every_n_steps), ("comm_every_n_steps", comm_every_n_steps),
@@ -140,6 +143,7 @@ class ParaProfiler(Callback):
         self.trace_start_step = trace_start_step
         self.trace_steps = trace_steps
         self.val_loss_key = val_loss_key
+        self.check_predictions = check_predictions
         self._reset()
 
     def _reset(self) -> None:
@@ -160,6 +164,12 @@ class ParaProfiler(Callback):
         self._has_moe = False
         self._timeline_pending = False
         self.last_summary: Optional[dict[str, Any]] = None
+        self._model_desc: Optional[ModelDesc] = None
+        self._no_prediction: Optional[str] = None  # why there is no prediction, when there is none
+        self._last_comm: Optional[dict[str, dict[str, float]]] = None
+        self._pipeline_steps: list[dict[str, Any]] = []  # pipeline_stats() of recent untraced steps
+        self._batch_shape: tuple[int, ...] = ()
+        self.prediction_check: Optional[PredictionCheck] = None
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -170,6 +180,8 @@ class ParaProfiler(Callback):
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
         self._has_moe = bool(list(moe_layers(pl_module)))
+        if self.check_predictions:  # described while whole: the strategy splits and shards it next
+            self._model_desc, self._no_prediction = describe_for_prediction(pl_module)
         # rank 0's directory on every rank (Lightning broadcasts it); no logger, no files
         log_dir = trainer.log_dir if trainer.loggers else None
         self.log_dir = Path(log_dir) if log_dir else None
@@ -213,6 +225,8 @@ class ParaProfiler(Callback):
             self.train_losses.append(loss.detach())
         tokens_tensor = _first_tensor(batch)
         tokens = (tokens_tensor.numel() if tokens_tensor is not None else 0) * self._dp
+        if tokens_tensor is not None:
+            self._batch_shape = tuple(tokens_tensor.shape)
         self._all_steps.append((seconds, tokens))
         if not self._traced:
             self._window.append((seconds, tokens))
@@ -222,7 +236,12 @@ class ParaProfiler(Callback):
             if self._has_moe:
                 self._log_moe(trainer, pl_module)
         if tracer is not None:
+            self._last_comm = tracer.summary()
             self._log_comm(trainer, tracer, seconds)
+        dims = _parallel_dims(trainer.strategy)
+        # Not the first batch (shape inference runs inside it), not a traced one (the tracer waits).
+        if self.check_predictions and not self._traced and self._batches > 0 and dims is not None and dims.pp > 1:
+            self._pipeline_steps = [*self._pipeline_steps[-7:], trainer.strategy.pipeline_stats()]
         step = trainer.global_step
         if self.memory_every_n_steps and step != self._last_memory_step and (
             step == 1 or step % self.memory_every_n_steps == 0
@@ -246,12 +265,16 @@ class ParaProfiler(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._torch_profiler is not None:
             self._stop_torch_profiler()
+        if self.check_predictions and _parallel_dims(trainer.strategy) is not None and self._all_steps:
+            self._check_predictions(trainer)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Each rank's loss is its own batch's mean; the mean over all ranks is the global batch's
         # (tp/pp ranks repeat their dp slot's value, which leaves the mean unchanged).
         per_rank = gather_objects([float(x) for x in self.train_losses])
         summary = self.last_summary = self.summary([sum(v) / len(v) for v in zip(*per_rank)])
+        if self.prediction_check is not None:
+            summary["prediction"] = self.prediction_check.as_dict()
         if trainer.is_global_zero and self.log_dir is not None and summary["steps"]:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             (self.log_dir / "para_summary.json").write_text(json.dumps(summary, indent=1))
@@ -354,6 +377,41 @@ class ParaProfiler(Callback):
             header = (f"ZeRO-{first['zero']} sharded over N={first['dp']} ranks (dp_shard x cp, cp={first['cp']}),"
                       f" replicated over dp_replicate={first['dp_replicate']}: {first['formula']}\n\n")
         self._log_text(trainer, "memory/breakdown", header + "\n".join(rows))
+
+    def _check_predictions(self, trainer: L.Trainer) -> None:
+        """Predicted against measured for this run (every rank measures; all ranks get the result)."""
+        warm = [seconds for seconds, _ in self._all_steps[1:]] or [self._all_steps[-1][0]]
+        mine = measure_rank(
+            trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm), self._pipeline_steps
+        )
+        measured = gather_objects(mine)  # a world collective: every rank is here
+        if self._model_desc is None:
+            if trainer.is_global_zero:
+                print(f"lightning-para: no planner prediction to compare: {self._no_prediction}", flush=True)
+            return
+        try:
+            check = check_run(self._model_desc, trainer.strategy, trainer, self._batch_shape, measured, self.peak_flops)
+        except ValueError as err:
+            if trainer.is_global_zero:
+                print(f"lightning-para: the planner cannot price this run: {err}", flush=True)
+            return
+        self.prediction_check = check
+        metrics: dict[str, float] = {}
+        for row in check.rows:
+            key = f"plan/rank{row.rank}/{row.kind}_{row.name}" if row.kind in ("memory", "comm") else f"plan/rank{row.rank}/{row.kind}"
+            metrics[key + "_predicted"] = row.predicted
+            metrics[key + "_measured"] = row.measured
+            idle = row.kind.startswith("idle")
+            metrics[key + ("_diff" if idle else "_ratio")] = row.error if idle else row.ratio
+        for kind, value in check.worst().items():
+            metrics[f"plan/worst_{kind}_error"] = value
+        self._log_scalars(trainer, metrics)
+        if trainer.is_global_zero:
+            self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
+            worst = ", ".join(f"{k} {v:.1%}" if not k.startswith("idle") else f"{k} {v:.3f}" for k, v in check.worst().items())
+            failing = len(check.failures())
+            print(f"lightning-para: planner vs measured for {check.label}: worst error {worst}"
+                  f"{f'; {failing} outside tolerance' if failing else ''}", flush=True)
 
     def _log_pipeline(self, trainer: L.Trainer) -> None:
         strategy = trainer.strategy

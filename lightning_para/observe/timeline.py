@@ -28,6 +28,7 @@ class PipelineEvent:
     microbatch: int
     start: float
     end: float
+    cpu: float = 0.0  # thread CPU seconds of the action (0: not measured)
 
 
 def as_events(records: Iterable[Any]) -> list[PipelineEvent]:
@@ -37,7 +38,7 @@ def as_events(records: Iterable[Any]) -> list[PipelineEvent]:
         if isinstance(r, PipelineEvent):
             events.append(r)
         elif isinstance(r, dict):
-            events.append(PipelineEvent(**{k: r[k] for k in PipelineEvent.__dataclass_fields__}))
+            events.append(PipelineEvent(**{k: r[k] for k in PipelineEvent.__dataclass_fields__ if k in r}))
         else:
             events.append(PipelineEvent(*r))
     return events
@@ -54,7 +55,7 @@ def rank_pipeline_record(stats: dict[str, Any], rank: int, stage: int) -> dict[s
     origin = float(stats.get("step_start_unix", 0.0))
     events = [
         {"rank": rank, "stage": e["stage"], "action": e["action"], "microbatch": e["microbatch"],
-         "start": origin + e["start"], "end": origin + e["end"]}
+         "start": origin + e["start"], "end": origin + e["end"], "cpu": e.get("cpu", 0.0)}
         for e in stats.get("events", []) if e.get("action") != "L"
     ]
     return {"stage": stage, "idle": stats.get("idle_fraction"), "expected": stats.get("expected_idle_fraction"),
@@ -83,6 +84,56 @@ def idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:
     for e in events:
         busy[e.rank] = busy.get(e.rank, 0.0) + (e.end - e.start)
     return {rank: max(0.0, 1.0 - b / span) for rank, b in sorted(busy.items())}
+
+
+def replayed_idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:
+    """Per rank: the idle fraction of the measured schedule re-timed with each action's CPU time.
+
+    Each rank runs its actions in the measured order; an action starts when the rank's previous
+    action has ended and its inputs exist: a forward of stage ``s`` waits for that microbatch's
+    forward on stage ``s - 1``, a backward (``B``, or the input-grad ``I``) of stage ``s`` for
+    that microbatch's backward on stage ``s + 1``. Each lasts its measured thread CPU time. This
+    is the step a machine with a core per process would run: on an oversubscribed host the
+    wall-clock idle fraction (:func:`idle_fraction`) also counts the time the OS gave the core to
+    another process. Sends and receives take no time here (their bytes are counted elsewhere).
+    """
+    if not events:
+        return {}
+    by_rank: dict[int, list[PipelineEvent]] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        by_rank.setdefault(e.rank, []).append(e)
+    last_stage = max(e.stage for e in events)
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
+    position = {rank: 0 for rank in by_rank}
+    clock = {rank: 0.0 for rank in by_rank}
+    busy = {rank: 0.0 for rank in by_rank}
+    remaining = len(events)
+    while remaining:
+        progressed = False
+        for rank, queue in by_rank.items():
+            while position[rank] < len(queue):
+                e = queue[position[rank]]
+                backward = e.action in ("B", "I")
+                if e.action == "F":
+                    needed = ("F", e.stage - 1, e.microbatch) if e.stage > 0 else None
+                elif backward and e.stage < last_stage:
+                    needed = ("B", e.stage + 1, e.microbatch)
+                else:
+                    needed = None  # the last stage's backward follows its own forward; W its own I
+                if needed is not None and needed not in done:
+                    break
+                start = max(clock[rank], done.get(needed, 0.0) if needed else 0.0)
+                clock[rank] = start + e.cpu
+                busy[rank] += e.cpu
+                if e.action == "F" or backward:
+                    done[("F" if e.action == "F" else "B", e.stage, e.microbatch)] = clock[rank]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the recorded pipeline events are not a schedule (a dependency never ran)")
+    span = max(clock.values())
+    return {rank: (1.0 - busy[rank] / span) if span > 0 else 0.0 for rank in sorted(by_rank)}
 
 
 def draw_timeline(

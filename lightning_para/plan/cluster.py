@@ -18,7 +18,7 @@ Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
 OPTIMIZERS = ("adam", "sgd")
@@ -131,7 +131,15 @@ class Training:
     Args:
         seq_len: tokens per sequence.
         global_batch: sequences per optimizer step, over all data-parallel ranks.
-        micro_batch: sequences per forward pass (one pipeline microbatch).
+        batch_per_rank: instead of ``global_batch``: sequences each data-parallel rank loads per
+            batch (a per-device ``batch_size``), so the global batch grows with ``dp``; implies
+            ``micro_batch=None``.
+        micro_batch: sequences per forward pass (one pipeline microbatch). ``None``: as a
+            Lightning run under ParaStrategy does it: each data-parallel rank loads
+            ``global_batch / (accumulation * dp)`` sequences per batch and the pipeline splits
+            that batch into its ``microbatches`` (default ``pp * virtual_stages``).
+        accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
+            used with ``micro_batch=None``.
         precision: one of ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``, ``"16-mixed"``.
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
@@ -142,20 +150,33 @@ class Training:
     """
 
     seq_len: int
-    global_batch: int
-    micro_batch: int = 1
+    global_batch: Optional[int] = None
+    micro_batch: Optional[int] = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adam"
     flash_attention: bool = True
+    accumulation: int = 1
+    batch_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "global_batch", "micro_batch"):
+        if (self.global_batch is None) == (self.batch_per_rank is None):
+            raise ValueError("Give exactly one of `global_batch` (sequences per step) and `batch_per_rank`.")
+        if self.batch_per_rank is not None:
+            _check_positive("batch_per_rank", self.batch_per_rank, integer=True)
+            object.__setattr__(self, "micro_batch", None)
+        for name in ("seq_len", "accumulation") + (("global_batch",) if self.global_batch is not None else ()):
             _check_positive(name, getattr(self, name), integer=True)
+        if self.micro_batch is not None:
+            _check_positive("micro_batch", self.micro_batch, integer=True)
+        elif self.global_batch is not None and self.global_batch % self.accumulation:
+            raise ValueError(
+                f"`accumulation={self.accumulation}` must divide `global_batch={self.global_batch}` (batches per step)."
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {_choices(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {_choices(OPTIMIZERS)}.")
-        if self.global_batch % self.micro_batch:
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:  # type: ignore[operator]
             raise ValueError(f"`micro_batch={self.micro_batch}` must divide `global_batch={self.global_batch}`.")
 
     @property
@@ -170,11 +191,21 @@ class Training:
 
     @property
     def tokens_per_step(self) -> int:
+        if self.global_batch is None:
+            raise ValueError("`batch_per_rank` gives a global batch only for a layout; see `resolve_batch`.")
         return self.global_batch * self.seq_len
+
+    def batch_label(self) -> str:
+        """``"global batch 64"`` or ``"batch 8 per data-parallel rank"``."""
+        if self.global_batch is None:
+            return f"batch {self.batch_per_rank} per data-parallel rank"
+        return f"global batch {self.global_batch}"
 
     def microbatches_per_step(self, dp: int) -> int:
         """Microbatches each data-parallel rank runs per optimizer step; ``ValueError`` if ``dp``
-        and ``micro_batch`` do not divide ``global_batch``."""
+        and ``micro_batch`` do not divide ``global_batch`` (``micro_batch`` must be set)."""
+        if self.micro_batch is None or self.global_batch is None:
+            raise ValueError("`micro_batch=None` depends on the layout's pipeline microbatches; see `resolve_batch`.")
         if self.global_batch % (dp * self.micro_batch):
             raise ValueError(
                 f"`global_batch={self.global_batch}` is not divisible by dp * micro_batch = {dp} * {self.micro_batch}."

@@ -17,11 +17,14 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
 * **pp** sends are exposed (one activation or gradient per chunk boundary and microbatch);
 * the **bubble** stretches the busiest rank's time: ``M t_mb / (1 - bubble)``;
 * **dp** gradient reduction (all ZeRO stages) overlaps the backward of the last microbatch
-  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer step (ZeRO-1/2)
-  overlaps the next step's first forward except its first bucket (Megatron-LM's
-  ``--overlap-param-gather``; ParaStrategy today gathers right after the step, so it pays the
-  whole all-gather: see that collective's ``seconds``); ZeRO-3 gathers overlap the compute of
-  their phase (FSDP prefetch), except the first layer's.
+  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer
+  step (ZeRO-1/2) overlaps the next step's first forward except its first bucket (Megatron-LM's
+  ``--overlap-param-gather``); ZeRO-3 gathers overlap the compute of their phase (FSDP
+  prefetch), except the first layer's. This is what a well-overlapped engine reaches, and what
+  the published layouts were trained with. ParaStrategy today is less overlapped: its ZeRO-1
+  reduce-scatters after backward, a pipeline stage syncs after its schedule, and ZeRO-1/2
+  all-gather in the optimizer's step hook; its step takes up to those collectives' ``seconds``
+  longer (reported by the profiler's step-time comparison, which is not gated).
 
 Not modelled: the optimizer step itself, kernel launch overheads, stragglers, network
 contention between dimensions, dropped or imbalanced MoE tokens.
@@ -30,6 +33,7 @@ contention between dimensions, dropped or imbalanced MoE tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
@@ -39,6 +43,7 @@ from lightning_para.plan.pipeline import (
     bubble_fraction,
     pipeline_ranks,
     schedule_problem,
+    unit_split,
 )
 from lightning_para.plan.rank import (
     MemoryBreakdown,
@@ -47,7 +52,9 @@ from lightning_para.plan.rank import (
     price_rank,
 )
 
-__all__ = ["Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems"]
+__all__ = [
+    "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
+]
 
 DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
 
@@ -112,19 +119,54 @@ class Estimate:
             totals[item.dim] = totals.get(item.dim, 0.0) + item.exposed_seconds
         return totals
 
+    def idle_fractions(self) -> tuple[float, ...]:
+        """Predicted idle fraction of each pipeline rank (waiting, not computing), from its own
+        microbatch time ``t_r`` (compute plus exposed tp/ep/pp communication).
+
+        The schedule's fill and drain add ``k (sum_r t_r - t_max)`` to the ``m t_max`` the slowest
+        rank needs, with ``k = 1`` for GPipe and 1F1B, ``1/v`` interleaved, ``1/3`` zero-bubble (ZB-H1)
+        and 0 for ZB-V; rank ``r`` idles ``1 - m t_r / T``. With equal ``t_r`` it is exactly
+        :func:`~lightning_para.plan.pipeline.bubble_fraction` of the papers (see
+        :mod:`~lightning_para.plan.pipeline`); unequal stages (the embedding's and the head's)
+        make the faster ranks wait more.
+        """
+        if self.layout.pp == 1:
+            return (0.0,)
+        layout, m = self.layout, self.microbatches
+        fill = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / layout.virtual_stages, "zero_bubble": 1.0 / 3.0}
+        k = fill.get(layout.schedule, 0.0)
+        times = [r.microbatch_seconds for r in self.ranks]
+        slowest = max(times)
+        step = m * slowest + k * (sum(times) - slowest)
+        return tuple(1.0 - m * t / step if step > 0 else 0.0 for t in times)
+
     def crosses_nodes(self) -> dict[str, bool]:
         """For each dimension of degree > 1: whether its group spans nodes."""
         dims = [d for d in DIMS if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]
         return {dim: crosses_nodes(self.layout, self.cluster, dim) for dim in dims}
 
     def summary(self) -> str:
-        gb, m = 1e9, self.memory
+        m, unit = self.memory, memory_unit(self.memory.total)
         return (
-            f"{self.layout.label()}: {m.total / gb:.1f} GB of {self.cluster.usable_memory / gb:.1f} GB (params"
-            f" {m.params / gb:.1f}, grads {m.grads / gb:.1f}, optimizer {m.optimizer / gb:.1f}, activations"
-            f" {m.activations / gb:.1f}, buffers {m.buffers / gb:.1f}), bubble {self.bubble:.1%},"
+            f"{self.layout.label()}: {format_bytes(m.total, unit)} of {format_bytes(self.cluster.usable_memory)}"
+            f" (params {format_bytes(m.params, unit, False)}, grads {format_bytes(m.grads, unit, False)},"
+            f" optimizer {format_bytes(m.optimizer, unit, False)}, activations {format_bytes(m.activations, unit, False)},"
+            f" buffers {format_bytes(m.buffers, unit, False)}), bubble {self.bubble:.1%},"
             f" step {self.step_seconds:.3g} s, MFU {self.mfu:.1%}"
         )
+
+
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """GB for a billion bytes and more, else MB: tiny CPU models stay readable."""
+    return ("GB", 1e9) if abs(nbytes) >= 1e9 else ("MB", 1e6)
+
+
+def format_bytes(nbytes: float, unit: Optional[tuple[str, float]] = None, suffix: bool = True) -> str:
+    """``nbytes`` in ``unit`` (default: :func:`memory_unit`), e.g. ``"12.3 MB"``."""
+    name, scale = unit or memory_unit(nbytes)
+    value = nbytes / scale
+    text = f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:.3g}"
+    return f"{text} {name}" if suffix else text
 
 
 def _flush(layout: Layout, per_step: int) -> int:
@@ -133,6 +175,53 @@ def _flush(layout: Layout, per_step: int) -> int:
     if layout.pp == 1:
         return 1
     return layout.microbatches or per_step
+
+
+def _default_microbatches(layout: Layout) -> int:
+    """ParaStrategy's microbatches per pipeline step when none are given: one per stage."""
+    return layout.microbatches or (layout.pp * layout.virtual_stages if layout.pp > 1 else 1)
+
+
+def resolve_batch(training: Training, layout: Layout) -> tuple[Training, int, int]:
+    """``(training with an integer micro_batch, microbatches per pipeline flush, flushes per step)``.
+
+    With ``training.micro_batch=None`` (a Lightning run under ParaStrategy) each data-parallel
+    rank loads ``global_batch / (accumulation * dp)`` sequences per batch, and the pipeline splits
+    them into its microbatches; otherwise the step's microbatches go in flushes of
+    ``layout.microbatches`` (all in one by default). Raises ``ValueError`` when a division fails
+    (:func:`layout_problems` reports the same reasons).
+    """
+    if training.micro_batch is not None:
+        per_step = training.microbatches_per_step(layout.dp)
+        flush = _flush(layout, per_step)
+        return training, flush, per_step // flush
+    problem = _batch_problem(training, layout)
+    if problem:
+        raise ValueError(problem)
+    microbatches = _default_microbatches(layout)
+    per_rank = _rank_batch(training, layout)
+    global_batch = per_rank * layout.dp * training.accumulation
+    resolved = replace(training, global_batch=global_batch, batch_per_rank=None, micro_batch=per_rank // microbatches)
+    return resolved, microbatches, training.accumulation
+
+
+def _rank_batch(training: Training, layout: Layout) -> int:
+    """Sequences a data-parallel rank loads per batch (``micro_batch=None``)."""
+    if training.batch_per_rank is not None:
+        return training.batch_per_rank
+    return training.global_batch // training.accumulation // layout.dp  # type: ignore[operator]
+
+
+def _batch_problem(training: Training, layout: Layout) -> Optional[str]:
+    """Why the batch cannot be split for ``layout`` (``micro_batch=None``), or ``None``."""
+    if training.batch_per_rank is None:
+        per_step = training.global_batch // training.accumulation  # type: ignore[operator]
+        if per_step % layout.dp:
+            return f"batch {per_step} per step not divisible by dp={layout.dp}"
+    per_rank, microbatches = _rank_batch(training, layout), _default_microbatches(layout)
+    if per_rank % microbatches:
+        return f"batch {per_rank} per dp rank not divisible by microbatches={microbatches}"
+    return None
 
 
 def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> list[str]:
@@ -158,19 +247,34 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     elif model.is_moe and model.num_experts % lay.ep:
         problems.append(f"experts {model.num_experts} not divisible by ep={lay.ep}")
     chunks = lay.pp * lay.virtual_stages
-    if lay.pp > 1 and chunks > model.layers:
-        problems.append(f"layers {model.layers} fewer than pp*virtual_stages = {chunks}")
+    if lay.pp > 1 and chunks > len(model.units()):
+        problems.append(f"pipeline layers {len(model.units())} fewer than pp*virtual_stages = {chunks}")
     if lay.cp > 1 and training.seq_len % (2 * lay.cp):  # load-balanced: two chunks per cp rank
         problems.append(f"seq_len {training.seq_len} not divisible by 2*cp={2 * lay.cp} (load-balanced chunks)")
     elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
         problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
-    if training.global_batch % (lay.dp * training.micro_batch):
+    if lay.zero == 3 and lay.pp > 1:
+        # ParaStrategy's rule (config.py): FSDP2 would gather a stage for every microbatch.
+        problems.append("zero=3 with pp>1 is not supported by ParaStrategy (use zero=1 or 2)")
+    if lay.pipeline_split is not None and lay.pp > 1:
+        try:
+            unit_split([1.0] * len(model.units()), lay.pp * lay.virtual_stages, lay.pipeline_split)
+        except ValueError as err:
+            problems.append(str(err))
+    if training.micro_batch is None:
+        problem = _batch_problem(training, lay)
+        if problem:
+            problems.append(problem)
+            return problems
+        flush, per_step = _default_microbatches(lay), _default_microbatches(lay) * training.accumulation
+    elif training.global_batch % (lay.dp * training.micro_batch):
         problems.append(
             f"global_batch {training.global_batch} not divisible by dp*micro_batch = {lay.dp * training.micro_batch}"
         )
         return problems
-    per_step = training.microbatches_per_step(lay.dp)
-    flush = _flush(lay, per_step)
+    else:
+        per_step = training.microbatches_per_step(lay.dp)
+        flush = _flush(lay, per_step)
     if per_step % flush:
         problems.append(f"microbatches={flush} does not divide the {per_step} microbatches per step of a dp rank")
     elif lay.pp > 1:
@@ -189,24 +293,24 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
     problems = layout_problems(model, cluster, training, layout)
     if problems:
         raise ValueError(f"Layout {layout.label()} cannot run {model.name}: " + "; ".join(problems) + ".")
-    per_step = training.microbatches_per_step(layout.dp)
-    flush = _flush(layout, per_step)
-    parts = pipeline_ranks(model.layers, layout.schedule, layout.pp, layout.virtual_stages, flush)
+    training, flush, flushes = resolve_batch(training, layout)
+    per_step = flush * flushes
+    parts = pipeline_ranks(model, layout.schedule, layout.pp, layout.virtual_stages, flush, layout.pipeline_split)
     # Ranks with the same content (layer kinds, ends, sends, in-flight) cost the same: price once.
     priced: dict[tuple, RankEstimate] = {}
     ranks = []
     for part in parts:
-        n_moe = sum(model.is_moe_layer(i) for i in part.layers)
-        key = (len(part.layers), n_moe, part.embedding, part.head, part.sends_forward, part.sends_backward,
-               part.in_flight)
+        kinds = tuple(model.is_moe_layer(i) for i in part.layers)
+        key = (kinds, part.embedding, part.head, part.final_norm, part.last_stage, part.sends_forward,
+               part.sends_backward, part.in_flight)
         if key not in priced:
-            priced[key] = price_rank(model, cluster, training, layout, part, per_step)
+            priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
     bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
     step = pipeline_seconds + max(r.dp_exposed_seconds for r in ranks)
     return Estimate(
         model=model, cluster=cluster, training=training, layout=layout, microbatches=flush,
-        accumulation=per_step // flush, ranks=tuple(ranks), bubble=bubble, step_seconds=step,
+        accumulation=flushes, ranks=tuple(ranks), bubble=bubble, step_seconds=step,
         model_flops_per_step=model.flops_per_token(training.seq_len) * training.tokens_per_step,
     )

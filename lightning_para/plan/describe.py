@@ -16,6 +16,9 @@ Duck typing only, no model library imported. The rules, in order of trust:
    from the down-projection (the ``nn.Linear`` back to ``hidden`` that is not the attention
    output), a gated MLP from two up-projections, expert widths from stacked ``[E, ., .]``
    weights or an ``experts`` ``ModuleList``.
+5. **Pipeline entries** come from ``configure_pipeline()`` (lightning-para's pipeline contract)
+   when the module has it: which entry holds the embedding, which layers, the final norm and
+   the output head, so the planner splits stages exactly as ParaStrategy will.
 
 The result's parameter count is compared with the module's: a difference over 1% gives a
 warning naming both, since the planner's memory figures rest on it.
@@ -25,11 +28,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any, Optional
 
 from torch import nn
 
-from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.model import ModelDesc, PipelineUnit
 
 HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "nhead")
 KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
@@ -204,6 +208,9 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
         dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in blocks.modules()),
         name=name or type(module).__name__, **moe_kwargs,
     )
+    units = _pipeline_units(module, blocks, token, vocab, desc)
+    if units is not None:
+        desc = replace(desc, pipeline_units=units)
     actual = sum(p.numel() for p in module.parameters())
     if actual and abs(desc.total_params() - actual) > 0.01 * actual:
         warnings.warn(
@@ -212,3 +219,41 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
             stacklevel=2,
         )
     return desc
+
+
+def _pipeline_units(
+    module: nn.Module, blocks: nn.ModuleList, token: nn.Embedding, vocab: int, desc: ModelDesc
+) -> Optional[tuple[PipelineUnit, ...]]:
+    """The entries of ``module.configure_pipeline()`` as :class:`PipelineUnit` s (``None``: no contract,
+    or one the planner cannot map, with a warning saying why)."""
+    configure = getattr(module, "configure_pipeline", None)
+    if not callable(configure):
+        return None
+    try:
+        spec = configure()
+    except ValueError:  # e.g. a tied head, which cannot be pipelined: the default entries stand
+        return None
+    layers = list(getattr(spec, "layers", None) or [])
+    block_ids = {id(m) for m in blocks.modules()}
+    outside = [m for m in module.modules() if id(m) not in block_ids]
+    head = next((m for m in outside if isinstance(m, nn.Linear) and m.out_features == vocab), None)
+    norms = [m for m in outside if "norm" in type(m).__name__.lower() and any(True for _ in m.parameters())]
+    final_norm = norms[-1] if norms else None
+    units = []
+    for entry in layers:
+        inside = {id(m) for m in entry.modules()} if isinstance(entry, nn.Module) else set()
+        units.append(PipelineUnit(
+            layers=tuple(i for i, block in enumerate(blocks) if id(block) in inside),
+            embedding=id(token) in inside,
+            final_norm=final_norm is not None and id(final_norm) in inside,
+            head=head is not None and id(head) in inside,
+        ))
+    try:
+        return replace(desc, pipeline_units=tuple(units)).pipeline_units
+    except ValueError as err:
+        warnings.warn(
+            f"describe_module: configure_pipeline() of {desc.name} does not map onto embedding / layers / head"
+            f" ({err}); the planner splits the default entries instead.",
+            stacklevel=3,
+        )
+        return None

@@ -50,6 +50,12 @@ class Layout:
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
             gradients and reduces once per step, ``"reduce_each_step"`` reduce-scatters every
             microbatch (ParaStrategy's option of the same name).
+        pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
+            entries (ParaStrategy's ``pipeline_split``); ``None``: balanced by parameter count,
+            as ParaStrategy does by default.
+        bucket_mb: ZeRO-0/1/2 gradient bucket size in MiB (ParaStrategy's ``bucket_size_mb``);
+            ``None``: Megatron-LM's rule (:func:`~lightning_para.plan.rank.bucket_bytes`), which
+            the YAML then suggests. It changes the number of calls, not the bytes.
     """
 
     dp: int = 1
@@ -66,6 +72,8 @@ class Layout:
     virtual_stages: int = 1
     recompute: Optional[str] = None
     zero_accumulation: str = "no_sync"
+    pipeline_split: Optional[tuple[int, ...]] = None
+    bucket_mb: Optional[float] = None
     cp_method: str = "ring"
 
     def __post_init__(self) -> None:
@@ -93,6 +101,10 @@ class Layout:
             _check_degree("microbatches", self.microbatches)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"`recompute={self.recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+        if self.pipeline_split is not None:
+            object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
+        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise ValueError(f"`bucket_mb={self.bucket_mb!r}` must be a positive number of MiB.")
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose 'ring' or 'all_to_all'.")
         if self.zero_accumulation not in ZERO_ACCUMULATION:

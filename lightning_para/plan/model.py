@@ -29,6 +29,34 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> None:
 
 
 @dataclass(frozen=True)
+class PipelineUnit:
+    """One entry of a pipeline contract's layer list (``configure_pipeline()``): the smallest
+    piece a pipeline split moves between stages.
+
+    Args:
+        layers: transformer layers (0-based indices) inside this entry.
+        embedding: it holds the token embedding (and learned positions).
+        final_norm: it holds the final norm.
+        head: it holds the output projection.
+    """
+
+    layers: tuple[int, ...] = ()
+    embedding: bool = False
+    final_norm: bool = False
+    head: bool = False
+
+
+def default_pipeline_units(layers: int) -> tuple[PipelineUnit, ...]:
+    """``[embedding, layer 0, ..., layer L-1, final norm + head]``: the recipes' contract
+    (``GPT.configure_pipeline``) and nanoGPT's / torchtitan's split points."""
+    return (
+        PipelineUnit(embedding=True),
+        *(PipelineUnit(layers=(i,)) for i in range(layers)),
+        PipelineUnit(final_norm=True, head=True),
+    )
+
+
+@dataclass(frozen=True)
 class ModelDesc:
     """A decoder-only transformer, as the planner sees it.
 
@@ -51,6 +79,9 @@ class ModelDesc:
         dropout: the model trains with dropout (adds Megatron's dropout masks to activations).
         attention_params: parameters of one attention block, overriding the formula above
             (for attention variants such as DeepSeek's MLA, see :data:`PRESETS`).
+        pipeline_units: the entries a pipeline split moves between stages, in order
+            (``None``: :func:`default_pipeline_units`; ``describe_module`` reads them from
+            ``configure_pipeline()``).
         name: a label for tables.
     """
 
@@ -75,6 +106,7 @@ class ModelDesc:
     learned_positions: int = 0
     dropout: bool = False
     attention_params: Optional[int] = None
+    pipeline_units: Optional[tuple[PipelineUnit, ...]] = None
     name: str = "custom"
     # Fields that __post_init__ filled in from others, so `with_changes` derives them again.
     _derived: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -117,7 +149,25 @@ class ModelDesc:
             raise ValueError(f"`capacity_factor={self.capacity_factor!r}` must be > 0, or None for dropless routing.")
         if self.attention_params is not None:
             _check_int("attention_params", self.attention_params)
+        if self.pipeline_units is not None:
+            self._check_pipeline_units()
         object.__setattr__(self, "_derived", tuple(derived))
+
+    def _check_pipeline_units(self) -> None:
+        units = tuple(self.pipeline_units or ())
+        covered = [i for unit in units for i in unit.layers]
+        if covered != list(range(self.layers)):
+            raise ValueError(
+                f"`pipeline_units` must list the layers 0..{self.layers - 1} once each, in order; they list {covered}."
+            )
+        for flag in ("embedding", "final_norm", "head"):
+            if sum(getattr(unit, flag) for unit in units) != 1:
+                raise ValueError(f"`pipeline_units` must place the {flag.replace('_', ' ')} in exactly one unit.")
+        object.__setattr__(self, "pipeline_units", units)
+
+    def units(self) -> tuple[PipelineUnit, ...]:
+        """The pipeline contract's entries (:attr:`pipeline_units` or the default)."""
+        return self.pipeline_units if self.pipeline_units is not None else default_pipeline_units(self.layers)
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -229,9 +279,9 @@ class ModelDesc:
     def summary(self) -> str:
         """One line: name, size, shape."""
         moe = f", {self.num_experts} experts top-{self.top_k}" if self.is_moe else ""
-        active = f" ({self.active_params() / 1e9:.1f}B active)" if self.is_moe else ""
+        active = f" ({_count(self.active_params())} active)" if self.is_moe else ""
         return (
-            f"{self.name}: {self.total_params() / 1e9:.2f}B params{active}, L={self.layers} h={self.hidden}"
+            f"{self.name}: {_count(self.total_params())} params{active}, L={self.layers} h={self.hidden}"
             f" heads={self.heads}/{self.kv_heads} ffn={self.ffn} vocab={self.vocab}{moe}"
         )
 
@@ -242,6 +292,14 @@ class ModelDesc:
         if unknown:
             raise ValueError(f"Unknown ModelDesc fields {unknown}; valid fields: {sorted(known)}.")
         return replace(self, **{**{name: None for name in self._derived}, **changes})
+
+
+def _count(n: int) -> str:
+    """``8.03B``, ``125M``, ``919K``: a parameter count at a readable scale."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
+    return str(n)
 
 
 def mla_attention_params(

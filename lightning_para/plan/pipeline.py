@@ -26,8 +26,14 @@ all of this rank's layers"; Korthikanti et al. 2022, Sec. 4.2.3):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
+
+from lightning_para.parallel.pipeline.schedules import stage_to_rank
+from lightning_para.parallel.pipeline.split import balanced_split, explicit_split
+from lightning_para.plan.model import ModelDesc, PipelineUnit
+from lightning_para.plan.tensors import ParamTensor, embedding_tensors, head_tensors, layer_tensors, total_numel
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 
@@ -96,67 +102,87 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
     return chunk_forwards / v
 
 
-def split_layers(layers: int, chunks: int) -> list[int]:
-    """Layers per pipeline chunk, as even as possible; when uneven, the chunks at both ends
-    (which also hold the embedding and the output head) get the fewer layers.
+def unit_split(costs: Sequence[float], chunks: int, explicit: Optional[Sequence[int]] = None) -> list[int]:
+    """Start index of each pipeline chunk over the contract's entries: ``explicit`` starts
+    (ParaStrategy's ``pipeline_split``), else contiguous parts minimizing the largest part's
+    parameter count, exactly as ParaStrategy splits (``pipeline_balance="params"``).
 
-    This is Llama 3's balancing (Grattafiori et al. 2024, Sec. 3.3.2: one layer fewer on the
-    first and the last stage, 126 = 7 + 14 x 8 + 7 over 16 stages).
+    With the embedding and the output head as entries of their own, the end chunks get fewer
+    layers, as Llama 3 balanced its stages (Grattafiori et al. 2024, Sec. 3.3.2: 126 = 7 + 14 x 8
+    + 7 over 16 stages).
     """
-    if chunks > layers:
-        raise ValueError(f"{chunks} pipeline chunks cannot split {layers} layers: each needs at least one.")
-    base, extra = divmod(layers, chunks)
-    # Middle chunks first: order by distance from the nearer end, farthest first.
-    order = sorted(range(chunks), key=lambda c: (-min(c, chunks - 1 - c), c))
-    counts = [base] * chunks
-    for c in order[:extra]:
-        counts[c] += 1
-    return counts
-
-
-def chunks_of_rank(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:
-    """The model chunks (0 = embedding side) that pipeline rank ``rank`` holds.
-
-    Loop placement (chunk ``c`` on rank ``c mod p``) except ZB-V's V shape, where rank ``r``
-    holds chunks ``r`` and ``2p - 1 - r``, so rank 0 holds both the first and the last chunk.
-    """
-    if schedule == "zbv" and pp > 1:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(virtual_stages)]
+    if chunks > len(costs):
+        raise ValueError(f"{chunks} pipeline chunks cannot split {len(costs)} layers: each needs at least one.")
+    if explicit is not None:
+        return explicit_split(explicit, len(costs), chunks)
+    return balanced_split(costs, chunks)
 
 
 @dataclass(frozen=True)
 class RankLayers:
-    """What one pipeline rank holds: its layer indices, the embedding and/or the output head,
-    how many chunk boundaries it sends across, and its peak in-flight microbatches."""
+    """What one pipeline rank holds: its layer indices, the embedding, the final norm and/or the
+    output head, how many chunk boundaries it sends across, and its peak in-flight microbatches."""
 
     rank: int
     layers: tuple[int, ...]
     embedding: bool
     head: bool
-    sends_forward: int  # chunks whose output goes to another rank (not the last chunk)
-    sends_backward: int  # chunks whose input gradient goes to another rank (not chunk 0)
+    sends_forward: int  # chunks whose output goes to another rank
+    sends_backward: int  # chunks whose input gradient goes to another rank
     in_flight: float
+    final_norm: bool = False
+    last_stage: bool = False  # holds the last chunk: computes the loss
 
 
-def pipeline_ranks(layers: int, schedule: str, pp: int, virtual_stages: int, microbatches: int) -> list[RankLayers]:
-    """Each pipeline rank's share of ``layers`` layers (see :func:`split_layers`)."""
-    chunks = pp * virtual_stages if pp > 1 else 1
-    counts = split_layers(layers, chunks)
-    starts = [sum(counts[:c]) for c in range(chunks)]
+def pipeline_ranks(
+    model: ModelDesc,
+    schedule: str,
+    pp: int,
+    virtual_stages: int,
+    microbatches: int,
+    split: Optional[Sequence[int]] = None,
+) -> list[RankLayers]:
+    """Each pipeline rank's share of ``model``: the contract's entries (:meth:`ModelDesc.units`)
+    split into ``pp * virtual_stages`` chunks (:func:`unit_split`) and placed on ranks the way
+    ParaStrategy's schedule places them (loop, or ZB-V's V)."""
+    units = model.units()
+    if pp == 1:
+        return [RankLayers(
+            rank=0, layers=tuple(range(model.layers)), embedding=True, head=True, sends_forward=0, sends_backward=0,
+            in_flight=1.0, final_norm=True, last_stage=True,
+        )]
+    chunks = pp * virtual_stages
+    costs = [float(total_numel(unit_tensors(model, unit))) for unit in units]
+    starts = unit_split(costs, chunks, split) + [len(units)]
+    placement = stage_to_rank(schedule, pp, virtual_stages)
     result = []
     for rank in range(pp):
-        owned = chunks_of_rank(schedule, pp, virtual_stages, rank) if pp > 1 else [0]
-        indices = tuple(i for c in sorted(owned) for i in range(starts[c], starts[c] + counts[c]))
+        owned = sorted(c for c in range(chunks) if placement[c] == rank)
+        held = [units[i] for c in owned for i in range(starts[c], starts[c + 1])]
         result.append(
             RankLayers(
                 rank=rank,
-                layers=indices,
-                embedding=0 in owned,
-                head=chunks - 1 in owned,
-                sends_forward=sum(c != chunks - 1 for c in owned) if pp > 1 else 0,
-                sends_backward=sum(c != 0 for c in owned) if pp > 1 else 0,
+                layers=tuple(i for unit in held for i in unit.layers),
+                embedding=any(u.embedding for u in held),
+                head=any(u.head for u in held),
+                # Only boundaries to another rank communicate (ZB-V's rank p-1 holds chunks p-1 and p).
+                sends_forward=sum(c != chunks - 1 and placement[c + 1] != rank for c in owned),
+                sends_backward=sum(c != 0 and placement[c - 1] != rank for c in owned),
                 in_flight=in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
+                final_norm=any(u.final_norm for u in held),
+                last_stage=chunks - 1 in owned,
             )
         )
     return result
+
+
+def unit_tensors(model: ModelDesc, unit: PipelineUnit, tp: int = 1, ep: int = 1) -> list[ParamTensor]:
+    """The parameter tensors of one contract entry (whole: ParaStrategy splits before tensor parallelism)."""
+    tensors: list[ParamTensor] = []
+    if unit.embedding:
+        tensors += embedding_tensors(model, tp)
+    for i in unit.layers:
+        tensors += layer_tensors(model, i, tp, ep)
+    if unit.final_norm or unit.head:
+        tensors += head_tensors(model, tp, final_norm=unit.final_norm, matrix=unit.head)
+    return tensors

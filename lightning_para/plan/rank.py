@@ -20,6 +20,14 @@ from lightning_para.plan.memory import (
 )
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers
+from lightning_para.plan.tensors import (
+    ParamTensor,
+    embedding_tensors,
+    head_tensors,
+    layer_tensors,
+    shard_numel,
+    total_numel,
+)
 
 
 def bucket_bytes(group_size: int, grad_bytes: int) -> float:
@@ -59,6 +67,9 @@ class RankEstimate:
     head: bool
     in_flight: float
     memory: MemoryBreakdown
+    # What the rank holds between optimizer steps, as ParaStrategy keeps it and
+    # `ParaStrategy.memory_breakdown()` measures it (activations and buffers are 0): see `resident_states`.
+    resident: MemoryBreakdown
     collectives: tuple[Collective, ...]
     compute_seconds: float  # per microbatch
     microbatch_seconds: float  # compute plus exposed tp/ep/cp/pp communication, per microbatch
@@ -79,22 +90,65 @@ def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
     return parallel, replicated + moe_dense, model.routed_expert_params_per_layer()
 
 
+def rank_tensors(model: ModelDesc, layout: Layout, part: RankLayers) -> list[ParamTensor]:
+    """The parameter tensors one rank of pipeline rank ``part`` holds (local shapes after tp/ep)."""
+    tp, ep = layout.tp, layout.ep
+    tensors: list[ParamTensor] = []
+    if part.embedding:
+        tensors += embedding_tensors(model, tp)
+    for i in part.layers:
+        tensors += layer_tensors(model, i, tp, ep)
+    if part.head or part.final_norm:
+        # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
+        own_matrix = part.head and (not model.tied_embeddings or not part.embedding)
+        tensors += head_tensors(model, tp, final_norm=part.final_norm, matrix=own_matrix)
+    return tensors
+
+
 def _rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float, float]:
     """``(dense, expert, largest layer)`` parameters on one rank of this pipeline rank's stage."""
-    tp, ep = layout.tp, layout.ep
-    dense = expert = largest = 0.0
-    for i in part.layers:
-        parallel, replicated, routed = _layer_parts(model, i)
-        dense += parallel / tp + replicated
-        expert += routed / ep
-        largest = max(largest, parallel / tp + replicated + routed / ep)
-    if part.embedding:
-        dense += model.embedding_params() / tp
-    if part.head:
-        # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
-        own_matrix = not model.tied_embeddings or not part.embedding
-        dense += model.norm_params() + (model.vocab * model.hidden / tp if own_matrix else 0)
-    return dense, expert, largest
+    tensors = rank_tensors(model, layout, part)
+    dense = total_numel(t for t in tensors if not t.expert)
+    expert = total_numel(t for t in tensors if t.expert)
+    largest = max((total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers), default=0)
+    return float(dense), float(expert), float(largest)
+
+
+def resident_states(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> MemoryBreakdown:
+    """Parameters, gradients and optimizer state one rank holds *between* optimizer steps, as
+    ParaStrategy keeps them (what ``strategy.memory_breakdown()`` measures after a step).
+
+    It differs from the ZeRO paper's peak (:class:`MemoryBreakdown` of ``memory``) where the
+    implementation frees or re-types tensors once a step is done:
+
+    * ZeRO-1 and 2 keep only the reduced gradient *shard* (the full gradients are freed into the
+      reduce-scatter buckets), in the dtype of the optimizer's tensor: fp32;
+    * a separate fp32 master (``bf16-true``) holds the fp32 gradient; without one (``32-true``,
+      ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own rows (no extra bytes);
+    * ZeRO-3 (FSDP2) keeps its sharded parameters in fp32 (they are the master), gradients too;
+    * shards are ``ceil(rows / N)`` rows of each tensor, padding included (:mod:`.tensors`);
+    * Adam keeps a 4-byte ``step`` tensor per parameter tensor next to its two moments.
+    """
+    tensors = rank_tensors(model, layout, part)
+    precision = training.bytes
+    separate_master = precision.master > 0 and layout.zero < 3
+    fp32, state = 4, training.optimizer_state_bytes
+    counters = 4 * len(tensors) if training.optimizer == "adam" else 0
+    params = grads = optimizer = 0.0
+    for expert, dim in ((False, "dp"), (True, "edp")):
+        group = [t for t in tensors if t.expert == expert]
+        if not group:
+            continue
+        full, shard = total_numel(group), shard_numel(group, layout.group(dim)[0])
+        held = shard if layout.zero >= 1 else full  # what the optimizer steps on this rank
+        if layout.zero == 3:
+            params += fp32 * shard
+            grads += fp32 * shard
+        else:
+            params += precision.weight * full
+            grads += (fp32 if separate_master or layout.zero >= 1 else precision.grad) * held
+        optimizer += state * held + (precision.master * held if separate_master else 0)
+    return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
 
 
 def _memory(
@@ -103,7 +157,9 @@ def _memory(
     dense, expert, largest = _rank_params(model, layout, part)
     precision = training.bytes
     k_bytes = precision.master + training.optimizer_state_bytes
-    full_grads = layout.zero >= 2 and layout.zero_accumulation == "no_sync" and per_step > 1
+    # Gradients stay whole until reduced: across a pipeline flush (every pipeline engine
+    # accumulates its microbatches locally), and across accumulation steps with "no_sync".
+    full_grads = layout.zero >= 2 and (layout.pp > 1 or (layout.zero_accumulation == "no_sync" and per_step > 1))
     shards = {"dense": layout.group("dp")[0], "expert": layout.group("edp")[0]}
     states = [0.0, 0.0, 0.0]
     for params, n in ((dense, shards["dense"]), (expert, shards["expert"])):
@@ -131,7 +187,7 @@ def _memory(
     held = sum(per_layer)
     if part.embedding:
         held += embedding_activation_bytes(model, s, b, **kwargs)
-    if part.head:
+    if part.last_stage:
         held += head_activation_bytes(model, s, b, activation_bytes=e, **kwargs)
     activations = part.in_flight * held
     if layout.recompute == "full" and part.layers:
@@ -199,6 +255,9 @@ def _microbatch_collectives(
     tp_tokens = tokens / (layout.tp if layout.sequence_parallel else 1)
     routed = tp_tokens * model.top_k * (model.capacity_factor or 1.0) * model.hidden * e
     add("ep", "all_to_all", "routed tokens", routed, n_moe * (6 if full else 4))
+    # Dropless dispatch first tells every rank how many rows it will receive: one int64 per expert
+    # (lightning_para's AllToAllDispatcher), in each forward.
+    add("ep", "all_to_all", "rows per expert", 8 * model.num_experts, n_moe * (2 if full else 1))
     layers = len(part.layers)
     if layout.cp_method == "all_to_all":
         # Ulysses (lightning_para.parallel.context.ulysses): q, k, v to heads and the output back,
@@ -216,41 +275,56 @@ def _microbatch_collectives(
         add("cp", "send_recv", "dK/dV accumulators (fp32, backward)", kv_block * 4 / e, layout.cp * layers)
     add("pp", "send_recv", "stage activations / gradients", activation / (layout.tp if layout.sequence_parallel else 1),
         part.sends_forward + part.sends_backward)
+    if layout.pp > 1:
+        # ParaStrategy's pipeline shares the last stage's fp32 step loss with every stage: one all-reduce per step.
+        found.append((collective(layout, cluster, "pp", "all_reduce", "step loss", 4, 1), True))
     return found
 
 
 def _dp_collectives(
-    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int,
+    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, flushes: int,
     backward_window: float, forward_window: float,
 ) -> tuple[list[Collective], float]:
-    """dp/edp/dp_replicate collectives of one step and their exposed seconds (module docstring)."""
-    dense, expert, _ = _rank_params(model, layout, part)
+    """dp/edp/dp_replicate collectives of one step and their exposed seconds (module docstring).
+
+    Payloads are ParaStrategy's: a tensor split by rows over ``N`` ranks occupies ``N`` chunks of
+    ``ceil(rows / N)`` rows in a ZeRO-1/2 bucket and in an FSDP2 all-gather (padding included);
+    ZeRO-3 gathers in the parameters' dtype (fp32 but under ``bf16-true``). ``flushes``: pipeline
+    flushes (accumulation steps) per optimizer step; ``reduce_each_step`` reduces after each.
+    """
+    tensors = rank_tensors(model, layout, part)
     g, w = training.bytes.grad, training.bytes.weight
     each_step = layout.zero_accumulation == "reduce_each_step" and layout.zero >= 2
-    reductions = per_step if each_step else 1
-    units = len(part.layers) + 1  # ZeRO-3 gathers one layer at a time (FSDP units), plus the root
+    reductions = flushes if each_step else 1
+    units = len(part.layers) + int(part.embedding) + int(part.head or part.final_norm)  # FSDP2 units
     grad_sync: list[Collective] = []
     after_step: list[Collective] = []
     zero3: list[Collective] = []
-    for dim, params in (("dp", dense), ("edp", expert)):
-        if params == 0 or layout.group(dim)[0] == 1:
+    for dim, expert in (("dp", False), ("edp", True)):
+        group, n = [t for t in tensors if t.expert == expert], layout.group(dim)[0]
+        if not group or n == 1:
             continue
-        buckets = max(1, math.ceil(params * g / bucket_bytes(layout.group(dim)[0], g)))
+        params, padded = total_numel(group), n * shard_numel(group, n)
+        capacity = layout.bucket_mb * 2**20 if layout.bucket_mb is not None else bucket_bytes(n, g)
+        buckets = max(1, math.ceil(params * g / capacity))
         if layout.zero == 0:
             grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
         elif layout.zero < 3:
             grad_sync.append(collective(
-                layout, cluster, dim, "reduce_scatter", "gradients", params * g / buckets, buckets * reductions))
-            after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", params * w / buckets,
+                layout, cluster, dim, "reduce_scatter", "gradients", padded * g / buckets, buckets * reductions))
+            after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:
-            gather = params * training.bytes.activation / units
-            zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)", gather,
-                                    2 * units * reductions))
-            zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", params * g / units,
+            # Every unit, the root with a tied embedding included (measured), gathers for forward and
+            # again for backward.
+            zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)",
+                                    padded * w / units, 2 * units * reductions))
+            zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", padded * g / units,
                                     units * reductions))
     if layout.dp_replicate > 1:
-        shard = (dense / layout.group("dp")[0] + expert / max(1, layout.group("edp")[0])) * g
+        dense = total_numel(t for t in tensors if not t.expert)
+        expert_params = total_numel(t for t in tensors if t.expert)
+        shard = (dense / layout.group("dp")[0] + expert_params / max(1, layout.group("edp")[0])) * g
         grad_sync.append(collective(layout, cluster, "dp_replicate", "all_reduce", "gradient shards", shard, reductions))
     exposed: list[Collective] = []
     if grad_sync:
@@ -261,6 +335,7 @@ def _dp_collectives(
     if after_step:
         # The next step's forward waits only for the first bucket (Megatron-LM's overlapped
         # parameter all-gather); the rest streams behind the first microbatch's forward.
+        # ParaStrategy itself gathers in the optimizer's step hook (see the cost module docstring).
         total = sum(c.seconds for c in after_step)
         first_bucket = max(per_call_seconds(c) for c in after_step)
         exposed_total = max(total - forward_window, first_bucket)
@@ -277,10 +352,12 @@ def _dp_collectives(
 
 
 def price_rank(
-    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int
+    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int,
+    flushes: int = 1,
 ) -> RankEstimate:
     """Memory, compute and communication of one pipeline rank ``part`` for one optimizer step of
-    ``per_step`` microbatches (overlap rules in :mod:`lightning_para.plan.cost`)."""
+    ``per_step`` microbatches in ``flushes`` pipeline flushes (accumulation steps; overlap rules in
+    :mod:`lightning_para.plan.cost`). ``training.micro_batch`` must be resolved (an int)."""
     flops, score_flops = _compute_flops(model, training, layout, part)
     speed = cluster.peak_flops * cluster.efficiency
     compute = flops / speed
@@ -302,11 +379,11 @@ def price_rank(
         critical += spare
     backward_share = 0.75 if layout.recompute == "full" else 2.0 / 3.0
     dp_items, dp_exposed = _dp_collectives(
-        model, cluster, training, layout, part, per_step, backward_share * compute, (1 - backward_share) * compute
+        model, cluster, training, layout, part, flushes, backward_share * compute, (1 - backward_share) * compute
     )
     return RankEstimate(
         pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
         in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
-        collectives=tuple(collectives + dp_items), compute_seconds=compute,
+        resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
     )

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_para.plan.cost import Estimate, bucket_bytes
+from lightning_para.plan.cost import Estimate, bucket_bytes, format_bytes, memory_unit
 
 if TYPE_CHECKING:
     from lightning_para.plan.search import PlanResult
 
-GB = 1e9
 _COMM_DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
 
 
@@ -22,25 +21,28 @@ def _grid(header: list[str], rows: list[list[str]]) -> str:
 
 
 def fits_table(result: "PlanResult", limit: int = 10) -> str:
-    """Rank, layout, memory breakdown (GB), bubble, communication per dimension (GB/step), step time, MFU."""
-    header = ["#", "layout", "memory GB (p/g/o/act/buf)", "bubble", "comm GB/step", "step s", "MFU"]
+    """Rank, layout, memory breakdown, bubble, communication per dimension per step, step time, MFU
+    (in GB, or MB when every layout needs less than a GB)."""
+    largest = max([item.memory.total for item in result.fits[:limit]] + [0.0])
+    unit = memory_unit(largest)
+    header = ["#", "layout", f"memory {unit[0]} (p/g/o/act/buf)", "bubble", f"comm {unit[0]}/step", "step s", "MFU"]
     rows = []
     for i, item in enumerate(result.fits[:limit], 1):
         m = item.memory
-        parts = "/".join(f"{v / GB:.1f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.buffers))
+        parts = "/".join(format_bytes(v, unit, False) for v in (m.params, m.grads, m.optimizer, m.activations, m.buffers))
         comm = item.comm_bytes()
         crossing = item.crosses_nodes()
         comm_text = " ".join(
-            f"{dim}{'*' if crossing.get(dim) else ''}={comm[dim] / GB:.3g}" for dim in _COMM_DIMS if dim in comm
+            f"{dim}{'*' if crossing.get(dim) else ''}={comm[dim] / unit[1]:.3g}" for dim in _COMM_DIMS if dim in comm
         )
         rows.append([
-            str(i), item.layout.label(), f"{m.total / GB:.1f} ({parts})", f"{item.bubble:.1%}", comm_text or "-",
-            f"{item.step_seconds:.3g}", f"{item.mfu:.1%}",
+            str(i), item.layout.label(), f"{format_bytes(m.total, unit, False)} ({parts})", f"{item.bubble:.1%}",
+            comm_text or "-", f"{item.step_seconds:.3g}", f"{item.mfu:.1%}",
         ])
     title = (
-        f"{result.model.summary()}\n{result.cluster.world_size} GPUs ({result.cluster.nodes} x"
-        f" {result.cluster.gpus_per_node}), {result.cluster.usable_memory / GB:.0f} GB usable each;"
-        f" seq {result.training.seq_len}, global batch {result.training.global_batch}, {result.training.precision}\n"
+        f"{result.model.summary()}\n{result.cluster.world_size} devices ({result.cluster.nodes} x"
+        f" {result.cluster.gpus_per_node}), {format_bytes(result.cluster.usable_memory)} usable each;"
+        f" seq {result.training.seq_len}, {result.training.batch_label()}, {result.training.precision}\n"
     )
     if not rows:
         return title + "No layout fits; see the rejected layouts."
@@ -72,14 +74,15 @@ def strategy_yaml(choice: Estimate) -> str:
         "activation_checkpointing": layout.recompute,
     }
     if layout.zero < 3 and layout.group("dp")[0] > 1:
-        args["bucket_size_mb"] = round(bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 1e6)
+        bucket = layout.bucket_mb or bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 2**20
+        args["bucket_size_mb"] = round(bucket)
     if layout.zero >= 2 and layout.zero_accumulation != "no_sync":
         args["zero_accumulation"] = layout.zero_accumulation
     m = choice.memory
     lines = [
-        f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} GPUs: {layout.label()}",
+        f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} devices: {layout.label()}",
         (
-            f"# predicted per GPU: {m.total / GB:.1f} GB of {choice.cluster.usable_memory / GB:.1f} GB;"
+            f"# predicted per device: {format_bytes(m.total)} of {format_bytes(choice.cluster.usable_memory)};"
             f" bubble {choice.bubble:.1%}; step {choice.step_seconds:.3g} s; MFU {choice.mfu:.1%}"
         ),
     ]
@@ -118,7 +121,7 @@ def save_chart(result: "PlanResult", path: Path, limit: int = 12) -> Path:
     scale_max = max(limit_bytes, max(e.memory.total for e in items)) * 1.05
     image = Image.new("RGB", (label_w + bar_w + 20, top + row_h * len(items) + 40), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((10, 8), f"{result.model.name}: memory per GPU (GB) by layout, fastest first", fill="black")
+    draw.text((10, 8), f"{result.model.name}: memory per device by layout, fastest first", fill="black")
     for row, item in enumerate(items):
         y = top + row * row_h
         tag = "" if item.fits else "  [does not fit]"
@@ -128,9 +131,10 @@ def save_chart(result: "PlanResult", path: Path, limit: int = 12) -> Path:
             width = getattr(item.memory, name) / scale_max * bar_w
             draw.rectangle([x, y + 3, x + width, y + row_h - 3], fill=color)
             x += width
+        draw.text((x + 4, y + 4), format_bytes(item.memory.total), fill="black")
     limit_x = label_w + limit_bytes / scale_max * bar_w
     draw.line([limit_x, top - 6, limit_x, top + row_h * len(items)], fill="black", width=2)
-    draw.text((limit_x + 3, top - 16), f"{limit_bytes / GB:.0f} GB", fill="black")
+    draw.text((limit_x + 3, top - 16), format_bytes(limit_bytes), fill="black")
     legend_y, x = top + row_h * len(items) + 12, 10
     for name, color in colors.items():
         draw.rectangle([x, legend_y, x + 12, legend_y + 12], fill=color)

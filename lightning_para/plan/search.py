@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from lightning_para.plan.cluster import Cluster, Training
-from lightning_para.plan.cost import Estimate, estimate, layout_problems
+from lightning_para.plan.cost import Estimate, estimate, format_bytes, layout_problems
 from lightning_para.plan.layout import RECOMPUTE, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
@@ -199,7 +199,10 @@ def _price(
 ) -> None:
     """Price the variants of one choice of degrees; add fits and rejections to ``result``."""
     dp, tp = degrees["dp"], degrees["tp"]
-    per_step = None if training.global_batch % (dp * training.micro_batch) else training.microbatches_per_step(dp)
+    if training.micro_batch is None:
+        per_step: Optional[int] = training.accumulation  # the pipeline's microbatches never reduce in between
+    else:
+        per_step = None if training.global_batch % (dp * training.micro_batch) else training.microbatches_per_step(dp)
     fits: list[Estimate] = []
     misses: list[Rejected] = []
     for layout in _variants(degrees, space, per_step):
@@ -213,10 +216,9 @@ def _price(
         if priced.fits:
             fits.append(priced)
         else:
-            gb = 1e9
             misses.append(Rejected(layout, (
-                f"does not fit by {-priced.headroom_bytes / gb:.1f} GB (needs {priced.memory.total / gb:.1f} GB of"
-                f" {cluster.usable_memory / gb:.1f} GB on pipeline rank {priced.peak_rank.pipeline_rank})"
+                f"does not fit by {format_bytes(-priced.headroom_bytes)} (needs {format_bytes(priced.memory.total)} of"
+                f" {format_bytes(cluster.usable_memory)} on pipeline rank {priced.peak_rank.pipeline_rank})"
             ), priced))
     if not space.best_variant_only:
         result.fits += fits

@@ -28,7 +28,8 @@ class StepRecorder:
     An event is a dict ``{"stage": int, "microbatch": int, "action": str, "start": float,
     "end": float}`` with times in seconds since the step began. Actions: ``F`` forward, ``B``
     full backward, ``I`` input-grad backward, ``W`` weight-grad backward, ``L`` loss of a
-    microbatch on the last stage. ``step_start_unix`` (``time.time()``) aligns the ranks of one
+    microbatch on the last stage. With ``"cpu"``, the thread CPU seconds
+    the action used (``time.thread_time``; CPU only: not stretched while the OS runs another process). ``step_start_unix`` (``time.time()``) aligns the ranks of one
     machine on a common clock.
 
     On CPU the clock is ``time.perf_counter``. On an accelerator, each mark is a device event
@@ -44,7 +45,7 @@ class StepRecorder:
         self.events: list[dict[str, Any]] = []
         self.step_start_unix = 0.0
         self.inferring = False
-        self._marks: list[tuple[int, int, str, Any, Any]] = []
+        self._marks: list[tuple[int, int, str, Any, Any, float]] = []
         self._start: Any = None
 
     @property
@@ -86,8 +87,8 @@ class StepRecorder:
             end.synchronize()  # once per measured step: every earlier mark is complete too
         self.events = [
             {"stage": stage, "microbatch": mb, "action": action,
-             "start": self._seconds(self._start, a), "end": self._seconds(self._start, b)}
-            for stage, mb, action, a, b in self._marks
+             "start": self._seconds(self._start, a), "end": self._seconds(self._start, b), "cpu": cpu}
+            for stage, mb, action, a, b, cpu in self._marks
         ]
         wall = self._seconds(self._start, end)
         self._start = None
@@ -98,11 +99,11 @@ class StepRecorder:
         if not self.enabled or self._start is None:
             yield
             return
-        start = self._mark()
+        start, cpu_start = self._mark(), time.thread_time()
         try:
             yield
         finally:
-            self._marks.append((stage, microbatch, action, start, self._mark()))
+            self._marks.append((stage, microbatch, action, start, self._mark(), time.thread_time() - cpu_start))
 
     @property
     def busy_time(self) -> float:

@@ -1,0 +1,217 @@
+"""``ParaStrategy(layout="auto")``: the planner picks the layout at setup.
+
+What it asks the planner (:func:`search`):
+
+* the model: :func:`~lightning_para.plan.describe_module` of the LightningModule as it is at setup
+  (built in ``__init__``, whole, possibly on the meta device), with its ``configure_pipeline()``;
+* the run: sequence length and batch from the datamodule (``seq_len``/``seq_length``/
+  ``max_seq_length``/``block_size``; ``global_batch_size``, else ``batch_size`` per data-parallel
+  rank; or the model's ``hparams``), the trainer's ``accumulate_grad_batches``, the precision
+  plugin's precision, Adam (the optimizer is created after the layout);
+* the machine: the world size, processes per node, and each process's memory (the device's, or
+  on CPU the RAM divided among the node's processes, or ``layout_memory_gb``).
+
+Which layouts it may choose: every degree and option the user left at its default; a value
+the user set (``tp=2``, ``zero=1``, ``schedule="zbv"``, ``sequence_parallel=True``, ...) is kept.
+Tensor parallelism is considered only for a model with a tensor-parallel plan, pipeline
+parallelism only for one with ``configure_pipeline()``, expert parallelism only for MoE
+models; sequence parallelism stays as the user set it (it changes what the model's code sees);
+recomputation is none or full.
+
+Every rank must build the same mesh, so rank 0 decides and broadcasts the layout (or the
+reason no layout fits) before any other collective; every rank then applies it or raises the
+same ``ValueError``. The choice and the runner-up are logged with their predictions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_para.config import ParallelConfig
+from lightning_para.parallel.tensor.plan import resolve_plan
+from lightning_para.plan.cluster import Cluster, Training
+from lightning_para.plan.cost import Estimate
+from lightning_para.plan.describe import describe_module
+from lightning_para.plan.layout import Layout
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.run import config_from_layout, local_cluster
+from lightning_para.plan.search import PlanResult, SearchSpace, search
+
+SEQ_ATTRIBUTES = ("seq_len", "seq_length", "max_seq_length", "sequence_length", "block_size")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What ``layout="auto"`` chose, as every rank knows it (rank 0 searched; the rest received it)."""
+
+    layout: Layout
+    summary: str  # the choice's prediction, one line
+    runner_up: Optional[str]  # the runner-up's prediction, one line (None: nothing else fits)
+    report: str  # the full log message
+
+
+def _attribute(objects: list[Any], names: tuple[str, ...]) -> Optional[int]:
+    for obj in objects:
+        for name in names:
+            value = getattr(obj, name, None)
+            if value is None and isinstance(getattr(obj, "hparams", None), dict):
+                value = obj.hparams.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def run_training_of(module: nn.Module, datamodule: Any, precision: str, accumulation: int = 1) -> Training:
+    """The planner's :class:`Training` for a fit of ``module`` on ``datamodule`` (see the module docstring).
+
+    Raises ``ValueError`` naming the attributes it looked for when the sequence length or the
+    batch cannot be found.
+    """
+    sources = [s for s in (datamodule, module, getattr(module, "config", None)) if s is not None]
+    seq_len = _attribute(sources, SEQ_ATTRIBUTES)
+    global_batch = _attribute(sources, ("global_batch_size",))
+    per_rank = None if global_batch else _attribute(sources, ("batch_size",))
+    if seq_len is None or (global_batch is None and per_rank is None):
+        missing = "the sequence length" if seq_len is None else "the batch size"
+        raise ValueError(
+            f"`layout='auto'` could not find {missing} of the run. Give the datamodule (or the model's hparams) a"
+            f" `seq_len` and a `global_batch_size` (or a per-device `batch_size`) attribute, as"
+            f" lightning_para.recipes.TextDataModule has, or choose the layout yourself (dp/tp/pp/ep/zero)."
+        )
+    if global_batch is not None:
+        return Training(seq_len=seq_len, global_batch=global_batch * accumulation, micro_batch=None,
+                        accumulation=accumulation, precision=precision)
+    return Training(seq_len=seq_len, batch_per_rank=per_rank, accumulation=accumulation, precision=precision)
+
+
+def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, world_size: int) -> SearchSpace:
+    """The layouts ``layout="auto"`` may choose from: the user's non-default values are kept."""
+    tp_ok = _has_tensor_parallel_plan(module, config)
+    pp_ok = callable(getattr(module, "configure_pipeline", None)) and _pipeline_ok(module)
+    return SearchSpace(
+        tp=(config.tp,) if config.tp != 1 or not tp_ok else None,
+        pp=(config.pp,) if config.pp != 1 or not pp_ok else None,
+        ep=(config.ep,) if config.ep != 1 or not model.is_moe else None,
+        zero=(config.zero,) if config.zero != 0 else (0, 1, 2, 3),
+        schedules=(config.schedule,) if config.schedule != "1f1b" else ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
+        virtual_stages=(config.virtual_stages,) if config.virtual_stages != 1 else (1, 2, 4),
+        microbatches=(config.microbatches,),
+        recompute=(config.activation_checkpointing,) if config.activation_checkpointing else (None, "full"),
+        sequence_parallel=(config.sequence_parallel,),
+        zero_accumulation=(config.zero_accumulation,) if config.zero_accumulation != "no_sync" else ("no_sync", "reduce_each_step"),
+    )
+
+
+def _has_tensor_parallel_plan(module: nn.Module, config: ParallelConfig) -> bool:
+    try:
+        plan, _ = resolve_plan(module, config.tp_plan)
+    except ValueError:
+        return False
+    return bool(plan)
+
+
+def _pipeline_ok(module: nn.Module) -> bool:
+    try:
+        module.configure_pipeline()
+    except ValueError:  # e.g. tied weights: the model says it cannot be pipelined
+        return False
+    return True
+
+
+def choose(
+    model: ModelDesc, cluster: Cluster, training: Training, space: SearchSpace, dp: Optional[int] = None
+) -> tuple[Estimate, Optional[Estimate], PlanResult]:
+    """``(best, runner-up, search result)`` among the layouts of ``space`` (and ``dp`` when pinned).
+
+    Raises ``ValueError`` listing the nearest misses when none fits.
+    """
+    result = search(model, cluster, training, space)
+    if dp is not None:
+        result.fits = [e for e in result.fits if e.layout.dp == dp]
+    if not result.fits:
+        misses = "; ".join(f"{r.layout.label()}: {r.reason}" for r in result.rejected[:4]) or "no layout to try"
+        raise ValueError(
+            f"`layout='auto'`: no layout of {cluster.world_size} processes fits {model.name} in"
+            f" {cluster.usable_memory / GB:.1f} GB each ({training.batch_label()}, seq {training.seq_len}). Nearest:"
+            f" {misses}. Lower the batch or sequence length, use more devices, or set `layout_memory_gb`."
+        )
+    return result.fits[0], (result.fits[1] if len(result.fits) > 1 else None), result
+
+
+def _report(best: Estimate, runner_up: Optional[Estimate], result: PlanResult, device: str) -> str:
+    gb = 1e9
+    comm = " ".join(f"{d}={b / 1e6:.3g} MB" for d, b in best.comm_bytes().items()) or "none"
+    lines = [
+        f"ParaStrategy(layout='auto') chose {best.layout.label()} for {best.model.name} on"
+        f" {best.cluster.world_size} processes ({device}, {best.cluster.usable_memory / gb:.1f} GB each;"
+        f" {len(result.fits)} layouts fit, {len(result.rejected)} rejected).",
+        f"  predicted: {best.summary()}; comm per step: {comm}",
+        f"  runner-up: {runner_up.summary() if runner_up else 'none (no other layout fits)'}",
+    ]
+    return "\n".join(lines)
+
+
+def plan_layout(
+    config: ParallelConfig,
+    module: nn.Module,
+    datamodule: Any,
+    *,
+    world_size: int,
+    processes_per_node: int,
+    device: torch.device,
+    precision: str,
+    accumulation: int = 1,
+) -> LayoutChoice:
+    """Search the best layout for this run (no communication; see :func:`auto_configure`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a parameter-count warning would print on every rank
+        model = describe_module(module)
+    training = run_training_of(module, datamodule, precision, accumulation)
+    memory = config.layout_memory_gb * GB if config.layout_memory_gb is not None else None
+    cluster = local_cluster(world_size, processes_per_node, device, memory_bytes=memory)
+    dp = config.dp if isinstance(config.dp, int) else None
+    best, runner_up, result = choose(model, cluster, training, search_space(config, module, model, world_size), dp)
+    return LayoutChoice(
+        layout=best.layout, summary=best.summary(), runner_up=runner_up.summary() if runner_up else None,
+        report=_report(best, runner_up, result, device.type),
+    )
+
+
+def auto_configure(
+    config: ParallelConfig,
+    module: nn.Module,
+    datamodule: Any,
+    *,
+    world_size: int,
+    processes_per_node: int,
+    device: torch.device,
+    precision: str,
+    accumulation: int = 1,
+) -> tuple[ParallelConfig, LayoutChoice]:
+    """Rank 0 plans (:func:`plan_layout`) and broadcasts; every rank returns the chosen config, or
+    raises rank 0's ``ValueError``. Call it on every rank, before any other collective."""
+    payload: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            payload[0] = plan_layout(
+                config, module, datamodule, world_size=world_size, processes_per_node=processes_per_node,
+                device=device, precision=precision, accumulation=accumulation,
+            )
+        except ValueError as err:
+            payload[0] = str(err)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    choice = payload[0]
+    if isinstance(choice, str):
+        raise ValueError(choice)
+    return config_from_layout(config, choice.layout), choice
+
+
+__all__ = ["LayoutChoice", "auto_configure", "choose", "plan_layout", "run_training_of", "search_space"]

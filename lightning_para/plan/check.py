@@ -1,0 +1,187 @@
+"""Predicted against measured: the planner's numbers for a run next to what the run measured.
+
+What is compared, per rank (the measurement's source in brackets):
+
+* memory per component, bytes this rank holds between steps: parameters, gradients, optimizer
+  state with fp32 masters (``ParaStrategy.memory_breakdown()``) against
+  :attr:`RankEstimate.resident <lightning_para.plan.rank.RankEstimate>`;
+* communication bytes per mesh dimension over one optimizer step, in the ZeRO paper's
+  accounting (the profiler's :class:`~lightning_para.observe.comm_trace.CommTracer`) against
+  the planner's collectives of that rank (dimensions of size 1 move nothing and are skipped);
+* the pipeline idle fraction against :meth:`Estimate.idle_fractions
+  <lightning_para.plan.cost.Estimate.idle_fractions>`: gated is the measured schedule re-timed
+  with each action's CPU time (:func:`~lightning_para.observe.timeline.replayed_idle_fraction`:
+  what a core per process would give), reported next to it the wall-clock idle fraction
+  (``pipeline_stats()["idle_fraction"]``), which on an oversubscribed host also counts the
+  time the OS ran other processes;
+* step time (measured wall clock against the roofline): reported, never gated -- on CPU its
+  peak and link figures are nominal.
+
+Memory and communication errors are relative (``measured / predicted - 1``); the idle error is
+the difference of the two fractions. :meth:`PredictionCheck.failures` applies the project's
+acceptance tolerances (10%, 10%, 0.05).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_para.plan.cost import Estimate
+
+MEMORY_PARTS = ("params", "grads", "optimizer")
+MEMORY_TOLERANCE = 0.10
+COMM_TOLERANCE = 0.10
+IDLE_TOLERANCE = 0.05
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MeasuredRank:
+    """What one rank measured: memory per component (bytes), comm bytes per mesh dimension over one
+    optimizer step, its pipeline idle fraction and step seconds (``None`` when not measured)."""
+
+    rank: int
+    pp_rank: int
+    memory: Mapping[str, float] = field(default_factory=dict)
+    comm: Mapping[str, float] = field(default_factory=dict)
+    idle: Optional[float] = None  # replayed with CPU times (gated)
+    step_seconds: Optional[float] = None
+    idle_wall: Optional[float] = None  # wall clock (reported)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One predicted quantity of one rank next to its measurement."""
+
+    rank: int
+    kind: str  # "memory", "comm", "idle" (replayed; gated), "idle_wall" or "step" (reported)
+    name: str  # the component ("params"), dimension ("tp"), or "idle" / "step"
+    predicted: float
+    measured: float
+
+    @property
+    def ratio(self) -> float:
+        """``measured / predicted`` (``nan`` when nothing was predicted)."""
+        return self.measured / self.predicted if self.predicted else (1.0 if not self.measured else math.nan)
+
+    @property
+    def error(self) -> float:
+        """Relative error (memory, comm, step) or the difference of fractions (idle)."""
+        if self.kind in ("idle", "idle_wall"):
+            return self.measured - self.predicted
+        return self.ratio - 1.0 if math.isfinite(self.ratio) else math.inf
+
+    @property
+    def tolerance(self) -> Optional[float]:
+        return {"memory": MEMORY_TOLERANCE, "comm": COMM_TOLERANCE, "idle": IDLE_TOLERANCE}.get(self.kind)
+
+    @property
+    def ok(self) -> bool:
+        """Within the acceptance tolerance (always true for the ungated step time)."""
+        return self.tolerance is None or abs(self.error) <= self.tolerance
+
+
+@dataclass
+class PredictionCheck:
+    """Every comparison of one run, the layout's label, and the estimate they come from (``None``
+    when rebuilt from :meth:`as_dict`, e.g. read back from ``para_summary.json``)."""
+
+    label: str
+    rows: list[Comparison]
+    estimate: Optional[Estimate] = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PredictionCheck":
+        """The inverse of :meth:`as_dict` (without the estimate)."""
+        rows = [Comparison(int(r["rank"]), r["kind"], r["name"], float(r["predicted"]), float(r["measured"]))
+                for r in data["rows"]]
+        return cls(str(data["layout"]), rows)
+
+    def failures(self) -> list[Comparison]:
+        """Comparisons outside their tolerance (memory and comm 10%, idle 0.05; step time is not gated)."""
+        return [row for row in self.rows if not row.ok]
+
+    def worst(self) -> dict[str, float]:
+        """The largest absolute error per kind: ``{"memory": 0.003, "comm": 0.0, "idle": 0.02, ...}``."""
+        out: dict[str, float] = {}
+        for row in self.rows:
+            out[row.kind] = max(out.get(row.kind, 0.0), abs(row.error))
+        return out
+
+    def table(self) -> str:
+        """One line per rank and quantity: predicted, measured, their ratio (or difference) and a verdict."""
+        header = ["rank", "quantity", "predicted", "measured", "measured/predicted", ""]
+        lines = []
+        for row in self.rows:
+            if row.kind in ("idle", "idle_wall"):
+                gated = "" if row.kind == "idle" else ", not gated"
+                values = [f"{row.predicted:.3f}", f"{row.measured:.3f}", f"{row.error:+.3f} (diff{gated})"]
+            elif row.kind == "step":
+                values = [f"{row.predicted * 1e3:.1f} ms", f"{row.measured * 1e3:.1f} ms", f"{row.ratio:.2f} (not gated)"]
+            else:
+                values = [f"{row.predicted / MIB:.3f} MiB", f"{row.measured / MIB:.3f} MiB", f"{row.ratio:.4f}"]
+            verdict = "" if row.tolerance is None else ("ok" if row.ok else f"OFF (tolerance {row.tolerance:g})")
+            lines.append([str(row.rank), f"{row.kind} {row.name}", *values, verdict])
+        widths = [max(len(x) for x in column) for column in zip(header, *lines, strict=True)]
+        text = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *lines]]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        worst = ", ".join(f"{kind} {value:.2%}" if not kind.startswith("idle") else f"{kind} {value:.3f}"
+                          for kind, value in self.worst().items())
+        return f"{self.label}: predicted vs measured (worst: {worst})\n" + "\n".join(text)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the layout, every comparison and the worst errors."""
+        return {
+            "layout": self.label,
+            "rows": [
+                {"rank": r.rank, "kind": r.kind, "name": r.name, "predicted": r.predicted, "measured": r.measured,
+                 "ratio": r.ratio, "error": r.error, "ok": r.ok}
+                for r in self.rows
+            ],
+            "worst": self.worst(),
+        }
+
+
+def comm_by_dimension(tracer_summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """``{"tp/all_reduce": {"bytes": ...}, ...}`` (a CommTracer summary) -> bytes per dimension."""
+    out: dict[str, float] = {}
+    for key, entry in tracer_summary.items():
+        dim = key.split("/", 1)[0]
+        out[dim] = out.get(dim, 0.0) + float(entry.get("bytes", 0.0))
+    return out
+
+
+def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: Mapping[str, int]) -> PredictionCheck:
+    """Compare ``estimate`` with each rank's measurement.
+
+    ``group_sizes`` maps the tracer's dimension names (``tp``, ``dp``, ``edp``, ``ep``, ``pp``) to
+    their group sizes; a dimension of size 1 moves no bytes and is left out on both sides. A
+    measured dimension the planner does not predict is compared with 0 (and fails), so traffic
+    the model misses cannot hide.
+    """
+    idle = estimate.idle_fractions()
+    rows: list[Comparison] = []
+    for rank in sorted(measured, key=lambda r: r.rank):
+        priced = estimate.ranks[rank.pp_rank]
+        for part in MEMORY_PARTS:
+            if part in rank.memory:
+                rows.append(Comparison(rank.rank, "memory", part, getattr(priced.resident, part), float(rank.memory[part])))
+        if rank.comm:
+            predicted: dict[str, float] = {}
+            for item in priced.collectives:
+                predicted[item.dim] = predicted.get(item.dim, 0.0) + item.bytes
+            dims = [d for d in sorted(set(predicted) | set(rank.comm)) if group_sizes.get(d, 2) > 1]
+            rows += [Comparison(rank.rank, "comm", d, predicted.get(d, 0.0), float(rank.comm.get(d, 0.0))) for d in dims]
+        if rank.idle is not None and estimate.layout.pp > 1:
+            rows.append(Comparison(rank.rank, "idle", "replayed", idle[rank.pp_rank], float(rank.idle)))
+        if rank.idle_wall is not None and estimate.layout.pp > 1:
+            rows.append(Comparison(rank.rank, "idle_wall", "wall", idle[rank.pp_rank], float(rank.idle_wall)))
+        if rank.step_seconds is not None:
+            rows.append(Comparison(rank.rank, "step", "step", estimate.step_seconds, float(rank.step_seconds)))
+    return PredictionCheck(estimate.layout.label(), rows, estimate)
+
+
+__all__ = ["Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare"]

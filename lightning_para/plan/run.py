@@ -1,0 +1,216 @@
+"""From a ParaStrategy run to the planner's inputs, and back: layout, batch, hardware.
+
+The planner (:func:`~lightning_para.plan.estimate`) prices a :class:`Layout` of a
+:class:`ModelDesc` on a :class:`Cluster` for a :class:`Training`. A Lightning run states the same
+things differently: a :class:`~lightning_para.config.ParallelConfig`, a batch per data-parallel
+rank as the DataLoader yields it, a precision plugin, an optimizer, and the machine it runs on.
+This module translates between the two, so that
+
+* ``ParaStrategy(layout="auto")`` can turn the planner's choice into a config
+  (:func:`config_from_layout`);
+* the profiler and ``lightning-para plan --validate`` can ask the planner about *this* run
+  (:func:`layout_from_config`, :func:`run_training`, :func:`local_cluster`) and compare.
+
+Hardware figures for the local machine: a GPU's memory from the device, its peak from
+Lightning's FLOPs table (``get_available_flops``) and its links from :data:`GPU_SPECS` when
+its name is known; on CPU, the machine's RAM divided among the processes on it and nominal
+figures for a gloo process (:data:`CPU_PROCESS`), which only the step-time estimate uses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+
+from lightning_para.config import ParallelConfig
+from lightning_para.mesh import ParallelDims
+from lightning_para.plan.cluster import GPU_SPECS, Cluster, Training
+from lightning_para.plan.cost import Estimate, estimate
+from lightning_para.plan.layout import Layout
+from lightning_para.plan.model import ModelDesc
+
+# One CPU process talking gloo over the loopback device: rough figures (dense fp32 matmul FLOP/s of
+# one core, memcpy-bound socket bandwidth, per-message latency). Only step-time estimates use them.
+CPU_PROCESS = {"peak_flops": 5e10, "intra_node_bw": 2e9, "inter_node_bw": 1e9,
+               "intra_node_latency": 5e-5, "inter_node_latency": 2e-4}
+# A GPU not in GPU_SPECS: PCIe-class links.
+UNKNOWN_GPU_LINKS = {"intra_node_bw": 5e10, "inter_node_bw": 1.25e10}
+
+
+def detect_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
+    """The device's peak FLOP/s for ``dtype`` from Lightning's table (``get_available_flops``), or
+    ``None`` for CPUs and devices it does not know."""
+    if device.type == "cpu":
+        return None
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops else None
+
+
+def device_memory_bytes(device: torch.device, processes_per_node: int = 1) -> float:
+    """Memory one process may use: the accelerator's total memory, or on CPU the machine's
+    physical RAM divided among the ``processes_per_node`` processes sharing it."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(ram) / max(1, processes_per_node)
+
+
+def local_cluster(
+    world_size: int,
+    processes_per_node: int,
+    device: torch.device,
+    *,
+    memory_bytes: Optional[float] = None,
+    peak_flops: Optional[float] = None,
+) -> Cluster:
+    """A :class:`Cluster` describing ``world_size`` processes of this kind of machine, ``processes_per_node``
+    per node (memory and peak of ``device`` unless given)."""
+    per_node = max(1, min(processes_per_node, world_size))
+    if world_size % per_node:
+        per_node = 1
+    memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
+    if device.type == "cpu":
+        figures: dict[str, float] = dict(CPU_PROCESS)
+    else:
+        name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+        known = next((spec for key, spec in GPU_SPECS.items() if key.split("-")[0] in name), None)
+        figures = {k: v for k, v in (known or UNKNOWN_GPU_LINKS).items() if k != "memory_bytes"}
+        figures.pop("peak_flops", None)
+        figures["peak_flops"] = detect_peak_flops(device) or (known or {}).get("peak_flops", 1e14)
+    if peak_flops is not None:
+        figures["peak_flops"] = peak_flops
+    return Cluster(nodes=world_size // per_node, gpus_per_node=per_node, memory_bytes=memory, **figures)
+
+
+def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
+    """The planner's :class:`Layout` of a resolved ParaStrategy configuration."""
+    pipelined = dims.pp > 1
+    return Layout(
+        dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp, cp_method=config.cp_method,
+        dp_replicate=dims.dp_replicate, zero=config.zero,
+        sequence_parallel=config.sequence_parallel and dims.tp > 1,
+        schedule=config.schedule if pipelined else "1f1b",
+        microbatches=config.pipeline_microbatches if pipelined else None,
+        virtual_stages=config.virtual_stages if pipelined else 1,
+        recompute=config.activation_checkpointing,
+        zero_accumulation=config.zero_accumulation,
+        pipeline_split=tuple(config.pipeline_split) if pipelined and config.pipeline_split is not None else None,
+        bucket_mb=config.bucket_size_mb,
+    )
+
+
+def config_from_layout(config: ParallelConfig, layout: Layout) -> ParallelConfig:
+    """``config`` with the planner's degrees and options (validated again by ``ParallelConfig``)."""
+    return replace(
+        config, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
+        sequence_parallel=layout.sequence_parallel, schedule=layout.schedule, microbatches=layout.microbatches,
+        virtual_stages=layout.virtual_stages, activation_checkpointing=layout.recompute,
+        zero_accumulation=layout.zero_accumulation,
+    )
+
+
+# `--layout "tp=2,pp=2,zero=1"` keys (and short aliases) -> ParaStrategy arguments, with their types.
+LAYOUT_KEYS: dict[str, tuple[str, type]] = {
+    "dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "ep": ("ep", int), "zero": ("zero", int),
+    "sp": ("sequence_parallel", bool), "sequence_parallel": ("sequence_parallel", bool),
+    "schedule": ("schedule", str), "microbatches": ("microbatches", int), "m": ("microbatches", int),
+    "virtual_stages": ("virtual_stages", int), "v": ("virtual_stages", int),
+    "recompute": ("activation_checkpointing", str), "activation_checkpointing": ("activation_checkpointing", str),
+    "zero_accumulation": ("zero_accumulation", str),
+}
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """``"tp=2,pp=2,zero=1"`` -> ParaStrategy arguments (``ValueError`` naming a bad entry).
+
+    Keys: ``dp tp pp ep zero sp schedule microbatches (m) virtual_stages (v) recompute zero_accumulation``;
+    ``1``/``0``/``true``/``false`` for ``sp``.
+    """
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in LAYOUT_KEYS or not value:
+            raise ValueError(
+                f"`--layout` entry {item!r} is not KEY=VALUE with a key among {', '.join(LAYOUT_KEYS)}"
+                f" (e.g. --layout \"tp=2,pp=2\")."
+            )
+        name, kind = LAYOUT_KEYS[key]
+        if kind is bool:
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes true or false.")
+            out[name] = value.lower() in ("1", "true")
+        elif kind is int:
+            if not value.isdigit() or int(value) < (0 if name == "zero" else 1):
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes a positive integer.")
+            out[name] = int(value)
+        else:
+            out[name] = None if value.lower() in ("none", "null") else value
+    return out
+
+
+def layout_arguments(layout: Layout) -> dict[str, Any]:
+    """ParaStrategy arguments of a planner :class:`Layout`."""
+    return {
+        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "zero": layout.zero,
+        "sequence_parallel": layout.sequence_parallel, "schedule": layout.schedule,
+        "microbatches": layout.microbatches, "virtual_stages": layout.virtual_stages,
+        "activation_checkpointing": layout.recompute, "zero_accumulation": layout.zero_accumulation,
+    }
+
+
+def strategy_overrides(arguments: dict[str, Any]) -> list[str]:
+    """``--trainer.strategy.KEY VALUE`` command-line overrides for LightningCLI."""
+    out = []
+    for key, value in arguments.items():
+        text = "null" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
+        out += [f"--trainer.strategy.{key}", text]
+    return out
+
+
+def optimizer_kind(optimizer: Any) -> Optional[str]:
+    """The planner's optimizer name for a torch optimizer: ``"adam"`` (Adam family: two fp32
+    moments), ``"sgd"`` (SGD with momentum), or ``None`` for anything it does not model."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    name = type(optimizer).__name__
+    group = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
+    if name in ("Adam", "AdamW") and not group.get("amsgrad", False):
+        return "adam"
+    if name == "SGD" and group.get("momentum", 0):
+        return "sgd"
+    return None
+
+
+def run_training(
+    seq_len: int,
+    batch_per_rank: int,
+    dp: int,
+    *,
+    accumulation: int = 1,
+    precision: str = "32-true",
+    optimizer: str = "adam",
+) -> Training:
+    """The :class:`Training` of a run whose data-parallel ranks each load ``batch_per_rank``
+    sequences of ``seq_len`` tokens per batch, ``accumulation`` batches per optimizer step."""
+    return Training(
+        seq_len=seq_len, global_batch=batch_per_rank * dp * accumulation, micro_batch=None,
+        accumulation=accumulation, precision=precision, optimizer=optimizer,
+    )
+
+
+def predict_run(
+    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, cluster: Cluster
+) -> Estimate:
+    """The planner's prediction for a ParaStrategy run (raises ``ValueError`` if it cannot price it)."""
+    return estimate(model, cluster, training, layout_from_config(config, dims))
+
+
+__all__ = [
+    "CPU_PROCESS", "LAYOUT_KEYS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_arguments",
+    "layout_from_config", "local_cluster", "optimizer_kind", "parse_layout", "predict_run", "run_training",
+    "strategy_overrides",
+]
