@@ -473,8 +473,14 @@ class ParaStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        path = Path(self.broadcast(str(filepath)))
-        ckpt.save_checkpoint(path, checkpoint, sharded=self.save_distributed_checkpoint)
+        # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
+        path, token = self.broadcast((str(filepath), ckpt.new_token()))
+        ckpt.save_checkpoint(Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # Renamed away first, then deleted: a kill mid-delete never leaves a half checkpoint under its name.
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and

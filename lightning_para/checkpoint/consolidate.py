@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # private: see docs/architecture.md
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private: see docs/architecture.md
 
+from lightning_para.checkpoint.atomic import commit, fsync_file, new_token, partial_path, verify_checkpoint
 from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint, save_sharded
 
 
@@ -24,11 +25,31 @@ def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, P
     weights when the run kept them), optimizer states in PyTorch's own format (parameters
     numbered in param-group order), and all of Lightning's metadata, so
     ``MyModule.load_from_checkpoint(output)`` and a plain ``Trainer(ckpt_path=output)`` work.
-    Written to ``output`` when given.
+    Written to ``output`` when given (atomically: a hidden sibling renamed into place).
+    Refuses an incomplete checkpoint (no completion marker, a missing or truncated file).
     """
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is one file, not a sharded lightning-para checkpoint directory: load it with torch.load.")
+    verify_checkpoint(path)  # raises, naming what is missing and the newest complete checkpoint beside it
     if not is_sharded_checkpoint(path):
         raise ValueError(f"{path} is not a sharded lightning-para checkpoint (no `.metadata` file in it).")
+    checkpoint = _consolidate(path)
+    if output is not None:
+        write_file_atomically(Path(output), checkpoint)
+    return checkpoint
+
+
+def write_file_atomically(path: Path, obj: Any) -> None:
+    """``torch.save`` into a hidden sibling, fsync, then swap it into ``path`` (one process)."""
+    partial = partial_path(path, new_token())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, partial)
+    fsync_file(partial)
+    commit(partial, path)
+
+
+def _consolidate(path: Path) -> dict[str, Any]:
     loaded: dict[str, Any] = {}
     _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     checkpoint: dict[str, Any] = {}
@@ -63,25 +84,21 @@ def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, P
         index += 1
     checkpoint["state_dict"] = model_state
     checkpoint["optimizer_states"] = optimizer_states
-    if output is not None:
-        torch.save(checkpoint, output)
     return checkpoint
 
 
-def write_consolidated(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Save sharded to a temporary directory, then rank 0 consolidates it into the file ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".sharded-tmp")
+def write_consolidated(partial: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Collective: save sharded into a hidden directory beside ``partial``, then rank 0 consolidates
+    it into the file ``partial`` and fsyncs it. The caller swaps ``partial`` into place."""
+    partial = Path(partial)
+    tmp = partial.with_name(partial.name + ".sharded")
     save_sharded(tmp, tensors, metadata)
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        if path.is_dir():
-            shutil.rmtree(path)
-        consolidate_checkpoint(tmp, path)
+        torch.save(_consolidate(tmp), partial)
+        fsync_file(partial)
         shutil.rmtree(tmp)
-    if dist.is_initialized():
-        dist.barrier()
 
 
-__all__ = ["consolidate_checkpoint", "write_consolidated"]
+__all__ = ["consolidate_checkpoint", "write_consolidated", "write_file_atomically"]
