@@ -45,6 +45,7 @@ from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.threads import apply_thread_budget, available_cores
+from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options, replicated_state
 
 # The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
 # module reuses it (a module is parallelized in place, once). Weak: it keeps no module alive.
@@ -86,8 +87,12 @@ class ParaStrategy(ParallelStrategy):
         zero_accumulation: ``"no_sync"`` (no communication until the last micro-step) or
             ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating).
         save_distributed_checkpoint: sharded directory (default) or one consolidated file.
+            Either is written atomically (``docs/reliability.md``).
         process_group_backend: override ``"gloo"``/``"nccl"`` chosen from the device.
         timeout: process-group timeout.
+        integrity_check_every_n_steps: every N optimizer steps, compare checksums of all replicated
+            state across its replicas and report non-finite losses/gradients (``None``: off).
+        integrity_action: ``"raise"`` (``IntegrityError`` on every rank) or ``"warn"`` on a finding.
     """
 
     strategy_name = "para"
@@ -121,6 +126,8 @@ class ParaStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        integrity_check_every_n_steps: Optional[int] = None,
+        integrity_action: str = "raise",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -134,6 +141,11 @@ class ParaStrategy(ParallelStrategy):
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
+        )
+        # Reliability options (issue 14), validated before any process group exists.
+        check_integrity_options(integrity_check_every_n_steps, integrity_action)
+        self._integrity = (
+            IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
         if precision is not None:
             if precision_plugin is not None:
@@ -367,7 +379,10 @@ class ParaStrategy(ParallelStrategy):
         return plain_step_output(output, gather=name == "predict_step")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        if self._integrity is not None:  # device-side note of a non-finite local loss: no sync, no collective
+            self._integrity.observe_loss(output, self.lightning_module.trainer.global_step)
+        return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
@@ -410,6 +425,34 @@ class ParaStrategy(ParallelStrategy):
                 yield
         else:
             yield
+
+    # ------------------------------------------------------------------ integrity (issue 14)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        step = self.lightning_module.trainer.global_step
+        if self._integrity is not None and self._integrity.due(step):  # after the last step's ZeRO gather
+            self.check_integrity(step)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        step = self.lightning_module.trainer.global_step
+        if self._integrity is not None and step != self._integrity.last_checked_step:
+            self.check_integrity(step)
+
+    def check_integrity(self, step: Optional[int] = None) -> list[str]:
+        """Compare every replicated tensor across its replicas now (collective; see ``docs/reliability.md``).
+        Returns the findings; raises ``IntegrityError`` on one unless ``integrity_action="warn"``."""
+        parallel = self.parallel_model
+        checker = self._integrity or IntegrityChecker(1, "raise")
+        module, optimizers, dims = self.lightning_module, self._raw_optimizers(), self.parallel_dims
+        is_expert = parallel.expert_predicate()
+        return checker.check(
+            self.lightning_module.trainer.global_step if step is None else step,
+            lambda: replicated_state(module, optimizers, dims, fully_sharded=parallel.fully_sharded, is_expert=is_expert),
+            lambda: (q.grad for o in optimizers for g in o.param_groups for q in g["params"] if q.grad is not None),
+            dims,
+            self.root_device,
+        )
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, Any]:

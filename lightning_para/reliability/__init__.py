@@ -7,6 +7,7 @@
 Atomic checkpoints live with the checkpoint format, in :mod:`lightning_para.checkpoint.atomic`.
 """
 
+from lightning_para.reliability.integrity import IntegrityChecker, IntegrityError, replicated_state
 from lightning_para.reliability.resumable_data import ResumableDataLoader, ResumableSampler
 
-__all__ = ["ResumableDataLoader", "ResumableSampler"]
+__all__ = ["IntegrityChecker", "IntegrityError", "ResumableDataLoader", "ResumableSampler", "replicated_state"]

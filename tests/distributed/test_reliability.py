@@ -115,3 +115,78 @@ def test_strict_loading_and_incomplete_checkpoints(pools, uninterrupted, tmp_pat
     with pytest.raises(Exception) as info:
         pool.run(gpt_fit_job, {"tp": 2, "pp": 2}, STEPS, None, str(torn), 2, keep_alive_on_error=True)
     assert all(f"`{shard.name}` is truncated or changed: 100 bytes" in tb for tb in info.value.errors.values())
+
+
+# ----------------------------------------------------------------------------- silent corruption
+class Corrupt(Callback):
+    """Once ``trainer.global_step == step`` (after that many steps), flip one bit of ``param`` on global rank
+    ``rank`` only; in the step run at ``global_step == nan_step`` make the local loss of ``nan_ranks`` NaN
+    (their batch only, before any reduction)."""
+
+    def __init__(self, step: int = 0, rank: int = -1, param: str = "", nan_step: int = 0, nan_ranks: tuple = ()):
+        self.step, self.rank, self.param, self.nan_step, self.nan_ranks = step, rank, param, nan_step, nan_ranks
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and dist.get_rank() == self.rank:
+            import torch
+            from torch.distributed.tensor import DTensor
+
+            p = dict(pl_module.named_parameters())[self.param]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            with torch.no_grad():
+                local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)  # one flipped mantissa bit
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        pl_module.nan_loss = trainer.global_step == self.nan_step and dist.get_rank() in self.nan_ranks
+
+
+def corruption_job(strategy_kwargs: dict[str, Any], corrupt: dict[str, Any], max_steps: int = 6) -> list[str]:
+    """Train the GPT recipe with integrity checks every 2 steps; return the checker's reports."""
+    import torch
+    from lightning_para import ParaStrategy
+    from lightning_para.recipes import GPT, TextDataModule
+
+    class NaNableGPT(GPT):
+        nan_loss = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * torch.nan if self.nan_loss else loss
+
+    L.seed_everything(0, verbose=False)
+    model = NaNableGPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, sample_tokens=0)
+    strategy = ParaStrategy(integrity_check_every_n_steps=2, **strategy_kwargs)
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
+                        callbacks=[Corrupt(**corrupt)], **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, datamodule=TextDataModule(seq_len=32, global_batch_size=8, max_bytes=40_000))
+    return strategy._integrity.reports
+
+
+def test_a_flipped_weight_in_one_replica_is_reported_within_one_interval(pools):
+    """dp=2 x tp=2, ZeRO-0: a tp-sharded weight has 2 dp replicas; flipped on rank 1 after step 3, the check
+    before step 5 (every 2 steps: at 2, 4, 6) raises on every rank, naming the weight and ranks 1 and 3."""
+    pool = pools.get(4)
+    with pytest.raises(Exception) as info:
+        pool.run(corruption_job, {"dp": 2, "tp": 2}, {"step": 3, "rank": 1, "param": "blocks.0.attn.c_q.weight"},
+                 keep_alive_on_error=True)
+    assert len(info.value.errors) == 4
+    for traceback in info.value.errors.values():
+        assert "IntegrityError: lightning-para integrity check at step 4: 'blocks.0.attn.c_q.weight' differs between" \
+               " its replicas over dp: rank(s) 1, 3 hold different values" in traceback
+
+
+def test_a_flipped_norm_weight_and_a_nan_loss_are_reported_in_warn_mode(pools):
+    """tp=2 (x dp=2): a norm weight is whole on every rank; flipped on rank 2 it disagrees with its tp peer
+    (rank 3) and its dp peer (rank 0). A NaN local loss on the ranks of dp coordinate 1 (2, 3) at step 3 is
+    reported with its first step and ranks. warn mode: training goes on, every finding is kept."""
+    reports = pools.get(4).run(
+        corruption_job, {"dp": 2, "tp": 2, "integrity_action": "warn"},
+        {"step": 1, "rank": 2, "param": "blocks.1.ln_1.weight", "nan_step": 3, "nan_ranks": (2, 3)},
+    )
+    assert all(r == reports[0] for r in reports)
+    first, *later = reports[0]
+    assert first.startswith("lightning-para integrity check at step 2: ")
+    assert "'blocks.1.ln_1.weight' differs between its replicas over tp: rank(s) 2, 3 hold different values" in first
+    assert "'blocks.1.ln_1.weight' differs between its replicas over dp: rank(s) 0, 2 hold different values" in first
+    assert "'blocks.1.ln_1.weight (optimizer exp_avg)'" not in first  # the flip happened after the step
+    assert any("the loss was not finite first at step 3, on rank(s) 2, 3" in r for r in later), later
