@@ -46,6 +46,7 @@ from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.threads import apply_thread_budget, available_cores
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options, replicated_state
+from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 
 # The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
 # module reuses it (a module is parallelized in place, once). Weak: it keeps no module alive.
@@ -93,6 +94,9 @@ class ParaStrategy(ParallelStrategy):
         integrity_check_every_n_steps: every N optimizer steps, compare checksums of all replicated
             state across its replicas and report non-finite losses/gradients (``None``: off).
         integrity_action: ``"raise"`` (``IntegrityError`` on every rank) or ``"warn"`` on a finding.
+        watchdog_timeout: seconds after which a rank that is gone (no heartbeat) or stuck (no progress)
+            makes every surviving rank log it and exit with code 75; ``None`` switches it off. Keep it
+            below ``timeout`` and above the longest step (``docs/reliability.md``).
     """
 
     strategy_name = "para"
@@ -128,6 +132,7 @@ class ParaStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         integrity_check_every_n_steps: Optional[int] = None,
         integrity_action: str = "raise",
+        watchdog_timeout: Optional[float] = 60.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -144,6 +149,9 @@ class ParaStrategy(ParallelStrategy):
         )
         # Reliability options (issue 14), validated before any process group exists.
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
+        check_watchdog_timeout(watchdog_timeout)
+        self._watchdog_timeout = watchdog_timeout
+        self._watchdog: Optional[Watchdog] = None
         self._integrity = (
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
@@ -250,6 +258,38 @@ class ParaStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
+        self._start_watchdog()
+
+    # ------------------------------------------------------------------ watchdog (issue 14)
+    def _start_watchdog(self) -> None:
+        if self._watchdog_timeout is None or self.world_size < 2 or self._watchdog is not None:
+            return
+        token = self.broadcast(ckpt.new_token())  # the heartbeats' key namespace for this run, agreed at setup
+        self._watchdog = start_watchdog(self._watchdog_timeout, token)
+        self._report("setup", exempt=True)
+
+    def _report(self, what: str, exempt: bool = False) -> None:
+        """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
+        if self._watchdog is not None:
+            self._watchdog.progress(what, exempt)
+
+    def _global_step(self) -> int:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer.global_step if trainer is not None else -1
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
+            self._watchdog.failed(exception)
+            self._watchdog = None
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
+        # would detach them from their mesh.
+        ModelParallelStrategy.teardown(self)
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -269,6 +309,7 @@ class ParaStrategy(ParallelStrategy):
         assert module is not None
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
+        self._report("setup: parallelize the model", exempt=True)
         existing = _PARALLELIZED.get(module)
         if existing is None:
             if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
@@ -347,6 +388,7 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        self._report(f"{name} (global step {self._global_step()})")
         cp = self._parallel.context if self._parallel is not None else None
         if cp is None:
             return self._run_parallel_step(name, context, *args, **kwargs)
@@ -394,6 +436,7 @@ class ParaStrategy(ParallelStrategy):
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        self._report(f"backward and gradient sync (global step {self._global_step()})")
         parallel = self._parallel
         pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
@@ -430,6 +473,7 @@ class ParaStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
+        self._report(f"train batch {batch_idx} loaded (global step {step})")
         if self._integrity is not None and self._integrity.due(step):  # after the last step's ZeRO gather
             self.check_integrity(step)
 
@@ -518,7 +562,9 @@ class ParaStrategy(ParallelStrategy):
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
         path, token = self.broadcast((str(filepath), ckpt.new_token()))
+        self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
         ckpt.save_checkpoint(Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token)
+        self._report(f"checkpoint {path} saved (global step {self._global_step()})")
 
     def remove_checkpoint(self, filepath: Any) -> None:
         # Renamed away first, then deleted: a kill mid-delete never leaves a half checkpoint under its name.
@@ -529,6 +575,7 @@ class ParaStrategy(ParallelStrategy):
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._report(f"loading checkpoint {path}", exempt=True)
         parallel = self._parallel
         return ckpt.load_checkpoint_in_place(
             path,
@@ -538,11 +585,6 @@ class ParaStrategy(ParallelStrategy):
             zero=parallel.zero if parallel is not None else None,
             pipeline=parallel.pipeline if parallel is not None else None,
         )
-
-    # ------------------------------------------------------------------ teardown
-    # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
-    # would detach them from their mesh.
-    teardown = ModelParallelStrategy.teardown
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -9,5 +9,14 @@ Atomic checkpoints live with the checkpoint format, in :mod:`lightning_para.chec
 
 from lightning_para.reliability.integrity import IntegrityChecker, IntegrityError, replicated_state
 from lightning_para.reliability.resumable_data import ResumableDataLoader, ResumableSampler
+from lightning_para.reliability.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
-__all__ = ["IntegrityChecker", "IntegrityError", "ResumableDataLoader", "ResumableSampler", "replicated_state"]
+__all__ = [
+    "IntegrityChecker",
+    "IntegrityError",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "WATCHDOG_EXIT_CODE",
+    "Watchdog",
+    "replicated_state",
+]
