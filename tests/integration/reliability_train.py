@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--kill", default=None, help="POINT:RANK:NTH")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint's folder (default: OUT/ckpt)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
     torch.set_num_threads(1)
@@ -138,7 +139,7 @@ def main() -> None:
     losses = StepLosses(out, args.step_sleep)
     callbacks: list[Callback] = [losses]
     if args.save_every:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=args.save_every,
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir or out / "ckpt", filename="{step}", every_n_train_steps=args.save_every,
                                          save_top_k=-1, save_last=True))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=ParaStrategy(**LAYOUTS[args.layout], watchdog_timeout=args.watchdog_timeout),
