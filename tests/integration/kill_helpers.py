@@ -72,18 +72,24 @@ class Run:
         return time.monotonic()
 
     def wait_all(self, limit: float) -> dict[int, Optional[float]]:
-        """Seconds from now until each rank's process ended (``None``: still running at ``limit``; then killed)."""
-        pids = self.rank_pids()
+        """Wait until every process ended; seconds from now until each rank's ended (``None``: still
+        running at ``limit``, then killed). Ranks are known by their pid files, and, for processes this
+        harness started itself (all of them under ``"external"``, rank 0 under ``"lightning"``), by process."""
         start = time.monotonic()
         ended: dict[int, Optional[float]] = {}
-        while time.monotonic() - start < limit and len(ended) < len(pids):
-            for p in self.procs:
-                p.poll()  # reap our own children, so a dead one is not a zombie
+        while time.monotonic() - start < limit:
+            now = time.monotonic() - start
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:  # also reaps it, so a dead child is not a zombie
+                    ended.setdefault(i, now)
+            pids = self.rank_pids()
             for rank, pid in pids.items():
                 if rank not in ended and not process_alive(pid):
-                    ended[rank] = time.monotonic() - start
+                    ended[rank] = now
+            if all(p.returncode is not None for p in self.procs) and all(r in ended for r in pids):
+                break
             time.sleep(0.05)
-        for rank, pid in pids.items():
+        for rank, pid in self.rank_pids().items():
             if rank not in ended:
                 ended[rank] = None
                 try:
@@ -92,11 +98,11 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                ended[i] = None
                 p.kill()
+            p.wait()
         return ended
 
     def output(self) -> str:
