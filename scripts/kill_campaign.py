@@ -77,7 +77,7 @@ def run_save_campaign(root: Path) -> dict:
         last = folder / "ckpt" / "last.ckpt"
         status = checkpoint_problems(last)
         case = {
-            "point": point, "rank": rank, "save": nth, "target": "last.ckpt" if nth % 2 == 0 else f"step={SAVE_EVERY * 2}.ckpt",
+            "point": point, "rank": rank, "save": nth, "kill_reached": codes.get(rank) == -9, "target": "last.ckpt" if nth % 2 == 0 else f"step={SAVE_EVERY * 2}.ckpt",
             "killed_rank_exit": codes.get(rank),
             "survivors": survivors_report(killed, rank, 0.0, ended),
             "last_complete_after_kill": status.complete,
@@ -97,7 +97,7 @@ def run_save_campaign(root: Path) -> dict:
             case["max_abs_diff"] = max(abs(resumed[s] - reference[s]) for s in resumed)
         case["seconds"] = round(time.monotonic() - t0, 1)
         cases.append(case)
-        print(json.dumps({k: case[k] for k in ("point", "rank", "save", "last_step_after_kill", "resumed_from_step",
+        print(json.dumps({k: case[k] for k in ("point", "rank", "save", "kill_reached", "last_step_after_kill", "resumed_from_step",
                                                "bit_identical") if k in case}), flush=True)
     return {"reference_losses": reference, "cases": cases}
 
@@ -136,7 +136,7 @@ def summarize(save: dict, random_runs: list[dict]) -> str:
         lines += [
             "## Kills during a save (pp=2 x dp=2, separately started ranks)", "",
             f"* cases: {len(cases)} ({len({c['point'] for c in cases})} kill points x rank 0 / rank 3 x step checkpoint /"
-            " `last.ckpt`)",
+            f" `last.ckpt`); the kill happened at its point in {sum(c['kill_reached'] for c in cases)}",
             f"* `last.ckpt` complete after the kill: {sum(c['last_complete_after_kill'] for c in cases)}/{len(cases)}",
             f"* `fit(ckpt_path=\"last\")` resumed and logged the uninterrupted losses bit for bit: {len(ok)}/{len(cases)}",
             f"* resumed from step: {sorted({c.get('resumed_from_step') for c in cases}, key=str)}",

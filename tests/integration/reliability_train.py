@@ -86,6 +86,7 @@ def install_kill(point: str, rank: int, nth: int) -> None:
 
     def save_checkpoint(self, *args, **kwargs):
         saves["n"] += 1
+        items["n"] = 0  # the shard items of this save
         here("save-start")
         return original_save(self, *args, **kwargs)
 
