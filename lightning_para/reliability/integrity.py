@@ -11,7 +11,7 @@ Every ``integrity_check_every_n_steps`` (before the next step starts, after ZeRO
 rank computes two 64-bit checksums per replicated tensor -- the wrapping sum of its raw bits,
 and the same sum weighted by position, so one flipped bit and two swapped values both change
 them -- and exchanges them with **one all-gather per replica group** (dp, edp, tp: a few
-kilobytes). A small all-gather over the world then shares the verdict, so every rank raises
+kilobytes; also ``dp_replicate`` and ``cp``). A small all-gather over the world then shares the verdict, so every rank raises
 (or warns) the same message naming the step, the tensor, the group and the ranks that
 disagree with the majority.
 
@@ -47,7 +47,9 @@ from lightning_para.mesh import ParallelDims
 INTEGRITY_ACTIONS = ("raise", "warn")
 _CHUNK = 1 << 24  # elements per checksum pass: bounds the temporary int64 copies to 128 MiB
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_GROUP_ORDER = ("dp", "edp", "tp")  # every rank gathers over its groups in this order
+_GROUP_ORDER = ("dp", "edp", "dp_replicate", "cp", "tp")  # every rank gathers over its groups in this order
+# Mesh dims over which data parallelism (and context parallelism) may shard a DTensor parameter (FSDP2).
+_DATA_DIMS = {"dp", "dp_shard", "dp_shard_cp", "edp", "edp_cp", "dp_replicate", "cp"}
 
 
 class IntegrityError(RuntimeError):
@@ -85,7 +87,8 @@ def tensor_checksums(tensor: Tensor) -> Tensor:
 
 
 def replica_groups(param: Tensor, dims: ParallelDims, *, fully_sharded: bool, is_expert: bool) -> list[str]:
-    """The mesh dimensions (``"dp"``, ``"edp"``, ``"tp"``) along which ``param``'s local tensor is replicated."""
+    """The mesh dimensions (``"dp"``, ``"edp"``, ``"dp_replicate"``, ``"cp"``, ``"tp"``) along which
+    ``param``'s local tensor is replicated. Several 1-D groups cover a product (dp x tp: both)."""
     names: list[str] = []
     present: set[str] = set()
     if isinstance(param, DTensor):
@@ -95,23 +98,24 @@ def replica_groups(param: Tensor, dims: ParallelDims, *, fully_sharded: bool, is
             name = (mesh.mesh_dim_names or ())[i] if mesh.mesh_dim_names else None
             if placement.is_replicate() and name in _GROUP_ORDER and mesh.size(i) > 1:
                 names.append(name)
-    if not fully_sharded:  # ZeRO 0-2 keep whole parameters on every data-parallel rank
-        name = "edp" if is_expert and dims.ep > 1 else "dp"
-        if not present & {"dp", "edp"}:
-            names.append(name)
-    if dims.tp > 1 and "tp" not in present:  # not split by tensor parallelism: whole on every tp rank
+    if not fully_sharded and not present & _DATA_DIMS:
+        # ZeRO 0-2 keep whole parameters on every data-parallel and context-parallel rank; experts
+        # only on the ranks that hold the same experts (edp, in every replica).
+        names += ["edp", "dp_replicate"] if is_expert and dims.ep > 1 else ["dp"]
+        names.append("cp")
+    if "tp" not in present:  # not split by tensor parallelism: whole on every tp rank
         names.append("tp")
     return [n for n in dict.fromkeys(names) if _group_size(dims, n) > 1]
 
 
 def _group_size(dims: ParallelDims, name: str) -> int:
-    return {"dp": dims.dp, "edp": dims.edp, "tp": dims.tp}[name]
+    return {"dp": dims.dp, "edp": dims.edp, "dp_replicate": dims.dp_replicate, "cp": dims.cp, "tp": dims.tp}[name]
 
 
 def _groups_to_gather(dims: ParallelDims) -> list[str]:
-    """Decided by the layout alone, so every member of a group calls its all-gather."""
-    wanted = {"dp": dims.dp > 1, "edp": dims.ep > 1 and dims.edp > 1, "tp": dims.tp > 1}
-    return [name for name in _GROUP_ORDER if wanted[name]]
+    """Decided by the layout alone, so every member of a group calls its all-gather (``edp`` is only
+    needed, and only differs from ``dp``, with expert parallelism)."""
+    return [name for name in _GROUP_ORDER if _group_size(dims, name) > 1 and (name != "edp" or dims.ep > 1)]
 
 
 @dataclass

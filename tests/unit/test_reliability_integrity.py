@@ -24,18 +24,21 @@ def test_checksums_see_one_flipped_bit_and_two_swapped_values_but_not_the_reduct
 
 
 @pytest.mark.parametrize(
-    "dp, tp, ep, fully_sharded, is_expert, expected",
+    "dp, tp, ep, fully_sharded, is_expert, expected, cp, dp_replicate",
     [
-        (4, 1, 1, False, False, ["dp"]),  # ZeRO-0/1/2: whole parameters on every dp rank
-        (2, 2, 1, False, False, ["dp", "tp"]),  # a plain parameter (a norm) is also whole on every tp rank
-        (4, 1, 2, False, True, ["edp"]),  # experts: replicated over the expert-data-parallel ranks only
-        (2, 1, 2, False, True, []),  # ep = dp: each expert has one copy
-        (4, 1, 1, True, False, []),  # ZeRO-3 shards it: no replica to compare
-        (1, 1, 1, False, False, []),
+        (4, 1, 1, False, False, ["dp"], 1, 1),  # ZeRO-0/1/2: whole parameters on every dp rank
+        (2, 2, 1, False, False, ["dp", "tp"], 1, 1),  # a plain parameter (a norm) is also whole on every tp rank
+        (4, 1, 2, False, True, ["edp"], 1, 1),  # experts: replicated over the expert-data-parallel ranks only
+        (2, 1, 2, False, True, [], 1, 1),  # ep = dp: each expert has one copy
+        (4, 1, 1, True, False, [], 1, 1),  # ZeRO-3 shards it: no replica to compare
+        (1, 1, 1, False, False, [], 1, 1),
+        (2, 1, 1, False, False, ["dp", "cp"], 2, 1),  # context parallel: whole parameters on every cp rank
+        (4, 1, 2, False, True, ["dp_replicate"], 1, 2),  # HSDP, ep = dp_shard: one copy per replica
+        (4, 1, 1, True, False, [], 2, 2),  # ZeRO-3 (HSDP's replicas are a DTensor placement, read from it)
     ],
 )
-def test_replica_groups_of_plain_parameters(dp, tp, ep, fully_sharded, is_expert, expected):
-    dims = ParallelDims(pp=1, dp=dp, tp=tp, ep=ep, world_size=dp * tp)
+def test_replica_groups_of_plain_parameters(dp, tp, ep, fully_sharded, is_expert, expected, cp, dp_replicate):
+    dims = ParallelDims(pp=1, dp=dp, tp=tp, ep=ep, world_size=dp * tp * cp, cp=cp, dp_replicate=dp_replicate)
     assert replica_groups(torch.zeros(2), dims, fully_sharded=fully_sharded, is_expert=is_expert) == expected
 
 
