@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -51,6 +52,13 @@ def save_cases() -> list[tuple[str, int, int]]:
     return cases
 
 
+def lightning_observer_named(output: str) -> list[int]:
+    """Ranks Lightning's launcher reported dead before it SIGKILLed the others (its child observer
+    polls every 5 s; when it acts before the watchdog, survivors die with -9 and only this line names
+    the lost rank)."""
+    return [int(r) for r in re.findall(r"\[rank: (\d+)\] Child process with PID \d+ terminated with code", output)]
+
+
 def survivors_report(run, victim: int, killed_at: float, ended: dict) -> dict:
     codes, verdicts = run.exit_codes(), run.verdicts()
     survivors = [r for r in ended if r != victim]
@@ -59,6 +67,7 @@ def survivors_report(run, victim: int, killed_at: float, ended: dict) -> dict:
         "exit_after_s": {r: (None if ended[r] is None else round(ended[r] + killed_at, 2)) for r in survivors},
         "named_lost_rank": {r: names_rank(verdicts.get(r), victim) for r in survivors},
         "verdicts": {r: verdicts.get(r, "")[:300] for r in survivors},
+        "lightning_observer_named": lightning_observer_named(run.output()),
     }
 
 
@@ -161,14 +170,31 @@ def summarize(save: dict, random_runs: list[dict]) -> str:
                 named = [v for r in runs for v in r["named_lost_rank"].values()]
                 times = [t for r in runs for t in r["exit_after_s"].values() if t is not None]
                 hung = sum(1 for r in runs for t in r["exit_after_s"].values() if t is None)
+                observer = [r for r in runs if r["victim"] in r.get("lightning_observer_named", [])
+                            and not all(r["named_lost_rank"].values())]
                 within = sum(1 for t in times if t <= WATCHDOG_TIMEOUT + 10)
                 lines.append(
                     f"| {layout} | {launcher} | {len(runs)} | {sum(1 for c in codes if c)}/{len(codes)} |"
-                    f" {sum(named)}/{len(named)} | {within}/{len(codes)} (hung: {hung}) |"
+                    f" {sum(named)}/{len(named)}"
+                    + (f" (+{len(observer)} runs: Lightning's launcher killed all first, naming it)" if observer else "")
+                    + f" | {within}/{len(codes)} (hung: {hung}) |"
                     f" {statistics.median(times) if times else '-'} / {max(times) if times else '-'} |"
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def resummarize(json_path: Path, root: Path) -> None:
+    """Re-derive the survivors' fields from the saved outputs (e.g. after improving the report)."""
+    data = json.loads(json_path.read_text())
+    for entry in data["random"]:
+        folder = root / f"random_{entry['layout']}_{entry['launcher']}_{entry['run']:02d}"
+        if "victim" in entry and folder.is_dir():
+            output = "".join(f.read_text(errors="replace") for f in sorted(folder.glob("stdout*.txt")))
+            entry["lightning_observer_named"] = lightning_observer_named(output)
+    json_path.write_text(json.dumps(data, indent=1))
+    json_path.with_suffix(".md").write_text(summarize(data["save"], data["random"]))
+    print(summarize(data["save"], data["random"]))
 
 
 def main() -> None:
@@ -177,8 +203,13 @@ def main() -> None:
     parser.add_argument("--random-runs", type=int, default=10, help="per layout and launcher")
     parser.add_argument("--only", choices=("save", "random"), default=None)
     parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--resummarize", type=Path, default=None,
+                        help="rebuild the report from an earlier run's JSON and its --out folder")
     args = parser.parse_args()
     root = Path(args.out)
+    if args.resummarize is not None:
+        resummarize(args.resummarize, root)
+        return
     started = time.time()
     save = run_save_campaign(root) if args.only != "random" else {}
     random_runs = run_random_campaign(root, args.random_runs, args.seed) if args.only != "save" else []
