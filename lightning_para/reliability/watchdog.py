@@ -230,7 +230,9 @@ class Watchdog:
         while not self._stop.wait(min(LOCAL_CHECK_SECONDS, self.interval)):
             try:
                 if self._check_local_pids():  # no store operation: works while the store is down
-                    next_beat = 0.0  # a local peer just died: confirm and decide now, not at the next beat
+                    # A local peer just died: decide now (two store operations), before anything else --
+                    # under Lightning's launcher its child observer SIGKILLs every survivor within 5 s.
+                    self._confirm_dead_local_peers()
                 now = time.monotonic()
                 if now < next_beat:
                     continue
