@@ -17,6 +17,7 @@ from lightning_para.observe import ParaProfiler
 from lightning_para.parallel.pipeline import PipelineSpec
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
+from lightning_para.reliability import ResumableDataLoader
 from lightning_para.strategy import ParaStrategy
 
 if "para" not in StrategyRegistry:
@@ -30,6 +31,7 @@ __all__ = [
     "ParallelDims",
     "ParallelModel",
     "PipelineSpec",
+    "ResumableDataLoader",
     "__version__",
     "consolidate_checkpoint",
     "grad_norm",

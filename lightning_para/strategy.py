@@ -54,6 +54,8 @@ from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
+from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options, replicated_state
+from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 from lightning_para.threads import apply_thread_budget, available_cores
 
 # The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
@@ -101,6 +103,7 @@ class ParaStrategy(ParallelStrategy):
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
+            Either is written atomically (``docs/reliability.md``).
         process_group_backend: override ``"gloo"``/``"nccl"`` chosen from the device.
         timeout: process-group timeout.
         layout: ``"auto"``: at setup the planner (``lightning_para.plan``) picks every degree and
@@ -108,6 +111,12 @@ class ParaStrategy(ParallelStrategy):
             choice and the runner-up, and uses it; values you set are kept (see ``docs/planner.md``).
         layout_memory_gb: memory per process the planner may fill (default: the device's; on CPU
             the RAM divided among the node's processes).
+        integrity_check_every_n_steps: every N optimizer steps, compare checksums of all replicated
+            state across its replicas and report non-finite losses/gradients (``None``: off).
+        integrity_action: ``"raise"`` (``IntegrityError`` on every rank) or ``"warn"`` on a finding.
+        watchdog_timeout: seconds after which a rank that is gone (no heartbeat) or stuck (no progress)
+            makes every surviving rank log it and exit with code 75; ``None`` switches it off. Keep it
+            below ``timeout`` and above the longest step (``docs/reliability.md``).
     """
 
     strategy_name = "para"
@@ -144,6 +153,9 @@ class ParaStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         layout: Optional[str] = None,
         layout_memory_gb: Optional[float] = None,
+        integrity_check_every_n_steps: Optional[int] = None,
+        integrity_action: str = "raise",
+        watchdog_timeout: Optional[float] = 60.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -158,6 +170,14 @@ class ParaStrategy(ParallelStrategy):
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
             layout=layout, layout_memory_gb=layout_memory_gb,
+        )
+        # Reliability options (issue 14), validated before any process group exists.
+        check_integrity_options(integrity_check_every_n_steps, integrity_action)
+        check_watchdog_timeout(watchdog_timeout)
+        self._watchdog_timeout = watchdog_timeout
+        self._watchdog: Optional[Watchdog] = None
+        self._integrity = (
+            IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
         if precision is not None:
             if precision_plugin is not None:
@@ -265,6 +285,38 @@ class ParaStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
+        self._start_watchdog()
+
+    # ------------------------------------------------------------------ watchdog (issue 14)
+    def _start_watchdog(self) -> None:
+        if self._watchdog_timeout is None or self.world_size < 2 or self._watchdog is not None:
+            return
+        token = self.broadcast(ckpt.new_token())  # the heartbeats' key namespace for this run, agreed at setup
+        self._watchdog = start_watchdog(self._watchdog_timeout, token)
+        self._report("setup", exempt=True)
+
+    def _report(self, what: str, exempt: bool = False) -> None:
+        """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
+        if self._watchdog is not None:
+            self._watchdog.progress(what, exempt)
+
+    def _global_step(self) -> int:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer.global_step if trainer is not None else -1
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
+            self._watchdog.failed(exception)
+            self._watchdog = None
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
+        # would detach them from their mesh.
+        ModelParallelStrategy.teardown(self)
 
     def _plan_layout(self) -> ParallelDims:
         module = self.lightning_module
@@ -297,6 +349,7 @@ class ParaStrategy(ParallelStrategy):
         assert module is not None
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
+        self._report("setup: parallelize the model", exempt=True)
         existing = _PARALLELIZED.get(module)
         if existing is None:
             if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
@@ -388,6 +441,7 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        self._report(f"{name} (global step {self._global_step()})")
         cp = self._parallel.context if self._parallel is not None else None
         if cp is None:
             return self._run_parallel_step(name, context, *args, **kwargs)
@@ -420,7 +474,10 @@ class ParaStrategy(ParallelStrategy):
         return plain_step_output(output, gather=name == "predict_step")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        if self._integrity is not None:  # device-side note of a non-finite local loss: no sync, no collective
+            self._integrity.observe_loss(output, self.lightning_module.trainer.global_step)
+        return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
@@ -432,6 +489,7 @@ class ParaStrategy(ParallelStrategy):
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        self._report(f"backward and gradient sync (global step {self._global_step()})")
         parallel = self._parallel
         pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
@@ -466,6 +524,35 @@ class ParaStrategy(ParallelStrategy):
                 yield
         else:
             yield
+
+    # ------------------------------------------------------------------ integrity (issue 14)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        step = self.lightning_module.trainer.global_step
+        self._report(f"train batch {batch_idx} loaded (global step {step})")
+        if self._integrity is not None and self._integrity.due(step):  # after the last step's ZeRO gather
+            self.check_integrity(step)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        step = self.lightning_module.trainer.global_step
+        if self._integrity is not None and step != self._integrity.last_checked_step:
+            self.check_integrity(step)
+
+    def check_integrity(self, step: Optional[int] = None) -> list[str]:
+        """Compare every replicated tensor across its replicas now (collective; see ``docs/reliability.md``).
+        Returns the findings; raises ``IntegrityError`` on one unless ``integrity_action="warn"``."""
+        parallel = self.parallel_model
+        checker = self._integrity or IntegrityChecker(1, "raise")
+        module, optimizers, dims = self.lightning_module, self._raw_optimizers(), self.parallel_dims
+        is_expert = parallel.expert_predicate()
+        return checker.check(
+            self.lightning_module.trainer.global_step if step is None else step,
+            lambda: replicated_state(module, optimizers, dims, fully_sharded=parallel.fully_sharded, is_expert=is_expert),
+            lambda: (q.grad for o in optimizers for g in o.param_groups for q in g["params"] if q.grad is not None),
+            dims,
+            self.root_device,
+        )
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, Any]:
@@ -540,18 +627,27 @@ class ParaStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        path = Path(self.broadcast(str(filepath)))
+        # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
+        path, token = self.broadcast((str(filepath), ckpt.new_token()))
         # transformers models in the module: their class and config, so `integrations.transformers.export`
         # can write a folder that `from_pretrained` opens from this checkpoint alone.
         hf_models = transformers_models(self.lightning_module) if self.lightning_module is not None else {}
         if hf_models:
             checkpoint[TRANSFORMERS_CHECKPOINT_KEY] = hf_models
-        ckpt.save_checkpoint(path, checkpoint, sharded=self.save_distributed_checkpoint)
+        self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
+        ckpt.save_checkpoint(Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token)
+        self._report(f"checkpoint {path} saved (global step {self._global_step()})")
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # Renamed away first, then deleted: a kill mid-delete never leaves a half checkpoint under its name.
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._report(f"loading checkpoint {path}", exempt=True)
         parallel = self._parallel
         # `trainer.test(ckpt_path=...)` may run under torch.inference_mode(): tensors DCP reads there could
         # not be copied into parameters ("Cannot set version_counter for inference tensor").
@@ -567,11 +663,6 @@ class ParaStrategy(ParallelStrategy):
             zero=parallel.zero if parallel is not None else None,
             pipeline=parallel.pipeline if parallel is not None else None,
         )
-
-    # ------------------------------------------------------------------ teardown
-    # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
-    # would detach them from their mesh.
-    teardown = ModelParallelStrategy.teardown
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -3,21 +3,35 @@
 * :mod:`.format`: the on-disk format (a DCP directory plus ``meta.pt``);
 * :mod:`.optimizer`: optimizer state by parameter name as global DTensors, for any layout;
 * :mod:`.consolidate`: one ordinary Lightning checkpoint out of a sharded directory;
-* :mod:`.io`: what the strategy calls to save and to load in place;
+* :mod:`.atomic`: write beside, mark complete, swap into place; verification on load;
+* :mod:`.io`: what the strategy calls to save, remove and load in place;
 * :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``).
 """
 
+from lightning_para.checkpoint.atomic import (
+    IncompleteCheckpointError,
+    mark_checkpoint_complete,
+    new_token,
+    newest_complete_checkpoint,
+    verify_checkpoint,
+)
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
 from lightning_para.checkpoint.full_state import full_model_state, full_optimizer_state
-from lightning_para.checkpoint.io import load_checkpoint_in_place, save_checkpoint
+from lightning_para.checkpoint.io import load_checkpoint_in_place, remove_checkpoint, save_checkpoint
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
 
 __all__ = [
+    "IncompleteCheckpointError",
     "consolidate_checkpoint",
     "full_model_state",
     "full_optimizer_state",
     "load_checkpoint_in_place",
+    "mark_checkpoint_complete",
+    "new_token",
+    "newest_complete_checkpoint",
     "optimizer_params",
     "optimizer_state_dict",
+    "remove_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
 ]

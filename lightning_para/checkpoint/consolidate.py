@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # private: see docs/architecture.md
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private: see docs/architecture.md
 
+from lightning_para.checkpoint.atomic import commit, fsync_file, new_token, partial_path, verify_checkpoint
 from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
 
 
@@ -24,20 +25,37 @@ def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, P
     weights when the run kept them), optimizer states in PyTorch's own format (parameters
     numbered in param-group order), and all of Lightning's metadata, so
     ``MyModule.load_from_checkpoint(output)`` and a plain ``Trainer(ckpt_path=output)`` work.
-    Written to ``output`` when given.
+    Written to ``output`` when given (atomically: a hidden sibling renamed into place).
+    Refuses an incomplete checkpoint (no completion marker, a missing or truncated file).
     """
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is one file, not a sharded lightning-para checkpoint directory: load it with torch.load.")
+    verify_checkpoint(path)  # raises, naming what is missing and the newest complete checkpoint beside it
     if not is_sharded_checkpoint(path):
         raise ValueError(f"{path} is not a sharded lightning-para checkpoint (no `.metadata` file in it).")
+    checkpoint = _consolidate(path)
+    if output is not None:
+        write_file_atomically(Path(output), checkpoint)
+    return checkpoint
+
+
+def write_file_atomically(path: Path, obj: Any) -> None:
+    """``torch.save`` into a hidden sibling, fsync, then swap it into ``path`` (one process)."""
+    partial = partial_path(path, new_token())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, partial)
+    fsync_file(partial)
+    commit(partial, path)
+
+
+def _consolidate(path: Path) -> dict[str, Any]:
     loaded: dict[str, Any] = {}
     _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     meta_file = path / METADATA_FILENAME
     if meta_file.is_file():
         loaded.update(torch.load(meta_file, weights_only=False))
-    checkpoint = trainer_format(loaded)
-    if output is not None:
-        torch.save(checkpoint, output)
-    return checkpoint
+    return trainer_format(loaded)
 
 
 def trainer_format(loaded: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,7 +117,7 @@ def number_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-__all__ = ["consolidate_checkpoint", "number_optimizer_state", "trainer_format"]
+__all__ = ["consolidate_checkpoint", "number_optimizer_state", "trainer_format", "write_file_atomically"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

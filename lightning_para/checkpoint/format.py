@@ -8,6 +8,7 @@ optimizer state is named so that any layout can load it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Union
 
@@ -24,14 +25,20 @@ MASTER_KEY = "_master"
 
 
 def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Write a sharded checkpoint directory (collective: call on every rank)."""
+    """Write a sharded checkpoint directory (collective: call on every rank).
+
+    ``path`` should be a fresh directory: :mod:`.atomic` writes into a hidden sibling and swaps it
+    into place, so nothing here is written over a checkpoint that someone may read. DCP fsyncs
+    its shard files; ``meta.pt`` is fsynced here.
+    """
     path = Path(path)
-    if path.is_file():
-        path.unlink()
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(for_dcp(tensors), checkpoint_id=str(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(metadata, path / METADATA_FILENAME)
+        with open(path / METADATA_FILENAME, "wb") as f:
+            torch.save(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
@@ -40,14 +47,23 @@ def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
+def checkpoint_keys(path: Union[str, Path]) -> set[str]:
+    """The flat keys (``"state_dict.blocks.0.weight"``, ...) a sharded checkpoint holds (reads ``.metadata`` only)."""
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def flat_keys(template: dict[str, Any]) -> set[str]:
+    """The flat keys DCP gives ``template`` (the names :func:`checkpoint_keys` compares with)."""
+    return set(flatten_state_dict(template)[0])
+
+
 def load_sharded_into(path: Union[str, Path], template: dict[str, Any]) -> dict[str, Any]:
     """Load the keys of ``template`` that the checkpoint has, in place; returns the flat loaded dict.
 
     Keys the checkpoint lacks (an fp32 master when the checkpoint came from a fp32 run) stay
     untouched and are reported under ``"__missing__"``.
     """
-    reader = FileSystemReader(str(path))
-    available = set(reader.read_metadata().state_dict_metadata)
+    available = checkpoint_keys(path)
     flat, _ = flatten_state_dict(template)
     wanted = {k: v for k, v in flat.items() if k in available}
     view = for_dcp(wanted)  # strided views share storage: they load in place
@@ -57,4 +73,7 @@ def load_sharded_into(path: Union[str, Path], template: dict[str, Any]) -> dict[
     return wanted
 
 
-__all__ = ["MASTER_KEY", "METADATA_FILENAME", "is_sharded_checkpoint", "load_sharded_into", "save_sharded"]
+__all__ = [
+    "MASTER_KEY", "METADATA_FILENAME", "checkpoint_keys", "flat_keys", "is_sharded_checkpoint", "load_sharded_into",
+    "save_sharded",
+]

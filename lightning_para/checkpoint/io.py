@@ -1,45 +1,101 @@
 """Reading and writing Lightning checkpoints for a parallelized model, in place.
 
 :func:`save_checkpoint` writes Lightning's checkpoint dict as a sharded DCP directory (or one
-consolidated file); :func:`load_checkpoint_in_place` loads either kind, and a plain
-single-device Lightning checkpoint, into whatever layout the model has now.
+consolidated file), atomically (:mod:`.atomic`); :func:`load_checkpoint_in_place` verifies the
+checkpoint and loads either kind, and a plain single-device Lightning checkpoint, into whatever
+layout the model has now, strictly unless the module sets ``strict_loading = False``.
 """
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Mapping
+import pickle
+import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import TorchCheckpointIO
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import is_strided, local_tensor
-from lightning_para.checkpoint.consolidate import trainer_format
-from lightning_para.checkpoint.format import METADATA_FILENAME, is_sharded_checkpoint, load_sharded_into, save_sharded
+from lightning_para.checkpoint import atomic
+from lightning_para.checkpoint.consolidate import trainer_format, write_file_atomically
+from lightning_para.checkpoint.format import (
+    METADATA_FILENAME,
+    checkpoint_keys,
+    flat_keys,
+    load_sharded_into,
+    save_sharded,
+)
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.parallel.data.zero import ZeroDataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
 
 
-def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = True) -> None:
-    """Write Lightning's ``checkpoint`` dict: model and optimizer states through DCP, the rest into
-    ``meta.pt`` (collective). ``sharded=False``: the dict already holds the full state on rank 0
-    (:mod:`.full_state`), which writes it as one ordinary file; the other ranks write nothing."""
+T = TypeVar("T")
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank0(compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0, the same value on every rank (so all ranks take the same branch)."""
+    if not dist.is_initialized():
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = True, token: Optional[str] = None) -> None:
+    """Write Lightning's ``checkpoint`` dict (collective), atomically (see :mod:`.atomic`).
+
+    Model and optimizer states go through DCP, the rest into ``meta.pt``, all into a hidden
+    sibling of ``path`` that rank 0 marks complete and swaps into place once every rank has
+    written. ``sharded=False``: the dict already holds the full state on rank 0 (:mod:`.full_state`),
+    which writes it as one ordinary file beside ``path`` and swaps it into place; the other ranks
+    write nothing.
+    ``token`` names the sibling (the same on every rank; drawn by rank 0 when not given).
+    """
+    path = Path(path)
     if not sharded:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            if path.is_dir():
-                shutil.rmtree(path)  # a sharded checkpoint of the same name
-            TorchCheckpointIO().save_checkpoint(checkpoint, path)  # creates the folder, writes atomically
+        if _is_rank0():
+            if path.parent.is_dir():
+                atomic.sweep_interrupted(path.parent)  # leftovers of earlier interrupted saves
+            write_file_atomically(path, checkpoint)
+        _barrier()  # no rank reads `path` (or saves again) before it is in place
         return
+    token = token or _from_rank0(atomic.new_token)
+    partial = atomic.partial_path(path, token)
+    info = {k: checkpoint.get(k) for k in ("epoch", "global_step")}
+    info["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
-    save_sharded(path, tensors, checkpoint)
+    if _is_rank0():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.sweep_interrupted(path.parent, keep=partial)  # leftovers of earlier interrupted saves
+    _barrier()
+    save_sharded(partial, tensors, checkpoint)
+    # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this barrier.
+    _barrier()
+    if _is_rank0():
+        atomic.write_marker(partial, info)
+        atomic.commit(partial, path)
+    _barrier()  # no rank reads `path` (or saves again) before it is in place
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint (rank 0) without ever leaving a half-deleted one under its name."""
+    atomic.remove_checkpoint(path)
 
 
 @torch.no_grad()
@@ -50,14 +106,14 @@ def load_full_checkpoint_into(
     views: Mapping[int, OptimParam],
     zero: Optional[ZeroDataParallel],
     strict: bool = True,
+    path: Any = "<checkpoint>",
 ) -> None:
     """Load an ordinary (consolidated or single-device) Lightning checkpoint into the sharded model."""
     state = checkpoint["state_dict"]
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"Checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}.")
+    check_keys(path, module, missing, unexpected, strict)
     for key, target in own.items():
         if key in state:
             _copy_full_into(target, state[key])
@@ -107,6 +163,60 @@ def _copy_full_into(target: Tensor, full: Tensor) -> None:
     local_tensor(target).copy_(_local_of_full(target, full).view(local_tensor(target).shape))
 
 
+def _first(keys: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_keys(path: Any, module: nn.Module, missing: Sequence[str], unexpected: Sequence[str], strict: bool) -> None:
+    """Lightning's ``strict=True`` contract: raise listing up to 10 missing and 10 unexpected keys.
+
+    Collective when distributed: every rank raises the same error (the union of what each rank
+    found), so no rank goes on into the optimizer load's collectives while another has failed.
+    """
+    if dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (sorted(missing), sorted(unexpected)))
+        missing = sorted({k for m, _ in gathered for k in m})
+        unexpected = sorted({k for _, u in gathered for k in u})
+    if not strict or not (missing or unexpected):
+        return
+    parts = []
+    if unexpected:
+        parts.append(f"Unexpected key(s) in the checkpoint ({len(unexpected)}): {_first(list(unexpected))}")
+    if missing:
+        parts.append(f"Missing key(s) in the checkpoint ({len(missing)}): {_first(list(missing))}")
+    raise RuntimeError(
+        f"Error(s) in loading the checkpoint {str(path)!r} into {type(module).__name__} (strict loading). "
+        + ". ".join(parts)
+        + ". The checkpoint was written for a different model. To load only the entries that match, set"
+        " `self.strict_loading = False` in the LightningModule."
+    )
+
+
+def _problem(path: Path) -> Optional[tuple[str, str]]:
+    """Rank 0's verdict on ``path``: ``None`` if loadable, else the error class name and message."""
+    status = atomic.checkpoint_problems(path)
+    if status.complete:
+        return None
+    kind = "missing" if not path.exists() else "incomplete"
+    return kind, atomic.describe_problems(status)
+
+
+def _unreadable(path: Path, what: str, error: BaseException) -> atomic.IncompleteCheckpointError:
+    status = atomic.CheckpointStatus(path, [f"{what} cannot be read ({type(error).__name__}: {error})"])
+    return atomic.IncompleteCheckpointError(atomic.describe_problems(status))
+
+
+def _model_keys_everywhere(wanted: set[str], pipeline: Optional[PipelineRunner]) -> set[str]:
+    """The model's keys on every pipeline stage (each rank holds only its stages'): collective over pp."""
+    if pipeline is None or not dist.is_initialized():
+        return wanted
+    gathered: list[Any] = [None] * dist.get_world_size(pipeline.group)
+    dist.all_gather_object(gathered, sorted(wanted), group=pipeline.group)
+    return {k for keys in gathered for k in keys}
+
+
 def load_checkpoint_in_place(
     path: Path,
     module: nn.Module,
@@ -122,29 +232,46 @@ def load_checkpoint_in_place(
     (``save_distributed_checkpoint=False``, or a plain Lightning checkpoint). ``views`` are
     :func:`optimizer_params`. With no optimizers (validate/predict), ZeRO masters follow the
     loaded weights.
+
+    Rank 0 verifies the checkpoint first (completion marker, every file at its written size):
+    every rank raises ``FileNotFoundError`` or :class:`~.atomic.IncompleteCheckpointError`
+    naming the path, what is wrong and the newest complete checkpoint in the same folder.
+    Missing and unexpected model keys raise unless ``module.strict_loading`` is ``False``.
     """
+    path = Path(path)
+    problem = _from_rank0(lambda: _problem(path))
+    if problem is not None:
+        kind, message = problem
+        raise FileNotFoundError(message) if kind == "missing" else atomic.IncompleteCheckpointError(message)
     strict = getattr(module, "strict_loading", True)
-    if is_sharded_checkpoint(path):
-        flat = load_sharded_into(path, {"state_dict": module.state_dict()})
-        missing = flat["__missing__"]
-        if missing and strict:
-            raise RuntimeError(f"The checkpoint {path} lacks model entries: {missing[:10]}.")
+    if path.is_dir():
+        own = module.state_dict()
+        available = {k for k in checkpoint_keys(path) if k.startswith("state_dict.")}
+        wanted = flat_keys({"state_dict": own})
+        prefix = len("state_dict.")
+        missing = sorted(k[prefix:] for k in wanted - available)
+        unexpected = sorted(k[prefix:] for k in available - _model_keys_everywhere(wanted, pipeline))
+        check_keys(path, module, missing, unexpected, strict)
+        load_sharded_into(path, {"state_dict": own})
         if zero is not None and not optimizers:
             zero.reset_masters_from_params()
         for i, optimizer in enumerate(optimizers):
             load_optimizer_state(optimizer, views, path, f"optimizer_{i}", zero)
-        meta_file = path / METADATA_FILENAME
-        return torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint not found: {path}")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path / METADATA_FILENAME, weights_only=False)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+            raise _unreadable(path, f"`{METADATA_FILENAME}`", error) from error
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise _unreadable(path, "the file", error) from error
     if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
         # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
         checkpoint = trainer_format(checkpoint)
     if pipeline is not None:
         pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
-    load_full_checkpoint_into(checkpoint, module, optimizers, views, zero, strict=strict)
+    load_full_checkpoint_into(checkpoint, module, optimizers, views, zero, strict=strict, path=path)
     return checkpoint
 
 
-__all__ = ["load_checkpoint_in_place", "load_full_checkpoint_into", "save_checkpoint"]
+__all__ = ["check_keys", "load_checkpoint_in_place", "load_full_checkpoint_into", "remove_checkpoint", "save_checkpoint"]

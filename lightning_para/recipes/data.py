@@ -10,6 +10,10 @@ Batches follow the data-parallel sub-mesh: the sampler is built from
 ``trainer.strategy.distributed_sampler_kwargs`` (``num_replicas = dp``, ``rank =`` the dp
 coordinate), so the tp and pp ranks of one dp slot see the same batch, and
 ``global_batch_size`` is split over the dp ranks only.
+
+The training loader is a :class:`~lightning_para.reliability.ResumableDataLoader`: its global
+position (epoch, samples consumed) is saved in every checkpoint, so a run resumed from a
+mid-epoch checkpoint continues with the same batches, also at another data-parallel degree.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_para.reliability.resumable_data import ResumableDataLoader
 
 BYTE_VOCAB = 256
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
@@ -268,12 +274,14 @@ class TextDataModule(L.LightningDataModule):
                 f"The {split} split has {len(dataset)} sequences, fewer than `data.global_batch_size="
                 f"{self.global_batch_size}`. Use more text or a smaller batch/seq_len."
             )
+        workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        if split == "train":  # resumable mid-epoch: Lightning saves its global position in each checkpoint
+            return ResumableDataLoader(
+                dataset, self.global_batch_size, shuffle=shuffle, seed=self.seed, **replicas, **workers
+            )
         # drop_last keeps every dp rank at the same number of equal batches (no padded duplicates).
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **replicas)
-        return DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.shuffle)

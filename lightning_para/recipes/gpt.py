@@ -429,8 +429,9 @@ class GPT(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = self.split_batch(batch)
         loss = self.loss_fn(self(inputs), targets)
-        # The same name the pipeline runner logs under pp > 1, so every layout shows one curve.
-        self.log("train_loss", loss, prog_bar=True)
+        # The same name and meaning the pipeline runner logs under pp > 1, so every layout shows one curve:
+        # sync_dist averages the dp ranks' batch means (one scalar all-reduce): the global batch's loss.
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def _eval_step(self, batch: Any, prefix: str) -> Tensor:

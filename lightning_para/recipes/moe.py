@@ -101,6 +101,7 @@ class MoEGPT(GPT):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
-        # The aux gradients are already attached inside each MoE layer; this is the value, for the logs.
-        self.log("train_aux_loss", aux_loss(self))
+        # The aux gradients are already attached inside each MoE layer; this is the value, for the logs
+        # (the mean over dp, as `train_loss`; the pipeline runner logs the same name under pp > 1).
+        self.log("train_aux_loss", aux_loss(self), sync_dist=True)
         return loss

@@ -187,6 +187,18 @@ class PhaseCounter(Callback):
             self._switch(None)
 
 
+class LoggedAuxLoss(Callback):
+    """``train_aux_loss`` as logged after each step (the pipeline runner logs it under pp > 1)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train_aux_loss")
+        if value is not None:
+            self.values.append(float(value))
+
+
 def moe_fit_job(
     model_factory,
     strategy_kwargs: dict[str, Any],
@@ -202,8 +214,8 @@ def moe_fit_job(
     strategy = ParaStrategy(**strategy_kwargs)
     L.seed_everything(0, verbose=False)
     module = model_factory()
-    recorder = LossRecorder()
-    callbacks: list[Callback] = [recorder]
+    recorder, aux_values = LossRecorder(), LoggedAuxLoss()
+    callbacks: list[Callback] = [recorder, aux_values]
     counter = PhaseCounter(count_step) if count_step is not None else None
     if counter is not None:
         callbacks.append(counter)
@@ -217,8 +229,13 @@ def moe_fit_job(
     trainer.fit(module, datamodule=ShardedData(dataset_factory, global_batch // dims.dp))
     params = full_parameters(module)
     is_expert = strategy.parallel_model.expert_predicate()
+    losses = recorder.losses
+    if dims.pp > 1:
+        # Under pp the runner returns the LM loss and logs the aux losses apart (`train_aux_loss`, the mean
+        # over dp); this model's own training_step (pp=1) returns their sum, which the reference sees.
+        losses = [loss + aux for loss, aux in zip(losses, aux_values.values)]
     out: dict[str, Any] = {
-        "losses": recorder.losses,
+        "losses": losses,
         "params": params,  # every rank: under pp each holds only its stage's layers
         "memory": strategy.memory_breakdown(),
         "dp_rank": dims.local_rank("dp"),
@@ -511,7 +528,8 @@ def test_checkpoint_save_resume_and_consolidate_experts(pools, tmp_path):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_ep2_with_pp2(pools, schedule):
     """ep=2 x pp=2 (dp=2, 2 microbatches): one MoE block per stage; each stage's ep peers exchange tokens
-    per microbatch; the reported loss adds every stage's aux losses (in the pipeline's loss all-reduce)."""
+    per microbatch; the pipeline logs every stage's aux losses (summed in its loss all-reduce) as
+    ``train_aux_loss`` beside the LM loss it returns."""
     overrides = (("gradient_clip_val", 0.5),)
     results = pools.get(4).run(
         moe_fit_job, MODEL, {"ep": 2, "pp": 2, "schedule": schedule}, overrides=dict(overrides), count_step=1

@@ -8,9 +8,11 @@
   so gradients equal one device's. They are set aside until ``ParaStrategy.backward`` (Lightning
   calls ``zero_grad`` in between) and synchronised over dp once, then;
 * the mean loss is all-reduced from the last stage to every pipeline rank, returned and
-  logged (``train_loss``), so progress bar, loggers and ``ModelCheckpoint(monitor=...)`` work;
-  MoE layers (``lightning_para.moe``) in any stage add their aux-loss values to it in the same
-  all-reduce, and their aux gradients are scaled by the same ``scale / (m * A)``;
+  logged as ``train_loss`` with ``sync_dist=True`` (the global batch's mean over dp, the same
+  value on every rank), so progress bar, loggers and ``ModelCheckpoint(monitor=...)`` work;
+  MoE layers (``lightning_para.moe``) in any stage send their aux-loss values in the same
+  all-reduce, logged separately as ``train_aux_loss`` (as the MoE recipe logs it under pp=1);
+  their aux gradients are scaled by the same ``scale / (m * A)``;
 * validate/test/predict run a forward-only pipeline.
 """
 
@@ -80,6 +82,7 @@ class PipelineRunner:
         self._history: list[dict[str, Any]] = []
         self._raw_losses: list[Tensor] = []
         self._loss_factor = 1.0
+        self._model_has_moe: Optional[bool] = None  # any stage (not only this rank's) has MoE layers
         self.loss_parallel = False  # set by `enable_loss_parallel` once tensor parallelism shards the head
         self.sequence_multiple = 1  # set by `require_sequence_multiple` under sequence parallelism
 
@@ -136,7 +139,7 @@ class PipelineRunner:
             )
         # The loss all-reduce ends the step on every pipeline rank at once, so each rank's idle
         # time includes waiting for the slowest stage to drain: the bubble of the papers' formulas.
-        loss = self._share_from_last(self._mean(self._raw_losses), extra=self._moe_aux_loss())
+        loss, aux = self._share_train_losses(self._mean(self._raw_losses), self._moe_aux_loss())
         wall = self.recorder.end_step()
         # Set this step's gradients aside: Lightning calls zero_grad between training_step and
         # backward; `finish_backward` adds them to `.grad` afterwards. (Under ZeRO-0 the previous
@@ -146,7 +149,10 @@ class PipelineRunner:
             p.grad = g
         if wall is not None:
             self._record_step(wall, meter)
-        self._log(module, "train", loss, prog_bar=True)
+        # One meaning on every layout: the LM loss of the global batch (mean over dp); the MoE aux apart.
+        self._log(module, "train", loss, prog_bar=True, sync_dist=True)
+        if aux is not None:
+            self._log(module, "train_aux", aux, sync_dist=True)
         if trainer is not None and wall is not None:
             module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
         return loss
@@ -269,15 +275,27 @@ class PipelineRunner:
             return None
         return sum(aux_loss(stage).to(device=self.device, dtype=torch.float32) for stage in self.stage_modules)
 
-    def _share_from_last(self, loss: Tensor, extra: Optional[Tensor] = None) -> Tensor:
-        """The last stage's loss on every pipeline rank (the others add an exact 0.0), plus every rank's ``extra``."""
+    def _share_from_last(self, loss: Tensor) -> Tensor:
+        """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
         loss = loss.detach().to(device=self.device, dtype=torch.float32).clone()
         if not self.has_last:
             loss.zero_()
-        if extra is not None:
-            loss += extra
         dist.all_reduce(loss, group=self.group)
         return loss
+
+    def _share_train_losses(self, loss: Tensor, aux: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        """In one all-reduce over pp: the last stage's loss, the sum of every stage's MoE aux losses, and
+        whether any stage has MoE layers (``None`` for the aux loss when none has)."""
+        values = torch.zeros(3, dtype=torch.float32, device=self.device)
+        if self.has_last:
+            values[0] = loss.detach().float()
+        if aux is not None:
+            values[1] = aux.detach().float()
+            values[2] = 1.0
+        dist.all_reduce(values, group=self.group)
+        if self._model_has_moe is None:  # the layout is fixed: read (and synchronise on) the flag once
+            self._model_has_moe = bool(values[2] > 0)
+        return values[0], (values[1] if self._model_has_moe else None)
 
     def _log(self, module: Any, prefix: str, loss: Tensor, **kwargs: Any) -> None:
         if self.spec.log_name is not None and getattr(module, "_trainer", None) is not None:

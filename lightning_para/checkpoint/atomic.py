@@ -1,0 +1,368 @@
+"""Atomic, verifiable checkpoints: write beside, mark complete, swap into place.
+
+A checkpoint is never written where it will be read. Every save goes through these steps:
+
+1. Every rank writes into a hidden sibling ``.<name>.partial-<token>`` (its name starts with a
+   dot and does not end in ``.ckpt``, so Lightning's ``ckpt_path="last"`` listing, which takes
+   ``last*.ckpt`` in the ``ModelCheckpoint`` folder, never sees it). DCP's writer fsyncs each
+   shard; rank 0 writes and fsyncs ``meta.pt``.
+2. A barrier: every rank's shards, DCP's ``.metadata`` and ``meta.pt`` are on disk.
+3. Rank 0 writes the completion marker ``para_complete.json`` (itself atomically: temp file,
+   fsync, rename). It lists every file with its size, so a truncated or missing file is found
+   on load without reading any shard.
+4. Rank 0 swaps the sibling into place. A new name is one ``rename``. An existing one (the
+   ``last.ckpt`` that ``ModelCheckpoint`` rewrites) is *exchanged* with the new one in one
+   ``renameat2(RENAME_EXCHANGE)`` call (Linux >= 3.15 on ext4/xfs/btrfs/tmpfs/overlayfs), so at
+   every instant the name holds a complete checkpoint. Where exchange is unsupported, the old
+   one is first renamed to ``<stem>.previous<suffix>`` -- still a complete checkpoint, still
+   matched by ``last*.ckpt`` -- and the new one renamed into place. Then the old copy is deleted.
+
+A checkpoint directory without its marker is never loaded: :func:`verify_checkpoint` names
+what is missing or corrupt and suggests the newest complete checkpoint in the same folder.
+Single-file checkpoints (``save_distributed_checkpoint=False``) are written to a hidden
+sibling file, fsynced and swapped in the same way; a file that exists is complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from torch.distributed.checkpoint import FileSystemReader
+
+MARKER_FILENAME = "para_complete.json"
+MARKER_FORMAT = 1
+PARTIAL_TAG = ".partial-"  # `.<name>.partial-<token>`: a save in progress (or interrupted)
+REPLACED_TAG = ".replaced-"  # `.<name>.replaced-<token>`: the previous copy, deleted after a swap
+DELETING_TAG = ".deleting-"  # `.<name>.deleting-<token>`: a checkpoint being removed
+PREVIOUS_INFIX = ".previous"  # `<stem>.previous<suffix>`: the old copy during a non-atomic swap (fallback only)
+_HIDDEN_TAGS = (PARTIAL_TAG, REPLACED_TAG, DELETING_TAG)
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint path that must not be loaded: no completion marker, or missing/truncated files."""
+
+
+def new_token() -> str:
+    """A short random token naming one save's temporary siblings (rank 0 draws it, every rank uses it)."""
+    return uuid.uuid4().hex[:12]
+
+
+def partial_path(path: Union[str, Path], token: str) -> Path:
+    """The hidden sibling a save writes into before it is swapped into ``path``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{PARTIAL_TAG}{token}")
+
+
+def _hidden_sibling(path: Path, tag: str, token: str) -> Path:
+    return path.with_name(f".{path.name}{tag}{token}")
+
+
+# ---------------------------------------------------------------------- durability
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- the marker
+def _manifest(directory: Path) -> dict[str, int]:
+    files = {}
+    for f in sorted(directory.rglob("*")):
+        if f.is_file() and f.name != MARKER_FILENAME and not f.name.startswith(MARKER_FILENAME):
+            files[f.relative_to(directory).as_posix()] = f.stat().st_size
+    return files
+
+
+def write_marker(directory: Union[str, Path], info: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Write ``para_complete.json`` into a fully written checkpoint directory (rank 0, after the barrier).
+
+    It records the format, the time, ``info`` (e.g. ``global_step``) and every file with its size.
+    """
+    directory = Path(directory)
+    marker = {"format": MARKER_FORMAT, "saved_at": time.time(), **(info or {}), "files": _manifest(directory)}
+    tmp = directory / f"{MARKER_FILENAME}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MARKER_FILENAME)
+    fsync_dir(directory)
+    return marker
+
+
+def read_marker(directory: Union[str, Path]) -> Optional[dict[str, Any]]:
+    """The marker of a checkpoint directory, ``None`` if it has none or it cannot be parsed."""
+    try:
+        with open(Path(directory) / MARKER_FILENAME) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+
+# ---------------------------------------------------------------------- verification
+@dataclass
+class CheckpointStatus:
+    """What :func:`checkpoint_problems` found: ``problems`` is empty for a loadable checkpoint."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    marker: Optional[dict[str, Any]] = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+
+def checkpoint_problems(path: Union[str, Path], required: Iterable[str] = (".metadata", "meta.pt")) -> CheckpointStatus:
+    """Check a checkpoint without reading its shards (``stat`` only).
+
+    A directory must hold a marker, every file the marker lists at its recorded size, and the
+    ``required`` files. A file must be non-empty (a file that exists was renamed into place complete).
+    """
+    path = Path(path)
+    status = CheckpointStatus(path)
+    if path.is_file():
+        if path.stat().st_size == 0:
+            status.problems.append("the file is empty")
+        return status
+    if not path.is_dir():
+        status.problems.append("it does not exist")
+        return status
+    marker = read_marker(path)
+    status.marker = marker
+    if marker is None:
+        has_dcp = (path / ".metadata").is_file()
+        status.problems.append(
+            f"it has no completion marker `{MARKER_FILENAME}`: the save was interrupted"
+            + (" (DCP's `.metadata` is there, but nothing proves every shard and `meta.pt` were written after it)"
+               if has_dcp else "")
+        )
+        return status
+    listed = marker["files"]
+    for name in required:
+        if name not in listed:
+            status.problems.append(f"the marker does not list `{name}`")
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            status.problems.append(f"`{name}` is missing")
+        elif file.stat().st_size != size:
+            status.problems.append(f"`{name}` is truncated or changed: {file.stat().st_size} bytes, {size} written")
+    return status
+
+
+def _saved_at(status: CheckpointStatus) -> float:
+    if status.marker is not None and isinstance(status.marker.get("saved_at"), (int, float)):
+        return float(status.marker["saved_at"])
+    return status.path.stat().st_mtime
+
+
+def newest_complete_checkpoint(folder: Union[str, Path], exclude: Optional[Path] = None) -> Optional[Path]:
+    """The most recently saved complete checkpoint (a ``*.ckpt`` directory or file) in ``folder``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    best: Optional[tuple[float, Path]] = None
+    for candidate in folder.iterdir():
+        if candidate.name.startswith(".") or candidate.suffix != ".ckpt":
+            continue
+        if exclude is not None and candidate.resolve() == exclude.resolve():
+            continue
+        status = checkpoint_problems(candidate)
+        if status.complete:
+            when = _saved_at(status)
+            if best is None or when > best[0]:
+                best = (when, candidate)
+    return best[1] if best else None
+
+
+def describe_problems(status: CheckpointStatus) -> str:
+    """One message: the path, what is wrong, and the newest complete checkpoint beside it (if any)."""
+    suggestion = newest_complete_checkpoint(status.path.parent, exclude=status.path)
+    hint = (
+        f" The newest complete checkpoint in the same folder is {str(suggestion)!r}: pass it as `ckpt_path`."
+        if suggestion is not None
+        else " No complete checkpoint was found in the same folder."
+    )
+    return f"The checkpoint {str(status.path)!r} cannot be loaded: {'; '.join(status.problems)}.{hint}"
+
+
+def verify_checkpoint(path: Union[str, Path]) -> CheckpointStatus:
+    """Raise if ``path`` is not a complete checkpoint (``FileNotFoundError`` if it does not exist,
+    :class:`IncompleteCheckpointError` otherwise); return its status (with the marker) if it is."""
+    status = checkpoint_problems(path)
+    if status.complete:
+        return status
+    message = describe_problems(status)
+    if not status.path.exists():
+        raise FileNotFoundError(message)
+    raise IncompleteCheckpointError(message)
+
+
+def mark_checkpoint_complete(path: Union[str, Path]) -> dict[str, Any]:
+    """Vouch for a sharded checkpoint written without a marker (by lightning-para before markers existed).
+
+    Checks that DCP's ``.metadata`` and ``meta.pt`` load and that every byte range DCP's metadata
+    names lies inside its shard file, then writes the marker. It cannot tell a torn checkpoint whose
+    files all have plausible sizes from a good one: only use it on checkpoints you know were finished.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is not a sharded checkpoint directory.")
+    metadata = FileSystemReader(str(path)).read_metadata()
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    problems = [
+        f"`{name}` is missing" if not (path / name).is_file() else f"`{name}` is shorter than {end} bytes"
+        for name, end in sorted(ends.items())
+        if not (path / name).is_file() or (path / name).stat().st_size < end
+    ]
+    if not (path / "meta.pt").is_file():
+        problems.append("`meta.pt` is missing")
+    if problems:
+        raise IncompleteCheckpointError(f"Not marking {str(path)!r} complete: {'; '.join(problems)}.")
+    return write_marker(path, {"vouched": True})
+
+
+# ---------------------------------------------------------------------- swapping into place
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``); ``OSError`` if unsupported."""
+    if not sys.platform.startswith("linux"):
+        raise OSError(errno.ENOSYS, "atomic exchange needs Linux renameat2")
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:  # glibc < 2.28
+        raise OSError(errno.ENOSYS, "libc has no renameat2")
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def previous_path(path: Path) -> Path:
+    """``last.ckpt`` -> ``last.previous.ckpt``: the old copy's name while a non-atomic swap is under way."""
+    return path.with_name(f"{path.stem}{PREVIOUS_INFIX}{path.suffix}")
+
+
+def commit(partial: Path, path: Path, exchange: Callable[[Path, Path], None] = _exchange) -> None:
+    """Swap the finished ``partial`` into ``path`` (rank 0 only); see the module docstring."""
+    if not (path.exists() or path.is_symlink()):
+        os.rename(partial, path)
+        fsync_dir(path.parent)
+        return
+    if path.is_symlink():  # ModelCheckpoint(save_last="link") left a link: replace the link, not its target
+        if partial.is_file():
+            os.replace(partial, path)  # atomic for a file over a link
+        else:
+            path.unlink()
+            os.rename(partial, path)
+        fsync_dir(path.parent)
+        return
+    try:
+        exchange(partial, path)  # `partial` now holds the previous checkpoint
+        old = partial
+    except OSError:
+        # No atomic exchange here: keep the previous copy visible under a name Lightning's `last*.ckpt`
+        # listing still takes, so a crash between the two renames leaves a complete checkpoint to resume.
+        old = previous_path(path)
+        _remove(old)
+        os.rename(path, old)
+        fsync_dir(path.parent)
+        os.rename(partial, path)
+    fsync_dir(path.parent)
+    doomed = _hidden_sibling(path, REPLACED_TAG, new_token())
+    os.rename(old, doomed)  # hidden first, so a crash mid-delete leaves nothing that looks like a checkpoint
+    _remove(doomed)
+
+
+def remove_checkpoint(path: Union[str, Path]) -> None:
+    """Delete a checkpoint so that no half-deleted copy is ever visible: rename to a hidden name, then delete."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink():
+        path.unlink()
+        return
+    doomed = _hidden_sibling(path, DELETING_TAG, new_token())
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    _remove(doomed)
+
+
+def sweep_interrupted(folder: Union[str, Path], keep: Optional[Path] = None) -> list[Path]:
+    """Delete what interrupted saves, swaps and removals left in ``folder`` (hidden siblings and
+    ``*.previous.ckpt`` copies that have a complete successor), except ``keep``. Rank 0, at a save."""
+    folder = Path(folder)
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if keep is not None and entry == keep:
+            continue
+        stale = entry.name.startswith(".") and any(tag in entry.name for tag in _HIDDEN_TAGS)
+        if not stale and entry.stem.endswith(PREVIOUS_INFIX) and entry.suffix == ".ckpt":
+            successor = entry.with_name(entry.stem[: -len(PREVIOUS_INFIX)] + entry.suffix)
+            stale = checkpoint_problems(successor).complete
+        if stale:
+            _remove(entry)
+            removed.append(entry)
+    return removed
+
+
+__all__ = [
+    "MARKER_FILENAME",
+    "CheckpointStatus",
+    "IncompleteCheckpointError",
+    "checkpoint_problems",
+    "commit",
+    "describe_problems",
+    "mark_checkpoint_complete",
+    "new_token",
+    "newest_complete_checkpoint",
+    "partial_path",
+    "read_marker",
+    "remove_checkpoint",
+    "sweep_interrupted",
+    "verify_checkpoint",
+    "write_marker",
+]

@@ -1,0 +1,158 @@
+"""Start ``reliability_train.py`` as real processes, kill one rank, and read what the survivors did.
+
+Shared by ``tests/integration/test_watchdog.py`` (a representative case) and
+``scripts/kill_campaign.py`` (the full campaign). Two launchers: ``"external"`` starts every rank
+itself (``RANK``/``WORLD_SIZE``/``MASTER_*``, as torchrun or a scheduler would), ``"lightning"``
+starts one process with ``--devices 4`` and Lightning's launcher spawns the other three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from lightning_para.reliability.watchdog import process_alive
+
+SCRIPT = Path(__file__).with_name("reliability_train.py")
+REPO = SCRIPT.parents[2]
+WORLD = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "NODE_RANK", "SLURM_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return env
+
+
+@dataclass
+class Run:
+    """One launch of the training script: its processes and where they write."""
+
+    out: Path
+    launcher: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def rank_pids(self) -> dict[int, int]:
+        pids = {}
+        for r in range(WORLD):
+            f = self.out / f"rank{r}.pid"
+            if f.is_file() and f.read_text().strip():
+                pids[r] = int(f.read_text())
+        return pids
+
+    def wait_started(self, limit: float = 300.0) -> bool:
+        """All ranks are training (each wrote its pid file), or some process already ended."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if len(self.rank_pids()) == WORLD:
+                return True
+            if any(p.poll() is not None for p in self.procs):
+                return False
+            time.sleep(0.1)
+        return False
+
+    def kill_rank(self, rank: int) -> float:
+        os.kill(self.rank_pids()[rank], signal.SIGKILL)
+        return time.monotonic()
+
+    def wait_all(self, limit: float) -> dict[int, Optional[float]]:
+        """Wait until every process ended; seconds from now until each rank's ended (``None``: still
+        running at ``limit``, then killed). Ranks are known by their pid files, and, for processes this
+        harness started itself (all of them under ``"external"``, rank 0 under ``"lightning"``), by process."""
+        start = time.monotonic()
+        ended: dict[int, Optional[float]] = {}
+        while time.monotonic() - start < limit:
+            now = time.monotonic() - start
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:  # also reaps it, so a dead child is not a zombie
+                    ended.setdefault(i, now)
+            pids = self.rank_pids()
+            for rank, pid in pids.items():
+                if rank not in ended and not process_alive(pid):
+                    ended[rank] = now
+            if all(p.returncode is not None for p in self.procs) and all(r in ended for r in pids):
+                break
+            time.sleep(0.05)
+        for rank, pid in self.rank_pids().items():
+            if rank not in ended:
+                ended[rank] = None
+                try:
+                    os.kill(pid, signal.SIGUSR1)  # its stacks, for the report
+                    time.sleep(1)
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                ended[i] = None
+                p.kill()
+            p.wait()
+        return ended
+
+    def output(self) -> str:
+        return "".join((self.out / f"stdout{i}.txt").read_text(errors="replace") for i in range(len(self.procs)))
+
+    def exit_codes(self) -> dict[int, Optional[int]]:
+        """Each rank's exit code: from the process for ranks we started, from its own watchdog line otherwise."""
+        codes: dict[int, Optional[int]] = {}
+        if self.launcher == "external":
+            return {r: p.returncode for r, p in enumerate(self.procs)}
+        codes[0] = self.procs[0].returncode
+        text = self.output()
+        for r in range(1, WORLD):
+            m = re.search(rf"\[rank {r}\] .*exiting with code (\d+)", text)
+            codes[r] = int(m.group(1)) if m else None
+        return codes
+
+    def verdicts(self) -> dict[int, str]:
+        """The watchdog verdict line each rank printed (``[rank r] lightning-para watchdog: ...``)."""
+        found = {}
+        for line in self.output().splitlines():
+            m = re.match(r"\[rank (\d+)\] lightning-para watchdog: (.*)", line)
+            if m:
+                found.setdefault(int(m.group(1)), m.group(2))
+        return found
+
+    def losses(self, rank: int = 0) -> Optional[dict[int, float]]:
+        f = self.out / f"rank{rank}.json"
+        return {int(k): v for k, v in json.loads(f.read_text())["losses"].items()} if f.is_file() else None
+
+
+def launch(out: Path, launcher: str, *args: str) -> Run:
+    """Start the script with ``args`` under ``launcher`` (see the module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(out, launcher)
+    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    if launcher == "lightning":
+        env = base_env()
+        with open(out / "stdout0.txt", "w") as log:
+            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        return run
+    port = free_port()
+    for rank in range(WORLD):
+        env = base_env()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
+        with open(out / f"stdout{rank}.txt", "w") as log:
+            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    return run
+
+
+def names_rank(verdict: Optional[str], rank: int) -> bool:
+    return verdict is not None and re.search(rf"\brank {rank}\b", verdict) is not None

@@ -1,0 +1,159 @@
+"""Train the GPT recipe for the reliability tests and the kill campaign (``scripts/kill_campaign.py``).
+
+Runs under Lightning's launcher (``--devices 4`` in one process) or as separately started ranks
+(``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the caller). Each rank writes ``rank<r>.pid`` once
+training starts and, if it finishes, ``rank<r>.json`` with the ``train_loss`` it logged per
+global step. ``--kill POINT:RANK:NTH`` SIGKILLs rank RANK at POINT of its NTH checkpoint save:
+the points wrap the library's own functions from the outside (nothing in the library knows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+LAYOUTS = {"pp2dp2": {"pp": 2, "dp": 2}, "dp2tp2": {"dp": 2, "tp": 2}}
+# Where a save can be cut, in the order a save passes them (rank 0 passes all; others the DCP ones).
+KILL_POINTS = (
+    "save-start",  # ParaStrategy.save_checkpoint entered
+    "shard-partly-written",  # inside DCP's write of this rank's shard file (after its first item)
+    "shards-written",  # this rank's shards on disk, DCP's .metadata not yet
+    "dcp-and-meta-written",  # save_sharded returned (rank 0: .metadata and meta.pt written)
+    "before-marker",  # after the barrier, before rank 0 writes the completion marker
+    "marker-written",  # complete and marked, not yet swapped into place
+    "swapped-old-not-deleted",  # the new checkpoint in place, the previous copy not yet deleted
+    "committed",  # swapped in and cleaned, before the closing barrier
+)
+
+
+class StepLosses(Callback):
+    """``train_loss`` as logged after each step, by global step; optionally slows steps down."""
+
+    def __init__(self, out: Path, sleep: float) -> None:
+        self.out, self.sleep, self.losses = out, sleep, {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+        if self.sleep:
+            time.sleep(self.sleep)
+
+
+def install_kill(point: str, rank: int, nth: int) -> None:
+    """SIGKILL this process at ``point`` of its ``nth`` checkpoint save, if it is global rank ``rank``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from lightning_para import strategy as strategy_module
+    from lightning_para.checkpoint import atomic, io as ckpt_io
+
+    saves = {"n": 0}
+
+    def here(name: str) -> None:
+        if name == point and saves["n"] == nth and dist.get_rank() == rank:
+            sys.stderr.write(f"[kill] rank {rank} SIGKILLs itself at {name} of save {nth}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(owner, name, before=None, after=None):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before:
+                here(before)
+            result = original(*args, **kwargs)
+            if after:
+                here(after)
+            return result
+
+        setattr(owner, name, wrapped)
+
+    original_save = strategy_module.ParaStrategy.save_checkpoint
+
+    def save_checkpoint(self, *args, **kwargs):
+        saves["n"] += 1
+        items["n"] = 0  # the shard items of this save
+        here("save-start")
+        return original_save(self, *args, **kwargs)
+
+    strategy_module.ParaStrategy.save_checkpoint = save_checkpoint
+    items = {"n": 0}
+    original_item = dcp_fs._write_item
+
+    def write_item(*args, **kwargs):
+        result = original_item(*args, **kwargs)
+        items["n"] += 1
+        if items["n"] == 1:
+            args[1].flush()  # the first item reaches the file: a truncated shard, as a kill mid-write leaves
+            here("shard-partly-written")
+        return result
+
+    dcp_fs._write_item = write_item
+    wrap(dcp_fs.FileSystemWriter, "write_data", after="shards-written")
+    wrap(ckpt_io, "save_sharded", after="dcp-and-meta-written")
+    wrap(atomic, "write_marker", before="before-marker", after="marker-written")
+    wrap(atomic, "_remove", before="swapped-old-not-deleted")
+    wrap(atomic, "commit", after="committed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2dp2")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--watchdog-timeout", type=float, default=10.0)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--kill", default=None, help="POINT:RANK:NTH")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint's folder (default: OUT/ckpt)")
+    args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kill:
+        point, rank, nth = args.kill.split(":")
+        assert point in KILL_POINTS, point
+        install_kill(point, int(rank), int(nth))
+
+    from lightning_para import ParaStrategy
+    from lightning_para.recipes import GPT, TextDataModule
+
+    L.seed_everything(0, verbose=False)
+    model = GPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
+    losses = StepLosses(out, args.step_sleep)
+    callbacks: list[Callback] = [losses]
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir or out / "ckpt", filename="{step}", every_n_train_steps=args.save_every,
+                                         save_top_k=-1, save_last=True))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=ParaStrategy(**LAYOUTS[args.layout], watchdog_timeout=args.watchdog_timeout),
+        max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(args.save_every), limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    data = TextDataModule(seq_len=32, global_batch_size=8, max_bytes=40_000)
+    ckpt_path = args.resume
+    if ckpt_path == "last" and not args.save_every:
+        raise SystemExit("--resume last needs --save-every (ModelCheckpoint finds `last`)")
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"losses": losses.losses}))
+
+
+if __name__ == "__main__":
+    main()
