@@ -10,6 +10,10 @@ stage  what each of the N data-parallel ranks holds (Adam)    traffic per optimi
 
 (ZeRO paper, Rajbhandari et al. 2020, Fig. 1 and Sec. 7; stage 3 is FSDP2, see ``fsdp.py``.)
 
+Why this module is long: one engine owns the whole gradient/parameter round trip of a step
+(hooks, buckets, launch, wait, optimizer sharding, the gather after the step) because each
+part depends on the order and state the others leave; the layout arithmetic is in ``layout.py``.
+
 Hybrid sharding (``replicate_mesh``, issue 16): ZeRO-1/2 state is sharded over each parameter's
 mesh (``dp_shard``, normally inside a node) and replicated over ``replicate_mesh``
 (``dp_replicate``, across nodes). A bucket's gradients are reduce-scattered within the shard
