@@ -14,14 +14,29 @@ Unit choice for an arbitrary LightningModule (:func:`choose_units`):
   those stay with the root, which gathers them once per forward.
 
 The root is the LightningModule itself; :class:`~lightning_para.ParaStrategy` runs
-``training_step`` *through* the root's ``__call__`` so FSDP2's root hooks run. Because the
-root then owns (almost) no parameters, the 3 psi above holds exactly -- FSDP2 never reshards
-the root after forward.
+``training_step`` *through* the root's ``__call__`` so FSDP2's root hooks run. The root
+keeps FSDP2's own rule (not resharded after forward: backward needs it at once).
+
+When each unit reshards and gathers (:func:`apply_fully_shard`, as torchtitan does):
+
+* blocks reshard after forward and are gathered again in backward (3 psi for them), with
+  FSDP2's backward prefetch (the next unit's all-gather overlaps this unit's backward);
+* the unit that runs **last in forward** (the head) is *not* resharded after forward:
+  backward starts with it, so resharding would only free memory to gather it straight back
+  (2 psi for it);
+* a unit holding only **embeddings** is resharded after forward and *not* gathered in
+  backward: an embedding's gradient needs the token ids, not the table (2 psi for it).
+
+So a step moves ``3 psi - psi_head - psi_embedding``, never more than the ZeRO paper's 3 psi,
+and less than Lightning's ``configure_model`` recipe (blocks plus a root holding embedding and
+head, which moves 3 psi of blocks + 2 psi of the rest) while holding the embedding sharded
+between its forward and its backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
@@ -99,21 +114,38 @@ def apply_fully_shard(
     ``expert_units`` are sharded over ``expert_mesh`` instead (expert parallelism replicates
     experts over ``edp`` only). ``shard_placement_fn`` picks the dim each parameter is sharded along
     (tensor parallel shards fused projections along dim 1; ``None`` means dim 0).
+    ``reshard_after_forward=False`` keeps every unit gathered from its forward to its backward
+    (ZeRO-2-like traffic); ``True`` reshards all but the unit that runs last (module docstring).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
     units = choose_units(root, expert_units)
     experts = {id(m) for m in expert_units}
+    runs_last = next((u for u in reversed(units) if id(u) not in experts), None)
     for unit in units:
         mesh = expert_mesh if id(unit) in experts and expert_mesh is not None else dp_mesh
-        fully_shard(
-            unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=shard_placement_fn,
-        )
-    fully_shard(
-        root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-        shard_placement_fn=shard_placement_fn,
-    )
+        # Backward starts with the unit that ran last in forward: resharding it would only gather it back.
+        reshard = reshard_after_forward and unit is not runs_last
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                    shard_placement_fn=shard_placement_fn)
+        _RESHARD_AFTER_FORWARD[unit] = reshard
+        if _only_embeddings(unit):
+            unit.set_unshard_in_backward(False)  # an embedding's backward reads the ids, not the table
+    # The root keeps FSDP2's own rule (`None`): not resharded after forward, backward needs it at once.
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=None if reshard_after_forward else False,
+                shard_placement_fn=shard_placement_fn)
+    _RESHARD_AFTER_FORWARD[root] = False
     return [*units, root]
+
+
+# What `apply_fully_shard` chose per module, so `fsdp_no_sync` can put it back after accumulating.
+_RESHARD_AFTER_FORWARD: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _only_embeddings(unit: nn.Module) -> bool:
+    """Whether every parameter of ``unit`` is the table of an ``nn.Embedding`` (its backward needs no weight)."""
+    tables = {id(m.weight) for m in unit.modules() if isinstance(m, nn.Embedding)}
+    params = list(unit.parameters())
+    return bool(params) and all(id(p) in tables for p in params)
 
 
 @contextlib.contextmanager
@@ -136,8 +168,10 @@ def fsdp_no_sync(root: nn.Module, *, keep_unsharded: bool = True) -> Iterator[No
     finally:
         root.set_requires_gradient_sync(True)
         if keep_unsharded:
-            root.set_reshard_after_forward(True)
             root.set_reshard_after_backward(True)
+            for module in root.modules():  # each unit's own choice back (see `apply_fully_shard`)
+                if module in _RESHARD_AFTER_FORWARD:
+                    module.set_reshard_after_forward(_RESHARD_AFTER_FORWARD[module], recurse=False)
 
 
 def is_fsdp_root(module: nn.Module) -> bool:

@@ -189,6 +189,30 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+# DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`): small, so the first
+# collective starts while backward is still producing most gradients.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+# gloo only: reduce-scatter a bucket as one in-place all-reduce (see `reduce_scatter_is_all_reduce`).
+# Tests switch it off to run the path every other backend takes (NCCL's real reduce-scatter) on gloo.
+GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = True
+
+
+def reduce_scatter_is_all_reduce(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a reduce-scatter of a ``device`` tensor over ``group`` would run on gloo.
+
+    gloo has no reduce-scatter: torch's gloo ``reduce_scatter_tensor`` clones the whole input,
+    all-reduces it and copies this rank's chunk out when waited on, so it sends what an
+    all-reduce sends. ZeRO then all-reduces its (own, disposable) bucket in place and reads its
+    segment: the same traffic without the clone and the copy. Every other backend keeps the
+    real reduce-scatter (half the bytes of an all-reduce on NCCL).
+    """
+    if not GLOO_REDUCE_SCATTER_AS_ALL_REDUCE:
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or (device.type == "cpu" and "cpu:gloo" in backend)
+
+
 # torch >= 2.12 names these `*_single`; older releases (>= 2.6) only have the `*_tensor` spelling.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

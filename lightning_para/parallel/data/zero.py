@@ -10,6 +10,10 @@ stage  what each of the N data-parallel ranks holds (Adam)    traffic per optimi
 
 (ZeRO paper, Rajbhandari et al. 2020, Fig. 1 and Sec. 7; stage 3 is FSDP2, see ``fsdp.py``.)
 
+Why this module is long: one engine owns the whole gradient/parameter round trip of a step
+(hooks, buckets, launch, wait, optimizer sharding, the gather after the step) because each
+part depends on the order and state the others leave; the layout arithmetic is in ``layout.py``.
+
 Hybrid sharding (``replicate_mesh``, issue 16): ZeRO-1/2 state is sharded over each parameter's
 mesh (``dp_shard``, normally inside a node) and replicated over ``replicate_mesh``
 (``dp_replicate``, across nodes). A bucket's gradients are reduce-scattered within the shard
@@ -19,12 +23,20 @@ group only.
 
 How it works:
 
-* Gradients are synchronised in *buckets* of ``bucket_size_mb``, in one fixed order on every
-  rank (reverse parameter order, which is roughly the order backward produces them). A
-  post-accumulate-grad hook counts the gradients of each bucket; stage 0 and 2 launch a
-  bucket's collective as soon as it is full and all earlier buckets are launched, so
-  communication overlaps backward. Stage 1 launches after backward (it keeps full
-  gradients anyway). An end-of-backward callback launches what is left and waits.
+* Gradients are synchronised in *buckets* of ``bucket_size_mb`` (the first one at most 1 MiB,
+  as DDP does, so communication starts early), in one fixed order on every rank (reverse
+  parameter order, which is roughly the order backward produces them). A
+  post-accumulate-grad hook counts the gradients of each bucket; every stage launches a
+  bucket's collective (``async_op``) as soon as it is full and all earlier buckets are
+  launched, so communication overlaps backward. An end-of-backward callback launches what is
+  left and waits: the optimizer is the first to need the result.
+* gloo has no reduce-scatter: torch's gloo ``reduce_scatter_tensor`` clones the input,
+  all-reduces all of it and copies this rank's chunk out. On a gloo group the bucket is
+  all-reduced *in place* instead (the same bytes on the wire, without the clone and the copy)
+  and this rank's segment of it is the shard (:func:`~.layout.reduce_scatter_is_all_reduce`).
+  NCCL and every other backend take the real reduce-scatter.
+* After the optimizer step the updated shards of all buckets that share a group and dtype
+  are all-gathered in **one** collective (not one per bucket).
 * Sharding is by rows (dim 0) and follows ``torch.chunk``, the same layout FSDP2 uses, so a
   shard is a contiguous slice of the flat parameter and the optimizer state of ZeRO-1/2 can
   be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
@@ -68,8 +80,10 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
+    FIRST_BUCKET_BYTES,
     all_gather_single,
     pack_rank_major,
+    reduce_scatter_is_all_reduce,
     reduce_scatter_single,
     unpack_rank_major,
 )
@@ -110,7 +124,9 @@ class ZeroDataParallel:
             raise ValueError("Hybrid sharding (dp_replicate > 1) needs ZeRO stage 1 or 2 here; stage 0 shards nothing.")
         self.replicate_group = replicate_mesh.get_group() if self.replicas > 1 else None  # type: ignore[union-attr]
         self.stage = stage
-        self.launch_during_backward = stage in (0, 2)
+        # Every stage overlaps its reduction with backward (issue 17). Stage 1 used to wait for the
+        # end of backward; launching early frees each bucket's full gradients sooner, nothing else.
+        self.launch_during_backward = True
         self.sync_enabled = True
         self._callback_queued = False
         self._synced_since_step = False
@@ -155,6 +171,9 @@ class ZeroDataParallel:
         return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
 
     def _build_buckets(self, capacity_bytes: int) -> list[Bucket]:
+        # The first bucket (the last layers, whose gradients backward produces first) is small, as
+        # DDP's is (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so its collective starts early in backward.
+        first_capacity = min(capacity_bytes, FIRST_BUCKET_BYTES)
         buckets: list[Bucket] = []
         current: list[ParamSlot] = []
 
@@ -173,7 +192,7 @@ class ZeroDataParallel:
             if current and (
                 slot.group is not current[0].group
                 or slot.local.dtype != current[0].local.dtype
-                or size + nbytes > capacity_bytes
+                or size + nbytes > (capacity_bytes if buckets else first_capacity)
             ):
                 close()
                 size = 0
@@ -283,9 +302,14 @@ class ZeroDataParallel:
                     slot.param.grad = None
             if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
                 buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
-            if world > 1:
+            group = bucket.slots[0].group
+            if world > 1 and reduce_scatter_is_all_reduce(group, device):
+                # gloo: all-reduce the bucket in place (what its reduce-scatter does, minus a clone and a copy).
+                bucket.work = dist.all_reduce(buffer, group=group, async_op=True)
+                output = buffer[bucket.slots[0].rank]
+            elif world > 1:
                 output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-                bucket.work = reduce_scatter_single(output, buffer.view(-1), group=bucket.slots[0].group, async_op=True)
+                bucket.work = reduce_scatter_single(output, buffer.view(-1), group=group, async_op=True)
             else:  # a shard group of one rank holds the whole "shard": no reduce-scatter
                 output = buffer[0]
             bucket.buffer, bucket.output = buffer, output
@@ -374,6 +398,11 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def gather_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        """Write the updated shards back into every rank's full parameters.
+
+        Stages 1-2: one all-gather per (group, dtype), over all the buckets given laid end to end:
+        a bucket's segments are contiguous in each rank's part, so the unpacking is the same.
+        """
         buckets = self.buckets if buckets is None else buckets
         if self.stage == 0:
             for bucket in buckets:
@@ -382,22 +411,32 @@ class ZeroDataParallel:
                         slot.local.copy_(slot.master.view(slot.local.shape))
             return
         pending = []
-        for bucket in buckets:
-            device = bucket.slots[0].local.device
-            send = torch.zeros(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            for slot in bucket.slots:
-                send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master.reshape(-1))
-            if bucket.world == 1:
-                pending.append((bucket, send.view(1, -1), None))
+        for group_buckets in _coalescable(buckets):
+            first = group_buckets[0]
+            device, world = first.slots[0].local.device, first.world
+            total = sum(b.segment_numel for b in group_buckets)
+            # Padding after each shard is never read back (unpacking reads only real rows): `empty`.
+            send = torch.empty(total, dtype=first.dtype, device=device)
+            base = 0
+            for bucket in group_buckets:
+                for slot in bucket.slots:
+                    start = base + slot.offset
+                    send[start : start + slot.shard_numel].copy_(slot.master.reshape(-1))
+                base += bucket.segment_numel
+            if world == 1:
+                pending.append((group_buckets, send.view(1, -1), None))
                 continue
-            out = torch.empty(bucket.world, bucket.segment_numel, dtype=bucket.dtype, device=device)
-            work = all_gather_single(out.view(-1), send, group=bucket.slots[0].group, async_op=True)
-            pending.append((bucket, out, work))
-        for bucket, out, work in pending:
+            out = torch.empty(world, total, dtype=first.dtype, device=device)
+            work = all_gather_single(out.view(-1), send, group=first.slots[0].group, async_op=True)
+            pending.append((group_buckets, out, work))
+        for group_buckets, out, work in pending:
             if work is not None:
                 work.wait()
-            for slot in bucket.slots:
-                unpack_rank_major(out, slot.segment_numel, slot.offset, slot.local.view(-1))
+            base = 0
+            for bucket in group_buckets:
+                for slot in bucket.slots:
+                    unpack_rank_major(out, slot.segment_numel, base + slot.offset, slot.local.view(-1))
+                base += bucket.segment_numel
 
     # ------------------------------------------------------------------ introspection
     def slot_of(self, param: Tensor) -> Optional[ParamSlot]:
@@ -413,6 +452,16 @@ class ZeroDataParallel:
         for slot in self.slots:
             if slot.master is not None:
                 slot.load_master(slot.local)
+
+
+def _coalescable(buckets: Sequence[Bucket]) -> list[list[Bucket]]:
+    """``buckets`` grouped by (process group, dtype, device), each group in bucket order: one
+    all-gather each. Every rank builds the same buckets, so the groups and their order agree."""
+    groups: dict[tuple, list[Bucket]] = {}
+    for bucket in buckets:
+        slot = bucket.slots[0]
+        groups.setdefault((id(slot.group), bucket.dtype, slot.local.device), []).append(bucket)
+    return list(groups.values())
 
 
 def _accumulate_grad(param: Tensor, grad: Tensor) -> None:

@@ -1,0 +1,194 @@
+"""Shared pieces of the benchmarks: the model, the data, the clock, alternating rounds, the report.
+
+Every comparison follows one protocol, so the ratios in ``benchmarks/results/`` mean the same:
+
+* both sides train the **same model on the same data** for the same steps in the same
+  processes (a :class:`tests.harness.WorkerPool`, spawned once);
+* a *round* runs every side once, one fresh ``Trainer.fit`` (or raw loop) each; the sides'
+  order rotates from round to round, so a load that drifts over the run hits each side alike;
+* a side's figure in a round is its mean step time over the steps after warm-up (wall time
+  from the end of the last warm-up step to the end of the last step: data loading, the
+  Lightning loop and the optimizer included);
+* the report gives the **median over rounds** of each side's step time and the median of the
+  per-round ratios to the baseline (paired in time, so less sensitive to load swings);
+* the machine's load average before and after is written next to the numbers.
+
+Nothing here asserts a timing: the figures are for reading, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
+
+# The issue's comparison model: a Llama-style transformer (RMSNorm, RoPE, SwiGLU), 4 layers,
+# hidden 256, sequence 64, byte vocabulary.
+BENCH_GPT = dict(preset="tiny", n_layer=4, n_embd=256, n_head=4, block_size=64)
+
+
+def bench_gpt(**overrides: Any) -> L.LightningModule:
+    """The benchmark transformer as a :class:`lightning_para.recipes.GPT` (no sampling, short warm-up)."""
+    from lightning_para.recipes import GPT
+
+    return GPT(**{**BENCH_GPT, "sample_tokens": 0, "warmup_steps": 2, **overrides})
+
+
+class TokenDataset(Dataset):
+    """Random byte tokens, ``(inputs, targets)`` shifted by one, the same for every side (seeded)."""
+
+    def __init__(self, samples: int, seq_len: int = 64, vocab: int = 256, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (samples, seq_len + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.tokens[index]
+        return row[:-1], row[1:]
+
+
+class TokenData(L.LightningDataModule):
+    """``TokenDataset`` split over the strategy's data-parallel ranks (Lightning's own sampler
+    kwargs, so DDP, FSDP2, ModelParallelStrategy and ParaStrategy each split it their way)."""
+
+    def __init__(self, samples: int, batch_size: int, seq_len: int = 64, vocab_size: int = 256) -> None:
+        super().__init__()
+        self.samples, self.batch_size, self.seq_len, self.vocab_size = samples, batch_size, seq_len, vocab_size
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = TokenDataset(self.samples, self.seq_len, self.vocab_size)
+        strategy = self.trainer.strategy
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(dataset, shuffle=False, **kwargs)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+
+class StepClock(Callback):
+    """Wall time per training step after ``warmup`` steps (end of one batch to the end of the next)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+    @property
+    def step_time(self) -> float:
+        timed = self.ends[self.warmup - 1 :]
+        if len(timed) < 2:
+            raise RuntimeError(f"Only {len(self.ends)} steps ran; need more than warmup={self.warmup}.")
+        return (timed[-1] - timed[0]) / (len(timed) - 1)
+
+
+def quiet_trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    """A Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+# ---------------------------------------------------------------------- rounds and report
+@dataclass
+class Comparison:
+    """Step times per side, one entry per round, and the baseline they are compared with."""
+
+    title: str
+    baseline: str
+    times: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    extra_columns: dict[str, dict[str, str]] = field(default_factory=dict)  # column -> side -> text
+    what: str = "step"  # what one timed unit is, for the column header
+
+    def add(self, side: str, seconds: float) -> None:
+        self.times.setdefault(side, []).append(seconds)
+
+    def median(self, side: str) -> float:
+        return statistics.median(self.times[side])
+
+    def paired_ratio(self, side: str) -> float:
+        """Median over rounds of ``side / baseline`` taken in the same round."""
+        return statistics.median(a / b for a, b in zip(self.times[side], self.times[self.baseline]))
+
+    def markdown(self, target: Optional[dict[str, str]] = None) -> str:
+        rounds = min(len(v) for v in self.times.values())
+        extra = list(self.extra_columns)
+        head = f"| side | median {self.what} ms | ratio of medians | median paired ratio |"
+        head += "".join(f" {c} |" for c in extra) + (" target |" if target else "")
+        lines = [f"### {self.title}", "", f"{rounds} alternating rounds; baseline `{self.baseline}`.", "", head,
+                 "|" + "---|" * (4 + len(extra) + (1 if target else 0))]
+        base = self.median(self.baseline)
+        for side in self.times:
+            row = (f"| {side} | {1e3 * self.median(side):.1f} | {self.median(side) / base:.3f} |"
+                   f" {self.paired_ratio(side):.3f} |")
+            row += "".join(f" {self.extra_columns[c].get(side, '')} |" for c in extra)
+            if target:
+                row += f" {target.get(side, '')} |"
+            lines.append(row)
+        lines += [""] + [f"* {n}" for n in self.notes]
+        return "\n".join(lines).rstrip() + "\n"
+
+
+def alternate(
+    sides: Sequence[str], rounds: int, run_side: Callable[[str], float], comparison: Comparison,
+    log: Callable[[str], None] = print,
+) -> Comparison:
+    """Run every side once per round, the order rotated each round; record each side's step time."""
+    for r in range(rounds):
+        order = list(sides[r % len(sides):]) + list(sides[: r % len(sides)])
+        for side in order:
+            seconds = run_side(side)
+            comparison.add(side, seconds)
+            log(f"  round {r + 1}/{rounds} {side}: {1e3 * seconds:.1f} ms/step")
+    return comparison
+
+
+def load_average() -> str:
+    try:
+        one, five, fifteen = os.getloadavg()
+        return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+    except OSError:
+        return "unknown"
+
+
+def machine_header(command: str, load_before: str, threads: str = "one intra-op thread per rank") -> str:
+    """Where and under what load the figures were taken, for the top of a results file."""
+    import lightning
+
+    return "\n".join([
+        f"Command: `{command}`",
+        "",
+        f"Machine: {os.cpu_count()} logical CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__},"
+        f" lightning {lightning.__version__}; gloo on CPU, {threads}.",
+        f"Load average (1/5/15 min) before: {load_before}; after: {load_average()}.",
+        f"Taken {time.strftime('%Y-%m-%d %H:%M')}.",
+        "",
+    ])
+
+
+def wait_for_quiet(threshold: float, max_wait_s: float, log: Callable[[str], None] = print) -> None:
+    """Wait (polling every 30 s, at most ``max_wait_s``) until the 1-minute load average is below ``threshold``."""
+    deadline = time.time() + max_wait_s
+    while os.getloadavg()[0] >= threshold and time.time() < deadline:
+        log(f"load average {load_average()} >= {threshold}: waiting")
+        time.sleep(30)
