@@ -96,9 +96,11 @@ class HFCausalLM(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss, aux = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)  # the name the pipeline runner logs under pp > 1
+        # sync_dist: the global batch's loss on every rank (the name the pipeline runner logs under pp > 1).
+        # For an MoE model it is what transformers returns: LM loss + router_aux_loss_coef * aux.
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         if isinstance(aux, Tensor):
-            self.log("train_aux_loss", aux.detach())
+            self.log("train_aux_loss", aux.detach(), sync_dist=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:

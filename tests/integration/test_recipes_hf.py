@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.integration.test_recipes_cli import REPO, AuxLossRecorder, _events  # noqa: E402
+from tests.integration.test_recipes_cli import REPO, LoggedLosses, _events  # noqa: E402
 from tests.parity import FP32_RTOL, assert_losses_close  # noqa: E402
 
 LLAMA_DEMO = REPO / "recipes" / "hf-llama-cpu-demo.yaml"
@@ -32,10 +32,10 @@ def hf_cli_job(args: list[str]) -> dict:
     from lightning_para.cli import run_cli
     from lightning_para.observe.profiler import ParaProfiler
 
-    cli = run_cli([*args, "--trainer.callbacks+=tests.integration.test_recipes_cli.AuxLossRecorder"])
+    cli = run_cli([*args, "--trainer.callbacks+=tests.integration.test_recipes_cli.LoggedLosses"])
     profiler = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ParaProfiler))
-    aux = next(cb for cb in cli.trainer.callbacks if isinstance(cb, AuxLossRecorder)).values
-    return {"summary": profiler.last_summary, "aux": aux}
+    logged = next(cb for cb in cli.trainer.callbacks if isinstance(cb, LoggedLosses))
+    return {"summary": profiler.last_summary, "aux": logged.aux, "logged_loss": logged.loss}
 
 
 def _run(pools, config: Path, root: Path, world: int, *degrees_to_one: str) -> dict:
