@@ -19,7 +19,9 @@ What is compared, per rank (the measurement's source in brackets):
 
 Memory and communication errors are relative (``measured / predicted - 1``); the idle error is
 the difference of the two fractions. :meth:`PredictionCheck.failures` applies the project's
-acceptance tolerances (10%, 10%, 0.05).
+acceptance tolerances (10%, 10%, 0.05). A communication difference below
+:data:`COMM_SCALAR_BYTES` per step counts as none: that is scalars (a metric logged with
+``sync_dist=True``, the clipping norm), not the layout's traffic, and it has no size to predict.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MEMORY_PARTS = ("params", "grads", "optimizer")
 MEMORY_TOLERANCE = 0.10
 COMM_TOLERANCE = 0.10
 IDLE_TOLERANCE = 0.05
+COMM_SCALAR_BYTES = 4096  # per step and dimension: logged metrics' and norms' scalar all-reduces
 MIB = 2**20
 
 
@@ -72,6 +75,8 @@ class Comparison:
         """Relative error (memory, comm, step) or the difference of fractions (idle)."""
         if self.kind in ("idle", "idle_wall"):
             return self.measured - self.predicted
+        if self.kind == "comm" and abs(self.measured - self.predicted) < COMM_SCALAR_BYTES:
+            return 0.0  # scalars, not traffic (see the module docstring)
         return self.ratio - 1.0 if math.isfinite(self.ratio) else math.inf
 
     @property

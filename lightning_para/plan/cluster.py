@@ -80,6 +80,9 @@ class Cluster:
         intra_node_latency, inter_node_latency: seconds per message hop (alpha of the
             alpha-beta model, Hockney 1994), paid ``n - 1`` times by ring collectives.
         reserved_bytes: memory the framework keeps per GPU (CUDA context, allocator slack).
+        reduce_scatter_is_all_reduce: the processes talk over gloo, which has no reduce-scatter:
+            ZeRO-1/2 then all-reduce each gradient bucket in place (``parallel/data/layout.py``),
+            2x the bytes of NCCL's reduce-scatter. ``local_cluster`` sets it for CPU runs.
     """
 
     nodes: int
@@ -92,6 +95,7 @@ class Cluster:
     intra_node_latency: float = 2e-6
     inter_node_latency: float = 8e-6
     reserved_bytes: float = 0.0
+    reduce_scatter_is_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)

@@ -310,8 +310,9 @@ def _dp_collectives(
         if layout.zero == 0:
             grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
         elif layout.zero < 3:
-            grad_sync.append(collective(
-                layout, cluster, dim, "reduce_scatter", "gradients", padded * g / buckets, buckets * reductions))
+            # gloo: the bucket is all-reduced in place (its reduce-scatter would send as much, plus a copy).
+            op = "all_reduce" if cluster.reduce_scatter_is_all_reduce else "reduce_scatter"
+            grad_sync.append(collective(layout, cluster, dim, op, "gradients", padded * g / buckets, buckets * reductions))
             after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:

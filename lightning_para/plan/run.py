@@ -28,6 +28,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.data import layout as data_layout
 from lightning_para.plan.cluster import GPU_SPECS, Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.layout import Layout
@@ -74,7 +75,9 @@ def local_cluster(
         per_node = 1
     memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
     if device.type == "cpu":
-        figures: dict[str, float] = dict(CPU_PROCESS)
+        figures: dict[str, Any] = dict(CPU_PROCESS)
+        # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
+        figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE
     else:
         name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
         known = next((spec for key, spec in GPU_SPECS.items() if key.split("-")[0] in name), None)
