@@ -178,7 +178,7 @@ def summarize(save: dict, random_runs: list[dict]) -> str:
                     f" {sum(named)}/{len(named)}"
                     + (f" (+{len(observer)} runs: Lightning's launcher killed all first, naming it)" if observer else "")
                     + f" | {within}/{len(codes)} (hung: {hung}) |"
-                    f" {statistics.median(times) if times else '-'} / {max(times) if times else '-'} |"
+                    f" {round(statistics.median(times), 2) if times else '-'} / {max(times) if times else '-'} |"
                 )
         lines.append("")
     return "\n".join(lines)
