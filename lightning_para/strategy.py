@@ -258,7 +258,11 @@ class ParaStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         # Fail in the launching process, before any worker exists, if the degrees cannot fit.
         self._resolve_dims(self.num_nodes * self.num_processes)
-        if not self.cluster_environment.creates_processes_externally:
+        # One process needs no launcher. Lightning's subprocess launcher would also write LOCAL_RANK,
+        # NODE_RANK and WORLD_SIZE into this process's environment, and a later multi-device Trainer in
+        # the same process (a notebook, `parity.compare`) would then take itself for a launched child
+        # and wait for ranks that never start.
+        if not self.cluster_environment.creates_processes_externally and self.num_nodes * self.num_processes > 1:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_dims(self, world_size: int) -> ParallelDims:

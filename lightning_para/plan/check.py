@@ -19,9 +19,9 @@ What is compared, per rank (the measurement's source in brackets):
 
 Memory and communication errors are relative (``measured / predicted - 1``); the idle error is
 the difference of the two fractions. :meth:`PredictionCheck.failures` applies the project's
-acceptance tolerances (10%, 10%, 0.05). A communication difference below
-:data:`COMM_SCALAR_BYTES` per step counts as none: that is scalars (a metric logged with
-``sync_dist=True``, the clipping norm), not the layout's traffic, and it has no size to predict.
+acceptance tolerances (10%, 10%, 0.05). Traffic below :data:`COMM_SCALAR_BYTES` per step on a
+dimension where the planner predicts none counts as no error: that is scalars (a metric logged
+with ``sync_dist=True``, the clipping norm), not the layout's traffic.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Comparison:
         """Relative error (memory, comm, step) or the difference of fractions (idle)."""
         if self.kind in ("idle", "idle_wall"):
             return self.measured - self.predicted
-        if self.kind == "comm" and abs(self.measured - self.predicted) < COMM_SCALAR_BYTES:
+        if self.kind == "comm" and not self.predicted and self.measured < COMM_SCALAR_BYTES:
             return 0.0  # scalars, not traffic (see the module docstring)
         return self.ratio - 1.0 if math.isfinite(self.ratio) else math.inf
 

@@ -94,3 +94,14 @@ def test_precision_choices():
 def test_public_api():
     for name in ("ParaStrategy", "ParaPrecision", "ParallelConfig", "ParallelDims", "consolidate_checkpoint"):
         assert hasattr(lightning_para, name)
+
+
+def test_one_process_needs_no_launcher():
+    """At devices=1 there is no launcher: Lightning's would write LOCAL_RANK/WORLD_SIZE into this
+    process, and a later multi-device Trainer here would take itself for a launched child and hang."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    one = L.Trainer(strategy=ParaStrategy(), accelerator="cpu", devices=1, logger=False)
+    assert one.strategy.launcher is None
+    two = L.Trainer(strategy=ParaStrategy(), accelerator="cpu", devices=2, logger=False)
+    assert isinstance(two.strategy.launcher, _SubprocessScriptLauncher)
