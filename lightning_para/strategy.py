@@ -49,6 +49,7 @@ from lightning_para.parallel.data import (
     fsdp_no_sync,
     fsdp_without_gradient_sync,
     is_fsdp_root,
+    reshard_fsdp_units,
 )
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -599,9 +600,25 @@ class ParaStrategy(ParallelStrategy):
         assert self._parallel is not None
         return ckpt.optimizer_params(self.lightning_module, self._parallel.zero, self.parallel_dims)
 
+    def _sharded_parameters(self) -> None:
+        """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
+        ones the optimizer and checkpoints name (e.g. ModelCheckpoint saving after validation)."""
+        if self.lightning_module is not None:
+            reshard_fsdp_units(self.lightning_module)
+
+    def on_validation_end(self) -> None:
+        self._sharded_parameters()  # and the gathered head's memory is freed until the next forward
+
+    def on_test_end(self) -> None:
+        self._sharded_parameters()
+
+    def on_predict_end(self) -> None:
+        self._sharded_parameters()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded (DTensors) on every rank; with ``save_distributed_checkpoint=False``, the full state as
         plain tensors on rank 0 and ``{}`` elsewhere (Lightning's contract; collective)."""
+        self._sharded_parameters()
         if self.save_distributed_checkpoint:
             return self.lightning_module.state_dict()
         parallel = self._parallel
@@ -614,6 +631,7 @@ class ParaStrategy(ParallelStrategy):
         format with full plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        self._sharded_parameters()
         state = ckpt.optimizer_state_dict(optimizer, self._optim_views())
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is not None:  # each stage's optimizer names only its own parameters
@@ -655,6 +673,7 @@ class ParaStrategy(ParallelStrategy):
         parallel = self._parallel
         # `trainer.test(ckpt_path=...)` may run under torch.inference_mode(): tensors DCP reads there could
         # not be copied into parameters ("Cannot set version_counter for inference tensor").
+        self._sharded_parameters()
         with torch.inference_mode(False), torch.no_grad():
             return self._load_in_place(path, parallel)
 

@@ -143,9 +143,15 @@ def _test_under_inference_mode(path: str) -> dict[str, Any]:
     trainer.fit(model, data)
     path = trainer.strategy.broadcast(path)
     trainer.save_checkpoint(path)
+    # Validation runs forward only: FSDP2 units kept gathered after forward stay gathered, and a save
+    # must still name the sharded parameters.
+    trainer.validate(model, data, verbose=False)
+    after_validation = path + ".after_validation"
+    trainer.save_checkpoint(after_validation)
     with torch.inference_mode():
         losses = [trainer.test(model, data, verbose=False)[0]["test_loss"]]
         losses.append(trainer.test(ckpt_path=path, dataloaders=data, verbose=False)[0]["test_loss"])
+        losses.append(trainer.test(ckpt_path=after_validation, dataloaders=data, verbose=False)[0]["test_loss"])
         trainer.predict(model, data)
         trainer.predict(ckpt_path=path, dataloaders=data)
         fresh = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(zero=3), **trainer_kwargs())

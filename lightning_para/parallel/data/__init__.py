@@ -8,6 +8,7 @@ from lightning_para.parallel.data.fsdp import (
     fsdp_no_sync,
     fsdp_without_gradient_sync,
     is_fsdp_root,
+    reshard_fsdp_units,
 )
 from lightning_para.parallel.data.grad_norm import (
     GradReplication,
@@ -35,4 +36,5 @@ __all__ = [
     "fsdp_without_gradient_sync",
     "global_grad_norm",
     "is_fsdp_root",
+    "reshard_fsdp_units",
 ]

@@ -174,6 +174,20 @@ def fsdp_no_sync(root: nn.Module, *, keep_unsharded: bool = True) -> Iterator[No
                     module.set_reshard_after_forward(_RESHARD_AFTER_FORWARD[module], recurse=False)
 
 
+def reshard_fsdp_units(module: nn.Module) -> None:
+    """Reshard every FSDP2 unit in ``module`` that a forward-only pass left gathered.
+
+    A unit kept gathered after forward (``reshard_after_forward=False``: the root, the unit that
+    runs last) is resharded by backward; after validation, test or predict there is no backward,
+    so it stays gathered, and while it is, the module's parameters are FSDP2's unsharded tensors,
+    not the sharded ones the optimizer and checkpoints name. Local (no collective); a no-op for a
+    unit that is sharded already. Call it at step boundaries only, never inside forward/backward.
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def is_fsdp_root(module: nn.Module) -> bool:
     """Whether ``module`` itself was given ``fully_shard`` (then steps run through its ``__call__``)."""
     return isinstance(module, FSDPModule)
