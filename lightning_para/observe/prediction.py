@@ -48,12 +48,14 @@ def measure_rank(
     comm_summary: Optional[Mapping[str, Mapping[str, float]]],
     step_seconds: Optional[float],
     pipeline_steps: Sequence[Mapping[str, Any]] = (),
+    memory: Optional[Mapping[str, Any]] = None,
 ) -> tuple[MeasuredRank, list[list[PipelineEvent]]]:
-    """This rank's measurement (no communication): memory now (between steps), the traced step's
-    bytes per dimension, and (``pipeline_steps``: ``pipeline_stats()`` of untraced steps) their mean
-    wall-clock idle fraction and schedule events, for the replay in :func:`check_run`."""
+    """This rank's measurement (no communication): memory between steps (now, unless ``memory``
+    gives ``memory_breakdown()`` taken at an earlier step end: Lightning frees gradients before validation), the
+    traced step's bytes per dimension, and (``pipeline_steps``: ``pipeline_stats()`` of untraced
+    steps) their mean wall-clock idle fraction and schedule events, for the replay in :func:`check_run`."""
     dims = strategy.parallel_dims
-    memory = strategy.memory_breakdown()
+    memory = memory if memory is not None else strategy.memory_breakdown()
     events: list[list[PipelineEvent]] = []
     wall = None
     if pipeline_steps and dims.pp > 1:

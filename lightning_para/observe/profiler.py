@@ -148,6 +148,11 @@ class ParaProfiler(Callback):
 
     def _reset(self) -> None:
         self.log_dir: Optional[Path] = None
+        # This rank's memory_breakdown() at the last sampled training step end (memory_every_n_steps):
+        # what training holds between steps, which the prediction check compares with. At the end of
+        # training it may be gone: Lightning frees gradients before every validation loop
+        # (`on_validation_model_zero_grad`), and a run usually ends with one.
+        self._memory_between_steps: Optional[dict[str, Any]] = None
         self.train_losses: list[Tensor] = []
         self.val_losses: list[tuple[int, float]] = []
         self._batches = 0
@@ -350,6 +355,7 @@ class ParaProfiler(Callback):
         if breakdown_fn is None:
             return
         mine = breakdown_fn()
+        self._memory_between_steps = dict(mine)
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
             mine["device_max_allocated"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
         per_rank = gather_objects(mine)
@@ -382,7 +388,8 @@ class ParaProfiler(Callback):
         """Predicted against measured for this run (every rank measures; all ranks get the result)."""
         warm = [seconds for seconds, _ in self._all_steps[1:]] or [self._all_steps[-1][0]]
         mine = measure_rank(
-            trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm), self._pipeline_steps
+            trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm), self._pipeline_steps,
+            memory=self._memory_between_steps,
         )
         measured = gather_objects(mine)  # a world collective: every rank is here
         if self._model_desc is None:
