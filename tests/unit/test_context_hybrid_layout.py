@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_para.config import ParallelConfig
 from lightning_para.parallel.context import ContextParallelShard, shard_sequence
@@ -50,18 +49,6 @@ def test_degrees_resolve():
 
 
 # ----------------------------------------------------------------------------- mesh layout (fake process group)
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(world_size: int, rank: int = 0) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _ranks(mesh) -> list[int]:
     return mesh.mesh.flatten().tolist()
 

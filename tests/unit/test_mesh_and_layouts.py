@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_para.config import ParallelConfig
 from lightning_para.observe.memory import expected, formula
 from lightning_para.parallel.data.layout import pack_rank_major as _pack, unpack_rank_major as _unpack
 from lightning_para.parallel.data.fsdp import choose_units
-
-
-@pytest.fixture
-def fake_world():
-    """A fake process group of any size for rank 0 of it: meshes build, nothing is sent."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(world_size: int, rank: int = 0) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _ranks(mesh) -> list[int]:
