@@ -180,3 +180,26 @@ def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, tor
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def held_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state, counted from the storages
+    independently of the library's ``memory_breakdown()``: each storage once, padding included (FSDP2
+    gradients are views into one buffer), separate fp32 masters under the optimizer."""
+    seen: set[int] = set()
+
+    def nbytes(t: Any) -> int:
+        if t is None:
+            return 0
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(t.untyped_storage().data_ptr())
+        return t.untyped_storage().nbytes()
+
+    opt_params = [q for g in optimizer.param_groups for q in g["params"]]
+    params = sum(nbytes(p.data) for p in module.parameters())
+    grads = sum(nbytes(p.grad) for p in module.parameters()) + sum(nbytes(q.grad) for q in opt_params)
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    state += sum(nbytes(q.data) for q in opt_params)  # separate masters only (views were counted)
+    return {"params": params, "grads": grads, "optimizer": state}

@@ -27,6 +27,7 @@ from tests.parity import (
     fit_job,
     fit_reference,
     full_parameters,
+    held_bytes,
     mean_over_dp,
     trainer_kwargs,
 )
@@ -110,24 +111,7 @@ def _memory_job(zero: int) -> dict:
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=3, use_distributed_sampler=False,
                         **trainer_kwargs(**CLIP))
     trainer.fit(module, datamodule=ShardedData(regression_dataset, 8))
-    optimizer = trainer.optimizers[0]
-    seen: set[int] = set()
-
-    def nbytes(t):
-        if t is None:
-            return 0
-        t = t._local_tensor if hasattr(t, "_local_tensor") else t
-        if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
-            return 0
-        seen.add(t.untyped_storage().data_ptr())
-        return t.untyped_storage().nbytes()  # the whole storage: FSDP2 grads are views into one buffer
-
-    params = sum(nbytes(p.data) for p in module.parameters())
-    grads = sum(nbytes(p.grad) for p in module.parameters())
-    grads += sum(nbytes(q.grad) for g in optimizer.param_groups for q in g["params"])
-    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    state += sum(nbytes(q.data) for g in optimizer.param_groups for q in g["params"])  # separate masters only
-    return {"params": params, "grads": grads, "optimizer": state, "breakdown": strategy.memory_breakdown()}
+    return {**held_bytes(module, trainer.optimizers[0]), "breakdown": strategy.memory_breakdown()}
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
@@ -24,7 +23,15 @@ from tests.distributed.test_context_parallel_training import (
     planned_comm_bytes,
     reference,
 )
-from tests.parity import ShardedData, assert_losses_close, fit_job, fit_reference, mean_over_dp, trainer_kwargs
+from tests.parity import (
+    ShardedData,
+    assert_losses_close,
+    fit_job,
+    fit_reference,
+    held_bytes,
+    mean_over_dp,
+    trainer_kwargs,
+)
 from tests.tp_models import token_dataset
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
@@ -88,24 +95,7 @@ def _hsdp_bytes_job(strategy_kwargs: dict) -> dict:
         key = (names.get(group, "other"), kind)
         traffic[key] = traffic.get(key, 0) + nbytes
 
-    seen: set[int] = set()
-
-    def nbytes(t) -> int:  # each storage once, padding included (what the rank really holds)
-        if t is None:
-            return 0
-        t = t._local_tensor if hasattr(t, "_local_tensor") else t
-        if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
-            return 0
-        seen.add(t.untyped_storage().data_ptr())
-        return t.untyped_storage().nbytes()
-
-    optimizer = trainer.optimizers[0]
-    opt_params = [q for g in optimizer.param_groups for q in g["params"]]
-    params = sum(nbytes(p.data) for p in module.parameters())
-    grads = sum(nbytes(p.grad) for p in module.parameters()) + sum(nbytes(q.grad) for q in opt_params)
-    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    state += sum(nbytes(q.data) for q in opt_params)  # separate masters only (views were counted)
-    return {"psi": psi, "traffic": traffic, "params": params, "grads": grads, "optimizer": state,
+    return {"psi": psi, "traffic": traffic, **held_bytes(module, trainer.optimizers[0]),
             "breakdown": strategy.memory_breakdown()}
 
 
