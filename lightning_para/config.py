@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims, check_expert_degree
 from lightning_para.parallel.context.attention import CP_METHODS
+from lightning_para.parallel.data.fsdp import ZERO3_UNITS
 from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, validate_pipeline_config
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -62,6 +63,9 @@ class ParallelConfig:
     # "reduce_each_step": ZeRO-2/3 reduce-scatter every micro-step so gradients stay sharded
     # (communication grows with A, memory does not).
     zero_accumulation: str = "no_sync"
+    # ZeRO-3's FSDP2 units: "blocks" (embedding, norm and head one grouped unit: Lightning's recipe's
+    # collectives), "blocks_and_ends" (a unit each, torchtitan's), "auto" (by size; parallel/data/fsdp.py).
+    zero3_units: str = "auto"
     # --- tensor parallel ---
     sequence_parallel: bool = False
     # Under SP, keep only the sequence shard of each sublayer's input for backward and
@@ -110,6 +114,10 @@ class ParallelConfig:
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose one of {_choices(ZERO_ACCUMULATION)}."
             )
+        if self.zero3_units not in ZERO3_UNITS:
+            raise ValueError(f"`zero3_units={self.zero3_units!r}` is unknown. Choose one of {_choices(ZERO3_UNITS)}.")
+        if self.zero3_units != "auto" and self.zero != 3:
+            warnings.warn(f"`zero3_units={self.zero3_units!r}` has no effect with zero={self.zero} (it chooses ZeRO-3's units).")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"`activation_checkpointing={self.activation_checkpointing!r}` is unknown."

@@ -213,6 +213,7 @@ def _apply_data_parallel(
                 part, dims.fsdp_mesh(), param_dtype=param_dtype,
                 expert_units=[m for m in expert_units if _inside(m, part)],
                 expert_mesh=dims.fsdp_mesh(expert=True) if dims.ep > 1 else None, shard_placement_fn=placement,
+                unit_choice=config.zero3_units,
             )
         result.fully_sharded = True
         return

@@ -101,6 +101,12 @@ class ParaStrategy(ParallelStrategy):
         bucket_size_mb: gradient bucket size for ZeRO 0-2.
         zero_accumulation: ``"no_sync"`` (no communication until the last micro-step) or
             ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating).
+        zero3_units: ZeRO-3's FSDP2 units. ``"blocks"`` (the collectives of Lightning's FSDP2 recipe):
+            one unit per block, and the embedding, final norm and head as one grouped unit gathered once
+            per step. ``"blocks_and_ends"`` (torchtitan's): the embedding and the head get a unit each,
+            which holds less memory gathered and costs two more collectives per step. ``"auto"``
+            (default): ``"blocks"`` when the parameters outside the blocks are no more than the largest
+            block's. The bytes moved are the same (``docs/data_parallel.md``).
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
@@ -149,6 +155,7 @@ class ParaStrategy(ParallelStrategy):
         pipeline_balance: str = "params",
         bucket_size_mb: float = 25.0,
         zero_accumulation: str = "no_sync",
+        zero3_units: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -169,6 +176,7 @@ class ParaStrategy(ParallelStrategy):
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
+            zero3_units=zero3_units,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
             layout=layout, layout_memory_gb=layout_memory_gb,
         )

@@ -2,6 +2,11 @@
 
 The assumptions are listed in :mod:`lightning_para.plan.cost`; the formulas' sources in
 :mod:`~lightning_para.plan.memory` and :mod:`~lightning_para.plan.comm`.
+
+Why this module is long: one rank's price has four parts (resident state, peak memory, compute,
+the collectives of every dimension with their overlap), and each mirrors what ParaStrategy does
+on that rank, down to which ZeRO-3 unit is gathered how often; split apart, each part would
+re-derive the rank's tensors and windows.
 """
 
 from __future__ import annotations
@@ -171,8 +176,9 @@ def _memory(
     buffers = 0.0
     if layout.zero == 3:
         # Gathered 16-bit weights: all of them while "no_sync" keeps them, else the current and
-        # the prefetched layer, plus one layer's unsharded gradients before its reduce-scatter.
-        gathered = (dense + expert) if full_grads else 2 * largest
+        # the prefetched layer and the units kept gathered for backward (the head, or the grouped
+        # embedding, norm and head), plus one layer's unsharded gradients before its reduce-scatter.
+        gathered = (dense + expert) if full_grads else 2 * largest + _zero3_kept_ends(model, layout, part)
         buffers = gathered * precision.activation + (0 if full_grads else largest * precision.grad)
     elif precision.autocast:
         buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
@@ -296,7 +302,6 @@ def _dp_collectives(
     g, w = training.bytes.grad, training.bytes.weight
     each_step = layout.zero_accumulation == "reduce_each_step" and layout.zero >= 2
     reductions = flushes if each_step else 1
-    units = len(part.layers) + int(part.embedding) + int(part.head or part.final_norm)  # FSDP2 units
     grad_sync: list[Collective] = []
     after_step: list[Collective] = []
     zero3: list[Collective] = []
@@ -316,10 +321,9 @@ def _dp_collectives(
             after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:
-            # Every unit, the root with a tied embedding included (measured), gathers for forward and
-            # again for backward.
+            gathered, gathers, units = _zero3_gathers(model, layout, part, expert, n)
             zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)",
-                                    padded * w / units, 2 * units * reductions))
+                                    gathered * w / gathers, gathers * reductions))
             zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", padded * g / units,
                                     units * reductions))
     if layout.dp_replicate > 1:
@@ -350,6 +354,48 @@ def _dp_collectives(
         total = (gathers + scatters) * reductions
         exposed += [c.exposed(exposed_total * c.seconds / total) for c in zero3]
     return exposed, sum(c.exposed_seconds for c in exposed)
+
+
+def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: bool, n: int) -> tuple[int, int, int]:
+    """``(elements gathered, all-gathers, units)`` per ZeRO-3 step on one rank, as
+    ``parallel/data/fsdp.py`` shards (padding included; ``expert``: the expert units over edp).
+
+    Blocks gather for forward and again for backward, except the last block, which stays gathered;
+    the embedding and the head are gathered once (the embedding's backward needs no weight, the head
+    stays gathered); a tied embedding stays in the root, which gathers twice (measured). Under
+    ``zero3_units="auto"`` the embedding, final norm and head form one unit when they hold no more
+    than the largest block, else a unit each.
+    """
+    tp, ep = layout.tp, layout.ep
+    if expert:  # one expert unit per MoE layer, resharded after forward like any block
+        tensors = [t for i in part.layers for t in layer_tensors(model, i, tp, ep) if t.expert]
+        units = sum(1 for i in part.layers if any(t.expert for t in layer_tensors(model, i, tp, ep)))
+        return 2 * n * shard_numel(tensors, n), 2 * units, units
+    layers = [[t for t in layer_tensors(model, i, tp, ep) if not t.expert] for i in part.layers]
+    ends = [t for t in rank_tensors(model, layout, part) if not t.expert and not any(t in layer for layer in layers)]
+    tied = [t for t in ends if t.name == "embedding.tokens" and model.tied_embeddings and part.head]
+    ends = [t for t in ends if t not in tied]
+    twice = [t for layer in layers[:-1] for t in layer] + tied
+    once = (layers[-1] if layers else []) + ends
+    largest = max((total_numel(layer) for layer in layers), default=0)
+    grouped = bool(layers) and total_numel(ends) + total_numel(tied) <= largest
+    end_units = (1 if grouped else int(part.embedding and any(t.name.startswith("embedding") for t in ends))
+                 + int(part.head or part.final_norm)) if ends else 0
+    units = len(layers) + end_units + int(bool(tied))
+    gathers = 2 * max(0, len(layers) - 1) + int(bool(layers)) + end_units + 2 * int(bool(tied))
+    return n * (2 * shard_numel(twice, n) + shard_numel(once, n)), gathers, units
+
+
+def _zero3_kept_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
+    """Parameters outside the blocks that ZeRO-3 holds gathered from forward to backward: all of
+    them when they form one grouped unit (``zero3_units="auto"``, no more than the largest block),
+    else the head and final norm."""
+    layers = {t for i in part.layers for t in layer_tensors(model, i, layout.tp, layout.ep)}
+    ends = [t for t in rank_tensors(model, layout, part) if t not in layers]
+    largest = max((total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers), default=0)
+    if part.layers and total_numel(ends) <= largest:
+        return float(total_numel(ends))
+    return float(total_numel(t for t in ends if not t.name.startswith("embedding")))
 
 
 def price_rank(

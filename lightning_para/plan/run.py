@@ -123,14 +123,15 @@ LAYOUT_KEYS: dict[str, tuple[str, type]] = {
     "schedule": ("schedule", str), "microbatches": ("microbatches", int), "m": ("microbatches", int),
     "virtual_stages": ("virtual_stages", int), "v": ("virtual_stages", int),
     "recompute": ("activation_checkpointing", str), "activation_checkpointing": ("activation_checkpointing", str),
-    "zero_accumulation": ("zero_accumulation", str),
+    "zero_accumulation": ("zero_accumulation", str), "zero3_units": ("zero3_units", str),
 }
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """``"tp=2,pp=2,zero=1"`` -> ParaStrategy arguments (``ValueError`` naming a bad entry).
 
-    Keys: ``dp tp pp ep zero sp schedule microbatches (m) virtual_stages (v) recompute zero_accumulation``;
+    Keys: ``dp tp pp ep zero sp schedule microbatches (m) virtual_stages (v) recompute zero_accumulation
+    zero3_units``;
     ``1``/``0``/``true``/``false`` for ``sp``.
     """
     out: dict[str, Any] = {}

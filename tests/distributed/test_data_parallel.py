@@ -180,7 +180,8 @@ def _comm_job(zero: int, accumulate: int) -> dict:
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_communication_per_step(pools, zero):
-    """2 psi per optimizer step for ZeRO 0/1/2 and 3 psi - psi_head for ZeRO-3, independent of accumulation.
+    """2 psi per optimizer step for ZeRO 0/1/2 and 3 psi - psi_head - psi_last_block for ZeRO-3,
+    independent of accumulation.
 
     ZeRO-1/2 take the real reduce-scatter here (NCCL's path); on gloo they all-reduce the bucket
     instead, which is what gloo's own reduce-scatter sends (checked below)."""
@@ -189,8 +190,10 @@ def test_communication_per_step(pools, zero):
     once, accumulated = (pool.run(nccl_reduce_scatter_path, _comm_job, zero, a)[0] for a in (1, 4))
     expected = (3 if zero == 3 else 2) * psi
     if zero == 3:
-        # FSDP2 keeps the unit that runs last in forward (the head) gathered for backward (2 psi for it).
-        expected -= sum(p.numel() * 4 for p in RegressionNet().head.parameters())
+        # ZeRO-3 keeps the unit that runs last in forward (the head) and the last block (the
+        # body's last Linear) gathered for backward: 2 psi for each (parallel/data/fsdp.py).
+        net = RegressionNet()
+        expected -= sum(p.numel() * 4 for m in (net.head, net.body[3]) for p in m.parameters())
     for result in (once, accumulated):
         assert result["per_step"] == pytest.approx(expected, rel=0.03), (result, expected)
     assert accumulated["per_step"] == pytest.approx(once["per_step"], rel=1e-3)
@@ -265,18 +268,19 @@ def test_gradient_reduction_overlaps_backward(pools, zero):
             assert calls.count("all_gather") == 1, calls
 
 
-def _zero3_gpt_job(steps: int) -> dict:
+def _zero3_gpt_job(steps: int, zero3_units: str = "auto") -> dict:
     from lightning_para import ParaStrategy
 
     window, recorder = _CountWindow(first_step=2, steps=3, accumulate=1), LossRecorder()
     L.seed_everything(0, verbose=False)
     module = _tiny_gpt()
-    trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(zero=3), max_steps=steps,
-                        callbacks=[recorder, window], use_distributed_sampler=False, **trainer_kwargs(**CLIP))
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(zero=3, zero3_units=zero3_units),
+                        max_steps=steps, callbacks=[recorder, window], use_distributed_sampler=False, **trainer_kwargs(**CLIP))
     trainer.fit(module, datamodule=ShardedData(token_dataset, 8 // dist.get_world_size()))
     params = full_parameters(module)
     return {"losses": recorder.losses, "params": params if dist.get_rank() == 0 else None,
-            "per_step": window.counter.total_of("all_gather", "reduce_scatter") / window.steps}
+            "per_step": window.counter.total_of("all_gather", "reduce_scatter") / window.steps,
+            "calls": {k: sum(c[0] == k for c in window.counter.calls) / window.steps for k in ("all_gather", "reduce_scatter")}}
 
 
 def _tiny_gpt():
@@ -291,17 +295,26 @@ def _tiny_gpt():
     return SGDGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64, sample_tokens=0)
 
 
-def test_zero3_units_embedding_not_gathered_in_backward_head_not_resharded(pools):
-    """ZeRO-3 on the GPT recipe matches one device while moving 3 psi - psi_embedding - psi_head: the
-    embedding is not gathered again for backward and the head (last in forward) is not resharded."""
+@pytest.mark.parametrize("zero3_units", ["blocks", "blocks_and_ends"])
+def test_zero3_units_move_3psi_less_embedding_head_and_last_block(pools, zero3_units):
+    """ZeRO-3 on the GPT recipe matches one device while moving 3 psi - psi_embedding - psi_head -
+    psi_last_block under either unit choice: the embedding is not gathered again for backward, and
+    the head (last in forward) and the last block are not resharded. "blocks" does it in two
+    all-gathers and one reduce-scatter fewer (the embedding and head are one grouped unit)."""
     steps = 6
-    results = pools.get(2).run(_zero3_gpt_job, steps)
+    results = pools.get(2).run(_zero3_gpt_job, steps, zero3_units)
     ref = fit_reference(_tiny_gpt, token_dataset, 8, steps, CLIP)
     check_parity(results, ref, world=2)
     model = _tiny_gpt()
-    psi, embedding, head = (sum(p.numel() * 4 for p in m.parameters()) for m in (model, model.embed, model.head))
+    psi, embedding, head, last_block = (sum(p.numel() * 4 for p in m.parameters())
+                                        for m in (model, model.embed, model.head, model.blocks[-1]))
+    layers = len(model.blocks)
+    # Forward gathers every unit; backward every block but the last.
+    expected_calls = {"blocks": (layers + 1 + layers - 1, layers + 1),
+                      "blocks_and_ends": (layers + 2 + layers - 1, layers + 2)}[zero3_units]
     for r in results:
-        assert r["per_step"] == pytest.approx(3 * psi - embedding - head, rel=0.02), (r["per_step"], psi)
+        assert r["per_step"] == pytest.approx(3 * psi - embedding - head - last_block, rel=0.02), (r["per_step"], psi)
+        assert (r["calls"]["all_gather"], r["calls"]["reduce_scatter"]) == expected_calls, r["calls"]
 
 
 # ----------------------------------------------------------------------------- precision

@@ -24,6 +24,7 @@ from lightning_para.precision import as_para_precision
         ({"schedule": "pipedream"}, r"`schedule='pipedream'` is unknown. Choose one of 'gpipe', '1f1b'"),
         ({"activation_checkpointing": "some"}, r"`activation_checkpointing='some'` is unknown"),
         ({"zero_accumulation": "sometimes"}, r"`zero_accumulation='sometimes'` is unknown"),
+        ({"zero": 3, "zero3_units": "layers"}, r"`zero3_units='layers'` is unknown. Choose one of 'auto', 'blocks'"),
         ({"microbatches": 0}, r"`microbatches=0` must be a positive integer"),
         ({"pipeline_balance": "flops"}, r"`pipeline_balance='flops'` is unknown"),
     ],
@@ -33,6 +34,11 @@ def test_bad_options_name_the_argument(kwargs, message):
         ParallelConfig(**kwargs)
     with pytest.raises(ValueError, match=message):
         ParaStrategy(**kwargs)
+
+
+def test_zero3_units_without_zero3_warns():
+    with pytest.warns(UserWarning, match=r"`zero3_units='blocks'` has no effect with zero=1"):
+        ParaStrategy(zero=1, zero3_units="blocks")
 
 
 def test_dp_auto_and_world_size_checks():

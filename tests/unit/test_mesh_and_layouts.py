@@ -110,3 +110,29 @@ def test_zero_formulas_match_the_paper(stage, paper):
 def test_expert_parameters_shard_over_edp():
     exp = expected(stage=1, psi_dense=100, psi_expert=100, dp=4, edp=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     assert exp["optimizer"] == 8 * (100 / 4 + 100 / 2)
+
+
+class _Untied(nn.Module):
+    def __init__(self, vocab: int, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+
+def test_zero3_units_blocks_groups_the_ends_last():
+    model = _Untied(vocab=4)
+    assert choose_units(model, units="blocks") == [*model.blocks, [model.embed, model.norm, model.head]]
+    assert choose_units(model, units="blocks_and_ends") == [model.embed, *model.blocks, model.norm, model.head]
+    tied = _Tied()
+    assert choose_units(tied, units="blocks") == [*tied.blocks, tied.norm]  # one end: nothing to group
+
+
+def test_zero3_units_auto_groups_ends_no_larger_than_a_block():
+    small = _Untied(vocab=2)  # ends: 16 + 16 + 16 = 48 parameters, a block 72
+    assert choose_units(small, units="auto") == choose_units(small, units="blocks")
+    large = _Untied(vocab=64)  # ends: 512 + 16 + 512 parameters, more than a block
+    assert choose_units(large, units="auto") == choose_units(large, units="blocks_and_ends")
+    with pytest.raises(ValueError, match="zero3_units='layers'.*'blocks_and_ends'"):
+        choose_units(small, units="layers")

@@ -95,6 +95,9 @@ def test_parse_layout():
         "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "microbatches": 4, "virtual_stages": 2,
         "schedule": "interleaved", "activation_checkpointing": None,
     }
+    assert parse_layout("dp=4,zero=3,zero3_units=blocks_and_ends") == {
+        "dp": 4, "zero": 3, "zero3_units": "blocks_and_ends",
+    }
     assert strategy_arguments("dp=4,ep=2,zero=1") == {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "zero": 1}
     assert strategy_arguments(None)["dp"] == 1 and strategy_arguments(None)["zero"] == 0
     for bad in ("tp", "tp=0", "zero=x", "sp=maybe", "foo=1"):

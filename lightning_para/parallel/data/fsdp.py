@@ -17,35 +17,54 @@ The root is the LightningModule itself; :class:`~lightning_para.ParaStrategy` ru
 ``training_step`` *through* the root's ``__call__`` so FSDP2's root hooks run. The root
 keeps FSDP2's own rule (not resharded after forward: backward needs it at once).
 
-When each unit reshards and gathers (:func:`apply_fully_shard`, as torchtitan does):
+How the modules outside the blocks are sharded (``unit_choice``, ParaStrategy's ``zero3_units``):
+
+* ``"blocks_and_ends"`` (torchtitan's choice): the embedding, and the final norm and head, are
+  units of their own. Least memory: the embedding is sharded again right after its forward.
+* ``"blocks"`` (the collectives of Lightning's FSDP2 recipe): the embedding, final norm and head
+  are *one* grouped unit (``fully_shard([embedding, norm, head])``), gathered once when the
+  embedding runs and kept until backward, reduce-scattered once. Two collectives fewer per step
+  for the same bytes, at the price of holding the embedding gathered through the step.
+  Lightning's recipe leaves these modules in the root instead; ParaStrategy runs
+  ``training_step`` through the root, and a root whose forward is entered again inside it
+  (``self(x)``) is resharded by FSDP2 when the outer call returns and gathered a second time in
+  backward, so the root is kept free of parameters wherever it can be.
+* ``"auto"`` (default): ``"blocks"`` when the parameters outside the blocks are no more than the
+  largest block (then the grouped unit holds at most one block's worth more while gathered, and
+  each collective saved is a latency saved), else ``"blocks_and_ends"``.
+
+When each unit reshards and gathers (:func:`apply_fully_shard`):
 
 * blocks reshard after forward and are gathered again in backward (3 psi for them), with
   FSDP2's backward prefetch (the next unit's all-gather overlaps this unit's backward);
-* the unit that runs **last in forward** (the head) is *not* resharded after forward:
-  backward starts with it, so resharding would only free memory to gather it straight back
-  (2 psi for it);
+* the unit that runs **last in forward** (the head) and the **last block** are *not* resharded
+  after forward: backward starts with them, so resharding would only free memory to gather it
+  straight back (2 psi for each; torchtitan keeps its last block too). An expert unit inside
+  the last block is resharded as usual;
 * a unit holding only **embeddings** is resharded after forward and *not* gathered in
-  backward: an embedding's gradient needs the token ids, not the table (2 psi for it).
+  backward: an embedding's gradient needs the token ids, not the table (2 psi for it);
+* under ``"blocks"`` the grouped unit holds the head, so it is the one kept gathered (2 psi);
+* the root (only parameters shared across units, e.g. a tied embedding) keeps FSDP2's own rule.
 
-So a step moves ``3 psi - psi_head - psi_embedding``, never more than the ZeRO paper's 3 psi,
-and less than Lightning's ``configure_model`` recipe (blocks plus a root holding embedding and
-head, which moves 3 psi of blocks + 2 psi of the rest) while holding the embedding sharded
-between its forward and its backward.
+So under either unit choice a step moves ``3 psi - psi_head - psi_embedding - psi_last_block``,
+never more than the ZeRO paper's 3 psi, and ``psi_last_block`` less than Lightning's
+``configure_model`` recipe (blocks plus a root holding embedding and head: 3 psi of blocks + 2 psi
+of the rest). The planner prices the same (``plan/rank.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_para._dtensor import parameter_owners
+from lightning_para._dtensor import local_tensor, parameter_owners
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -54,15 +73,38 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def choose_units(root: nn.Module, expert_units: Sequence[nn.Module] = ()) -> list[nn.Module]:
-    """The submodules of ``root`` that get their own ``fully_shard`` (children before parents).
+ZERO3_UNITS = ("auto", "blocks", "blocks_and_ends")
+
+# One `fully_shard` call: a module, or several modules that share one all-gather and one
+# reduce-scatter (FSDP2's grouped modules, `fully_shard([a, b])`).
+Unit = Union[nn.Module, list[nn.Module]]
+
+
+def choose_units(
+    root: nn.Module, expert_units: Sequence[nn.Module] = (), units: str = "blocks_and_ends"
+) -> list[Unit]:
+    """The units of ``root`` that get their own ``fully_shard``, children before parents.
 
     ``expert_units`` (expert stacks) come first: they shard over the expert-data-parallel mesh,
     not over all of dp, so each must be a unit of its own, inside its block's unit.
+    ``units`` says how the modules outside the blocks (embedding, final norm, head) are sharded
+    (module docstring): each its own unit (``"blocks_and_ends"``), or all of them one grouped unit,
+    the last entry (``"blocks"``); ``"auto"`` decides by their size against the largest block.
     """
+    return _choose_units(root, expert_units, units)[0]
+
+
+def _choose_units(
+    root: nn.Module, expert_units: Sequence[nn.Module], units: str
+) -> tuple[list[Unit], list[nn.Module]]:
+    """:func:`choose_units`, and the blocks among them in forward order (entries of containers)."""
+    if units not in ZERO3_UNITS:
+        raise ValueError(f"`zero3_units={units!r}` is unknown. Choose one of {', '.join(map(repr, ZERO3_UNITS))}.")
     owners = {pid: {fqn for fqn, _ in held} for pid, held in parameter_owners(root).items()}
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    units: list[nn.Module] = []
+    blocks: list[nn.Module] = []
+    ends: list[nn.Module] = []
+    chosen: list[Unit] = []  # in the order found: children before the wrappers around them
 
     def self_contained(module: nn.Module) -> bool:
         prefix = names[id(module)]
@@ -72,7 +114,12 @@ def choose_units(root: nn.Module, expert_units: Sequence[nn.Module] = ()) -> lis
                     return False
         return True
 
+    def add(module: nn.Module, is_block: bool) -> None:
+        (blocks if is_block else ends).append(module)
+        chosen.append(module)
+
     def visit(module: nn.Module) -> None:
+        in_container = isinstance(module, _CONTAINERS)
         for child in module.children():
             if not _has_params(child):
                 continue
@@ -81,15 +128,37 @@ def choose_units(root: nn.Module, expert_units: Sequence[nn.Module] = ()) -> lis
             elif any(isinstance(m, _CONTAINERS) for m in child.modules()) and _has_params_in_containers(child):
                 visit(child)  # a wrapper around blocks, e.g. `self.transformer`
                 if any(True for _ in child.parameters(recurse=False)) and self_contained(child):
-                    units.append(child)
+                    add(child, is_block=False)
             elif self_contained(child):
-                units.append(child)
+                add(child, is_block=in_container)
             else:
                 visit(child)
 
     visit(root)
-    experts = [m for m in expert_units if m is not root and m not in units]
-    return experts + units
+    if units == "auto":
+        units = "blocks" if blocks and _ends_fit_in_a_block(root, blocks) else "blocks_and_ends"
+    if units == "blocks" and len(ends) > 1:
+        # Last: a wrapper among the ends holds blocks, which must be sharded before it.
+        chosen = [m for m in chosen if not any(m is e for e in ends)] + [ends]
+    experts = [m for m in expert_units if m is not root and m not in chosen]
+    return [*experts, *chosen], blocks
+
+
+def _ends_fit_in_a_block(root: nn.Module, blocks: Sequence[nn.Module]) -> bool:
+    """Whether the parameters outside the blocks (embedding, final norm, head, the root's own) are
+    no more than the largest block's.
+
+    Then gathering them as one unit for the whole step costs at most one block's gathered memory
+    more, and saves a collective's latency each for the embedding and the head in forward and in
+    backward. Local sizes: the same on every rank of the dp mesh.
+    """
+
+    def numel(params: Iterable[nn.Parameter]) -> int:
+        return sum(local_tensor(p.data).numel() for p in {id(p): p for p in params}.values())
+
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    outside = numel(p for p in root.parameters() if id(p) not in in_blocks)
+    return outside <= max(numel(b.parameters()) for b in blocks)
 
 
 def _has_params_in_containers(module: nn.Module) -> bool:
@@ -106,7 +175,8 @@ def apply_fully_shard(
     expert_units: Sequence[nn.Module] = (),
     expert_mesh: Optional[DeviceMesh] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
-) -> list[nn.Module]:
+    unit_choice: str = "auto",
+) -> list[Unit]:
     """Shard ``root`` with FSDP2 over ``dp_mesh``; returns the units (root last).
 
     ``param_dtype`` is the compute dtype (bf16 under ``bf16-true``): FSDP2 keeps the sharded
@@ -116,19 +186,24 @@ def apply_fully_shard(
     (tensor parallel shards fused projections along dim 1; ``None`` means dim 0).
     ``reshard_after_forward=False`` keeps every unit gathered from its forward to its backward
     (ZeRO-2-like traffic); ``True`` reshards all but the unit that runs last (module docstring).
+    ``unit_choice`` is ParaStrategy's ``zero3_units``: whether the embedding and head get units of their own
+    (module docstring).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
-    units = choose_units(root, expert_units)
+    units, blocks = _choose_units(root, expert_units, unit_choice)
     experts = {id(m) for m in expert_units}
+    # Backward starts with the unit that ran last in forward (the head, or the group holding it),
+    # then the last block: resharding them would only free memory to gather it straight back.
     runs_last = next((u for u in reversed(units) if id(u) not in experts), None)
+    last_block = blocks[-1] if blocks else None
     for unit in units:
         mesh = expert_mesh if id(unit) in experts and expert_mesh is not None else dp_mesh
-        # Backward starts with the unit that ran last in forward: resharding it would only gather it back.
-        reshard = reshard_after_forward and unit is not runs_last
+        reshard = reshard_after_forward and unit is not runs_last and unit is not last_block
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
                     shard_placement_fn=shard_placement_fn)
-        _RESHARD_AFTER_FORWARD[unit] = reshard
-        if _only_embeddings(unit):
+        for module in unit if isinstance(unit, list) else [unit]:
+            _RESHARD_AFTER_FORWARD[module] = reshard
+        if isinstance(unit, nn.Module) and _only_embeddings(unit):
             unit.set_unshard_in_backward(False)  # an embedding's backward reads the ids, not the table
     # The root keeps FSDP2's own rule (`None`): not resharded after forward, backward needs it at once.
     fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=None if reshard_after_forward else False,
