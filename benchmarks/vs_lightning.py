@@ -12,7 +12,8 @@ the protocol (alternating rounds, medians, ratios in the same run) is in
   rank steps its share of the parameters and broadcasts them).
 * ``fsdp`` (2): ``lightning-fsdp2`` (``ModelParallelStrategy`` with Lightning's documented
   FSDP2 recipe: ``configure_model`` gives each block ``fully_shard``, then the root) against
-  ``para-zero3``.
+  ``para-zero3`` (``zero3_units="auto"``, which picks Lightning's units for this model) and
+  ``para-zero3-blocks_and_ends`` (the embedding and the head in units of their own).
 * ``tp`` (2): ``lightning-tp`` (``ModelParallelStrategy``, a hand-written plan as in
   Lightning's tensor-parallel examples: colwise q/k/v/fc/gate, rowwise projections, a
   row-parallel embedding and a replicated-output head) against ``para-tp2``.
@@ -54,7 +55,7 @@ from lightning_para.recipes import GPT  # noqa: E402
 SUITES = {
     "single": (1, "raw-loop", ["raw-loop", "lightning-default", "para"]),
     "ddp": (2, "lightning-ddp", ["lightning-ddp", "para-zero0", "para-zero1", "para-zero2", "lightning-ddp-zero-redundancy"]),
-    "fsdp": (2, "lightning-fsdp2", ["lightning-fsdp2", "para-zero3"]),
+    "fsdp": (2, "lightning-fsdp2", ["lightning-fsdp2", "para-zero3", "para-zero3-blocks_and_ends"]),
     "tp": (2, "lightning-tp", ["lightning-tp", "para-tp2"]),
 }
 TARGETS = {
@@ -192,6 +193,8 @@ def run_side(side: str, steps: int, batch: int, warmup: int) -> float:
         strategy = "auto"
     elif side == "para":
         strategy = ParaStrategy()
+    elif side.startswith("para-zero3-"):  # a `zero3_units` choice other than "auto"
+        strategy = ParaStrategy(zero=3, zero3_units=side[len("para-zero3-"):])
     elif side.startswith("para-zero"):
         strategy = ParaStrategy(zero=int(side[-1]))
     elif side == "para-tp2":
