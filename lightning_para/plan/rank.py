@@ -361,10 +361,9 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
     ``parallel/data/fsdp.py`` shards (padding included; ``expert``: the expert units over edp).
 
     Blocks gather for forward and again for backward, except the last block, which stays gathered;
-    the embedding and the head are gathered once (the embedding's backward needs no weight, the head
-    stays gathered); a tied embedding stays in the root, which gathers twice (measured). Under
-    ``zero3_units="auto"`` the embedding, final norm and head form one unit when they hold no more
-    than the largest block, else a unit each.
+    the embedding and the head (tied or not) are gathered once (the embedding's backward needs no
+    weight, the head stays gathered). Under ``zero3_units="auto"`` the embedding, final norm and
+    head form one unit when they hold no more than the largest block, else a unit each.
     """
     tp, ep = layout.tp, layout.ep
     if expert:  # one expert unit per MoE layer, resharded after forward like any block
@@ -372,17 +371,14 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
         units = sum(1 for i in part.layers if any(t.expert for t in layer_tensors(model, i, tp, ep)))
         return 2 * n * shard_numel(tensors, n), 2 * units, units
     layers = [[t for t in layer_tensors(model, i, tp, ep) if not t.expert] for i in part.layers]
-    ends = [t for t in rank_tensors(model, layout, part) if not t.expert and not any(t in layer for layer in layers)]
-    tied = [t for t in ends if t.name == "embedding.tokens" and model.tied_embeddings and part.head]
-    ends = [t for t in ends if t not in tied]
-    twice = [t for layer in layers[:-1] for t in layer] + tied
+    in_layers = {t for layer in layers for t in layer}
+    ends = [t for t in rank_tensors(model, layout, part) if not t.expert and t not in in_layers]
+    twice = [t for layer in layers[:-1] for t in layer]
     once = (layers[-1] if layers else []) + ends
-    largest = max((total_numel(layer) for layer in layers), default=0)
-    grouped = bool(layers) and total_numel(ends) + total_numel(tied) <= largest
-    end_units = (1 if grouped else int(part.embedding and any(t.name.startswith("embedding") for t in ends))
-                 + int(part.head or part.final_norm)) if ends else 0
-    units = len(layers) + end_units + int(bool(tied))
-    gathers = 2 * max(0, len(layers) - 1) + int(bool(layers)) + end_units + 2 * int(bool(tied))
+    grouped = bool(layers) and total_numel(ends) <= max(total_numel(layer) for layer in layers)
+    end_units = (1 if grouped else int(part.embedding) + int(part.head or part.final_norm)) if ends else 0
+    units = len(layers) + end_units
+    gathers = 2 * max(0, len(layers) - 1) + int(bool(layers)) + end_units
     return n * (2 * shard_numel(twice, n) + shard_numel(once, n)), gathers, units
 
 

@@ -7,6 +7,8 @@ and compares with one process on the same global batch.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import lightning as L
@@ -268,12 +270,12 @@ def test_gradient_reduction_overlaps_backward(pools, zero):
             assert calls.count("all_gather") == 1, calls
 
 
-def _zero3_gpt_job(steps: int, zero3_units: str = "auto", accumulate: int = 1) -> dict:
+def _zero3_gpt_job(steps: int, zero3_units: str = "auto", accumulate: int = 1, tie: bool = False) -> dict:
     from lightning_para import ParaStrategy
 
     window, recorder = _CountWindow(first_step=2, steps=3, accumulate=accumulate), LossRecorder()
     L.seed_everything(0, verbose=False)
-    module = _tiny_gpt()
+    module = _tiny_gpt(tie)
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(zero=3, zero3_units=zero3_units),
                         max_steps=steps, callbacks=[recorder, window], use_distributed_sampler=False,
                         **trainer_kwargs(**CLIP, accumulate_grad_batches=accumulate))
@@ -290,7 +292,7 @@ def _long_token_dataset():
     return TokenDataset(n=96)
 
 
-def _tiny_gpt():
+def _tiny_gpt(tie: bool = False):
     from lightning_para.recipes import GPT
 
     class SGDGPT(GPT):
@@ -299,24 +301,30 @@ def _tiny_gpt():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    return SGDGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64, sample_tokens=0)
+    return SGDGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64, sample_tokens=0, tie_weights=tie)
 
 
-@pytest.mark.parametrize("zero3_units, accumulate", [("blocks", 1), ("blocks_and_ends", 1), ("blocks", 2)])
-def test_zero3_units_move_3psi_less_embedding_head_and_last_block(pools, zero3_units, accumulate):
+@pytest.mark.parametrize("zero3_units, accumulate, tie", [
+    ("blocks", 1, False), ("blocks_and_ends", 1, False), ("blocks", 2, False), ("blocks", 1, True),
+])
+def test_zero3_units_move_3psi_less_embedding_head_and_last_block(pools, zero3_units, accumulate, tie):
     """ZeRO-3 on the GPT recipe matches one device while moving 3 psi - psi_embedding - psi_head -
     psi_last_block under either unit choice: the embedding is not gathered again for backward, and
     the head (last in forward) and the last block are not resharded. "blocks" does it in two
     all-gathers and one reduce-scatter fewer (the embedding and head are one grouped unit). With
-    accumulation the grouped unit keeps its choice across `no_sync` micro-steps."""
+    accumulation the grouped unit keeps its choice across `no_sync` micro-steps. A tied embedding
+    and head join the grouped unit, which holds their table once, gathered once."""
     steps = 6
     overrides = {**CLIP, "accumulate_grad_batches": accumulate}
-    results = pools.get(2).run(_zero3_gpt_job, steps, zero3_units, accumulate)
-    ref = fit_reference(_tiny_gpt, _long_token_dataset, 8, steps, overrides)
+    results = pools.get(2).run(_zero3_gpt_job, steps, zero3_units, accumulate, tie)
+    ref = fit_reference(functools.partial(_tiny_gpt, tie), _long_token_dataset, 8, steps, overrides)
     check_parity(results, ref, world=2)
-    model = _tiny_gpt()
+    model = _tiny_gpt(tie)
+    assert (model.embed.wte.weight is model.head.lm_head.weight) == tie
     psi, embedding, head, last_block = (sum(p.numel() * 4 for p in m.parameters())
                                         for m in (model, model.embed, model.head, model.blocks[-1]))
+    if tie:  # psi counts the shared table once; so does the grouped unit's one gather
+        embedding = 0
     layers = len(model.blocks)
     # Forward gathers every unit; backward every block but the last.
     expected_calls = {"blocks": (layers + 1 + layers - 1, layers + 1),

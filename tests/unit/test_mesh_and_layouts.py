@@ -79,10 +79,24 @@ class _Tied(nn.Module):
         self.head.weight = self.embed.weight
 
 
-def test_zero3_units_skip_tied_weights():
+def test_zero3_units_shard_tied_weights_together():
     model = _Tied()
+    # embed and head share a weight: one grouped unit, last (it holds the head)
+    assert choose_units(model) == [*model.blocks, model.norm, [model.embed, model.head]]
+    assert choose_units(model, units="blocks") == [*model.blocks, [model.norm, model.embed, model.head]]
+
+
+def test_zero3_units_group_every_module_sharing_a_weight_or_leave_it_to_the_root():
+    model = _Tied()
+    model.embed, model.head = nn.Embedding(8, 8), nn.Linear(8, 8, bias=False)
+    model.head.weight = model.embed.weight
+    model.blocks[0].weight = model.embed.weight  # a block shares it too: all three form the group
+    assert choose_units(model) == [model.blocks[1], model.blocks[2], model.norm,
+                                   [model.embed, model.blocks[0], model.head]]
+    model.blocks[0].weight = nn.Parameter(torch.zeros(8, 8))
+    model.table = model.embed.weight  # the root holds it directly: no unit can own it
     units = choose_units(model)
-    assert units == [*model.blocks, model.norm]  # embed and head share a weight: left to the root
+    assert units == [*model.blocks, model.norm]
 
 
 def test_zero3_units_descend_wrappers():
@@ -125,8 +139,9 @@ def test_zero3_units_blocks_groups_the_ends_last():
     model = _Untied(vocab=4)
     assert choose_units(model, units="blocks") == [*model.blocks, [model.embed, model.norm, model.head]]
     assert choose_units(model, units="blocks_and_ends") == [model.embed, *model.blocks, model.norm, model.head]
-    tied = _Tied()
-    assert choose_units(tied, units="blocks") == [*tied.blocks, tied.norm]  # one end: nothing to group
+    one_end = _Untied(vocab=4)
+    del one_end.embed, one_end.head
+    assert choose_units(one_end, units="blocks") == [*one_end.blocks, one_end.norm]  # nothing to group
 
 
 def test_zero3_units_auto_groups_ends_no_larger_than_a_block():

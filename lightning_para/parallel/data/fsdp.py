@@ -10,8 +10,10 @@ Unit choice for an arbitrary LightningModule (:func:`choose_units`):
 * every entry of an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (the blocks),
 * every other parameter-holding child that is not such a container (embedding, final norm,
   head), descending through plain wrapper modules,
-* never a module whose parameters are shared with a module outside it (tied embeddings):
-  those stay with the root, which gathers them once per forward.
+* modules that share parameters only among themselves (a tied embedding and head) together, as
+  one grouped unit that manages the shared table once (with every module that holds it); a
+  parameter the root or a wrapper of the blocks holds directly, or a module reachable under two
+  names, stays with the root.
 
 The root is the LightningModule itself; :class:`~lightning_para.ParaStrategy` runs
 ``training_step`` *through* the root's ``__call__`` so FSDP2's root hooks run. The root
@@ -44,7 +46,9 @@ When each unit reshards and gathers (:func:`apply_fully_shard`):
 * a unit holding only **embeddings** is resharded after forward and *not* gathered in
   backward: an embedding's gradient needs the token ids, not the table (2 psi for it);
 * under ``"blocks"`` the grouped unit holds the head, so it is the one kept gathered (2 psi);
-* the root (only parameters shared across units, e.g. a tied embedding) keeps FSDP2's own rule.
+  so is the grouped unit of a tied embedding and head under ``"blocks_and_ends"``;
+* the root (only parameters it or a wrapper holds directly, normally none) keeps FSDP2's own
+  rule, but is gathered again in backward when ``training_step`` calls ``self(x)`` (see ``"blocks"``).
 
 So under either unit choice a step moves ``3 psi - psi_head - psi_embedding - psi_last_block``,
 never more than the ZeRO paper's 3 psi, and ``psi_last_block`` less than Lightning's
@@ -132,16 +136,46 @@ def _choose_units(
             elif self_contained(child):
                 add(child, is_block=in_container)
             else:
+                if any(True for _ in child.parameters(recurse=False)):
+                    shared_holders.append(child)  # e.g. an embedding whose table the head reuses
                 visit(child)
 
+    shared_holders: list[nn.Module] = []
     visit(root)
+    tied = _tied_groups(shared_holders, owners, names)
     if units == "auto":
         units = "blocks" if blocks and _ends_fit_in_a_block(root, blocks) else "blocks_and_ends"
-    if units == "blocks" and len(ends) > 1:
+    if units == "blocks" and len(ends) + sum(map(len, tied)) > 1:
         # Last: a wrapper among the ends holds blocks, which must be sharded before it.
-        chosen = [m for m in chosen if not any(m is e for e in ends)] + [ends]
+        group = ends + [m for modules in tied for m in modules]
+        chosen = [m for m in chosen if not any(m is e for e in ends)] + [group]
+    else:
+        chosen += tied  # each set of tied modules one grouped unit; it holds the head, so it runs last
     experts = [m for m in expert_units if m is not root and m not in chosen]
     return [*experts, *chosen], blocks
+
+
+def _tied_groups(
+    holders: Sequence[nn.Module], owners: dict[int, set[str]], names: dict[int, str]
+) -> list[list[nn.Module]]:
+    """Modules that share parameters only among themselves (a tied embedding and head), one list
+    per set: each set can be one grouped unit, ``fully_shard([embedding, head])``, which manages
+    the shared table once. A set whose parameters a module outside ``holders`` (the root, a
+    wrapper of the blocks) holds too stays with the root."""
+    groups: list[list[nn.Module]] = []
+    for module in holders:
+        shared = {owner for p in module.parameters(recurse=False) for owner in owners[id(p)]}
+        joined = [g for g in groups if any(names[id(m)] in shared for m in g)]
+        merged = [m for g in joined for m in g] + [module]
+        groups = [g for g in groups if not any(g is j for j in joined)] + [merged]
+    valid = []
+    for group in groups:
+        held_by = {names[id(m)] for m in group}
+        if len(group) > 1 and all(
+            owners[id(p)] <= held_by for m in group for p in m.parameters(recurse=False)
+        ):
+            valid.append(group)
+    return valid
 
 
 def _ends_fit_in_a_block(root: nn.Module, blocks: Sequence[nn.Module]) -> bool:
