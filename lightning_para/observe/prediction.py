@@ -25,7 +25,13 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_para.observe.timeline import PipelineEvent, as_events, rank_pipeline_record, replayed_idle_fraction
+from lightning_para.observe.timeline import (
+    PipelineEvent,
+    as_events,
+    rank_pipeline_record,
+    replayed_idle_fraction,
+    with_median_cpu,
+)
 from lightning_para.plan.check import MeasuredRank, PredictionCheck, comm_by_dimension, compare
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.model import ModelDesc
@@ -81,7 +87,8 @@ def check_run(
 ) -> PredictionCheck:
     """Price this run with the planner and compare it with every rank's :func:`measure_rank` (raises
     ``ValueError`` if the planner cannot price it). ``batch_shape`` is a training batch's token
-    tensor, ``(batch, seq)``. The idle fraction compared is the replay of all ranks' events."""
+    tensor, ``(batch, seq)``. The idle fraction compared is the replay of all ranks' events, each
+    action timed by its median CPU time over the measured steps (:func:`~.timeline.with_median_cpu`)."""
     dims, config = strategy.parallel_dims, strategy.config
     measured = [m for m, _ in per_rank]
     steps = min((len(events) for _, events in per_rank), default=0)
@@ -90,9 +97,10 @@ def check_run(
         # outermost mesh dimension, so rank r belongs to pipeline r mod (world / pp)).
         per_pipeline = dims.world_size // dims.pp
         replays: dict[int, float] = {}
+        typical = [with_median_cpu(events[:steps]) for _, events in per_rank]
         for k in range(steps):
             pipelines: dict[int, list[PipelineEvent]] = {}
-            for m, events in per_rank:
+            for (m, _), events in zip(per_rank, typical):
                 pipelines.setdefault(m.rank % per_pipeline, []).extend(events[k])
             for pipeline_events in pipelines.values():
                 for rank, value in replayed_idle_fraction(pipeline_events).items():

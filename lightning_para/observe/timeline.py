@@ -7,8 +7,9 @@ boxes labelled with the microbatch index; the grey gaps are the bubble.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -84,6 +85,18 @@ def idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:
     for e in events:
         busy[e.rank] = busy.get(e.rank, 0.0) + (e.end - e.start)
     return {rank: max(0.0, 1.0 - b / span) for rank, b in sorted(busy.items())}
+
+
+def with_median_cpu(steps: Sequence[Sequence[PipelineEvent]]) -> list[list[PipelineEvent]]:
+    """``steps`` (one rank's events of several steps) with each action's CPU time replaced by its
+    median over the steps, so one step's outlier (a cache-cold first pass, a sibling hyperthread
+    busy) does not move the replayed idle fraction; the order and wall times stay as measured."""
+    times: dict[tuple[int, int, str, int], list[float]] = {}
+    for events in steps:
+        for e in events:
+            times.setdefault((e.rank, e.stage, e.action, e.microbatch), []).append(e.cpu)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return [[replace(e, cpu=median[(e.rank, e.stage, e.action, e.microbatch)]) for e in events] for events in steps]
 
 
 def replayed_idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:

@@ -14,7 +14,7 @@ import torch
 
 from lightning_para.cli import main
 from lightning_para.config import ParallelConfig
-from lightning_para.observe.timeline import PipelineEvent, replayed_idle_fraction
+from lightning_para.observe.timeline import PipelineEvent, replayed_idle_fraction, with_median_cpu
 from lightning_para.parallel.pipeline.schedules import schedule_action_order
 from lightning_para.parity import RunRecord, compare_records, strategy_arguments, tolerances
 from lightning_para.plan import Cluster, Layout, Training, bubble_fraction, describe_module, estimate, preset
@@ -148,6 +148,15 @@ def test_replayed_idle_fraction_of_equal_actions_is_the_bubble(schedule, pp, m):
             events.append(PipelineEvent(rank, stage, kind, mb, t, t + 0.5, 1e-3 if kind == "F" else 2e-3))
     idle = replayed_idle_fraction(events)
     assert idle == pytest.approx({r: (pp - 1) / (m + pp - 1) for r in range(pp)}, abs=1e-9)
+
+
+def test_replay_times_each_action_by_its_median_over_steps():
+    """One step's slow action (3x) does not move the replay; order and wall times are kept."""
+    steps = [[PipelineEvent(0, 0, "F", 0, 0.0, 1.0, cpu), PipelineEvent(0, 0, "B", 0, 1.0, 2.0, 2e-3)]
+             for cpu in (1e-3, 1e-3, 3e-3)]
+    typical = with_median_cpu(steps)
+    assert [[e.cpu for e in events] for events in typical] == [[1e-3, 2e-3]] * 3
+    assert [(e.start, e.end) for e in typical[2]] == [(0.0, 1.0), (1.0, 2.0)]
 
 
 def test_resident_states_follow_the_implementation():
