@@ -183,8 +183,8 @@ def _ends_fit_in_a_block(root: nn.Module, blocks: Sequence[nn.Module]) -> bool:
     no more than the largest block's.
 
     Then gathering them as one unit for the whole step costs at most one block's gathered memory
-    more, and saves a collective's latency each for the embedding and the head in forward and in
-    backward. Local sizes: the same on every rank of the dp mesh.
+    more, and saves an all-gather and a reduce-scatter per step (their latency). Local sizes: the
+    same on every rank of the dp mesh.
     """
 
     def numel(params: Iterable[nn.Parameter]) -> int:
@@ -219,9 +219,10 @@ def apply_fully_shard(
     experts over ``edp`` only). ``shard_placement_fn`` picks the dim each parameter is sharded along
     (tensor parallel shards fused projections along dim 1; ``None`` means dim 0).
     ``reshard_after_forward=False`` keeps every unit gathered from its forward to its backward
-    (ZeRO-2-like traffic); ``True`` reshards all but the unit that runs last (module docstring).
-    ``unit_choice`` is ParaStrategy's ``zero3_units``: whether the embedding and head get units of their own
+    (ZeRO-2-like traffic); ``True`` reshards all but the unit that runs last and the last block
     (module docstring).
+    ``unit_choice`` is ParaStrategy's ``zero3_units``: whether the embedding and head get units of
+    their own (module docstring).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
     units, blocks = _choose_units(root, expert_units, unit_choice)
