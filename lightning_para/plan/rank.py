@@ -356,14 +356,24 @@ def _dp_collectives(
     return exposed, sum(c.exposed_seconds for c in exposed)
 
 
+def _zero3_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[list[ParamTensor], bool]:
+    """The tensors outside the blocks (embedding, final norm, head; tied or not) and whether
+    ``zero3_units="auto"`` makes them one grouped unit: when they hold no more than the largest
+    block, experts included (``parallel/data/fsdp.py``'s rule, on the same local sizes)."""
+    layers = [layer_tensors(model, i, layout.tp, layout.ep) for i in part.layers]
+    in_layers = {t for layer in layers for t in layer}
+    ends = [t for t in rank_tensors(model, layout, part) if t not in in_layers]
+    grouped = bool(layers) and total_numel(ends) <= max(total_numel(layer) for layer in layers)
+    return ends, grouped
+
+
 def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: bool, n: int) -> tuple[int, int, int]:
     """``(elements gathered, all-gathers, units)`` per ZeRO-3 step on one rank, as
     ``parallel/data/fsdp.py`` shards (padding included; ``expert``: the expert units over edp).
 
     Blocks gather for forward and again for backward, except the last block, which stays gathered;
     the embedding and the head (tied or not) are gathered once (the embedding's backward needs no
-    weight, the head stays gathered). Under ``zero3_units="auto"`` the embedding, final norm and
-    head form one unit when they hold no more than the largest block, else a unit each.
+    weight, the head stays gathered); grouped or a unit each (:func:`_zero3_ends`).
     """
     tp, ep = layout.tp, layout.ep
     if expert:  # one expert unit per MoE layer, resharded after forward like any block
@@ -371,11 +381,9 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
         units = sum(1 for i in part.layers if any(t.expert for t in layer_tensors(model, i, tp, ep)))
         return 2 * n * shard_numel(tensors, n), 2 * units, units
     layers = [[t for t in layer_tensors(model, i, tp, ep) if not t.expert] for i in part.layers]
-    in_layers = {t for layer in layers for t in layer}
-    ends = [t for t in rank_tensors(model, layout, part) if not t.expert and t not in in_layers]
+    ends, grouped = _zero3_ends(model, layout, part)
     twice = [t for layer in layers[:-1] for t in layer]
     once = (layers[-1] if layers else []) + ends
-    grouped = bool(layers) and total_numel(ends) <= max(total_numel(layer) for layer in layers)
     end_units = (1 if grouped else int(part.embedding) + int(part.head or part.final_norm)) if ends else 0
     units = len(layers) + end_units
     gathers = 2 * max(0, len(layers) - 1) + int(bool(layers)) + end_units
@@ -384,14 +392,9 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
 
 def _zero3_kept_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
     """Parameters outside the blocks that ZeRO-3 holds gathered from forward to backward: all of
-    them when they form one grouped unit (``zero3_units="auto"``, no more than the largest block),
-    else the head and final norm."""
-    layers = {t for i in part.layers for t in layer_tensors(model, i, layout.tp, layout.ep)}
-    ends = [t for t in rank_tensors(model, layout, part) if t not in layers]
-    largest = max((total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers), default=0)
-    if part.layers and total_numel(ends) <= largest:
-        return float(total_numel(ends))
-    return float(total_numel(t for t in ends if not t.name.startswith("embedding")))
+    them when they form one grouped unit, else the head and final norm."""
+    ends, grouped = _zero3_ends(model, layout, part)
+    return float(total_numel(ends if grouped else (t for t in ends if not t.name.startswith("embedding"))))
 
 
 def price_rank(
