@@ -118,6 +118,16 @@ def test_mixtral_ep2_with_router_loss(pools, zero):
     assert all(share == 0.5 for r in results for share in r["expert_shares"]) and results[0]["expert_shares"]
 
 
+@pytest.mark.parametrize("zero3_units", ["blocks", "blocks_and_ends"])
+def test_gpt2_tied_embeddings_zero3(pools, zero3_units):
+    """GPT-2 ties `lm_head.weight` to `transformer.wte.weight`: ZeRO-3 shards the pair as one grouped
+    unit (with the other ends under "blocks"); losses and trained parameters match one device."""
+    from tests.parity import assert_params_close
+
+    results = run_and_compare(pools, 2, GPT2Module, {"zero": 3, "zero3_units": zero3_units})
+    assert_params_close(trained_parameters(results), reference(GPT2Module)["params"])
+
+
 def _families_job() -> dict:
     """Qwen3 (q/k norms over head_dim inside attention) and Mistral (sliding-window mask) under tp=2,
     with and without SP: loss and every gradient against the same model on one process."""
