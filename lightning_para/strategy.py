@@ -332,7 +332,7 @@ class ParaStrategy(ParallelStrategy):
     def _plan_layout(self) -> ParallelDims:
         module = self.lightning_module
         assert module is not None
-        trainer = module._trainer
+        trainer = module._trainer  # private: see docs/architecture.md
         self.config, self.layout_choice = auto_configure(
             self.config, module, getattr(trainer, "datamodule", None),
             world_size=self.num_nodes * self.num_processes, processes_per_node=self.num_processes,

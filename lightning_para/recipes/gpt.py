@@ -424,6 +424,7 @@ class GPT(L.LightningModule):
 
     # -------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
+        # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
 
@@ -496,7 +497,7 @@ class GPT(L.LightningModule):
         the pipeline schedule under pp > 1 (every stage takes part) and the module's own
         ``predict_step`` otherwise (under ZeRO-3 / TP every rank runs the same forward).
         """
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = self._trainer.strategy if self._trainer is not None else None  # private: see docs/architecture.md
         if strategy is None:
             return self(context)[:, length - 1]
         dims = getattr(strategy, "_dims", None)
@@ -531,6 +532,7 @@ class GPT(L.LightningModule):
         return torch.tensor([tokens], dtype=torch.long, device=idx.device)
 
     def generate_text(self, prompt: str, max_new_tokens: int) -> str:
+        # private: see docs/architecture.md
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None) if self._trainer else None
         tokenizer = tokenizer or ByteTokenizer()
         ids = torch.tensor([tokenizer.encode(prompt) or [ord("\n")]], dtype=torch.long, device=self.device)

@@ -82,6 +82,7 @@ class HFCausalLM(L.LightningModule):
         return self.model.config
 
     def setup(self, stage: str) -> None:
+        # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
 
