@@ -28,6 +28,7 @@ from lightning_para.moe.helpers import (
     MoEMetrics,
     aux_loss,
     moe_layers,
+    aux_loss_grad_scale,
     moe_stats_paused,
     set_aux_loss_grad_scale,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "FeedForward",
     "aux_loss",
     "moe_layers",
+    "aux_loss_grad_scale",
     "moe_stats_paused",
     "set_aux_loss_grad_scale",
     "expert_capacity",

@@ -43,6 +43,15 @@ def transformers_models(module: nn.Module) -> dict[str, dict[str, Any]]:
     return found
 
 
+
+def record_transformers_models(checkpoint: dict[str, Any], module: Optional[nn.Module]) -> None:
+    """Add the class and config of each transformers model in ``module`` to a Lightning checkpoint
+    dict (under :data:`CHECKPOINT_KEY`), so :func:`export` can write a ``from_pretrained`` folder
+    from the checkpoint alone. Nothing is added when ``module`` holds no transformers model."""
+    models = transformers_models(module) if module is not None else {}
+    if models:
+        checkpoint[CHECKPOINT_KEY] = models
+
 def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     if isinstance(checkpoint, dict):
         return checkpoint

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_para._dtensor import full_tensor
-from lightning_para.moe import aux_loss, moe_layers, set_aux_loss_grad_scale
+from lightning_para.moe import aux_loss, aux_loss_grad_scale, moe_layers, set_aux_loss_grad_scale
 from lightning_para.parallel.pipeline.measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
 from lightning_para.parallel.pipeline.schedules import build_schedule, expected_bubble
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
@@ -37,7 +37,8 @@ from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_par
 
 
 class GradientSync(Protocol):
-    """What the runner needs of data parallelism (``ZeroDataParallel``): skip sync, then sync once."""
+    """What the runner needs of data parallelism (``lightning_para.parallel.data.DataParallel``):
+    skip sync over the schedule, then sync once."""
 
     sync_enabled: bool
 
@@ -119,7 +120,7 @@ class PipelineRunner:
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
-        self._loss_factor = loss_scale / (self.microbatches * accumulate)
+        self._loss_factor = aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate, microbatches=self.microbatches)
         for stage in self.stage_modules:  # MoE layers feed their aux-loss gradient in backward, scaled like the loss
             set_aux_loss_grad_scale(stage, self._loss_factor)
         self._raw_losses = []
