@@ -43,6 +43,7 @@ from lightning_para.integrations.transformers.export import record_transformers_
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
@@ -562,8 +563,9 @@ class ParaStrategy(ParallelStrategy):
             master_dtype=self.precision_plugin.master_dtype, is_expert=parallel.expert_predicate(),
         )
 
-    def pipeline_stats(self) -> dict[str, Any]:
-        """Per-step busy/idle time of this rank's pipeline stages (``pp > 1`` only)."""
+    def pipeline_stats(self) -> PipelineStats:
+        """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),
+        as a :class:`~lightning_para.parallel.pipeline.PipelineStats` record."""
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is None:
             raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")

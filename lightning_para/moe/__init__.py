@@ -32,11 +32,12 @@ from lightning_para.moe.helpers import (
     moe_stats_paused,
     set_aux_loss_grad_scale,
 )
-from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, TopKRouter
+from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, MoEStats, TopKRouter
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
 __all__ = [
     "MoE",
+    "MoEStats",
     "MoEMetrics",
     "MoEAuxLossScale",
     "TopKRouter",

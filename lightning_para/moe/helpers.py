@@ -106,9 +106,11 @@ class MoEMetrics(Callback):
             if stats is None:
                 continue
             key = f"{self.prefix}/{name}"
-            values = {f"{key}/{s}": float(stats[s]) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")}
+            values = {
+                f"{key}/{s}": float(getattr(stats, s)) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")
+            }
             if self.per_expert:
-                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats["tokens_per_expert"])})
+                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats.tokens_per_expert)})
             pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
 
 

@@ -44,11 +44,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_para.moe import moe_layers
+from lightning_para.moe import MoEStats, moe_layers
 from lightning_para.observe.comm_trace import CommTracer, group_labels
 from lightning_para.observe.prediction import check_run, describe_for_prediction, measure_rank
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 from lightning_para.parallel.data import MemoryBreakdown
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.plan.check import PredictionCheck
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import detect_peak_flops
@@ -173,7 +174,7 @@ class ParaProfiler(Callback):
         self._model_desc: Optional[ModelDesc] = None
         self._no_prediction: Optional[str] = None  # why there is no prediction, when there is none
         self._last_comm: Optional[dict[str, dict[str, float]]] = None
-        self._pipeline_steps: list[dict[str, Any]] = []  # pipeline_stats() of recent untraced steps
+        self._pipeline_steps: list[PipelineStats] = []  # pipeline_stats() of recent untraced steps
         self._batch_shape: tuple[int, ...] = ()
         self.prediction_check: Optional[PredictionCheck] = None
 
@@ -439,15 +440,15 @@ class ParaProfiler(Callback):
 
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
-        mine = {}
+        mine: dict[str, MoEStats] = {}
         for name, layer in list(moe_layers(pl_module)):
             stats = layer.pop_stats()
             if stats is not None:
-                mine[name] = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in stats.items()}
+                mine[name] = stats
         per_rank = gather_objects(mine)
         if not trainer.is_global_zero:
             return
-        merged: dict[str, list[dict[str, Any]]] = {}
+        merged: dict[str, list[MoEStats]] = {}
         for r in per_rank:
             for name, stats in r.items():
                 merged.setdefault(name, []).append(stats)
@@ -455,8 +456,8 @@ class ParaProfiler(Callback):
         imbalance = []
         for name, entries in sorted(merged.items()):
             for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
-                metrics[f"moe/{name}/{key}"] = sum(e[key] for e in entries) / len(entries)
-            counts = [sum(c) for c in zip(*(e["tokens_per_expert"] for e in entries))]
+                metrics[f"moe/{name}/{key}"] = sum(getattr(e, key) for e in entries) / len(entries)
+            counts = [sum(c) for c in zip(*(e.tokens_per_expert for e in entries))]
             mean = sum(counts) / max(len(counts), 1)
             # Global balance: max/mean of the tokens each expert got from all ranks together.
             metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0
