@@ -50,7 +50,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
-from lightning_para.parallel.data import DataParallel, GradReplication, ZeroDataParallel, apply_data_parallel
+from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
 from lightning_para.parallel.tensor import (
@@ -96,12 +96,6 @@ class ParallelModel:
         if self.data_parallel is None:
             return GradReplication()
         return self.data_parallel.grad_replication
-
-    @property
-    def zero(self) -> Optional[ZeroDataParallel]:
-        """The ZeRO 0-2 engine, for tests and tools that look inside it (``None`` under FSDP2)."""
-        engine = getattr(self.data_parallel, "engine", None)
-        return engine if isinstance(engine, ZeroDataParallel) else None
 
     @property
     def loss_parallel(self) -> bool:

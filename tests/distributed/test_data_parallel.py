@@ -253,7 +253,7 @@ def _overlap_job(zero: int) -> dict:
                         callbacks=[window, _FirstLayerMark(window)], use_distributed_sampler=False,
                         **trainer_kwargs(**CLIP))
     trainer.fit(RegressionNet(depth=3), datamodule=ShardedData(regression_dataset, 8))
-    return {"calls": [c[0] for c in window.counter.calls], "buckets": len(strategy.parallel_model.zero.buckets)}
+    return {"calls": [c[0] for c in window.counter.calls], "buckets": len(strategy.parallel_model.data_parallel.engine.buckets)}
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

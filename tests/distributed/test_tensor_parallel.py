@@ -117,7 +117,7 @@ def _size_one_dp_job() -> dict:
         "groups": [group for _, _, group in count.counter.calls],
         "dp_group": dims.group("dp").group_name,
         "tp_group": dims.group("tp").group_name,
-        "buckets": len(strategy.parallel_model.zero.buckets),
+        "buckets": len(strategy.parallel_model.data_parallel.engine.buckets),
     }
 
 
