@@ -433,8 +433,8 @@ class ParaStrategy(ParallelStrategy):
         module = self.lightning_module
         precision = self.precision_plugin
         accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
-        scale = aux_loss_grad_scale(loss_scale=precision.scale if precision.uses_loss_scaling else 1.0, accumulate=accumulate)
-        set_aux_loss_grad_scale(module, scale)
+        loss_scale = precision.scale if precision.uses_loss_scaling else 1.0
+        set_aux_loss_grad_scale(module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
 
     def finalize_gradients(self) -> None:
         """Finish any gradient communication still pending (before clipping or unscaling)."""
@@ -469,7 +469,8 @@ class ParaStrategy(ParallelStrategy):
                 )
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
         with context, loss_parallel_step(parallel is not None and parallel.loss_parallel):
-            if parallel is not None and parallel.data_parallel is not None and parallel.data_parallel.forward_through_root(module):
+            data_parallel = parallel.data_parallel if parallel is not None else None
+            if data_parallel is not None and data_parallel.forward_through_root(module):
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 output = self._forward_redirection(module, module, name, *args, **kwargs)
             else:

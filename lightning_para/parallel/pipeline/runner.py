@@ -82,7 +82,8 @@ class PipelineRunner:
         # Per-action timing (idle fraction, timeline): free on CPU; on an accelerator only when asked
         # (the profiler turns it on for the steps it samples), since reading device events waits once a step.
         self.measure_timing = device.type == "cpu"
-        self.recorder = StepRecorder(device, enabled=self.measure_timing, rank=dist.get_rank() if dist.is_initialized() else 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.recorder = StepRecorder(device, enabled=self.measure_timing, rank=rank)
         self._eval_recorder = StepRecorder(device, enabled=False)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._pending_grads: Optional[list[Optional[Tensor]]] = None
@@ -126,7 +127,9 @@ class PipelineRunner:
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
-        self._loss_factor = aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate, microbatches=self.microbatches)
+        self._loss_factor = aux_loss_grad_scale(
+            loss_scale=loss_scale, accumulate=accumulate, microbatches=self.microbatches
+        )
         for stage in self.stage_modules:  # MoE layers feed their aux-loss gradient in backward, scaled like the loss
             set_aux_loss_grad_scale(stage, self._loss_factor)
         self._raw_losses = []
