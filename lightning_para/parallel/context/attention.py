@@ -113,6 +113,7 @@ class ContextParallelSDPA(TorchFunctionMode):
         self.method = method
         self.load_balance = load_balance
         self.calls = 0  # SDPA calls routed, e.g. to check that a model's attention was reached
+        self.recorded: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None  # set: keep q, k, v
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -135,6 +136,8 @@ class ContextParallelSDPA(TorchFunctionMode):
                 f"attention (as F.scaled_dot_product_attention requires)"
             )
         self.calls += 1
+        if self.recorded is not None:  # the first-step position check (.check) compares them
+            self.recorded.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
         return context_parallel_attention(
             q,
             k,
