@@ -27,6 +27,7 @@ module).
 from __future__ import annotations
 
 import inspect
+import weakref
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -41,6 +42,13 @@ from lightning_para.parallel.context.adapters import (
 )
 
 IGNORE_INDEX = -100  # transformers' ignore_index for labels
+# The cp runtime of each model the adapter was attached to (weak: keeps no model alive).
+_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, ContextParallelRuntime]" = weakref.WeakKeyDictionary()
+
+
+def context_parallel_runtime(model: nn.Module) -> Optional[ContextParallelRuntime]:
+    """The cp runtime the adapter attached to ``model`` (``None``: not under cp)."""
+    return _RUNTIMES.get(model)
 
 
 def is_pretrained_model(module: nn.Module) -> bool:
@@ -151,10 +159,12 @@ def attach(model: nn.Module, runtime: ContextParallelRuntime) -> Callable[[], No
         partial(_prepare, runtime, signature, _is_causal_lm(model)), with_kwargs=True
     )
     post = model.register_forward_hook(partial(_finish, runtime), always_call=True)
+    _RUNTIMES[model] = runtime
 
     def detach() -> None:
         pre.remove()
         post.remove()
+        _RUNTIMES.pop(model, None)
 
     return detach
 
@@ -167,4 +177,4 @@ ADAPTER = ContextParallelAdapter(
 )
 register_context_parallel_adapter(ADAPTER)
 
-__all__ = ["ADAPTER", "attach", "is_pretrained_model"]
+__all__ = ["ADAPTER", "attach", "context_parallel_runtime", "is_pretrained_model"]

@@ -70,6 +70,7 @@ def context_parallel_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     load_balance: bool = True,
+    key_valid: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group``; SDPA's layout and semantics.
 
@@ -82,12 +83,16 @@ def context_parallel_attention(
         is_causal: causal mask over global positions.
         scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
         load_balance: the inputs use the head-tail layout (must match the sharding).
+        key_valid: key padding of the whole sequence, ``[batch, seq]`` bool in natural order
+            (``False``: padding, seen by no query), the same on every rank; ``None``: none.
 
     Returns:
         This rank's output shard, equal to the matching rows of full-sequence SDPA.
     """
     _check_method(method)
-    return CP_METHODS[method](q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance)
+    return CP_METHODS[method](
+        q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance, key_valid=key_valid
+    )
 
 
 class ContextParallelSDPA(TorchFunctionMode):
@@ -147,7 +152,12 @@ class ContextParallelSDPA(TorchFunctionMode):
             is_causal=a["is_causal"],
             scale=a["scale"],
             load_balance=self.load_balance,
+            key_valid=self.key_valid(),
         )
+
+    def key_valid(self) -> Optional[torch.Tensor]:
+        """Key padding of the current forward (``[batch, seq]``, natural order), or ``None``."""
+        return None
 
 
 def context_parallel_sdpa(

@@ -82,6 +82,10 @@ class ContextParallelStepMode(ContextParallelSDPA):
         self.tp = tp
         self.runtime = runtime  # adapters' hooks act only while a step mode is entered
 
+    def key_valid(self) -> Optional[Tensor]:
+        """The padding an adapter found in this forward's attention mask (``runtime.key_valid``)."""
+        return self.runtime.key_valid if self.runtime is not None else None
+
     def __enter__(self) -> "ContextParallelStepMode":
         if self.runtime is not None:
             self.runtime.enter()
@@ -100,11 +104,6 @@ class ContextParallelStepMode(ContextParallelSDPA):
             return self._cross_entropy(func, args, kwargs)
         if func is _SDPA and self.method == "all_to_all":
             self._check_ulysses_heads(args, kwargs)
-        if func is _SDPA and self.runtime is not None and self.runtime.key_valid is not None:
-            raise ValueError(
-                f"ParaStrategy(cp={self.cp}) got an attention_mask with padding (zeros). Context-parallel attention"
-                " does not apply padding masks yet: pack or trim sequences so that no token is padding, or set cp=1."
-            )
         return super().__torch_function__(func, types, args, kwargs)
 
     def _check_ulysses_heads(self, args: tuple, kwargs: dict) -> None:
