@@ -33,7 +33,6 @@ from tests.harness import WorkerError
 from tests.parity import assert_losses_close, assert_params_close, fit_job, fit_reference, mean_over_dp
 from tests.tp_models import token_dataset
 
-pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -68,12 +67,14 @@ def check(results: list[dict], ref: dict, dp_groups: list[list[int]]) -> float:
 
 # ============================================================================ Hugging Face, no hook
 def test_cp2_ring_plain_hf_llama_matches_one_device(pools):
+    pytest.importorskip("transformers")
     results = pools.get(2).run(fit_job, PlainHFLlama, {"cp": 2}, token_dataset, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(PlainHFLlama, token_dataset), [[0, 1]])
 
 
 @pytest.mark.slow
 def test_cp2_all_to_all_plain_hf_llama_matches_one_device(pools):
+    pytest.importorskip("transformers")
     kwargs = {"cp": 2, "cp_method": "all_to_all"}
     results = pools.get(2).run(fit_job, PlainHFLlama, kwargs, token_dataset, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(PlainHFLlama, token_dataset), [[0, 1]])
@@ -81,6 +82,7 @@ def test_cp2_all_to_all_plain_hf_llama_matches_one_device(pools):
 
 @pytest.mark.slow
 def test_cp2_tp2_plain_hf_llama_matches_one_device(pools):
+    pytest.importorskip("transformers")
     results = pools.get(4).run(fit_job, PlainHFLlama, {"cp": 2, "tp": 2}, token_dataset, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(PlainHFLlama, token_dataset), [[0, 1, 2, 3]])
 
@@ -88,6 +90,7 @@ def test_cp2_tp2_plain_hf_llama_matches_one_device(pools):
 @pytest.mark.slow
 def test_cp2_hf_llama_own_loss_shifts_labels_across_chunks(pools):
     """``labels=input_ids`` with a fifth ``-100``: transformers' shift must cross the chunk boundaries."""
+    pytest.importorskip("transformers")
     results = pools.get(2).run(fit_job, OwnLossHFLlama, {"cp": 2}, own_loss_tokens, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(OwnLossHFLlama, own_loss_tokens), [[0, 1]])
 
@@ -117,6 +120,7 @@ def test_cp2_learned_positions_without_hook_stop_with_an_error(pools):
 @pytest.mark.parametrize("method", ["ring", "all_to_all"])
 def test_cp2_padded_hf_llama_matches_one_device(pools, method):
     """Right padding: a 2-D ``attention_mask`` with zeros and ``-100`` labels; attention masks the padding keys."""
+    pytest.importorskip("transformers")
     kwargs = {"cp": 2, "cp_method": method}
     results = pools.get(2).run(fit_job, PaddedHFLlama, kwargs, padded_tokens, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(PaddedHFLlama, padded_tokens), [[0, 1]])
@@ -193,6 +197,7 @@ def _parity(pools, model: str, extra: list[str] = ()):
 
 @pytest.mark.slow
 def test_parity_tool_matches_plain_hf_llama_under_cp2(pools):
+    pytest.importorskip("transformers")
     report = _parity(pools, "tests.cp_models.PlainHFLlama")
     print(report.text())
     assert report.verdict == "match", report.text()
@@ -203,6 +208,7 @@ def test_parity_tool_matches_plain_hf_llama_under_cp2(pools):
 def test_parity_tool_reports_a_planted_position_bug_under_cp2(pools):
     """Positions off by one under cp: with the first-step check on, training stops; with it off,
     the parity tool reports the mismatch from the first step."""
+    pytest.importorskip("transformers")
     with pytest.raises(WorkerError, match="would train a different model"):
         pools.get(2).run(record_job, CP2, ["--model", "tests.cp_models.ShiftedPositionsHFLlama", *PARITY_ARGS])
     report = _parity(pools, "tests.cp_models.ShiftedPositionsHFLlama", ["--trainer.strategy.init_args.cp_check", "false"])
