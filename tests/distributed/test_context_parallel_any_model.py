@@ -117,11 +117,15 @@ def test_cp2_learned_positions_without_hook_stop_with_an_error(pools):
 
 # ============================================================================ padding
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ring", "all_to_all"])
-def test_cp2_padded_hf_llama_matches_one_device(pools, method):
-    """Right padding: a 2-D ``attention_mask`` with zeros and ``-100`` labels; attention masks the padding keys."""
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"cp": 2}, {"cp": 2, "cp_method": "all_to_all"}, {"cp": 2, "activation_checkpointing": "full"}],
+    ids=["ring", "all_to_all", "ring-recompute"],
+)
+def test_cp2_padded_hf_llama_matches_one_device(pools, kwargs):
+    """Right padding: a 2-D ``attention_mask`` with zeros and ``-100`` labels; attention masks the padding keys
+    (also when activation checkpointing recomputes attention in backward)."""
     pytest.importorskip("transformers")
-    kwargs = {"cp": 2, "cp_method": method}
     results = pools.get(2).run(fit_job, PaddedHFLlama, kwargs, padded_tokens, GLOBAL_BATCH, STEPS, CLIP)
     check(results, reference(PaddedHFLlama, padded_tokens), [[0, 1]])
 

@@ -112,6 +112,8 @@ def _prepare(
     if not isinstance(tokens, Tensor) or tokens.dim() < 2:
         return None
     shard = runtime.shard
+    # The padding of this forward, kept after it: activation checkpointing recomputes attention in backward.
+    runtime.key_valid = None
     batch, local_len = tokens.shape[0], tokens.shape[1]
     seq_len = local_len * shard.cp
     device = tokens.device
@@ -148,22 +150,16 @@ def _prepare(
     return (), named
 
 
-def _finish(runtime: ContextParallelRuntime, module: nn.Module, args: tuple, output: Any) -> None:
-    runtime.key_valid = None  # the padding belongs to this forward only
-
-
 def attach(model: nn.Module, runtime: ContextParallelRuntime) -> Callable[[], None]:
     """Install the pre-hook on ``model`` (a ``PreTrainedModel``); return what removes it."""
     signature = inspect.signature(model.forward)
     pre = model.register_forward_pre_hook(
         partial(_prepare, runtime, signature, _is_causal_lm(model)), with_kwargs=True
     )
-    post = model.register_forward_hook(partial(_finish, runtime), always_call=True)
     _RUNTIMES[model] = runtime
 
     def detach() -> None:
         pre.remove()
-        post.remove()
         _RUNTIMES.pop(model, None)
 
     return detach

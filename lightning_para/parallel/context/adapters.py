@@ -42,9 +42,11 @@ class ContextParallelRuntime:
     Attributes:
         shard: this rank's :class:`~.sharding.ContextParallelShard`.
         group: the cp process group.
-        key_valid: while a forward runs, the whole batch's key padding (``[batch, seq]`` bool,
-            natural order, ``True`` = a real token) if an adapter found padding; attention
-            applies it on top of the causal mask. ``None``: no padding.
+        key_valid: the whole batch's key padding (``[batch, seq]`` bool, natural order, ``True``
+            = a real token) that an adapter found in the last forward's mask; attention applies
+            it on top of the causal mask. It stays set after the forward, since activation
+            checkpointing recomputes attention during backward; the adapter's next forward
+            replaces it. ``None``: no padding.
     """
 
     def __init__(self, shard: ContextParallelShard, group: Optional[dist.ProcessGroup]) -> None:
@@ -66,8 +68,6 @@ class ContextParallelRuntime:
 
     def exit(self) -> None:
         self._depth -= 1
-        if self._depth == 0:
-            self.key_valid = None
 
     def gather(self, local: Tensor, dim: int = 1) -> Tensor:
         """The whole sequence of a tensor split like the batch (one all-gather over cp; not differentiable)."""
