@@ -43,10 +43,11 @@ def llama(vocab: int = VOCAB, init: float = 0.3):
 class PlainHFLlama(L.LightningModule):
     """``(x, y)`` next-token batches; the loss a user writes; no cp hook."""
 
-    def __init__(self, vocab: int = VOCAB, init: float = 0.3, lr: float = 3e-3) -> None:
+    def __init__(self, vocab: int = VOCAB, init: float = 0.3, lr: float = 0.1, optimizer: str = "sgd") -> None:
         super().__init__()
         self.model = llama(vocab, init)
         self.lr = lr
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -56,15 +57,21 @@ class PlainHFLlama(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        # SGD by default: parameters after training then compare within 1e-5 (Adam's m / sqrt(v) turns fp32
+        # reordering of a near-zero gradient into an O(lr) change of that one weight).
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class ShiftedPositionsHFLlama(PlainHFLlama):
-    """A planted bug: under cp the hook hands the model its global positions plus one."""
+    """A planted bug: under cp the hook hands the model positions off by one in each rank's second (tail)
+    chunk. (Shifting *every* position by one would be invisible: RoPE only sees position differences.)"""
 
     def context_parallel_batch(self, batch, shard):
         x, y = batch
-        positions = shard.position_ids(x.shape[1], batch_size=x.shape[0], device=x.device) + 1
+        positions = shard.position_ids(x.shape[1], batch_size=x.shape[0], device=x.device).clone()
+        positions[:, positions.shape[1] // 2 :] += 1
         return shard.split(x), shard.split(y), positions
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:

@@ -160,6 +160,17 @@ def _quiet(module: nn.Module) -> Iterator[None]:
                 module.__dict__.pop(name, None)
 
 
+def _same_heads(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query k/v with repeated heads on one side only (transformers repeats them when it passes a
+    mask, and not without one): repeat the other side's heads likewise (SDPA's ``enable_gqa`` convention)."""
+    if a.dim() == 4 and b.dim() == 4 and a.shape[1] != b.shape[1]:
+        few, many = (a, b) if a.shape[1] < b.shape[1] else (b, a)
+        if few.shape[1] and many.shape[1] % few.shape[1] == 0:
+            few = few.repeat_interleave(many.shape[1] // few.shape[1], dim=1)
+            return (few, many) if a.shape[1] < b.shape[1] else (many, few)
+    return a, b
+
+
 def _relative(a: Tensor, b: Tensor) -> float:
     """``max |a - b| / max |b|`` in float64 (inf if the shapes differ, 0 for an all-zero pair)."""
     if a.shape != b.shape:
@@ -223,7 +234,7 @@ def run_position_check(
                     err = float("inf")
                 else:
                     expected = shard_sequence(f, shard.cp_rank, shard.cp, dim=2, load_balance=shard.load_balance)
-                    err = _relative(l, expected)
+                    err = _relative(*_same_heads(l, expected))
                 tolerance = max(tolerance, TOLERANCE.get(f.dtype, LOW_PRECISION_TOLERANCE))
                 if err > worst:
                     worst, where = err, f"{name} of attention call {i} (0 is the first)"
