@@ -91,3 +91,15 @@ def test_the_pre_hook_refuses_a_4d_mask():
 )
 def test_the_check_prefix_is_whole_chunks_of_at_most_eight_tokens(seq, cp, balance, multiple, expected):
     assert prefix_length(seq, ContextParallelShard(0, cp, balance), multiple) == expected
+
+
+def test_pipeline_spec_refuses_pp_x_cp_for_a_transformers_model():
+    from lightning_para.integrations.transformers import pipeline_spec
+    from lightning_para.integrations.transformers.context import attach
+
+    model = tiny_llama()
+    detach = attach(model, ContextParallelRuntime(ContextParallelShard(0, 2), group=None))
+    with pytest.raises(ValueError, match=r"pp x cp \(cp=2\) is not supported"):
+        pipeline_spec(model)
+    detach()
+    assert pipeline_spec(model).layers  # without cp it builds the spec
