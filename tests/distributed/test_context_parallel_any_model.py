@@ -185,13 +185,15 @@ CP2 = {"cp": 2, "sequence_parallel": False}  # the demo's config has tp2 x pp2 w
 
 
 def record_job(layout: dict, extra: list[str]) -> dict:
-    from lightning_para.parity import run_layout, strategy_arguments
+    from lightning_para.cli.parity import run_layout
+    from lightning_para.parity import strategy_arguments
 
     return run_layout(HF_DEMO, strategy_arguments(layout), steps=PARITY_STEPS, extra_args=extra).as_dict()
 
 
 def _parity(pools, model: str, extra: list[str] = ()):
-    from lightning_para.parity import RunRecord, compare_records, run_layout, strategy_arguments
+    from lightning_para.cli.parity import run_layout
+    from lightning_para.parity import RunRecord, compare_records, strategy_arguments
 
     extra = ["--model", model, *PARITY_ARGS, *extra]
     run = RunRecord.from_dict(pools.get(2).run(record_job, CP2, extra)[0])
