@@ -5,7 +5,8 @@ expert parallelism keep global-shaped DTensors that DCP stores as full tensors),
 ``state_dict`` of a checkpoint holds ``<prefix><save_pretrained name>`` for the transformers model
 at ``<prefix>`` in the LightningModule. ``ParaStrategy`` also records each transformers model's
 class and config in the checkpoint (:func:`transformers_models`, under the key
-:data:`CHECKPOINT_KEY`), so :func:`export` needs nothing but the checkpoint.
+:data:`CHECKPOINT_KEY`, registered here with :func:`~lightning_para.checkpoint.model_info.register_model_info`
+on import), so :func:`export` needs nothing but the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
 from lightning_para.checkpoint.format import is_sharded_checkpoint
+from lightning_para.checkpoint.model_info import register_model_info
 
 CHECKPOINT_KEY = "transformers_models"
 
@@ -43,14 +45,8 @@ def transformers_models(module: nn.Module) -> dict[str, dict[str, Any]]:
     return found
 
 
+register_model_info(CHECKPOINT_KEY, transformers_models)
 
-def record_transformers_models(checkpoint: dict[str, Any], module: Optional[nn.Module]) -> None:
-    """Add the class and config of each transformers model in ``module`` to a Lightning checkpoint
-    dict (under :data:`CHECKPOINT_KEY`), so :func:`export` can write a ``from_pretrained`` folder
-    from the checkpoint alone. Nothing is added when ``module`` holds no transformers model."""
-    models = transformers_models(module) if module is not None else {}
-    if models:
-        checkpoint[CHECKPOINT_KEY] = models
 
 def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     if isinstance(checkpoint, dict):
