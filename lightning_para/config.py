@@ -182,7 +182,7 @@ class ParallelConfig:
             for name, value in (("dp_replicate", r), ("dp_shard", s)):
                 if value is not None and self.dp % value:
                     raise ValueError(f"`{name}={value}` must divide `dp={self.dp}`. Choose {name} in {divisors(self.dp)}.")
-        if (r or 1) > 1 and self.zero == 0:
+        if (r or 1) > 1 and self.zero == 0 and self.layout != "auto":  # layout="auto" picks zero >= 1 for it
             raise ValueError(
                 f"`dp_replicate={r}` (hybrid sharding) needs `zero` in 1, 2 or 3: ZeRO-0 shards nothing, so there is"
                 " nothing to replicate across groups. Use zero>=1, or leave dp_replicate out (plain data parallel)."
