@@ -119,10 +119,13 @@ def first_batch_shape(trainer: Any, module: nn.Module, datamodule: Any) -> tuple
     """``((batch per rank, sequence length), "")`` from the run's first training batch, or
     ``(None, why not)``. Builds the loader and reads one batch; nothing else of the run happens."""
     try:
-        loader = _train_loader(trainer, module, datamodule)
-        if loader is None:
-            return None, "there is no training loader to read a batch from"
-        batch = next(iter(loader), None)
+        # Only rank 0 plans: iterating a loader draws from the global RNG (its base seed), which
+        # would leave rank 0's generator ahead of the others'. Restore it.
+        with torch.random.fork_rng(devices=[]):
+            loader = _train_loader(trainer, module, datamodule)
+            if loader is None:
+                return None, "there is no training loader to read a batch from"
+            batch = next(iter(loader), None)
     except Exception as err:  # the loader may need `setup()`, which Lightning runs after the layout
         return None, f"reading the first training batch failed ({type(err).__name__}: {err})"
     if batch is None:

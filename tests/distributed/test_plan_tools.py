@@ -281,8 +281,8 @@ def auto_fixed_job(fixed: dict, steps: int) -> dict:
     from tests.tp_models import token_dataset
 
     class PlainData(L.LightningDataModule):
-        def train_dataloader(self):  # Lightning adds the dp sampler (in order: the loader does not shuffle)
-            return DataLoader(token_dataset(), batch_size=AUTO_BATCH_PER_RANK, shuffle=False)
+        def train_dataloader(self):  # Lightning adds its shuffling DistributedSampler over the dp ranks
+            return DataLoader(token_dataset(), batch_size=AUTO_BATCH_PER_RANK)
 
     strategy = ParaStrategy(layout="auto", **fixed)
     L.seed_everything(0, verbose=False)
@@ -300,9 +300,22 @@ def auto_fixed_job(fixed: dict, steps: int) -> dict:
     }
 
 
+def _in_lightning_order():
+    """token_dataset in the order Lightning's training DistributedSampler deals it (it always shuffles:
+    seed PL_GLOBAL_SEED=0, epoch 0). dp ranks take every dp-th index, so the d ranks' batches of one
+    step are d * B consecutive indices of this order: one device's batch of d * B."""
+    import torch
+    from torch.utils.data import Subset
+
+    from tests.tp_models import token_dataset
+
+    dataset = token_dataset()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    return Subset(dataset, order)
+
+
 def _auto_keeps(pools, fixed: dict) -> dict:
     from tests.parity import assert_losses_close, fit_reference
-    from tests.tp_models import token_dataset
 
     results = pools.get(4).run(auto_fixed_job, fixed, AUTO_STEPS)
     first = results[0]
@@ -312,7 +325,7 @@ def _auto_keeps(pools, fixed: dict) -> dict:
     by_dp = {r["dp_rank"]: r["losses"] for r in results}  # cp and tp peers report the same loss
     assert len(by_dp) == dims["dp"]
     mean = [sum(losses[i] for losses in by_dp.values()) / dims["dp"] for i in range(AUTO_STEPS)]
-    reference = fit_reference(_sharp_gpt, token_dataset, AUTO_BATCH_PER_RANK * dims["dp"], AUTO_STEPS)
+    reference = fit_reference(_sharp_gpt, _in_lightning_order, AUTO_BATCH_PER_RANK * dims["dp"], AUTO_STEPS)
     assert_losses_close(mean, reference["losses"])  # fp32: 1e-5 relative per step
     return first
 
