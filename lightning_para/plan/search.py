@@ -12,7 +12,7 @@ collectives), then to less memory.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
