@@ -34,6 +34,7 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
     "precision": "the planner's Training.precision (priced there)",
     "tp_plan": "the model's tensor-parallel plan (describe_module reads the model)",
     "tp_unplanned": "how the model's unplanned layers are handled (the model, not the layout)",
+    "cp_check": "a first-step numerics check of the model under cp (parallel/context/check.py), not a layout",
     "layout": "layout='auto' itself",
     "layout_memory_gb": "layout='auto''s memory limit (the planner's Cluster)",
     "save_distributed_checkpoint": "checkpoint format",
