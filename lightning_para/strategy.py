@@ -335,7 +335,7 @@ class ParaStrategy(ParallelStrategy):
             self.config, module, getattr(trainer, "datamodule", None),
             world_size=self.num_nodes * self.num_processes, processes_per_node=self.num_processes,
             device=self.root_device, precision=self.precision_plugin.precision,
-            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1,
+            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1, trainer=trainer,
         )
         rank_zero_info(self.layout_choice.report)
         return self._resolve_dims(self.num_nodes * self.num_processes)
