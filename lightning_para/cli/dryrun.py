@@ -29,6 +29,7 @@ from lightning_para.plan.cluster import Training
 from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
 from lightning_para.plan.model import PRESETS, ModelDesc, preset
 from lightning_para.plan.run import parse_layout
+from lightning_para.recipes.gpt import GPT
 
 PROG = "lightning-para dryrun"
 GiB = 1024**3
@@ -87,8 +88,6 @@ def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Trainin
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from lightning_para.recipes.gpt import GPT
-
     model, config, training = _setup(args)
     kwargs = gpt_arguments(model, args.seq_len)
     result = dry_run_rank(

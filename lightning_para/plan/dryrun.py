@@ -326,8 +326,8 @@ def dry_run_rank(
     # does not act on meta tensors, so `32-true` is the precision the dry run can run faithfully.
     parallel = parallelize(module, dims, config)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
-    if parallel.zero is not None:
-        parallel.zero.shard_optimizer(optimizer)
+    if parallel.data_parallel is not None:
+        parallel.data_parallel.attach_optimizer(optimizer, is_expert=parallel.expert_predicate())
     clock["parallelize"] = time.perf_counter() - t
     pp_rank = dims.local_rank("pp") if dims.pp > 1 else 0
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1
@@ -339,10 +339,10 @@ def dry_run_rank(
     run_step = run_step and not parallel.moe_layers
     if run_step:
         with _FusedAttention(), comm, live:
-            activations = _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight)
-            if parallel.zero is not None:
-                parallel.zero.sync_now()
-                parallel.zero.flush()
+            activations = _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live)
+            if parallel.data_parallel is not None:
+                parallel.data_parallel.sync_now()
+                parallel.data_parallel.flush()
             optimizer.step()
     clock["step"] = time.perf_counter() - t
     params, grads, opt = measure_states(module, optimizer)
@@ -361,7 +361,7 @@ def dry_run_rank(
 
 def _train_step(
     module: nn.Module, parallel: ParallelModel, dims: ParallelDims, seq_len: int, micro_batch: int, hidden: int,
-    in_flight: int,
+    in_flight: int, live: "_LiveBytes",
 ) -> float:
     """Forward ``in_flight`` microbatches, then their backward; returns the bytes held after the forwards."""
     runner = parallel.pipeline
@@ -372,8 +372,8 @@ def _train_step(
         stage, first, last, loss_fn = runner.stage_modules[0], runner.has_first, runner.has_last, runner.spec.loss_fn
     sp = parallel.config.sequence_parallel and dims.tp > 1
     stream_len = seq_len // dims.tp if sp and runner is not None else seq_len
-    sync = parallel.zero.no_sync() if parallel.zero is not None else contextlib.nullcontext()
-    live = next(m for m in torch.utils._python_dispatch._get_current_dispatch_mode_stack() if isinstance(m, _LiveBytes))
+    data_parallel = parallel.data_parallel
+    sync = data_parallel.no_sync() if data_parallel is not None else contextlib.nullcontext()
     outputs = []
     with sync:
         for _ in range(in_flight):
