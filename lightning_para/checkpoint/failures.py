@@ -45,6 +45,7 @@ class FailureSummary:
 
     rank: int
     kind: str  # "disk_full", "locked" or "other"
+    ranks: tuple[int, ...]  # where it happened: DCP's exception names the failed ranks on every rank
     text: str  # the error's type and first line
     free_bytes: Optional[int]  # on the checkpoint's filesystem, when it failed
 
@@ -80,8 +81,9 @@ def summarize(error: BaseException, rank: int, folder: Path, needed: int) -> Fai
     """This rank's view of its failure; ``needed``: bytes the whole save was expected to write."""
     free = free_bytes(folder)
     chain = list(error_chain(error))
+    ranks = tuple(sorted(error.failures)) if isinstance(error, CheckpointException) else (rank,)
     if isinstance(error, CheckpointDirectoryLockedError):
-        return FailureSummary(rank, "locked", str(error), free)
+        return FailureSummary(rank, "locked", ranks, str(error), free)
     full = any(isinstance(e, OSError) and e.errno in _FULL_ERRNOS for e in chain)
     full = full or any(t in str(e) for e in chain for t in _FULL_TEXTS)
     short_write = any(t in str(e) for e in chain for t in _SHORT_WRITE_TEXTS) or any(isinstance(e, OSError) for e in chain)
@@ -89,7 +91,7 @@ def summarize(error: BaseException, rank: int, folder: Path, needed: int) -> Fai
         full = True  # the errno was lost on the way, but the save did not fit
     primary = next((e for e in chain if isinstance(e, OSError)), None)
     primary = primary or next((e for e in chain if not isinstance(e, CheckpointException)), error)
-    return FailureSummary(rank, "disk_full" if full else "other", _first_line(primary), free)
+    return FailureSummary(rank, "disk_full" if full else "other", ranks, _first_line(primary), free)
 
 
 def verdict(failures: list[FailureSummary], path: Path, needed: int, newest: Optional[Path], removed: bool) -> tuple[str, str]:
@@ -103,7 +105,7 @@ def verdict(failures: list[FailureSummary], path: Path, needed: int, newest: Opt
     locked = [f for f in failures if f.kind == "locked"]
     if locked:
         return "locked", locked[0].text
-    ranks = sorted({f.rank for f in failures})
+    ranks = sorted({r for f in failures for r in f.ranks})
     full = [f for f in failures if f.kind == "disk_full"]
     if full:
         free = free_bytes(folder)
