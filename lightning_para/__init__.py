@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_para.checkpoint import consolidate_checkpoint
+from lightning_para.checkpoint import ParaModelCheckpoint, consolidate_checkpoint
 from lightning_para.compat import grad_norm
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
@@ -24,6 +24,7 @@ if "para" not in StrategyRegistry:
     ParaStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "ParaModelCheckpoint",
     "ParaPrecision",
     "ParaProfiler",
     "ParaStrategy",

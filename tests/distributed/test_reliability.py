@@ -38,10 +38,12 @@ def gpt(n_layer: int = 2):
 
 def gpt_fit_job(
     strategy_kwargs: dict[str, Any], max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None,
-    n_layer: int = 2, seed: int = 0,
+    n_layer: int = 2, seed: int = 0, para_last: bool = False,
 ) -> dict[str, Any]:
-    """Inside a worker: the GPT recipe on TextDataModule; saves every 3 steps into ``ckpt_dir``."""
+    """Inside a worker: the GPT recipe on TextDataModule; saves every 3 steps into ``ckpt_dir``
+    (``para_last``: with ``ParaModelCheckpoint``, whose ``"last"`` is the newest complete checkpoint)."""
     from lightning_para import ParaStrategy
+    from lightning_para.checkpoint import ParaModelCheckpoint
     from lightning_para.recipes import TextDataModule
 
     L.seed_everything(seed, verbose=False)
@@ -49,7 +51,8 @@ def gpt_fit_job(
     logged = LoggedLoss()
     callbacks: list[Callback] = [logged]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
+        kind = ParaModelCheckpoint if para_last else ModelCheckpoint
+        callbacks.append(kind(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=max_steps,
         callbacks=callbacks, **trainer_kwargs(limit_val_batches=0, enable_checkpointing=ckpt_dir is not None),
