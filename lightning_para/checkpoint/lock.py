@@ -10,6 +10,8 @@ each save. A second run saving into the same directory would sweep the first run
 * another run's lock is *stale*, and is taken over, when its process is gone (same host and pid
   namespace: the pid is checked) or it was not refreshed for :data:`STALE_S` seconds (another host,
   or a frozen process), so a crashed run never blocks its successor for more than a minute or two;
+  a lock of this same process (an earlier ``Trainer``, e.g. a ``trainer.save_checkpoint`` after ``fit``)
+  is taken over too: runs in one process follow each other;
 * a live lock of another run raises :class:`CheckpointDirectoryLockedError` naming the directory and
   the other run, before anything is swept.
 
@@ -58,8 +60,11 @@ def stale_reason(owner: dict[str, Any], lock_file: Path, now: Optional[float] = 
     if now - refreshed > STALE_S:
         return f"it was not refreshed for {now - refreshed:.0f} s (more than {STALE_S:.0f} s)"
     pid = owner.get("pid")
-    if owner.get("node") == node_fingerprint() and isinstance(pid, int) and not process_alive(pid):
-        return f"its process {pid} on this host is gone"
+    if owner.get("node") == node_fingerprint() and isinstance(pid, int):
+        if pid == os.getpid():
+            return "this process took it (an earlier Trainer's fit or `trainer.save_checkpoint`)"
+        if not process_alive(pid):
+            return f"its process {pid} on this host is gone"
     return None
 
 

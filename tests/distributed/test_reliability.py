@@ -43,7 +43,6 @@ def gpt_fit_job(
     """Inside a worker: the GPT recipe on TextDataModule; saves every 3 steps into ``ckpt_dir``
     (``para_last``: with ``ParaModelCheckpoint``, whose ``"last"`` is the newest complete checkpoint)."""
     from lightning_para import ParaStrategy
-    from lightning_para.checkpoint import ParaModelCheckpoint
     from lightning_para.recipes import TextDataModule
 
     L.seed_everything(seed, verbose=False)
@@ -51,7 +50,9 @@ def gpt_fit_job(
     logged = LoggedLoss()
     callbacks: list[Callback] = [logged]
     if ckpt_dir is not None:
-        kind = ParaModelCheckpoint if para_last else ModelCheckpoint
+        kind = ModelCheckpoint
+        if para_last:
+            from lightning_para.checkpoint import ParaModelCheckpoint as kind
         callbacks.append(kind(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=max_steps,

@@ -96,39 +96,43 @@ def test_last_resolves_to_the_newest_complete_checkpoint_whatever_its_name(tmp_p
 
 
 def test_a_second_run_cannot_take_a_live_runs_folder_but_takes_a_dead_ones(tmp_path):
-    first, second = lock.DirectoryLock("run-one"), lock.DirectoryLock("run-two")
-    first.acquire(tmp_path)
-    first.acquire(tmp_path)  # its own: a refresh
-    with pytest.raises(lock.CheckpointDirectoryLockedError) as info:
-        second.acquire(tmp_path)
-    message = str(info.value)
-    assert str(tmp_path) in message and "run run-one" in message and f"pid {os.getpid()}" in message
-    first.release()
-    assert not (tmp_path / lock.LOCK_FILENAME).exists()
-    second.acquire(tmp_path)  # released: free
-    second.release()
-
-    # A crashed run's lock: its process on this host is gone.
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    crashed = lock.DirectoryLock("crashed")
-    crashed.acquire(tmp_path)
     lock_file = tmp_path / lock.LOCK_FILENAME
-    lock_file.write_text(lock_file.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {dead.pid}'))
-    crashed.held.clear()  # it never releases
-    crashed._stop.set()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        # Another process on this host holds the folder (what its DirectoryLock wrote), refreshed just now.
+        first = lock.DirectoryLock("run-one")
+        first.acquire(tmp_path)
+        first.acquire(tmp_path)  # its own: a refresh
+        first.held.clear()  # from here on it stands for the other process's lock
+        lock_file.write_text(lock_file.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {alive.pid}'))
+        second = lock.DirectoryLock("run-two")
+        with pytest.raises(lock.CheckpointDirectoryLockedError) as info:
+            second.acquire(tmp_path)
+        message = str(info.value)
+        assert str(tmp_path) in message and "run run-one" in message and f"pid {alive.pid}" in message
+        assert "give this run its own `ModelCheckpoint(dirpath=...)`" in message
+    finally:
+        alive.kill()
+        alive.wait()
+    # Its process is gone (crashed): the lock is stale and taken over.
     second.acquire(tmp_path)
     assert '"run": "run-two"' in lock_file.read_text()
-    second.release()
+    # A later run in this same process (an earlier Trainer's lock) takes it over too.
+    third = lock.DirectoryLock("run-three")
+    third.acquire(tmp_path)
+    second.release()  # no longer its own: left alone
+    assert '"run": "run-three"' in lock_file.read_text()
+    third.release()
+    assert not lock_file.exists()
 
     # Another host's lock that was not refreshed for longer than STALE_S.
     lock_file.write_text('{"run": "elsewhere", "host": "node7", "pid": 1, "node": "node7/other"}')
     with pytest.raises(lock.CheckpointDirectoryLockedError, match="host node7"):
-        second.acquire(tmp_path)
+        third.acquire(tmp_path)
     old = time.time() - lock.STALE_S - 1
     os.utime(lock_file, (old, old))
-    second.acquire(tmp_path)
-    second.release()
+    third.acquire(tmp_path)
+    third.release()
 
 
 def test_the_disk_full_verdict_walks_dcps_exception_chain(tmp_path):
