@@ -9,7 +9,8 @@
 * :mod:`.checksums`: per-file CRC-32s written at save, verified at load;
 * :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
 * :mod:`.lock`: one run per checkpoint directory;
-* :mod:`.last`: ``ckpt_path="last"`` as the newest complete checkpoint (``ParaModelCheckpoint``).
+* :mod:`.last`: ``ckpt_path="last"`` as the newest complete checkpoint (``ParaModelCheckpoint``);
+* :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
 from lightning_para.checkpoint.atomic import (
@@ -26,6 +27,7 @@ from lightning_para.checkpoint.full_state import full_model_state, full_optimize
 from lightning_para.checkpoint.io import load_checkpoint_in_place, remove_checkpoint, save_checkpoint
 from lightning_para.checkpoint.last import ParaModelCheckpoint
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock
+from lightning_para.checkpoint.model_info import model_info, register_model_info
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
 
 __all__ = [
@@ -41,10 +43,12 @@ __all__ = [
     "full_optimizer_state",
     "load_checkpoint_in_place",
     "mark_checkpoint_complete",
+    "model_info",
     "new_token",
     "newest_complete_checkpoint",
     "optimizer_params",
     "optimizer_state_dict",
+    "register_model_info",
     "remove_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
