@@ -84,25 +84,28 @@ def _checkpoint_bytes(path: Optional[Path]) -> Optional[int]:
     return path.stat().st_size if path is not None and path.is_file() else None
 
 
-def _agree(failure: Optional[BaseException], path: Path, partial: Optional[Path], needed_here: int) -> None:
-    """Collective: if any rank failed, rank 0 removes ``partial`` and every rank raises the same error.
+def _agree(
+    failure: Optional[BaseException], path: Path, partial: Optional[Path], needed_here: int, payload: Any = None
+) -> list[Any]:
+    """Collective: if any rank failed, rank 0 removes ``partial`` and every rank raises the same error;
+    otherwise every rank's ``payload``, in rank order.
 
     A sync point even when nothing failed (it replaces a barrier), so no rank goes on into the next
     step of the save (or the next collective of training) while another has failed.
     """
     folder = path.parent
     mine = failures.summarize(failure, _rank(), folder, needed_here) if failure is not None else None
-    gathered = _gather((mine, needed_here))
-    summaries = [s for s, _ in gathered if s is not None]
+    gathered = _gather((mine, needed_here, payload))
+    summaries = [s for s, _, _ in gathered if s is not None]
     if not summaries:
-        return
+        return [p for _, _, p in gathered]
     decided = None
     if _is_rank0():
         removed = partial is not None and (partial.exists() or partial.is_symlink())
         if removed:
             atomic.remove_partial(partial)
         newest = atomic.newest_complete_checkpoint(folder) if folder.is_dir() else None
-        needed = _checkpoint_bytes(newest) or sum(n for _, n in gathered)
+        needed = _checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
         decided = failures.verdict(summaries, path, needed, newest, removed)
     if dist.is_initialized():
         box = [decided]
@@ -178,8 +181,7 @@ def save_checkpoint(
     except failures.SAVE_ERRORS as error:
         failure = error
     # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this agreement.
-    _agree(failure, path, partial, needed)
-    everyone = _gather(sums)
+    everyone = _agree(failure, path, partial, needed, sums)
     removable: Optional[Path] = partial
     if _is_rank0():
         try:
