@@ -77,6 +77,9 @@ class ParaStrategy(ParallelStrategy):
         cp_method: ``"ring"`` (K/V blocks passed peer-to-peer) or ``"all_to_all"`` (DeepSpeed-Ulysses).
         cp_load_balance: head-tail chunks (``2 * cp`` must divide the sequence); ``False``:
             contiguous slices (``cp`` must divide it; causal attention then costs more on late ranks).
+        cp_check: before the first cp step, run a short prefix of the batch on the whole sequence and
+            under cp and raise if the attention inputs differ (positions built from the local chunk;
+            ``docs/context_parallel.md``). ``False`` skips it.
         dp_replicate, dp_shard: hybrid sharded data parallel, ``dp = dp_replicate x dp_shard``:
             ZeRO state sharded over ``dp_shard`` (within a node), replicated over ``dp_replicate``
             (across nodes); needs ``zero >= 1``. ``dp`` alone means ``dp_shard = dp``.
@@ -137,6 +140,7 @@ class ParaStrategy(ParallelStrategy):
         cp: int = 1,
         cp_method: str = "ring",
         cp_load_balance: bool = True,
+        cp_check: bool = True,
         dp_replicate: Optional[int] = None,
         dp_shard: Optional[int] = None,
         precision: Optional[str] = None,
@@ -175,7 +179,7 @@ class ParaStrategy(ParallelStrategy):
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             zero3_units=zero3_units,
-            cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
+            cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
             layout=layout, layout_memory_gb=layout_memory_gb,
         )
         # Reliability options (issue 14), validated before any process group exists.
@@ -460,12 +464,32 @@ class ParaStrategy(ParallelStrategy):
             return self._run_parallel_step(name, context, *args, **kwargs)
         # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
         # across the cp group and cross-entropy covers the whole sequence, in every stage too.
+        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None:
+            self._check_cp_positions(name, cp, args, kwargs)
         args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
         mode = cp.mode()
         with mode:
             output = self._run_parallel_step(name, context, *args, **kwargs)
         cp.check_attention_reached(mode)
         return cp.gather_output(output) if name == "predict_step" else output
+
+    def _check_cp_positions(self, name: str, cp: Any, args: tuple, kwargs: dict) -> None:
+        """The first cp step: does the model compute under cp what it computes on the whole sequence?
+        (``parallel/context/check.py``: two forwards without gradients on a short prefix of the batch.)"""
+        contexts = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }
+        batch = args[0] if args else kwargs.get("batch")
+
+        def run(step_batch: Any) -> Any:
+            step_args, step_kwargs = ((step_batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": step_batch})
+            return self._run_parallel_step(name, contexts[name](), *step_args, **step_kwargs)
+
+        multiple = self._parallel.dims.tp if self.config.sequence_parallel else 1
+        cp.check_positions(self.lightning_module, batch, run, sequence_multiple=multiple)
 
     def _run_parallel_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
