@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import errno
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_para._dtensor import local_tensor
+from lightning_para.checkpoint.atomic import read_marker
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError
 
 SAVE_ERRORS = (Exception, CheckpointException)  # DCP's exception is a BaseException
@@ -94,6 +97,25 @@ def summarize(error: BaseException, rank: int, folder: Path, needed: int) -> Fai
     return FailureSummary(rank, "disk_full" if full else "other", ranks, _first_line(primary), free)
 
 
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors this rank holds in ``tree`` (local shards): what it writes, at most."""
+    if isinstance(tree, Tensor):
+        local = local_tensor(tree)
+        return local.numel() * local.element_size()
+    if isinstance(tree, Mapping):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
+def checkpoint_bytes(path: Optional[Path]) -> Optional[int]:
+    marker = read_marker(path) if path is not None and path.is_dir() else None
+    if marker is not None:
+        return sum(marker["files"].values())
+    return path.stat().st_size if path is not None and path.is_file() else None
+
+
 def verdict(failures: list[FailureSummary], path: Path, needed: int, newest: Optional[Path], removed: bool) -> tuple[str, str]:
     """The error every rank raises, as ``(kind, message)`` (rank 0, after removing the partial save)."""
     folder = path.parent
@@ -130,6 +152,6 @@ def as_error(kind: str, message: str) -> BaseException:
 
 
 __all__ = [
-    "SAVE_ERRORS", "CheckpointDiskFullError", "CheckpointSaveError", "FailureSummary", "as_error", "error_chain",
-    "summarize", "verdict",
+    "SAVE_ERRORS", "CheckpointDiskFullError", "CheckpointSaveError", "FailureSummary", "as_error", "checkpoint_bytes",
+    "error_chain", "summarize", "tensor_bytes", "verdict",
 ]

@@ -65,25 +65,6 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def _tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors this rank holds in ``tree`` (local shards): what it writes, at most."""
-    if isinstance(tree, Tensor):
-        local = local_tensor(tree)
-        return local.numel() * local.element_size()
-    if isinstance(tree, Mapping):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
-
-
-def _checkpoint_bytes(path: Optional[Path]) -> Optional[int]:
-    marker = atomic.read_marker(path) if path is not None and path.is_dir() else None
-    if marker is not None:
-        return sum(marker["files"].values())
-    return path.stat().st_size if path is not None and path.is_file() else None
-
-
 def _agree(
     failure: Optional[BaseException], path: Path, partial: Optional[Path], needed_here: int, payload: Any = None
 ) -> list[Any]:
@@ -105,7 +86,7 @@ def _agree(
         if removed:
             atomic.remove_partial(partial)
         newest = atomic.newest_complete_checkpoint(folder) if folder.is_dir() else None
-        needed = _checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
+        needed = failures.checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
         decided = failures.verdict(summaries, path, needed, newest, removed)
     if dist.is_initialized():
         box = [decided]
@@ -155,7 +136,7 @@ def save_checkpoint(
             except failures.SAVE_ERRORS as error:
                 failure = error
         # No rank reads `path` (or saves again) before it is in place.
-        _agree(failure, path, None, _tensor_bytes(checkpoint) if _is_rank0() else 0)
+        _agree(failure, path, None, failures.tensor_bytes(checkpoint) if _is_rank0() else 0)
         return
     token = token or _from_rank0(atomic.new_token)
     partial = atomic.partial_path(path, token)
@@ -164,7 +145,7 @@ def save_checkpoint(
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
-    needed = _tensor_bytes(tensors)
+    needed = failures.tensor_bytes(tensors)
     if _is_rank0():  # the folder, this run's hold on it, no leftovers, the sibling every rank writes into
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
