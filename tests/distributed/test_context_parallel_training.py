@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from lightning_para.recipes.gpt import GPT
 from tests.comm_counter import CollectiveCounter
 from tests.harness import WorkerError
+from tests.sharpness import SHARP_STD, sharp_gpt
 from tests.parity import (
     ShardedData,
     assert_losses_close,
@@ -46,12 +47,12 @@ PARAM_ATOL = 1e-5
 
 def gpt() -> GPT:
     """Llama-style GPT recipe: RoPE, RMSNorm, SwiGLU (RoPE needs the global positions under cp)."""
-    return GPT(n_layer=2, n_embd=32, n_head=4, block_size=SEQ, vocab_size=64, sample_tokens=0, warmup_steps=2)
+    return sharp_gpt(n_layer=2, n_embd=32, n_head=4, block_size=SEQ, vocab_size=64, sample_tokens=0, warmup_steps=2)
 
 
 def gpt2_style() -> GPT:
     """GPT-2 style recipe: learned positions (``wpe`` needs the global positions), LayerNorm, GELU, biases."""
-    return GPT(
+    return sharp_gpt(
         n_layer=2, n_embd=32, n_head=4, block_size=SEQ, vocab_size=64, sample_tokens=0, warmup_steps=2,
         norm="layernorm", pos="learned", mlp="gelu", bias=True,
     )
@@ -136,6 +137,7 @@ class HFLlama(L.LightningModule):
         config = LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+            initializer_range=SHARP_STD,
         )
         self.model = LlamaForCausalLM(config)
 

@@ -21,6 +21,7 @@ from tests.comm_counter import CollectiveCounter, nccl_reduce_scatter_path
 from tests.harness import WorkerError
 from tests.models import RegressionNet, SGDRegressionNet, regression_dataset
 from tests.tp_models import TokenDataset
+from tests.sharpness import SHARP_STD
 from tests.parity import (
     LossRecorder,
     ShardedData,
@@ -301,7 +302,8 @@ def _tiny_gpt(tie: bool = False):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    return SGDGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64, sample_tokens=0, tie_weights=tie)
+    return SGDGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64, sample_tokens=0, tie_weights=tie,
+                  init_std=SHARP_STD)
 
 
 @pytest.mark.parametrize("zero3_units, accumulate, tie", [

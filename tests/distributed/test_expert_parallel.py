@@ -92,6 +92,7 @@ class TinyMoETransformer(L.LightningModule):
         top_k: int = 2,
         lr: float = 3e-3,
         forced: bool = False,
+        init_std: float = 0.3,
         **moe: Any,
     ) -> None:
         super().__init__()
@@ -106,6 +107,11 @@ class TinyMoETransformer(L.LightningModule):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.lr = lr
+        # Sharp (tests/sharpness.py): PyTorch's default init (std ~0.1) attends and predicts ~uniformly.
+        # Expert weights are initialised by the MoE layer itself.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, init_std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -170,7 +170,7 @@ def gpt_constant_lr():
     from lightning_para.recipes.gpt import GPT
 
     return GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, sample_tokens=0, warmup_steps=0,
-               min_lr_ratio=1.0)
+               min_lr_ratio=1.0, init_std=0.3)  # sharp: tests/sharpness.py
 
 
 def test_checkpoint_from_hsdp_resumes_under_cp_and_tp(pools, tmp_path):
