@@ -142,17 +142,7 @@ def reinit_normal(module: torch.nn.Module, std: float = SHARP_STD) -> None:
                 torch.nn.init.zeros_(m.bias)
 
 
-def perturbation_growth(
-    factory: Callable[[], torch.nn.Module], dataset: Callable[[], Any], global_batch: int, steps: int,
-    overrides: Optional[dict] = None, relative: float = 1e-7,
-) -> list[float]:
-    """Per-step relative loss difference, on one device, between a run and the same run whose initial
-    weights were multiplied by ``1 + relative * N(0, 1)``.
-
-    ``relative=1e-7`` is the size of a reordered fp32 sum: what a parallel layout changes every step.
-    If this grows past the parity tolerance within the compared steps, the training is too chaotic
-    for a 1e-5 check (lower the learning rate), whatever the layout does.
-    """
+def _perturbed_runs(factory, dataset, global_batch, steps, overrides, relative):
     import lightning as L
 
     from tests.parity import fit_reference
@@ -164,6 +154,30 @@ def perturbation_growth(
                 for p in pl_module.parameters():
                     p.mul_(1 + relative * torch.randn(p.shape, generator=g))
 
-    a = fit_reference(factory, dataset, global_batch, steps, overrides)["losses"]
-    b = fit_reference(factory, dataset, global_batch, steps, overrides, callbacks=(Perturb(),))["losses"]
-    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    return (fit_reference(factory, dataset, global_batch, steps, overrides),
+            fit_reference(factory, dataset, global_batch, steps, overrides, callbacks=(Perturb(),)))
+
+
+def perturbation_growth(
+    factory: Callable[[], torch.nn.Module], dataset: Callable[[], Any], global_batch: int, steps: int,
+    overrides: Optional[dict] = None, relative: float = 1e-7,
+) -> list[float]:
+    """Per-step relative loss difference, on one device, between a run and the same run whose initial
+    weights were multiplied by ``1 + relative * N(0, 1)``.
+
+    ``relative=1e-7`` is the size of a reordered fp32 sum: what a parallel layout changes every step.
+    If this grows past the parity tolerance within the compared steps, the training is too chaotic
+    for a 1e-5 check (lower the learning rate), whatever the layout does.
+    """
+    a, b = _perturbed_runs(factory, dataset, global_batch, steps, overrides, relative)
+    return [abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"])]
+
+
+def perturbation_param_drift(
+    factory: Callable[[], torch.nn.Module], dataset: Callable[[], Any], global_batch: int, steps: int,
+    overrides: Optional[dict] = None, relative: float = 1e-7,
+) -> dict[str, float]:
+    """Like :func:`perturbation_growth`, for the trained parameters: per parameter, the largest absolute
+    difference beyond ``1e-5 * |p|`` (what ``assert_params_close`` adds to its ``atol``)."""
+    a, b = _perturbed_runs(factory, dataset, global_batch, steps, overrides, relative)
+    return {n: ((a["params"][n] - b["params"][n]).abs() - 1e-5 * a["params"][n].abs()).max().item() for n in a["params"]}
