@@ -293,11 +293,10 @@ def check_caught(pools, case: str) -> None:
 
 # ----------------------------------------------------------------------------- tests (all on 2 ranks)
 def test_cp_positions_shifted_by_one_fail_parity(pools):
-    """The representative check of the family (the rest are slow)."""
+    """The family's representative, also run by the default tier (test_default_tier.py)."""
     check_caught(pools, "cp_positions")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case", ["sp_positions", "dp_reduction", "tp_shards", "pp_microbatch_order", "ep_tokens_dropped",
              "pp_loss_normalisation"]
