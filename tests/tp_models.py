@@ -27,6 +27,10 @@ from torch.utils.data import Dataset
 # Parity models are sharp (tests/sharpness.py): at std 0.05 attention is ~uniform and a wrong
 # position, mask or head order moves the loss by less than the 1e-5 tolerance.
 SHARP_STD = 0.3
+# Sharp weights make SGD at the old lr 0.3 chaotic: a 1e-7 relative perturbation of the initial weights (a
+# reordered fp32 sum) moved NanoGPT's parameters by 2.5e-5 after 10 unclipped steps and LlamaLike's loss by
+# 9.4e-4; at lr 0.01, 2.0e-7 and 3.6e-7 (tests.sharpness.perturbation_param_drift / perturbation_growth).
+SHARP_LR = 0.01
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
@@ -95,7 +99,7 @@ class Block(nn.Module):
 
 class NanoGPT(L.LightningModule):
     def __init__(self, vocab_size: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.0, lr: float = 0.3, optimizer: str = "sgd",
+                 n_embd: int = 64, dropout: float = 0.0, lr: float = SHARP_LR, optimizer: str = "sgd",
                  init_std: float = SHARP_STD) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -226,7 +230,7 @@ class LlamaModel(nn.Module):
 
 class LlamaLike(L.LightningModule):
     def __init__(self, vocab_size: int = 64, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                 num_key_value_heads: int = 2, intermediate_size: int = 96, lr: float = 0.3, optimizer: str = "sgd",
+                 num_key_value_heads: int = 2, intermediate_size: int = 96, lr: float = SHARP_LR, optimizer: str = "sgd",
                  init_std: float = SHARP_STD) -> None:
         super().__init__()
         self.save_hyperparameters()

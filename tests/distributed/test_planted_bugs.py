@@ -196,7 +196,7 @@ def cp_gpt(init_std: float = SHARP_STD):
 def nano_gpt(init_std: float = SHARP_STD):
     from tests.tp_models import NanoGPT
 
-    return NanoGPT(n_layer=1, init_std=init_std)
+    return NanoGPT(n_layer=1, init_std=init_std, lr=0.3)  # 3 steps: lr 0.3 is not yet chaotic (clean: 2e-7)
 
 
 def llama_with_marked_q(init_std: float = SHARP_STD):
@@ -204,7 +204,7 @@ def llama_with_marked_q(init_std: float = SHARP_STD):
     query shard changes only the attention scores, which a blunt model hardly uses."""
     from tests.tp_models import LlamaLike
 
-    model = LlamaLike(num_layers=1, init_std=init_std)
+    model = LlamaLike(num_layers=1, init_std=init_std, lr=0.3)
     model.model.layers[0].self_attn.q_proj._planted_swap = True
     return model
 
