@@ -43,7 +43,7 @@ CLIP = {"gradient_clip_val": 1.0}
 # a 1e-7 relative perturbation of the initial weights (a reordered fp32 sum) into parameter differences of
 # 2e-4 after 10 steps on one device, 5e-3 in the key bias, whose gradient is analytically zero (Adam's
 # m / sqrt(v) makes O(lr) steps out of noise); SGD keeps them at 2e-7 and the loss drift at 2.3e-7
-# (tests.sharpness.perturbation_param_drift / perturbation_growth). The HF Llama keeps AdamW: 2.1e-6.
+# (tests.sharpness.perturbation_param_drift / perturbation_growth). The HF Llama uses SGD too.
 PARAM_ATOL = 1e-5
 
 
@@ -171,7 +171,9 @@ class HFLlama(L.LightningModule):
         return out.loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        # SGD (see PARAM_ATOL): with sharp weights AdamW left one q_proj element 3.3e-5 from one device
+        # after 10 steps under cp=2 (the losses matched), where every other element agreed within 1e-5.
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
 
 
 def test_cp2_parity_hf_llama_with_ignored_labels(pools):
