@@ -39,7 +39,7 @@ def _tiny_attention(model):
 
 
 def _models() -> list:
-    from tests import hf_models, tp_models
+    from tests import cp_models, hf_models, tp_models
     from tests.distributed import pp_models, test_context_parallel_core as cp_core
     from tests.distributed import test_context_parallel_training as cp_training
     from tests.distributed import test_data_parallel as dp
@@ -56,6 +56,9 @@ def _models() -> list:
         ("hf_models.GPT2Module", hf_models.GPT2Module, _hf),
         ("pp_models.TinyTokenModel", pp_models.TinyTokenModel, _pp_tokens),
         ("test_expert_parallel.TinyMoETransformer", ep.TinyMoETransformer, _call),
+        ("cp_models.PlainHFLlama", cp_models.PlainHFLlama, _hf),
+        ("cp_models.PaddedHFLlama", cp_models.PaddedHFLlama, _hf),
+        ("cp_models.OwnLossHFLlama", cp_models.OwnLossHFLlama, _hf),
         ("test_context_parallel_training.gpt", cp_training.gpt, _call),
         ("test_context_parallel_training.gpt2_style", cp_training.gpt2_style, _call),
         ("test_context_parallel_training.HFLlama", cp_training.HFLlama, _hf),
