@@ -82,7 +82,7 @@ def _hsdp_bytes_job(strategy_kwargs: dict) -> dict:
     step = _StepCounter(batch=2)
     strategy = ParaStrategy(**strategy_kwargs)
     L.seed_everything(0, verbose=False)
-    module = gpt()
+    module = gpt_constant_lr()  # the recipe's AdamW (two fp32 states), not gpt()'s SGD (one)
     psi = sum(p.numel() for p in module.parameters()) * 4  # fp32 bytes of the whole model
     dp = strategy.config.resolve_dp(dist.get_world_size())
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=3, callbacks=[step],
