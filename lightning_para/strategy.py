@@ -511,10 +511,11 @@ class ParaStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-        if self._guard.active:  # device-side note of a non-finite local loss (a pipeline's: its last stage's)
-            pipeline = self._parallel.pipeline if self._parallel is not None else None
-            self._guard.observe_loss(output, self._global_step(), local=pipeline is None or pipeline.has_last)
-        if self._integrity is not None:  # device-side note of a non-finite local loss: no sync, no collective
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        local = pipeline is None or pipeline.has_last  # under pp the loss is the last stage's, shared
+        if self._guard.active:  # device-side note of a non-finite local loss
+            self._guard.observe_loss(output, self._global_step(), local=local)
+        if self._integrity is not None and local:  # device-side note of a non-finite local loss: no sync, no collective
             self._integrity.observe_loss(output, self.lightning_module.trainer.global_step)
         return output
 
