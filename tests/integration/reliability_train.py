@@ -6,7 +6,8 @@ training starts and, if it finishes, ``rank<r>.json`` with the ``train_loss`` it
 global step. ``--kill POINT:RANK:NTH`` SIGKILLs rank RANK at POINT of its NTH checkpoint save:
 the points wrap the library's own functions from the outside (nothing in the library knows).
 ``--sigterm RANK:STEP`` makes rank RANK send itself SIGTERM (as SLURM or Kubernetes would) after
-global step STEP.
+global step STEP. ``--bad-id STEP`` puts token id 10000 (the vocabulary has 256) into the batch of
+dp rank 0 at global step STEP.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-LAYOUTS = {"pp2dp2": {"pp": 2, "dp": 2}, "dp2tp2": {"dp": 2, "tp": 2}, "dp2tp2z3": {"dp": 2, "tp": 2, "zero": 3}}
+LAYOUTS = {
+    "pp2dp2": {"pp": 2, "dp": 2}, "dp2tp2": {"dp": 2, "tp": 2}, "dp2tp2z3": {"dp": 2, "tp": 2, "zero": 3},
+    "pp2tp2": {"pp": 2, "tp": 2},
+}
 # Where a save can be cut, in the order a save passes them (rank 0 passes all; others the DCP ones).
 KILL_POINTS = (
     "save-start",  # ParaStrategy.save_checkpoint entered
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--kill", default=None, help="POINT:RANK:NTH")
     parser.add_argument("--sigterm", default="", help="RANK:STEP")
+    parser.add_argument("--bad-id", type=int, default=-1, help="STEP")
     parser.add_argument("--root-dir", default=None, help="Trainer's default_root_dir (default: OUT)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint's folder (default: OUT/ckpt)")
@@ -144,7 +149,14 @@ def main() -> None:
     from lightning_para.recipes import GPT, TextDataModule
 
     L.seed_everything(0, verbose=False)
-    model = GPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
+    class Model(GPT):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == args.bad_id and self.trainer.strategy.parallel_dims.local_rank("dp") == 0:
+                batch = (batch[0].clone(), batch[1])
+                batch[0][0, 3] = 10_000
+            return super().training_step(batch, batch_idx)
+
+    model = Model(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
     losses = StepLosses(out, args.step_sleep, args.sigterm)
     callbacks: list[Callback] = [losses]
     if args.save_every:

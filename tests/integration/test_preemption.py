@@ -22,6 +22,7 @@ LAYOUTS = {"dp2tp2z3": {"dp": 2, "tp": 2, "zero": 3}, "pp2dp2": {"pp": 2, "dp": 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # three 4-process runs of 8 steps
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sigterm_on_rank0_saves_a_checkpoint_and_every_rank_exits_143(pools, tmp_path, layout):
     run = launch(tmp_path / "stopped", "external", "--layout", layout, "--steps", "8", "--sigterm", "0:3",
