@@ -54,9 +54,7 @@ from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options, replicated_state
-from lightning_para.reliability.step_guard import (
-    Preempted, StepBoundary, StepGuard, hpc_checkpoint_path, pipeline_rank_info,
-)
+from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -566,21 +564,12 @@ class ParaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ non-finite values, SIGTERM (issue 24)
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer
-        if self._guard.active and not any(isinstance(c, StepBoundary) for c in trainer.callbacks):
-            trainer.callbacks.append(StepBoundary(self._guard, self._save_after_signal))  # after ModelCheckpoint
-        self._guard.install_signal_handler()  # after Lightning's (whose handler runs a collective)
+        self._guard.start_fit(self.lightning_module.trainer)  # end-of-batch stop, SIGTERM handler
 
     def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
         """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
         self._report(f"finite check (global step {self._global_step()})")
         self._guard.check(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
-
-    def _save_after_signal(self) -> str:
-        trainer = self.lightning_module.trainer
-        path = self.broadcast(hpc_checkpoint_path(str(trainer.default_root_dir)))
-        trainer.save_checkpoint(path)
-        return path
 
     # ------------------------------------------------------------------ integrity (issue 14)
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -269,6 +269,12 @@ class StepGuard:
             )
             sys.stderr.flush()
 
+    def start_fit(self, trainer: Any) -> None:
+        """From ``on_train_start``: the end-of-batch hook (:class:`StepBoundary`) and the signal handler."""
+        if self.active and not any(isinstance(c, StepBoundary) for c in trainer.callbacks):
+            trainer.callbacks.append(StepBoundary(self, lambda: save_hpc_checkpoint(trainer)))  # after ModelCheckpoint
+        self.install_signal_handler()  # after Lightning's (whose handler runs a collective)
+
     def restore_signal_handler(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
@@ -318,6 +324,14 @@ class StepBoundary(Callback):
         self.guard.at_step_boundary(trainer.global_step, self.save)
 
 
+def save_hpc_checkpoint(trainer: Any) -> str:
+    """Every rank: save through ``trainer.save_checkpoint`` (the strategy's atomic save) under rank 0's next
+    :func:`hpc_checkpoint_path` in ``default_root_dir``; returns the path."""
+    path = trainer.strategy.broadcast(hpc_checkpoint_path(str(trainer.default_root_dir)))
+    trainer.save_checkpoint(path)
+    return path
+
+
 def hpc_checkpoint_path(folder: str) -> str:
     """The next ``hpc_ckpt_<n>.ckpt`` in ``folder``: the name Lightning's SLURM requeue saves under and
     ``fit(ckpt_path="hpc")`` (automatic under SLURM) resumes from, the highest ``n`` first."""
@@ -353,5 +367,6 @@ __all__ = [
     "StepGuard",
     "check_step_guard_options",
     "hpc_checkpoint_path",
+    "save_hpc_checkpoint",
     "pipeline_rank_info",
 ]
