@@ -150,11 +150,12 @@ def main() -> None:
 
     L.seed_everything(0, verbose=False)
     class Model(GPT):
-        def training_step(self, batch, batch_idx):
-            if self.trainer.global_step == args.bad_id and self.trainer.strategy.parallel_dims.local_rank("dp") == 0:
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # before the step, under pp too
+            if self.trainer.training and self.trainer.global_step == args.bad_id \
+                    and self.trainer.strategy.parallel_dims.local_rank("dp") == 0:
                 batch = (batch[0].clone(), batch[1])
                 batch[0][0, 3] = 10_000
-            return super().training_step(batch, batch_idx)
+            return batch
 
     model = Model(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
     losses = StepLosses(out, args.step_sleep, args.sigterm)
