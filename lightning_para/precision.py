@@ -54,6 +54,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_para._dtensor import local_tensor
 from lightning_para.config import PRECISIONS
 from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
+from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.scaler import ParaGradScaler
 
 _HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
@@ -99,23 +100,18 @@ class ParaPrecision(Precision):
         self._scaler = ParaGradScaler(self) if precision == "16-mixed" else None
 
     def connect_layout(
-        self, *, finalize_gradients: Callable[[], None], grad_replication: Callable[[Tensor], int],
-        check_step: Optional[Callable[[Optimizer, bool], None]] = None,
+        self, data_parallel: DataParallel, check_step: Optional[Callable[[Optimizer, bool], None]] = None
     ) -> None:
-        """Called by ParaStrategy once the model is parallelized.
-
-        Args:
-            finalize_gradients: completes pending gradient communication (ZeRO's buckets); called
-                after backward, before gradients are unscaled, checked or clipped.
-            grad_replication: on how many ranks a parameter's gradient is identical, for the
-                global norm of gradient clipping.
-            check_step: called on every rank once the gradients are final, before callbacks, clipping
-                and the optimizer step, with the optimizer and whether to check its gradients (not
-                under fp16 loss scaling, where an inf gradient only skips the step): the strategy's
-                non-finite and signal agreement (:mod:`lightning_para.reliability.step_guard`).
-        """
-        self._finalize_gradients = finalize_gradients
-        self._grad_replication = grad_replication
+        """Called by ParaStrategy once the model is parallelized, with its data parallelism:
+        :meth:`~DataParallel.flush` completes pending gradient communication (ZeRO's buckets) after
+        backward, before gradients are unscaled, checked or clipped; its ``grad_replication`` says on
+        how many ranks a parameter's gradient is identical, for the global norm of gradient clipping.
+        ``check_step`` is called on every rank once the gradients are final, before callbacks, clipping
+        and the optimizer step, with the optimizer and whether to check its gradients (not under fp16
+        loss scaling, where an inf gradient only skips the step): the strategy's non-finite and signal
+        agreement (:mod:`lightning_para.reliability.step_guard`)."""
+        self._finalize_gradients = data_parallel.flush
+        self._grad_replication = data_parallel.grad_replication
         self._check_step = check_step
 
     def finalize_gradients(self) -> None:
