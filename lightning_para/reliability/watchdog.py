@@ -226,7 +226,10 @@ class Watchdog:
         names the lost rank and exits with :data:`WATCHDOG_EXIT_CODE`. Otherwise (or if nothing is
         found) stop beating and publish the error; peers blocked on this rank act once the beat is
         ``timeout`` old."""
-        text = f"{type(error).__name__}: {error}"[:300]
+        root = error
+        while root.__cause__ is not None:  # e.g. torch's pipeline stage wraps the user's error in a RuntimeError
+            root = root.__cause__
+        text = " ".join(f"{type(root).__name__}: {root}".split())[:300]  # one line: the verdict is one line
         if looks_like_a_lost_peer(error) and self._thread is not None and self._thread.is_alive():
             self.progress(f"handling {text[:120]}")
             self._thread.join(timeout=self.timeout + 2 * self.interval)  # it exits the process on a verdict

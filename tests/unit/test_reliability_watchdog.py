@@ -181,7 +181,11 @@ def test_a_rank_that_raised_releases_its_waiting_peers_after_a_short_grace(store
         failing.start().progress("training_step (global step 0)")
         waiting, exits, out = _watchdog(store, "h")
         waiting.start().progress("backward and gradient sync (global step 0)")
-        failing.failed(IndexError("Token ids must lie in [0, 256)"))
+        try:  # as torch's pipeline stage reports it: a RuntimeError from the user's error
+            raise RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...") from IndexError(
+                "Token ids must lie in [0, 256)")
+        except RuntimeError as error:
+            failing.failed(error)
         took = _wait_for(exits, 5 * TIMEOUT)
     assert failing_exits == [] and exits == [WATCHDOG_EXIT_CODE]
     assert FAILURE_GRACE * 0.1 <= took < TIMEOUT, took
