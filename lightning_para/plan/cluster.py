@@ -10,6 +10,7 @@ precision     weights  grads  fp32 master  activations  note
 bf16-mixed    4        4      0            2            fp32 weights, bf16 autocast compute
 16-mixed      4        4      0            2            as bf16-mixed, with loss scaling
 bf16-true     2        2      4            2            ZeRO's K = 12 with Adam: 4 + 8
+16-true       2        2      4            2            as bf16-true, in fp16
 ============  =======  =====  ==========  ===========  =========================================
 
 Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum).
@@ -20,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
+from lightning_para.options import PRECISIONS
+
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
 
@@ -41,7 +43,9 @@ _PRECISION_BYTES = {
     "bf16-mixed": PrecisionBytes(4, 4, 0, 2, True),
     "16-mixed": PrecisionBytes(4, 4, 0, 2, True),
     "bf16-true": PrecisionBytes(2, 2, 4, 2, False),
+    "16-true": PrecisionBytes(2, 2, 4, 2, False),  # ParaPrecision: fp16 weights, fp32 masters under ZeRO
 }
+assert set(_PRECISION_BYTES) == set(PRECISIONS), "the planner must price every precision ParaStrategy has"
 
 
 def _choices(values: Any) -> str:
@@ -144,7 +148,7 @@ class Training:
             that batch into its ``microbatches`` (default ``pp * virtual_stages``).
         accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
             used with ``micro_batch=None``.
-        precision: one of ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``, ``"16-mixed"``.
+        precision: one of :data:`~lightning_para.options.PRECISIONS` (ParaStrategy's).
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.
