@@ -474,7 +474,10 @@ class ParaStrategy(ParallelStrategy):
             return self._run_parallel_step(name, context, *args, **kwargs)
         # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
         # across the cp group and cross-entropy covers the whole sequence, in every stage too.
-        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None:
+        # The first-step check runs the step twice more without gradients: not under pp (stages see activations),
+        # and not a manual-optimization training_step (it steps the optimizer itself; a validation step can check).
+        manual = name == "training_step" and not self.lightning_module.automatic_optimization
+        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None and not manual:
             self._check_cp_positions(name, cp, args, kwargs)
         args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
         mode = cp.mode()
