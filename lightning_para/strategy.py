@@ -431,6 +431,8 @@ class ParaStrategy(ParallelStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
+        if self._parallel is not None and self._parallel.zero is not None:
+            self._parallel.zero.before_backward()  # the ZeRO gradients shown since the last step (DDP: until zero_grad)
         self._set_moe_aux_grad_scale()
 
     def _set_moe_aux_grad_scale(self) -> None:
