@@ -178,8 +178,12 @@ def parallelize(
         apply_activation_checkpointing(part, config.activation_checkpointing, context.mode if context else None)
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
+    if param_dtype is not None and master_dtype is None:
+        # No fp32 masters (`ParaPrecision(master_weights=False)`, Lightning's true half precision): every
+        # stage holds and steps the half-precision weights, FSDP2's shards included.
+        module.to(dtype=param_dtype)
     _apply_data_parallel(module, result, param_dtype, master_dtype)
-    if param_dtype is not None and not result.fully_sharded:
+    if param_dtype is not None and master_dtype is not None and not result.fully_sharded:
         module.to(dtype=param_dtype)
     return result
 
