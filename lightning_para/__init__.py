@@ -3,6 +3,10 @@
 ``Trainer(strategy=ParaStrategy(dp=..., tp=8, pp=4, ep=..., zero=1))`` -- importing this
 package also registers ``Trainer(strategy="para")`` (and ``"para_zero1"``/``2``/``3``).
 The package map is in ``docs/architecture.md``.
+
+This module is the public facade, the one place that wires the built-in integrations in: importing
+:mod:`lightning_para.integrations.transformers` registers its expert-parallel adapter and its
+checkpoint record (generic code never imports an integration; transformers itself stays optional).
 """
 
 __version__ = "0.1.0"
@@ -12,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_para.checkpoint import consolidate_checkpoint
 from lightning_para.compat import grad_norm
 from lightning_para.config import ParallelConfig
+from lightning_para.integrations import transformers as _transformers_integration  # noqa: F401  (registers)
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe import ParaProfiler
 from lightning_para.parallel.pipeline import PipelineSpec

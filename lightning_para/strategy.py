@@ -39,8 +39,6 @@ import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
-from lightning_para.integrations.transformers.export import CHECKPOINT_KEY as TRANSFORMERS_CHECKPOINT_KEY
-from lightning_para.integrations.transformers.export import transformers_models
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe.memory import memory_breakdown as _memory_breakdown
 from lightning_para.parallel.data import (
@@ -334,7 +332,7 @@ class ParaStrategy(ParallelStrategy):
     def _plan_layout(self) -> ParallelDims:
         module = self.lightning_module
         assert module is not None
-        trainer = module._trainer
+        trainer = module._trainer  # private: see docs/architecture.md
         self.config, self.layout_choice = auto_configure(
             self.config, module, getattr(trainer, "datamodule", None),
             world_size=self.num_nodes * self.num_processes, processes_per_node=self.num_processes,
@@ -661,11 +659,10 @@ class ParaStrategy(ParallelStrategy):
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
         path, token = self.broadcast((str(filepath), ckpt.new_token()))
-        # transformers models in the module: their class and config, so `integrations.transformers.export`
-        # can write a folder that `from_pretrained` opens from this checkpoint alone.
-        hf_models = transformers_models(self.lightning_module) if self.lightning_module is not None else {}
-        if hf_models:
-            checkpoint[TRANSFORMERS_CHECKPOINT_KEY] = hf_models
+        # What integrations record about the model (transformers: each model's class and config, so
+        # `integrations.transformers.export` can write a `from_pretrained` folder from this checkpoint alone).
+        if self.lightning_module is not None:
+            checkpoint.update(ckpt.model_info(self.lightning_module))
         self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
         ckpt.save_checkpoint(Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token)
         self._report(f"checkpoint {path} saved (global step {self._global_step()})")

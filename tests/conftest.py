@@ -1,4 +1,12 @@
-"""Shared fixtures: one pool of real gloo workers per test module, one thread per process."""
+"""Shared fixtures: one pool of real gloo workers per test module, one thread per process.
+
+Two tiers (README): ``pytest -q`` runs the default tier (<= 5 minutes on 2 cores) and
+``pytest -q -m ""`` the full suite (CI, <= 25 minutes). Every test in a multi-process folder
+(``distributed/``, ``integration/``, ``lightning_compat/``) is marked ``slow`` here, unless its module
+sets ``DEFAULT_TIER = True`` (``distributed/test_default_tier.py``: one parity check per dimension and
+composition family). A new multi-process module therefore lands in the full suite by default; a slow
+unit test carries ``@pytest.mark.slow`` itself.
+"""
 
 import os
 
@@ -10,6 +18,18 @@ from tests.harness import PoolManager
 # Two cores: every process (this one and each rank) must stay on one thread.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+MULTI_PROCESS_FOLDERS = {"distributed", "integration", "lightning_compat"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if getattr(module, "DEFAULT_TIER", False):
+            continue
+        if item.path.parent.name in MULTI_PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@
 * :mod:`.consolidate`: one ordinary Lightning checkpoint out of a sharded directory;
 * :mod:`.atomic`: write beside, mark complete, swap into place; verification on load;
 * :mod:`.io`: what the strategy calls to save, remove and load in place;
-* :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``).
+* :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``);
+* :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
 from lightning_para.checkpoint.atomic import (
@@ -18,6 +19,7 @@ from lightning_para.checkpoint.atomic import (
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
 from lightning_para.checkpoint.full_state import full_model_state, full_optimizer_state
 from lightning_para.checkpoint.io import load_checkpoint_in_place, remove_checkpoint, save_checkpoint
+from lightning_para.checkpoint.model_info import model_info, register_model_info
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
 
 __all__ = [
@@ -27,10 +29,12 @@ __all__ = [
     "full_optimizer_state",
     "load_checkpoint_in_place",
     "mark_checkpoint_complete",
+    "model_info",
     "new_token",
     "newest_complete_checkpoint",
     "optimizer_params",
     "optimizer_state_dict",
+    "register_model_info",
     "remove_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",

@@ -203,11 +203,11 @@ def _group_ranks(group_name: str) -> Optional[tuple[int, ...]]:
 def _wait(out: Any, namespace: str, args: tuple) -> None:
     if namespace != "c10d":
         if isinstance(out, torch.Tensor):
-            torch.ops._c10d_functional.wait_tensor(out)
+            torch.ops._c10d_functional.wait_tensor(out)  # private: see docs/architecture.md
         elif isinstance(out, (list, tuple)):
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    torch.ops._c10d_functional.wait_tensor(t)
+                    torch.ops._c10d_functional.wait_tensor(t)  # private: see docs/architecture.md
     else:
         works = out[1:] if isinstance(out, tuple) else (out,)
         for w in works:

@@ -1,8 +1,8 @@
-"""The parity check as a user tool: does a layout train a model like one device?
+"""The parity check's library part: record a run and compare two records.
 
 ::
 
-    from lightning_para.parity import compare
+    from lightning_para.cli.parity import compare   # runs the config twice (the command's Python side)
 
     report = compare("recipes/gpt-cpu-demo.yaml", "tp=2,pp=2", steps=20)
     print(report.text())          # per-step loss / gradient-norm differences, verdict
@@ -11,17 +11,18 @@
 or ``lightning-para parity --config X.yaml --layout "tp=2,pp=2" --steps 20``. See
 ``docs/planner.md`` ("Is my layout numerically right?").
 
-Why a package of its own, not ``lightning_para.plan``: the planner is a pure cost model that
-``ParaStrategy(layout="auto")`` and the profiler import; the parity tool *runs* training (the
-LightningCLI, the strategy, subprocesses), so inside ``plan`` it would close an import cycle
-(strategy -> plan -> parity -> strategy).
+This package holds what runs inside a training run or after it: :class:`ParityRecorder` (a
+callback), :class:`RunRecord`, :func:`compare_records` and the layouts' arguments
+(:func:`strategy_arguments`). Running configs (``compare``, ``record_run``, ``run_layout``) is the
+command's job (:mod:`lightning_para.cli.parity`): it needs the LightningCLI runner, and library
+code never imports ``cli/``. Not inside ``lightning_para.plan`` either: the planner is a pure cost
+model below the strategy, and the recorder reads the strategy's record of the layout.
 """
 
-from lightning_para.parity.record import ParityRecorder, RunRecord, record_run
+from lightning_para.parity.record import ParityRecorder, RunRecord
 from lightning_para.parity.report import ParityReport, StepDiff, compare_records, tolerances
-from lightning_para.parity.run import compare, run_layout, strategy_arguments
+from lightning_para.parity.run import strategy_arguments
 
 __all__ = [
-    "ParityRecorder", "ParityReport", "RunRecord", "StepDiff", "compare", "compare_records", "record_run",
-    "run_layout", "strategy_arguments", "tolerances",
+    "ParityRecorder", "ParityReport", "RunRecord", "StepDiff", "compare_records", "strategy_arguments", "tolerances",
 ]

@@ -10,14 +10,13 @@ DTensors, FSDP2 shards and pipeline stages all map back to the model's own param
 (the strategy keeps them). The step's loss is the mean over ranks of each rank's loss (dp ranks
 hold different data; tp/pp ranks repeat theirs), the global batch's loss.
 
-:func:`record_run` runs a LightningCLI config with such a recorder (in this process, on every
-rank of the current process group) and returns a :class:`RunRecord`.
+:func:`lightning_para.cli.parity.record_run` runs a LightningCLI config with such a recorder (in
+this process, on every rank of the current process group) and returns a :class:`RunRecord`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,8 +27,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.lightning_cli import run_cli
-from lightning_para.plan.run import strategy_overrides
 
 
 @dataclass
@@ -53,14 +50,15 @@ class RunRecord:
                    list(data["grad_norms"]), [dict(d) for d in data["param_grad_norms"]])
 
 
-def _world() -> int:
+def world_size() -> int:
+    """Ranks of the current process group (1 outside one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _gather(obj: Any) -> list[Any]:
-    if _world() == 1:
+    if world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * _world()
+    out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -118,34 +116,4 @@ def _naming(strategy: Any, module: torch.nn.Module) -> tuple[Callable[[Tensor], 
     return name, parallel.grad_replication
 
 
-def record_run(
-    config: str,
-    strategy_arguments: dict[str, Any],
-    *,
-    steps: int,
-    devices: int,
-    label: str,
-    extra_args: Sequence[str] = (),
-) -> RunRecord:
-    """Train ``config`` under ParaStrategy with ``strategy_arguments`` for ``steps`` steps on ``devices``
-    processes and record it. Call it on every rank of the current process group (torchrun, a test
-    pool), or in a single process for one device. Validation, checkpoints, loggers and the profiler
-    are off; the config's seed and data order are kept, so two layouts see the same global batches."""
-    args = [
-        "fit", "--config", config, "--trainer.devices", str(devices), "--trainer.num_nodes", "1",
-        *strategy_overrides(strategy_arguments), "--trainer.max_steps", str(steps),
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_checkpointing", "false", "--trainer.logger", "false",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--profiling.comm_every_n_steps", "0", "--profiling.timeline_every_n_steps", "0",
-        "--profiling.memory_every_n_steps", "0", "--profiling.check_predictions", "false",
-        "--trainer.callbacks+=lightning_para.parity.record.ParityRecorder", *extra_args,
-    ]
-    cli = run_cli(args)
-    recorder = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ParityRecorder))
-    norms = [math.sqrt(sum(v * v for v in step.values())) for step in recorder.param_grad_norms]
-    precision = getattr(cli.trainer.strategy.precision_plugin, "precision", str(cli.trainer.precision))
-    return RunRecord(label, _world(), str(precision), recorder.losses(), norms, recorder.param_grad_norms)
-
-
-__all__ = ["ParityRecorder", "RunRecord", "record_run"]
+__all__ = ["ParityRecorder", "RunRecord", "world_size"]

@@ -31,7 +31,8 @@ from lightning_para.plan.layout import Layout
 from lightning_para.plan.memory import layer_activation_bytes, zero_state_bytes
 from lightning_para.plan.model import PRESETS, ModelDesc, preset
 from lightning_para.plan.pipeline import SCHEDULES, bubble_fraction
-from lightning_para.plan.search import PlanResult, Rejected, SearchSpace, search
+from lightning_para.plan.result import PlanResult, Rejected
+from lightning_para.plan.search import SearchSpace, search
 
 __all__ = [
     "GPU_SPECS", "OPTIMIZERS", "PRECISIONS", "PRESETS", "SCHEDULES",

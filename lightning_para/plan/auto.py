@@ -41,7 +41,8 @@ from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import config_from_layout, local_cluster
-from lightning_para.plan.search import PlanResult, SearchSpace, search
+from lightning_para.plan.result import PlanResult
+from lightning_para.plan.search import SearchSpace, search
 
 SEQ_ATTRIBUTES = ("seq_len", "seq_length", "max_seq_length", "sequence_length", "block_size")
 GB = 1e9

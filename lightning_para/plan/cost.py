@@ -101,22 +101,11 @@ class Estimate:
         """Model FLOPs utilization (PaLM, Appendix B): model FLOPs over step time and peak."""
         return self.model_flops_per_step / (self.step_seconds * self.cluster.world_size * self.cluster.peak_flops)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.training.tokens_per_step / self.step_seconds
-
     def comm_bytes(self) -> dict[str, float]:
         """Bytes per step per mesh dimension on the peak rank (comm tracer accounting)."""
         totals: dict[str, float] = {}
         for item in self.collectives:
             totals[item.dim] = totals.get(item.dim, 0.0) + item.bytes
-        return totals
-
-    def exposed_comm_seconds(self) -> dict[str, float]:
-        """Exposed communication seconds per step per mesh dimension on the peak rank."""
-        totals: dict[str, float] = {}
-        for item in self.collectives:
-            totals[item.dim] = totals.get(item.dim, 0.0) + item.exposed_seconds
         return totals
 
     def idle_fractions(self) -> tuple[float, ...]:

@@ -252,10 +252,6 @@ class ModelDesc:
         """Routed-expert parameters of the whole model (sharded by ``ep``)."""
         return self.num_moe_layers * self.routed_expert_params_per_layer()
 
-    def dense_params(self) -> int:
-        """Everything but the routed experts (replicated over all data-parallel ranks)."""
-        return self.total_params() - self.expert_params()
-
     def active_params(self) -> int:
         """Parameters one token uses: the dense ones plus ``top_k`` routed experts per MoE layer."""
         return self.embedding_params() + self.head_params() + sum(self.layer_active_params(i) for i in range(self.layers))

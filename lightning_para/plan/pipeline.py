@@ -33,7 +33,7 @@ from typing import Optional
 from lightning_para.parallel.pipeline.schedules import stage_to_rank
 from lightning_para.parallel.pipeline.split import balanced_split, explicit_split
 from lightning_para.plan.model import ModelDesc, PipelineUnit
-from lightning_para.plan.tensors import ParamTensor, embedding_tensors, head_tensors, layer_tensors, total_numel
+from lightning_para.plan.tensors import ParamTensor, part_tensors, total_numel
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 
@@ -178,11 +178,6 @@ def pipeline_ranks(
 
 def unit_tensors(model: ModelDesc, unit: PipelineUnit, tp: int = 1, ep: int = 1) -> list[ParamTensor]:
     """The parameter tensors of one contract entry (whole: ParaStrategy splits before tensor parallelism)."""
-    tensors: list[ParamTensor] = []
-    if unit.embedding:
-        tensors += embedding_tensors(model, tp)
-    for i in unit.layers:
-        tensors += layer_tensors(model, i, tp, ep)
-    if unit.final_norm or unit.head:
-        tensors += head_tensors(model, tp, final_norm=unit.final_norm, matrix=unit.head)
-    return tensors
+    return part_tensors(
+        model, unit.layers, embedding=unit.embedding, final_norm=unit.final_norm, head_matrix=unit.head, tp=tp, ep=ep
+    )

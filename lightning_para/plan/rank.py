@@ -27,9 +27,8 @@ from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.tensors import (
     ParamTensor,
-    embedding_tensors,
-    head_tensors,
     layer_tensors,
+    part_tensors,
     shard_numel,
     total_numel,
 )
@@ -97,17 +96,12 @@ def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
 
 def rank_tensors(model: ModelDesc, layout: Layout, part: RankLayers) -> list[ParamTensor]:
     """The parameter tensors one rank of pipeline rank ``part`` holds (local shapes after tp/ep)."""
-    tp, ep = layout.tp, layout.ep
-    tensors: list[ParamTensor] = []
-    if part.embedding:
-        tensors += embedding_tensors(model, tp)
-    for i in part.layers:
-        tensors += layer_tensors(model, i, tp, ep)
-    if part.head or part.final_norm:
-        # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
-        own_matrix = part.head and (not model.tied_embeddings or not part.embedding)
-        tensors += head_tensors(model, tp, final_norm=part.final_norm, matrix=own_matrix)
-    return tensors
+    # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
+    own_matrix = part.head and (not model.tied_embeddings or not part.embedding)
+    return part_tensors(
+        model, part.layers, embedding=part.embedding, final_norm=part.final_norm, head_matrix=own_matrix,
+        tp=layout.tp, ep=layout.ep,
+    )
 
 
 def _rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float, float]:

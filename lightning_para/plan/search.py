@@ -12,16 +12,15 @@ collectives), then to less memory.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate, format_bytes, layout_problems
 from lightning_para.plan.layout import RECOMPUTE, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
-from lightning_para.plan.render import fits_table, rejected_table, save_chart, strategy_yaml
+from lightning_para.plan.result import PlanResult, Rejected
 
 
 def _divisors(n: int) -> list[int]:
@@ -85,53 +84,6 @@ class SearchSpace:
             raise ValueError(f"`zero_accumulation={self.zero_accumulation!r}` must list 'no_sync' and/or 'reduce_each_step'.")
         if any(m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1) for m in self.microbatches):
             raise ValueError(f"`microbatches={self.microbatches!r}` must list positive integers or None.")
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A layout the planner excluded, and why (e.g. "does not fit by 3.2 GB")."""
-
-    layout: Layout
-    reason: str
-    estimate: Optional[Estimate] = None  # present when the layout was priced (memory rejections)
-
-
-@dataclass
-class PlanResult:
-    """What :func:`search` found: ``fits`` ranked fastest first, ``rejected`` with reasons."""
-
-    model: ModelDesc
-    cluster: Cluster
-    training: Training
-    fits: list[Estimate] = field(default_factory=list)
-    rejected: list[Rejected] = field(default_factory=list)
-
-    @property
-    def best(self) -> Optional[Estimate]:
-        return self.fits[0] if self.fits else None
-
-    def position(self, predicate: Callable[[Layout], bool]) -> Optional[int]:
-        """0-based rank of the first fitting layout for which ``predicate(layout)`` holds."""
-        return next((i for i, item in enumerate(self.fits) if predicate(item.layout)), None)
-
-    def table(self, limit: int = 10) -> str:
-        """The ranked layouts that fit, as a text table."""
-        return fits_table(self, limit)
-
-    def rejected_table(self, limit: int = 20) -> str:
-        """The excluded layouts and their reasons, as a text table."""
-        return rejected_table(self, limit)
-
-    def strategy_yaml(self, choice: Optional[Estimate] = None) -> str:
-        """``ParaStrategy(...)`` arguments of ``choice`` (default: :attr:`best`) as YAML to paste."""
-        chosen = choice or self.best
-        if chosen is None:
-            raise ValueError("No layout fits, so there is no strategy to render; see `rejected` for the reasons.")
-        return strategy_yaml(chosen)
-
-    def save_chart(self, path: Union[str, Path], limit: int = 12) -> Path:
-        """Draw the ranked layouts' memory against the GPU limit as a PNG; returns the path."""
-        return save_chart(self, Path(path), limit)
 
 
 def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int]) -> Iterator[Layout]:

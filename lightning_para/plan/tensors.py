@@ -121,6 +121,22 @@ def head_tensors(model: ModelDesc, tp: int = 1, *, final_norm: bool = True, matr
     return tensors
 
 
+def part_tensors(
+    model: ModelDesc, layers: Iterable[int], *, embedding: bool, final_norm: bool, head_matrix: bool, tp: int = 1,
+    ep: int = 1,
+) -> list[ParamTensor]:
+    """The parameter tensors of a piece of the model (a pipeline unit, a rank's stages): the embedding if
+    ``embedding``, the ``layers``, the final norm if ``final_norm`` and the head's matrix if ``head_matrix``."""
+    tensors: list[ParamTensor] = []
+    if embedding:
+        tensors += embedding_tensors(model, tp)
+    for i in layers:
+        tensors += layer_tensors(model, i, tp, ep)
+    if final_norm or head_matrix:
+        tensors += head_tensors(model, tp, final_norm=final_norm, matrix=head_matrix)
+    return tensors
+
+
 def total_numel(tensors: Iterable[ParamTensor]) -> int:
     return sum(t.numel for t in tensors)
 

@@ -41,6 +41,7 @@ from lightning_para._dtensor import full_tensor
 from lightning_para.parallel.context import ContextParallelShard
 from lightning_para.parallel.pipeline.spec import PipelineSpec
 from lightning_para.recipes.data import ByteTokenizer, check_vocab
+from lightning_para.recipes.optim import adamw_warmup_cosine
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -423,6 +424,7 @@ class GPT(L.LightningModule):
 
     # -------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
+        # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
 
@@ -482,24 +484,8 @@ class GPT(L.LightningModule):
             self.print(f"\n[sample @ step {self.global_step}] {text!r}")
 
     def configure_optimizers(self) -> Any:
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
-        decay_ids = {id(p) for p in decay}
-        no_decay = [p for p in self.parameters() if id(p) not in decay_ids]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-        )
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def lr_factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # no decay on embeddings, biases and norms
+        return adamw_warmup_cosine(self, lambda n, p: p.dim() >= 2 and "wte" not in n and "wpe" not in n)
 
     # -------------------------------------------------------------- generation
     def _next_token_logits(self, context: Tensor, length: int) -> Tensor:
@@ -511,7 +497,7 @@ class GPT(L.LightningModule):
         the pipeline schedule under pp > 1 (every stage takes part) and the module's own
         ``predict_step`` otherwise (under ZeRO-3 / TP every rank runs the same forward).
         """
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = self._trainer.strategy if self._trainer is not None else None  # private: see docs/architecture.md
         if strategy is None:
             return self(context)[:, length - 1]
         dims = getattr(strategy, "_dims", None)
@@ -546,6 +532,7 @@ class GPT(L.LightningModule):
         return torch.tensor([tokens], dtype=torch.long, device=idx.device)
 
     def generate_text(self, prompt: str, max_new_tokens: int) -> str:
+        # private: see docs/architecture.md
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None) if self._trainer else None
         tokenizer = tokenizer or ByteTokenizer()
         ids = torch.tensor([tokenizer.encode(prompt) or [ord("\n")]], dtype=torch.long, device=self.device)

@@ -16,16 +16,15 @@ gives ``input_ids = labels = x`` (``seq_len - 1`` predictions per window). Dict 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import lightning as L
-import torch
 from torch import Tensor
 
 from lightning_para.integrations.transformers.pipeline import pipeline_spec, split_causal_lm_batch
 from lightning_para.recipes.data import check_vocab
+from lightning_para.recipes.optim import adamw_warmup_cosine
 
 
 def causal_lm_batch(batch: Any) -> tuple[Tensor, Tensor]:
@@ -83,6 +82,7 @@ class HFCausalLM(L.LightningModule):
         return self.model.config
 
     def setup(self, stage: str) -> None:
+        # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
 
@@ -132,24 +132,8 @@ class HFCausalLM(L.LightningModule):
         return 6.0 * self.flops_params
 
     def configure_optimizers(self) -> Any:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        decay_ids = {id(p) for p in decay}
-        no_decay = [p for p in self.parameters() if id(p) not in decay_ids]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-        )
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def lr_factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # no decay on biases and norms
+        return adamw_warmup_cosine(self, lambda n, p: p.dim() >= 2)
 
 
 __all__ = ["HFCausalLM", "causal_lm_batch"]

@@ -149,14 +149,16 @@ def test_plan_validate_prints_predicted_against_measured(pools):
 
 # ----------------------------------------------------------------------------- parity tool
 def record_job(config: str, layout: str | dict, steps: int, extra: list[str]) -> dict:
-    from lightning_para.parity import run_layout, strategy_arguments
+    from lightning_para.cli.parity import run_layout
+    from lightning_para.parity import strategy_arguments
 
     return run_layout(config, strategy_arguments(layout), steps=steps, extra_args=extra).as_dict()
 
 
 def _one_device(config: str, steps: int, extra: list[str]):
     """The reference, in this process (no process group here; run_layout closes the one it opens)."""
-    from lightning_para.parity import run_layout, strategy_arguments
+    from lightning_para.cli.parity import run_layout
+    from lightning_para.parity import strategy_arguments
 
     return run_layout(config, strategy_arguments(None), steps=steps, extra_args=extra)
 
@@ -223,7 +225,7 @@ def test_parity_tool_finds_a_reduction_the_tensor_parallel_plan_does_not_know(po
 
 # ----------------------------------------------------------------------------- layout="auto"
 def auto_job(steps: int) -> dict:
-    from lightning_para.lightning_cli import run_cli
+    from lightning_para.cli.fit import run_cli
     from lightning_para.parity import ParityRecorder
 
     cli = run_cli([

@@ -1,6 +1,10 @@
 """The package's shape, checked statically (``ast``; nothing is imported or run).
 
-* No import cycles between modules of ``lightning_para``.
+* No import circle between files (modules) of ``lightning_para``, nor between folders (packages).
+* No import running back up the layers (:data:`LAYERS`, the order of ``docs/architecture.md``).
+* Generic code never imports ``integrations/``; ``parallel/`` never imports ``plan/`` or ``cli/``.
+* Every import counts: module level, ``if TYPE_CHECKING:`` blocks (a type-only import is still a
+  dependency between files) and imports inside functions.
 * No import of the package placed inside a function just to dodge a cycle (a lazy import
   that keeps an optional dependency optional is allowed where it says so in a comment).
 * No module assigns a ``_private`` attribute of an object it does not own (``self``/``cls``
@@ -22,6 +26,31 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 DIMENSIONS = ("data", "tensor", "pipeline", "expert")
 MAX_LINES = 400
 
+# The layers, bottom first: a module may import its own layer and the layers below, never one above.
+# A module belongs to the layer of the longest prefix that names it (``lightning_para.parallel.pipeline.
+# schedules`` is a leaf registry, the rest of ``parallel/`` is a layer up). ``docs/architecture.md``
+# ("Layers") says why each sits where it does.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("leaves", ("_dtensor", "threads", "parallel.pipeline.schedules")),
+    ("mesh", ("mesh",)),
+    ("models", ("moe",)),
+    ("parallel", ("parallel",)),
+    ("config", ("config", "compat")),
+    ("composition", ("parallelize", "precision", "scaler", "checkpoint", "reliability")),
+    ("planner", ("plan",)),
+    ("observe", ("observe",)),
+    ("strategy", ("strategy",)),
+    ("tools", ("parity",)),
+    ("integrations", ("integrations",)),
+    ("api", ("",)),  # lightning_para/__init__.py: the public facade, wires the integrations in
+    ("recipes", ("recipes",)),
+    ("cli", ("cli",)),
+)
+# Generic code: everything below the integrations' layer (the facade, recipes and cli may use them).
+INTEGRATIONS = f"{PACKAGE}.integrations"
+# Packages that ``parallel/`` must never import (the tools and the command line sit far above it).
+NOT_FROM_PARALLEL = (f"{PACKAGE}.plan", f"{PACKAGE}.cli")
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -40,16 +69,17 @@ def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _targets(name: str, path: Path, tree: ast.AST, modules: dict[str, Path], top_level_only: bool) -> set[str]:
-    """Modules of the package that ``name`` imports (at module level, or anywhere)."""
+def _targets(name: str, path: Path, tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere: module level, ``TYPE_CHECKING`` blocks,
+    functions (``import_module("...")`` strings are not followed)."""
     is_package = path.name == "__init__.py"
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # module level includes `if TYPE_CHECKING:`-free if/try blocks
-        nodes = [n for stmt in tree.body for n in ast.walk(stmt) if not _is_type_checking_block(stmt)]
     found: set[str] = set()
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    parts = alias.name.split(".")
+                    found.add(next(".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules))
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(name, is_package, node)
             if base.split(".")[0] != PACKAGE:
@@ -60,36 +90,56 @@ def _targets(name: str, path: Path, tree: ast.AST, modules: dict[str, Path], top
     return {t for t in found if t in modules and t != name}
 
 
-def _is_type_checking_block(stmt: ast.stmt) -> bool:
-    return isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
-
-
 def _function_nodes(tree: ast.AST) -> list[ast.AST]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Edges of module-level imports, plus the ancestor packages a target's import runs
+    """Module -> the modules it imports, plus the ancestor packages a target's import runs
     (importing ``a.b.c`` executes ``a/b/__init__``) when the importer lives outside them.
-    The root package is left out: every module runs it, and it only re-exports."""
+    The root package is no implicit ancestor (every module runs it, and it only re-exports), but
+    an explicit ``from lightning_para import X`` of a name that is not a module is an edge to it."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
         edges: set[str] = set()
-        for target in _targets(name, path, tree, modules, top_level_only=True):
+        for target in _targets(name, path, tree, modules):
             edges.add(target)
             parts = target.split(".")
             for i in range(2, len(parts)):
                 ancestor = ".".join(parts[:i])
                 if not name.startswith(ancestor + ".") and name != ancestor:
                     edges.add(ancestor)
-        graph[name] = {e for e in edges if e != PACKAGE}
+        graph[name] = {e for e in edges if e != name}
     return graph
 
 
+def folder_of(module: str, packages: set[str]) -> str:
+    """The folder (package) a module lives in; a top-level file (``strategy.py``) is a unit of its
+    own, as every top-level module is a separate piece of the design."""
+    if module in packages and module.count(".") >= 1:
+        return module
+    parent = module.rsplit(".", 1)[0]
+    return module if parent == PACKAGE or "." not in module else parent
+
+
+def folder_graph(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """The module graph collapsed onto folders: ``a -> b`` when a module of folder ``a`` imports one of ``b``."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = folder_of(module, packages)
+        edges = folders.setdefault(source, set())
+        for target in targets:
+            folder = folder_of(target, packages)
+            if folder == source or (source != PACKAGE and folder.startswith(source + ".")):
+                continue  # a package may run its own subpackages (its __init__ re-exports them)
+            edges.add(folder)
+    return folders
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
-    """One cycle as a list of modules (first == last), or ``[]``."""
+    """One cycle as a list of nodes (first == last), or ``[]``."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -115,14 +165,113 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def layer_of(module: str, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) -> int:
+    """Index in ``layers`` of the longest prefix naming ``module`` (``""`` names only the root package)."""
+    relative = module[len(PACKAGE) + 1 :] if module.startswith(PACKAGE + ".") else ("" if module == PACKAGE else module)
+    best, length = None, -1
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            matches = relative == prefix if prefix == "" else relative == prefix or relative.startswith(prefix + ".")
+            if matches and len(prefix) > length:
+                best, length = index, len(prefix)
+    if best is None:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """``a -> b`` edges where ``b`` sits in a higher layer than ``a``."""
+    names = [name for name, _ in layers]
+    found = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target, layers) > layer_of(source, layers):
+                found.append(
+                    f"{source} ({names[layer_of(source, layers)]}) -> {target} ({names[layer_of(target, layers)]})"
+                )
+    return found
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Generic code importing an integration, ``parallel/`` importing ``plan/`` or ``cli/``."""
+    generic_top = layer_of(INTEGRATIONS)
+    found = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            inside = lambda module, package: module == package or module.startswith(package + ".")  # noqa: E731
+            if inside(target, INTEGRATIONS) and not inside(source, INTEGRATIONS) and layer_of(source) < generic_top:
+                found.append(f"{source} -> {target}: generic code never imports an integration (use a registry)")
+            if inside(source, f"{PACKAGE}.parallel") and any(inside(target, p) for p in NOT_FROM_PARALLEL):
+                found.append(f"{source} -> {target}: parallel/ never imports plan/ or cli/")
+    return found
+
+
+# ----------------------------------------------------------------------------- the checks can fail
+SYNTHETIC_LAYERS = (("low", ("a",)), ("mid", ("b",)), ("high", ("c",)))
+
+
 def test_find_cycle_detects_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
-def test_no_import_cycles():
+def test_folder_cycle_is_found_where_files_have_none():
+    p = PACKAGE
+    graph = {f"{p}.x.one": {f"{p}.y.one"}, f"{p}.y.two": {f"{p}.x.two"}, f"{p}.x.two": set(), f"{p}.y.one": set()}
+    assert find_cycle(graph) == []
+    assert find_cycle(folder_graph(graph, {f"{p}.x", f"{p}.y"})) == [f"{p}.x", f"{p}.y", f"{p}.x"]
+
+
+def test_upward_import_is_found():
+    p = PACKAGE
+    graph = {f"{p}.a.m": {f"{p}.b.n"}, f"{p}.b.n": {f"{p}.c"}, f"{p}.c": set()}
+    assert upward_imports(graph, SYNTHETIC_LAYERS) == [f"{p}.a.m (low) -> {p}.b.n (mid)", f"{p}.b.n (mid) -> {p}.c (high)"]
+    assert upward_imports({f"{p}.c": {f"{p}.a.m"}}, SYNTHETIC_LAYERS) == []
+
+
+def test_forbidden_imports_are_found():
+    p = PACKAGE
+    graph = {f"{p}.parallel.expert.apply": {f"{p}.integrations.transformers.experts", f"{p}.plan.run", f"{p}.cli.fit"}}
+    assert len(forbidden_imports(graph)) == 3
+    assert forbidden_imports({f"{p}.recipes.hf": {f"{p}.integrations.transformers.pipeline"}}) == []
+
+
+def test_type_checking_and_function_imports_are_edges(tmp_path):
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from lightning_para.plan.search import PlanResult\n"
+        "def f():\n    from lightning_para.cli import main\n"
+    )
+    modules = {"lightning_para.plan.search": tmp_path, "lightning_para.cli": tmp_path, "lightning_para.plan.render": tmp_path}
+    targets = _targets("lightning_para.plan.render", tmp_path / "render.py", ast.parse(source), modules)
+    assert targets == {"lightning_para.plan.search", "lightning_para.cli"}
+
+
+# ----------------------------------------------------------------------------- the package
+def test_no_import_cycles_between_files():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles_between_folders():
+    packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    cycle = find_cycle(folder_graph(import_graph(), packages))
+    assert not cycle, "folder import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_has_a_layer():
+    for name in _modules():
+        layer_of(name)
+
+
+def test_no_upward_imports():
+    found = upward_imports(import_graph())
+    assert not found, "imports running back up the layers:\n" + "\n".join(found)
+
+
+def test_no_forbidden_imports():
+    found = forbidden_imports(import_graph())
+    assert not found, "\n".join(found)
 
 
 # A function-level import of the package is allowed only with a comment on the same line

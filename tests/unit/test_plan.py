@@ -83,6 +83,7 @@ def _llama3_layout(l: Layout) -> bool:
     return (l.tp, l.pp, l.dp, l.zero) == (8, 16, 128, 1)
 
 
+@pytest.mark.slow  # a 20 s search over every layout of 8,192 GPUs
 def test_llama3_405b_layout_fits_and_ranks_in_the_top_3():
     """Llama 3 (Grattafiori et al. 2024), Table 4: 405B (126 layers, h 16384, 128 heads, 8 kv heads,
     FFN 53248, vocab 128256) at seq 8192 on 16,384 80 GB H100s (8 per node) with TP8 x CP1 x PP16 x DP128,

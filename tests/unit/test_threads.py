@@ -43,6 +43,7 @@ def test_budget_is_cores_over_ranks():
         thread_budget(0)
 
 
+@pytest.mark.slow  # spawns real processes (~25 s)
 def test_default_threads_are_shared_out_and_the_users_choice_wins():
     first, after_default, second, after_user = _run(DEFAULT_THEN_USER)
     assert after_default == "1" and first in ("1", "None")  # None: torch already ran one thread here

@@ -5,8 +5,10 @@ interface: the block's router picks ``top_k_index``/``top_k_weights`` per token 
 ``experts`` module as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``, whose
 parameters are expert-major: ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` shaped
 ``[num_experts, ...]`` (optionally transposed, with biases). This module recognises that
-interface by structure (nothing here imports transformers) and, like :mod:`lightning_para.moe`,
-never imports ``parallel/``: expert parallelism hands it a dispatcher.
+interface by structure (nothing here imports transformers) and registers it with generic expert
+parallelism as an :class:`~lightning_para.parallel.expert.ExpertAdapter` (:data:`ADAPTER`; generic
+code never imports an integration): expert parallelism finds the experts through it and hands
+them a dispatcher.
 
 * :func:`shard_transformers_experts` keeps this rank's ``num_experts / ep`` experts (the
   parameters become ``Shard(0)`` DTensors, so checkpoints keep the full stacks and the
@@ -40,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
+from lightning_para.parallel.expert.adapters import ExpertAdapter, register_expert_adapter
 
 _MOE_CLASS = re.compile(r"moe|mixtureofexperts", re.IGNORECASE)
 # Config fields that hold the number of routed experts, by family (Mixtral, Qwen-MoE/OLMoE, DeepSeek).
@@ -293,8 +296,21 @@ def attach_global_router_loss(module: nn.Module, group: Any, group_size: int) ->
     return models
 
 
+# What `apply_expert_parallel` / `check_expert_layout` use for transformers models; registered on import.
+ADAPTER = ExpertAdapter(
+    name="transformers",
+    interface=INTERFACE,
+    find=transformers_experts,
+    shard=shard_transformers_experts,
+    count_field=expert_count_field,
+    unsupported=unsupported_moe_blocks,
+    attach_global_loss=attach_global_router_loss,
+)
+register_expert_adapter(ADAPTER)
+
+
 __all__ = [
-    "EXPERT_COUNT_FIELDS", "INTERFACE", "attach_global_router_loss", "balancing_loss", "expert_count_field",
+    "ADAPTER", "EXPERT_COUNT_FIELDS", "INTERFACE", "attach_global_router_loss", "balancing_loss", "expert_count_field",
     "global_balancing_loss", "is_transformers_experts", "is_transformers_moe_lm",
     "router_statistics", "run_local_experts", "shard_transformers_experts", "transformers_experts",
     "unsupported_moe_blocks",

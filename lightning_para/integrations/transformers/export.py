@@ -5,7 +5,8 @@ expert parallelism keep global-shaped DTensors that DCP stores as full tensors),
 ``state_dict`` of a checkpoint holds ``<prefix><save_pretrained name>`` for the transformers model
 at ``<prefix>`` in the LightningModule. ``ParaStrategy`` also records each transformers model's
 class and config in the checkpoint (:func:`transformers_models`, under the key
-:data:`CHECKPOINT_KEY`), so :func:`export` needs nothing but the checkpoint.
+:data:`CHECKPOINT_KEY`, registered here with :func:`~lightning_para.checkpoint.model_info.register_model_info`
+on import), so :func:`export` needs nothing but the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
 from lightning_para.checkpoint.format import is_sharded_checkpoint
+from lightning_para.checkpoint.model_info import register_model_info
 
 CHECKPOINT_KEY = "transformers_models"
 
@@ -41,6 +43,9 @@ def transformers_models(module: nn.Module) -> dict[str, dict[str, Any]]:
             continue
         found[f"{name}." if name else ""] = {"architecture": type(sub).__name__, "config": sub.config.to_dict()}
     return found
+
+
+register_model_info(CHECKPOINT_KEY, transformers_models)
 
 
 def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm  # private: see docs/architecture.md
 
 # Devices on which torch.nn.SyncBatchNorm runs (it raises elsewhere).
 _TORCH_SYNC_BN_DEVICES = ("cuda", "hpu", "xpu")

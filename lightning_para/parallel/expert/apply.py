@@ -11,9 +11,10 @@ expert modules, from which the other dimensions learn which parameters are exper
 reduce them over ``edp`` only, FSDP2 (ZeRO-3) shards them in units of their own over ``edp``,
 checkpoints store the full ``[E, ...]`` stack, and the global grad norm counts each expert once.
 
-transformers Mixture-of-Experts blocks (Mixtral, Qwen-MoE, OLMoE, ...: a router and an ``experts``
-module with expert-major ``gate_up_proj``/``down_proj``) are recognised by structure and sharded
-the same way, with the same dispatcher (:mod:`lightning_para.integrations.transformers.experts`);
+Experts of other libraries are sharded the same way, with the same dispatcher, through the
+:class:`~.adapters.ExpertAdapter` their integration registers (:mod:`.adapters`): transformers
+Mixture-of-Experts blocks (Mixtral, Qwen-MoE, OLMoE, ...: a router and an ``experts`` module with
+expert-major ``gate_up_proj``/``down_proj``) by :mod:`lightning_para.integrations.transformers`;
 no conversion is needed. There, data parallelism also makes the model's router auxiliary loss
 the one-device value (an all-reduce of the routing statistics over ``dp``).
 
@@ -37,15 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_para._dtensor import divisors
-from lightning_para.integrations.transformers.experts import (
-    INTERFACE,
-    attach_global_router_loss,
-    expert_count_field,
-    shard_transformers_experts,
-    transformers_experts,
-    unsupported_moe_blocks,
-)
 from lightning_para.moe import MoE, moe_layers
+from lightning_para.parallel.expert.adapters import ExpertAdapter, expert_adapters
 from lightning_para.parallel.expert.dispatch import AllToAllDispatcher
 
 
@@ -72,45 +66,60 @@ def apply_expert_parallel(
     already initialised stack (no communication, so a single-device run with the same seed has
     the same experts), and gives each layer an all-to-all dispatcher over ``ep``. Call
     :func:`check_expert_layout` on the whole model first: it raises on every rank alike.
-    ``dp_mesh`` (the flattened data-parallel mesh): transformers MoE models compute their router
-    loss over the whole data-parallel batch.
+    ``dp_mesh`` (the flattened data-parallel mesh): models whose adapter has a global auxiliary
+    loss (transformers MoE models: the router loss) compute it over the whole data-parallel batch.
     """
     layers = [layer for _, layer in moe_layers(module)]
-    hf_experts = [experts for _, experts in transformers_experts(module)]
+    found = _adapted_experts(module)
     if ep_mesh is not None and ep_mesh.size() > 1:
         for layer in layers:
             shard_experts(layer.experts, ep_mesh)
             layer.set_dispatcher(AllToAllDispatcher(ep_mesh))
-        for experts in hf_experts:
-            shard_transformers_experts(experts, AllToAllDispatcher(ep_mesh), partial(shard_experts, ep_mesh=ep_mesh))
-    if dp_mesh is not None and dp_mesh.size() > 1 and hf_experts:
-        attach_global_router_loss(module, dp_mesh.get_group(), dp_mesh.size())
+        for adapter, _, experts in found:
+            adapter.shard(experts, AllToAllDispatcher(ep_mesh), partial(shard_experts, ep_mesh=ep_mesh))
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        for adapter in dict.fromkeys(adapter for adapter, _, _ in found):
+            if adapter.attach_global_loss is not None:
+                adapter.attach_global_loss(module, dp_mesh.get_group(), dp_mesh.size())
     ep = ep_mesh.size() if ep_mesh is not None else 1
-    return ExpertParallelInfo(ep=ep, layers=layers, expert_modules=[layer.experts for layer in layers] + hf_experts)
+    adapted = [experts for _, _, experts in found]
+    return ExpertParallelInfo(ep=ep, layers=layers, expert_modules=[layer.experts for layer in layers] + adapted)
+
+
+def _adapted_experts(module: nn.Module) -> list[tuple[ExpertAdapter, str, nn.Module]]:
+    """``(adapter, name, experts module)`` for the experts of every registered adapter in ``module``."""
+    return [(adapter, name, experts) for adapter in expert_adapters() for name, experts in adapter.find(module)]
+
+
+def _interfaces(prefix: str = " or ") -> str:
+    """The registered adapters' interfaces for an error message, each after ``prefix``."""
+    return "".join(f"{prefix}{adapter.interface}" for adapter in expert_adapters())
 
 
 def check_expert_layout(module: nn.Module, ep: int, dp: int) -> None:
     """Raise ``ValueError`` (identically on every rank, no communication) if ``module`` cannot be
     expert-parallel over ``ep`` ranks inside ``dp``. Call it on the whole model, before any split."""
     layers = [layer for _, layer in moe_layers(module)]
-    hf_experts = transformers_experts(module)
+    found = _adapted_experts(module)
     if ep > 1:
-        unsupported = unsupported_moe_blocks(module, known=lambda m: isinstance(m, MoE))
+        unsupported = [
+            line for adapter in expert_adapters() for line in adapter.unsupported(module, lambda m: isinstance(m, MoE))
+        ]
         listed = "\n  " + "\n  ".join(unsupported) if unsupported else ""
-        if not layers and not hf_experts:
+        if not layers and not found:
             raise ValueError(
                 f"`ep={ep}` shards Mixture-of-Experts layers, but the model has no `lightning_para.moe.MoE` module"
-                f" and no module with {INTERFACE}. Build its MoE blocks from `lightning_para.moe.MoE`, use a"
-                f" transformers >= 5 MoE model, or set ep=1."
+                f"{_interfaces(' and no module with ')}. Build its MoE blocks from `lightning_para.moe.MoE`,"
+                f"{_interfaces(' use a model with ')}, or set ep=1."
                 + (f" Blocks that look like MoE but cannot be sharded:{listed}" if unsupported else "")
             )
         if unsupported:  # sharding some experts and not others would train the rest on 1/ep of the tokens
             raise ValueError(
                 f"`ep={ep}` cannot shard these Mixture-of-Experts blocks:{listed}\nExpert parallelism supports"
-                f" `lightning_para.moe.MoE` and {INTERFACE}. Use one of those, or set ep=1."
+                f" `lightning_para.moe.MoE`{_interfaces()}. Use one of those, or set ep=1."
             )
     counts = [("num_experts", name, layer.num_experts) for name, layer in moe_layers(module)]
-    counts += [(expert_count_field(experts), name, experts.num_experts) for name, experts in hf_experts]
+    counts += [(adapter.count_field(experts), name, experts.num_experts) for adapter, name, experts in found]
     for count_name, name, num_experts in counts:
         if num_experts % ep:
             choices = [d for d in divisors(dp) if num_experts % d == 0]

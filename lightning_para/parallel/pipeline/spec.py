@@ -77,7 +77,7 @@ class PipelineStageModule(nn.Module):
             parent: nn.Module = self
             *path, leaf = name.split(".")
             for depth, part in enumerate(path):
-                if part not in parent._modules:
+                if part not in parent._modules:  # private: see docs/architecture.md
                     original = source.get_submodule(".".join(path[: depth + 1]))
                     parent.add_module(part, _empty_like_container(original))
                 parent = parent._modules[part]

@@ -219,6 +219,7 @@ def _drop_layer(module: nn.Module, name: str, stage: int) -> None:
     layer = module.get_submodule(name)
     placeholder = _DroppedLayer(name, stage)
     for parent in module.modules():
+        # private: see docs/architecture.md
         for child_name, child in list(parent._modules.items()):  # every name, duplicates included
             if child is layer:
                 setattr(parent, child_name, placeholder)

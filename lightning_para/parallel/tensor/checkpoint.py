@@ -42,7 +42,7 @@ class StridedBoxes(Tensor):
     def size(self, dim: Optional[int] = None) -> Any:  # DCP compares the global size on load
         return self._global_size if dim is None else self._global_size[dim]
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:  # private: see docs/architecture.md
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 

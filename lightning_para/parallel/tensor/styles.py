@@ -64,6 +64,7 @@ class Colwise(ColwiseParallel):
         x = inputs[0]
         if isinstance(x, DTensor):
             return x if x.placements == desired_input_layouts else x.redistribute(placements=desired_input_layouts)
+        # private: see docs/architecture.md
         return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
 

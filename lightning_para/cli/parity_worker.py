@@ -1,4 +1,4 @@
-"""``python -m lightning_para.parity.worker``: one recorded run of :func:`~lightning_para.parity.run.compare`
+"""``python -m lightning_para.cli.parity_worker``: one recorded run of :func:`~lightning_para.cli.parity.compare`
 on several devices. Lightning's launcher starts the other ranks with the same command; rank 0
 writes the record to ``--out``."""
 
@@ -12,12 +12,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lightning_para.lightning_cli import close_process_group
-from lightning_para.parity.record import record_run
+from lightning_para.cli.fit import close_process_group
+from lightning_para.cli.parity import record_run
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_para.parity.worker")
+    parser = argparse.ArgumentParser(prog="python -m lightning_para.cli.parity_worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--strategy", required=True, help="ParaStrategy arguments as JSON")
     parser.add_argument("--steps", type=int, required=True)

@@ -18,8 +18,8 @@ vocabulary mismatch) are raised while the classes are instantiated, in the launc
 process, before any worker starts; ``lightning_para.cli.main()`` prints them without a traceback.
 
 This module is the LightningCLI part of the ``lightning-para`` command; :mod:`lightning_para.cli`
-dispatches to it and to the ``plan`` and ``parity`` subcommands, which run configs through
-:func:`run_cli` too (so it lives apart from the dispatcher, which imports them).
+dispatches to it and to the ``plan`` and ``parity`` subcommands (:mod:`.plan`, :mod:`.parity`),
+which run configs through :func:`run_cli` too (so it lives apart from the dispatcher, which imports them).
 """
 
 from __future__ import annotations

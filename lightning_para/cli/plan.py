@@ -46,7 +46,7 @@ import yaml
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.lightning_cli import ConfigurationError, resolve_config_names, run_cli
+from lightning_para.cli.fit import ConfigurationError, resolve_config_names, run_cli
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.plan.auto import search_space
 from lightning_para.plan.check import PredictionCheck

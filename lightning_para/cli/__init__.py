@@ -1,18 +1,21 @@
-"""``lightning-para``: the command line.
+"""``lightning-para``: the command line (the package of every entry point; it imports the library, never the reverse).
 
 ::
 
-    lightning-para fit --config recipes/gpt-cpu-demo.yaml           # LightningCLI (lightning_cli.py)
+    lightning-para fit --config recipes/gpt-cpu-demo.yaml           # LightningCLI (cli/fit.py)
     lightning-para fit --config gpt-cpu-demo                         # a shipped config, by its short name
     lightning-para plan --model llama3-8b --gpus 8 --gpu h100 --seq-len 8192 --global-batch 64
     lightning-para plan --config recipes/gpt-cpu-demo.yaml --validate
     lightning-para parity --config recipes/gpt-cpu-demo.yaml --layout "tp=2,pp=2" --steps 20
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI's subcommands with ParaStrategy, the
-text data module and the profiler as defaults (:mod:`lightning_para.lightning_cli`); ``plan`` is
-the layout planner (:mod:`lightning_para.plan.cli`, ``docs/planner.md``); ``parity`` compares a
-layout's numerics with one device (:mod:`lightning_para.parity`). Configuration errors exit with
-status 2 and a message, without a traceback.
+text data module and the profiler as defaults (:mod:`lightning_para.cli.fit`); ``plan`` is
+the layout planner (:mod:`lightning_para.cli.plan`, ``docs/planner.md``); ``parity`` compares a
+layout's numerics with one device (:mod:`lightning_para.cli.parity`, recording with
+:mod:`lightning_para.parity`). Configuration errors exit with status 2 and a message, without a
+traceback. ``python -m lightning_para.cli ...`` is the same command.
+
+A new command is a module here with a ``main(argv) -> int``, added to :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from lightning_para.lightning_cli import (
+from lightning_para.cli.fit import (
     ConfigurationError,
     ParaCLI,
     close_process_group,
     resolve_config_names,
     run_cli,
 )
-from lightning_para.parity.cli import main as parity_main
-from lightning_para.plan.cli import main as plan_main
+from lightning_para.cli.parity import main as parity_main
+from lightning_para.cli.plan import main as plan_main
 
 SUBCOMMANDS = {"plan": plan_main, "parity": parity_main}
 
@@ -48,6 +51,3 @@ def main(args: Optional[list[str]] = None) -> int:
 
 
 __all__ = ["ConfigurationError", "ParaCLI", "main", "resolve_config_names", "run_cli"]
-
-if __name__ == "__main__":
-    sys.exit(main())
