@@ -19,6 +19,7 @@ zero-bubble measured below 1F1B at equal m.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -109,16 +110,16 @@ def worker_job(schedule: str, virtual: int, dim: int, layers: int, rows: int, st
     class Collect(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             s = strategy.pipeline_stats()
-            per_step.append({k: s[k] for k in ("step_time_s", "busy_time_s", "idle_fraction")})
-            forwards = [e["end"] - e["start"] for e in s["events"] if e["action"] == "F"]
+            per_step.append({k: getattr(s, k) for k in ("step_time_s", "busy_time_s", "idle_fraction")})
+            forwards = [e.end - e.start for e in s.events if e.action == "F"]
             per_step[-1]["forward_s"] = sum(forwards) / len(forwards)
             if batch_idx == steps - 1:
-                per_step[-1]["events"] = s["events"]
+                per_step[-1]["events"] = [dataclasses.asdict(e) for e in s.events]
 
     trainer.callbacks.append(Collect())
     trainer.fit(model, loader)
     stats = strategy.pipeline_stats()
-    return {"pp_rank": stats["pp_rank"], "stages": stats["stages"], "steps": per_step}
+    return {"pp_rank": stats.pp_rank, "stages": stats.stages, "steps": per_step}
 
 
 def summarize(name: str, virtual: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class _Timer(Callback):
             # Measured at the end of the last step, before Lightning's teardown frees anything.
             if hasattr(trainer.strategy, "memory_breakdown"):
                 breakdown = trainer.strategy.memory_breakdown()
-                self.memory = {k: breakdown[k] for k in ("params", "grads", "optimizer")}
+                self.memory = {k: getattr(breakdown, k) for k in ("params", "grads", "optimizer")}
             else:
                 self.memory = _bytes(pl_module, trainer.optimizers[0])
 

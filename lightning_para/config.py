@@ -81,6 +81,9 @@ class ParallelConfig:
     cp: int = 1
     cp_method: str = "ring"  # "ring" (K/V blocks peer-to-peer) or "all_to_all" (DeepSpeed-Ulysses)
     cp_load_balance: bool = True  # head-tail chunks, so causal attention costs the same on every cp rank
+    # The first cp step checks that the model computes under cp what it computes on the whole
+    # sequence (positions, masks, labels: parallel/context/check.py) and raises naming the hook to write.
+    cp_check: bool = True
     # --- hybrid sharded data parallel (issue 16): dp = dp_replicate x dp_shard ---
     dp_replicate: Optional[int] = None
     dp_shard: Optional[int] = None
@@ -149,6 +152,8 @@ class ParallelConfig:
             raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose one of {_choices(sorted(CP_METHODS))}.")
         if not isinstance(self.cp_load_balance, bool):
             raise ValueError(f"`cp_load_balance={self.cp_load_balance!r}` must be True or False.")
+        if not isinstance(self.cp_check, bool):
+            raise ValueError(f"`cp_check={self.cp_check!r}` must be True or False.")
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))

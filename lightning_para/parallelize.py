@@ -50,7 +50,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
-from lightning_para.parallel.data import GradReplication, ZeroDataParallel, apply_fully_shard
+from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
 from lightning_para.parallel.tensor import (
@@ -76,16 +76,26 @@ class ParallelModel:
     pipeline: Optional[PipelineRunner] = None
     tensor: list[TensorParallelInfo] = field(default_factory=list)
     experts: list[ExpertParallelInfo] = field(default_factory=list)
-    zero: Optional[ZeroDataParallel] = None
-    fully_sharded: bool = False
+    # Data parallelism (ZeRO 0-2, FSDP2, or the user's fully_shard): the one interface to it.
+    data_parallel: Optional[DataParallel] = None
     context: Optional[ContextParallel] = None  # cp > 1: batch split, attention and loss around each step
     # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
     psi_dense: int = 0
     psi_expert: int = 0
-    # On how many ranks each optimizer parameter's gradient is identical; set when optimizers are attached.
-    grad_replication: GradReplication = field(default_factory=GradReplication)
     # What the user's configure_model already applied (those dimensions were skipped).
     user: UserParallelism = field(default_factory=UserParallelism)
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether parameters are FSDP2 shards (ZeRO-3, HSDP, or the user's ``fully_shard``)."""
+        return self.data_parallel is not None and self.data_parallel.fully_sharded
+
+    @property
+    def grad_replication(self) -> GradReplication:
+        """On how many ranks each optimizer parameter's gradient is identical (set when optimizers are attached)."""
+        if self.data_parallel is None:
+            return GradReplication()
+        return self.data_parallel.grad_replication
 
     @property
     def loss_parallel(self) -> bool:
@@ -101,8 +111,8 @@ class ParallelModel:
 
         Taken once and used for a batch of questions (the set is built at call time)."""
         ids = {id(p) for info in self.experts for p in info.expert_parameters()}
-        if self.zero is not None:
-            ids |= {id(slot.master) for slot in self.zero.slots if slot.master is not None and id(slot.param) in ids}
+        if self.data_parallel is not None:
+            ids |= self.data_parallel.masters_of(ids)
         return lambda t: id(t) in ids
 
 
@@ -182,7 +192,14 @@ def parallelize(
         # No fp32 masters (`ParaPrecision(master_weights=False)`, Lightning's true half precision): every
         # stage holds and steps the half-precision weights, FSDP2's shards included.
         module.to(dtype=param_dtype)
-    _apply_data_parallel(module, result, param_dtype, master_dtype)
+    result.data_parallel = apply_data_parallel(
+        module, dims, stage=config.zero, parts=parts, accumulation=config.zero_accumulation,
+        bucket_size_mb=config.bucket_size_mb, zero3_units=config.zero3_units, param_dtype=param_dtype,
+        master_dtype=master_dtype, is_expert=result.expert_predicate(),
+        expert_units=[m for info in result.experts for m in info.expert_modules],
+        shard_placement_fn=fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None,
+        psi_dense=result.psi_dense, psi_expert=result.psi_expert,
+    )
     if param_dtype is not None and master_dtype is not None and not result.fully_sharded:
         module.to(dtype=param_dtype)
     return result
@@ -193,48 +210,16 @@ def _keep_user_fully_sharded(
 ) -> ParallelModel:
     """The user's ``fully_shard`` (and TP, if any) is the whole layout: nothing is added. Under ``*-true``
     the model is cast as Lightning's ModelParallelStrategy casts it (FSDP2 keeps shards in that dtype)."""
-    result = ParallelModel(config=config, dims=dims, parts=[module], user=user, fully_sharded=True)
+    result = ParallelModel(config=config, dims=dims, parts=[module], user=user)
     dense, _ = _count_params(module, result.expert_predicate())
     result.psi_dense = dense * dims.dp  # the shards FSDP2 left this rank, times the ranks that share them
+    result.data_parallel = apply_data_parallel(
+        module, dims, stage=config.zero, accumulation=config.zero_accumulation, user_fsdp_roots=user.fsdp_roots,
+        psi_dense=result.psi_dense,
+    )
     if param_dtype is not None:
         module.to(dtype=param_dtype)
     return result
-
-
-def _apply_data_parallel(
-    module: nn.Module, result: ParallelModel, param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype]
-) -> None:
-    dims, config = result.dims, result.config
-    # ZeRO shards over dp_shard x cp (experts: edp x cp); hybrid sharding replicates over dp_replicate.
-    dense_mesh, expert_mesh = dims.zero_mesh(), dims.zero_mesh(expert=True)
-    if config.zero == 3:
-        if master_dtype is not None and any(p.dtype != master_dtype for p in module.parameters() if p.is_floating_point()):
-            module.to(dtype=master_dtype)  # weights made in bf16 (`trainer.init_module()`): FSDP2's shards are the masters
-        expert_units = [m for info in result.experts for m in info.expert_modules]
-        placement = fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None
-        for part in result.parts:
-            apply_fully_shard(
-                part, dims.fsdp_mesh(), param_dtype=param_dtype,
-                expert_units=[m for m in expert_units if _inside(m, part)],
-                expert_mesh=dims.fsdp_mesh(expert=True) if dims.ep > 1 else None, shard_placement_fn=placement,
-                unit_choice=config.zero3_units,
-            )
-        result.fully_sharded = True
-        return
-    is_expert = result.expert_predicate()
-    named = [
-        (name, p, expert_mesh if is_expert(p) else dense_mesh)
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    ]
-    result.zero = ZeroDataParallel(
-        named, config.zero, bucket_size_mb=config.bucket_size_mb, master_dtype=master_dtype,
-        replicate_mesh=dims.replicate_mesh(), mesh_of=dims.get_mesh,
-    )
-
-
-def _inside(child: nn.Module, root: nn.Module) -> bool:
-    return any(m is child for m in root.modules())
 
 
 def _count_params(module: nn.Module, is_expert: Callable[[Tensor], bool]) -> tuple[int, int]:

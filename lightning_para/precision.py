@@ -59,6 +59,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_para._dtensor import local_tensor
 from lightning_para.config import PRECISIONS
 from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
+from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.scaler import ParaGradScaler
 
 _HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
@@ -109,19 +110,13 @@ class ParaPrecision(Precision):
         self._grad_replication: Optional[Callable[[Tensor], int]] = None
         self._scaler = ParaGradScaler(self) if precision == "16-mixed" else None
 
-    def connect_layout(
-        self, *, finalize_gradients: Callable[[], None], grad_replication: Callable[[Tensor], int]
-    ) -> None:
-        """Called by ParaStrategy once the model is parallelized.
-
-        Args:
-            finalize_gradients: completes pending gradient communication (ZeRO's buckets); called
-                after backward, before gradients are unscaled, checked or clipped.
-            grad_replication: on how many ranks a parameter's gradient is identical, for the
-                global norm of gradient clipping.
-        """
-        self._finalize_gradients = finalize_gradients
-        self._grad_replication = grad_replication
+    def connect_layout(self, data_parallel: DataParallel) -> None:
+        """Called by ParaStrategy once the model is parallelized, with its data parallelism:
+        :meth:`~DataParallel.flush` completes pending gradient communication (ZeRO's buckets) after
+        backward, before gradients are unscaled, checked or clipped; its ``grad_replication`` says on
+        how many ranks a parameter's gradient is identical, for the global norm of gradient clipping."""
+        self._finalize_gradients = data_parallel.flush
+        self._grad_replication = data_parallel.grad_replication
 
     def finalize_gradients(self) -> None:
         """Finish pending gradient communication (ZeRO's buckets) before gradients are read."""

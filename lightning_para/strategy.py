@@ -40,20 +40,14 @@ from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
-from lightning_para.observe.memory import memory_breakdown as _memory_breakdown
-from lightning_para.parallel.data import (
-    convert_sync_batchnorm,
-    count_grad_replication,
-    fsdp_no_sync,
-    fsdp_without_gradient_sync,
-    is_fsdp_root,
-    reshard_fsdp_units,
-)
+from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
+from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
-from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options, replicated_state
+from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -77,6 +71,9 @@ class ParaStrategy(ParallelStrategy):
         cp_method: ``"ring"`` (K/V blocks passed peer-to-peer) or ``"all_to_all"`` (DeepSpeed-Ulysses).
         cp_load_balance: head-tail chunks (``2 * cp`` must divide the sequence); ``False``:
             contiguous slices (``cp`` must divide it; causal attention then costs more on late ranks).
+        cp_check: before the first cp step, run a short prefix of the batch on the whole sequence and
+            under cp and raise if the attention inputs differ (positions built from the local chunk;
+            ``docs/context_parallel.md``). ``False`` skips it.
         dp_replicate, dp_shard: hybrid sharded data parallel, ``dp = dp_replicate x dp_shard``:
             ZeRO state sharded over ``dp_shard`` (within a node), replicated over ``dp_replicate``
             (across nodes); needs ``zero >= 1``. ``dp`` alone means ``dp_shard = dp``.
@@ -137,6 +134,7 @@ class ParaStrategy(ParallelStrategy):
         cp: int = 1,
         cp_method: str = "ring",
         cp_load_balance: bool = True,
+        cp_check: bool = True,
         dp_replicate: Optional[int] = None,
         dp_shard: Optional[int] = None,
         precision: Optional[str] = None,
@@ -175,7 +173,7 @@ class ParaStrategy(ParallelStrategy):
             microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             zero3_units=zero3_units,
-            cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, dp_replicate=dp_replicate, dp_shard=dp_shard,
+            cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
             layout=layout, layout_memory_gb=layout_memory_gb,
         )
         # Reliability options (issue 14), validated before any process group exists.
@@ -382,9 +380,7 @@ class ParaStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._attach_optimizers()
         self.setup_precision_plugin()
-        precision.connect_layout(
-            finalize_gradients=self.finalize_gradients, grad_replication=self._parallel.grad_replication
-        )
+        precision.connect_layout(self._data_parallel())
 
     def _sync_batchnorm(self, module: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the dp group, on any device
@@ -413,44 +409,42 @@ class ParaStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
 
+    def _data_parallel(self) -> DataParallel:
+        data_parallel = self.parallel_model.data_parallel
+        assert data_parallel is not None
+        return data_parallel
+
     def _attach_optimizers(self) -> None:
-        parallel = self._parallel
-        assert parallel is not None
-        is_expert = parallel.expert_predicate()
+        is_expert = self.parallel_model.expert_predicate()
         for optimizer in self._raw_optimizers():
-            if parallel.zero is not None:
-                parallel.zero.shard_optimizer(optimizer)
-            for group in optimizer.param_groups:
-                for q in group["params"]:
-                    parallel.grad_replication.set(q, count_grad_replication(q, self.parallel_dims, parallel.zero, is_expert))
+            self._data_parallel().attach_optimizer(optimizer, is_expert=is_expert)
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
-        if self._parallel is not None and self._parallel.zero is not None:
-            self._parallel.zero.before_backward()  # the ZeRO gradients shown since the last step (DDP: until zero_grad)
+        if self._parallel is not None and self._parallel.data_parallel is not None:
+            self._parallel.data_parallel.before_backward()  # gradients shown since the last step (DDP: until zero_grad)
         self._set_moe_aux_grad_scale()
 
     def _set_moe_aux_grad_scale(self) -> None:
         """MoE layers feed their aux-loss gradient in backward themselves (see ``lightning_para.moe``);
-        scale it as Lightning scales the loss: times the 16-mixed loss scale, over the accumulation.
-        (Under pp the pipeline runner sets it before its schedule runs backward.)"""
-        layers = self._parallel.moe_layers if self._parallel is not None else None
-        if not layers or self._parallel.pipeline is not None:
+        scale it as Lightning scales the loss (``moe.aux_loss_grad_scale``: times the 16-mixed loss
+        scale, over the accumulation). Under pp the pipeline runner sets it before its schedule runs backward."""
+        parallel = self._parallel
+        if parallel is None or not parallel.moe_layers or parallel.pipeline is not None:
             return
         module = self.lightning_module
-        scale = self.precision_plugin.scale if self.precision_plugin.uses_loss_scaling else 1.0
-        if module.automatic_optimization:
-            scale /= module.trainer.accumulate_grad_batches
-        for layer in layers:
-            layer.aux_loss_grad_scale = scale
+        precision = self.precision_plugin
+        accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        loss_scale = precision.scale if precision.uses_loss_scaling else 1.0
+        set_aux_loss_grad_scale(module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
 
     def finalize_gradients(self) -> None:
         """Finish any gradient communication still pending (before clipping or unscaling)."""
-        if self._parallel is not None and self._parallel.zero is not None:
-            self._parallel.zero.flush()
+        if self._parallel is not None and self._parallel.data_parallel is not None:
+            self._parallel.data_parallel.flush()
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
@@ -460,12 +454,32 @@ class ParaStrategy(ParallelStrategy):
             return self._run_parallel_step(name, context, *args, **kwargs)
         # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
         # across the cp group and cross-entropy covers the whole sequence, in every stage too.
+        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None:
+            self._check_cp_positions(name, cp, args, kwargs)
         args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
         mode = cp.mode()
         with mode:
             output = self._run_parallel_step(name, context, *args, **kwargs)
         cp.check_attention_reached(mode)
         return cp.gather_output(output) if name == "predict_step" else output
+
+    def _check_cp_positions(self, name: str, cp: Any, args: tuple, kwargs: dict) -> None:
+        """The first cp step: does the model compute under cp what it computes on the whole sequence?
+        (``parallel/context/check.py``: two forwards without gradients on a short prefix of the batch.)"""
+        contexts = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }
+        batch = args[0] if args else kwargs.get("batch")
+
+        def run(step_batch: Any) -> Any:
+            step_args, step_kwargs = ((step_batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": step_batch})
+            return self._run_parallel_step(name, contexts[name](), *step_args, **step_kwargs)
+
+        multiple = self._parallel.dims.tp if self.config.sequence_parallel else 1
+        cp.check_positions(self.lightning_module, batch, run, sequence_multiple=multiple)
 
     def _run_parallel_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
@@ -475,11 +489,13 @@ class ParaStrategy(ParallelStrategy):
             with context:  # the runner enters the tensor-parallel contexts around its stages itself
                 return parallel.pipeline.run(
                     name, module, args[0] if args else kwargs["batch"],
-                    loss_scale=precision.scale if precision.uses_loss_scaling else 1.0, gradient_sync=parallel.zero,
+                    loss_scale=precision.scale if precision.uses_loss_scaling else 1.0,
+                    gradient_sync=parallel.data_parallel,
                 )
         # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
         with context, loss_parallel_step(parallel is not None and parallel.loss_parallel):
-            if parallel is not None and parallel.fully_sharded and is_fsdp_root(module):
+            data_parallel = parallel.data_parallel if parallel is not None else None
+            if data_parallel is not None and data_parallel.forward_through_root(module):
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 output = self._forward_redirection(module, module, name, *args, **kwargs)
             else:
@@ -514,29 +530,21 @@ class ParaStrategy(ParallelStrategy):
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
         self.pre_backward(closure_loss)
         self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        pipeline.finish_backward(parallel.zero)
+        pipeline.finish_backward(parallel.data_parallel)
         self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: the first A-1 micro-steps communicate nothing."""
-        parallel = self._parallel
-        reduce_each_step = self.config.zero_accumulation == "reduce_each_step" and self.config.zero >= 2
-        if parallel is None or reduce_each_step:
+        """Gradient accumulation: the first A-1 micro-steps follow data parallelism's accumulation
+        policy (``zero_accumulation``; :meth:`DataParallel.accumulation_no_sync`)."""
+        data_parallel = self._parallel.data_parallel if self._parallel is not None else None
+        if data_parallel is None:
             yield
-        elif parallel.zero is not None:
-            with parallel.zero.no_sync():
-                yield
-        elif parallel.user.fully_sharded:  # the user's fully_shard: no reduce-scatter, their reshard settings kept
-            with fsdp_without_gradient_sync(parallel.user.fsdp_roots):
-                yield
-        elif parallel.fully_sharded:
-            with fsdp_no_sync(self.lightning_module):
-                yield
         else:
-            yield
+            with data_parallel.accumulation_no_sync():
+                yield
 
     # ------------------------------------------------------------------ integrity (issue 14)
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -558,46 +566,32 @@ class ParaStrategy(ParallelStrategy):
         parallel = self.parallel_model
         checker = self._integrity or IntegrityChecker(1, "raise")
         module, optimizers, dims = self.lightning_module, self._raw_optimizers(), self.parallel_dims
-        is_expert = parallel.expert_predicate()
-        return checker.check(
-            self.lightning_module.trainer.global_step if step is None else step,
-            lambda: replicated_state(module, optimizers, dims, fully_sharded=parallel.fully_sharded, is_expert=is_expert),
-            lambda: (q.grad for o in optimizers for g in o.param_groups for q in g["params"] if q.grad is not None),
-            dims,
-            self.root_device,
+        return checker.check_model(
+            module.trainer.global_step if step is None else step, module, optimizers, dims, self.root_device,
+            fully_sharded=parallel.fully_sharded, is_expert=parallel.expert_predicate(),
         )
 
     # ------------------------------------------------------------------ introspection
-    def memory_breakdown(self) -> dict[str, Any]:
+    def memory_breakdown(self) -> MemoryBreakdown:
         """This rank's bytes for ``params``, ``grads`` and ``optimizer`` (fp32 masters included),
-        with ``expected`` bytes from the ZeRO formulas for the active stage (see ``docs/``).
+        with ``expected`` bytes from the ZeRO formulas for the active stage (see ``docs/``), as a
+        :class:`~lightning_para.parallel.data.MemoryBreakdown` (``.as_dict()`` for plain values).
 
         The formulas' ``N`` is the number of ranks that *shard* the state: ``dp_shard x cp``
         (``edp x cp`` for experts); hybrid sharding's ``dp_replicate`` replicas hold copies."""
         parallel = self._parallel
-        if parallel is None:
+        if parallel is None or parallel.data_parallel is None:
             raise RuntimeError("memory_breakdown() is available once the Trainer has set up the strategy.")
         module = self.lightning_module
         first = next(iter(module.parameters()), None)
-        param_bytes = first.element_size() if first is not None else 4
-        separate_master = self.precision_plugin.master_dtype is not None and not parallel.fully_sharded
-        return _memory_breakdown(
-            module,
-            self._raw_optimizers(),
-            stage=self.config.zero,
-            dp=self.parallel_dims.zero_shards,
-            edp=self.parallel_dims.expert_zero_shards,
-            dp_replicate=self.parallel_dims.dp_replicate,
-            cp=self.parallel_dims.cp,
-            psi_dense=parallel.psi_dense,
-            psi_expert=parallel.psi_expert,
-            param_bytes=param_bytes,
-            master_bytes=4 if separate_master else 0,
-            is_expert=parallel.expert_predicate(),
+        return parallel.data_parallel.memory_breakdown(
+            module, self._raw_optimizers(), param_bytes=first.element_size() if first is not None else 4,
+            master_dtype=self.precision_plugin.master_dtype, is_expert=parallel.expert_predicate(),
         )
 
-    def pipeline_stats(self) -> dict[str, Any]:
-        """Per-step busy/idle time of this rank's pipeline stages (``pp > 1`` only)."""
+    def pipeline_stats(self) -> PipelineStats:
+        """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),
+        as a :class:`~lightning_para.parallel.pipeline.PipelineStats` record."""
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         if pipeline is None:
             raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
@@ -606,13 +600,13 @@ class ParaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     def _optim_views(self):
         assert self._parallel is not None
-        return ckpt.optimizer_params(self.lightning_module, self._parallel.zero, self.parallel_dims)
+        return ckpt.optimizer_params(self.lightning_module, self._parallel.data_parallel, self.parallel_dims)
 
     def _sharded_parameters(self) -> None:
         """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
         ones the optimizer and checkpoints name (e.g. ModelCheckpoint saving after validation)."""
-        if self.lightning_module is not None:
-            reshard_fsdp_units(self.lightning_module)
+        if self.lightning_module is not None and self._parallel is not None and self._parallel.data_parallel is not None:
+            self._parallel.data_parallel.reshard(self.lightning_module)
 
     def on_validation_end(self) -> None:
         self._sharded_parameters()  # and the gathered head's memory is freed until the next forward
@@ -631,7 +625,7 @@ class ParaStrategy(ParallelStrategy):
             return self.lightning_module.state_dict()
         parallel = self._parallel
         return ckpt.full_model_state(
-            self.lightning_module, parallel.zero if parallel is not None else None, self.parallel_dims
+            self.lightning_module, parallel.data_parallel if parallel is not None else None, self.parallel_dims
         )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -690,7 +684,7 @@ class ParaStrategy(ParallelStrategy):
             self.lightning_module,
             self._raw_optimizers(),
             self._optim_views(),
-            zero=parallel.zero if parallel is not None else None,
+            data_parallel=parallel.data_parallel if parallel is not None else None,
             pipeline=parallel.pipeline if parallel is not None else None,
         )
 

@@ -33,7 +33,7 @@ from lightning_para.checkpoint.consolidate import number_optimizer_state
 from lightning_para.checkpoint.format import MASTER_KEY
 from lightning_para.checkpoint.optimizer import slot_to_global
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data.zero import ZeroDataParallel
+from lightning_para.parallel.data.interface import DataParallel
 
 
 def _rank() -> int:
@@ -61,9 +61,10 @@ def _to_rank_zero(part: dict[str, Any], dims: ParallelDims) -> Optional[list[dic
 
 
 @torch.no_grad()
-def full_model_state(module: nn.Module, zero: Optional[ZeroDataParallel], dims: ParallelDims) -> dict[str, Any]:
+def full_model_state(module: nn.Module, data_parallel: Optional[DataParallel], dims: ParallelDims) -> dict[str, Any]:
     """``module.state_dict()`` as full plain CPU tensors on global rank 0, ``{}`` elsewhere (collective)."""
-    masters = {s.name: s for s in zero.slots if s.separate_master} if zero is not None else {}
+    slots = data_parallel.optimizer_slots() if data_parallel is not None else ()
+    masters = {s.name: s for s in slots if s.separate_master}
     part: dict[str, Any] = {}
     for key, value in module.state_dict().items():
         slot = masters.get(key)

@@ -30,7 +30,7 @@ from lightning_para.checkpoint.format import (
     save_sharded,
 )
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
-from lightning_para.parallel.data.zero import ZeroDataParallel
+from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
 
 
@@ -104,7 +104,7 @@ def load_full_checkpoint_into(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     views: Mapping[int, OptimParam],
-    zero: Optional[ZeroDataParallel],
+    data_parallel: Optional[DataParallel],
     strict: bool = True,
     path: Any = "<checkpoint>",
 ) -> None:
@@ -117,12 +117,12 @@ def load_full_checkpoint_into(
     for key, target in own.items():
         if key in state:
             _copy_full_into(target, state[key])
-    if zero is not None:
-        for slot in zero.slots:
-            if slot.master is not None and slot.name in state:
+    if data_parallel is not None:
+        for slot in data_parallel.optimizer_slots():
+            if slot.name in state:
                 slot.load_master(_local_of_full(slot.param, state[slot.name]))
     for optimizer, osd in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        init_optimizer_state(optimizer, zero)
+        init_optimizer_state(optimizer, data_parallel)
         for group, saved_group in zip(optimizer.param_groups, osd["param_groups"]):
             for key, value in saved_group.items():
                 if key != "params":
@@ -141,8 +141,8 @@ def load_full_checkpoint_into(
                         current.copy_(value)
                     else:
                         optimizer.state[q][key] = value
-    if zero is not None:
-        zero.gather_params()
+    if data_parallel is not None:
+        data_parallel.gather_params()
 
 
 def _local_of_full(param: Tensor, full: Tensor) -> Tensor:
@@ -218,7 +218,7 @@ def load_checkpoint_in_place(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     views: Mapping[int, OptimParam],
-    zero: Optional[ZeroDataParallel] = None,
+    data_parallel: Optional[DataParallel] = None,
     pipeline: Optional[PipelineRunner] = None,
 ) -> dict[str, Any]:
     """What ``ParaStrategy.load_checkpoint`` does: load ``path`` into ``module`` and ``optimizers``
@@ -249,10 +249,10 @@ def load_checkpoint_in_place(
         unexpected = sorted(k[prefix:] for k in available - _model_keys_everywhere(wanted, pipeline))
         check_keys(path, module, missing, unexpected, strict)
         load_sharded_into(path, {"state_dict": own})
-        if zero is not None and not optimizers:
-            zero.reset_masters_from_params()
+        if data_parallel is not None and not optimizers:
+            data_parallel.reset_masters_from_params()
         for i, optimizer in enumerate(optimizers):
-            load_optimizer_state(optimizer, views, path, f"optimizer_{i}", zero)
+            load_optimizer_state(optimizer, views, path, f"optimizer_{i}", data_parallel)
         try:
             return torch.load(path / METADATA_FILENAME, weights_only=False)
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
@@ -266,7 +266,7 @@ def load_checkpoint_in_place(
         checkpoint = trainer_format(checkpoint)
     if pipeline is not None:
         pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
-    load_full_checkpoint_into(checkpoint, module, optimizers, views, zero, strict=strict, path=path)
+    load_full_checkpoint_into(checkpoint, module, optimizers, views, data_parallel, strict=strict, path=path)
     return checkpoint
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from lightning_para.checkpoint.format import MASTER_KEY, load_sharded_into
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.data.layout import ParamSlot, all_gather_single, contiguous_stride
-from lightning_para.parallel.data.zero import ZeroDataParallel
+from lightning_para.parallel.data.interface import DataParallel
 
 
 @dataclass
@@ -92,13 +92,15 @@ def slot_to_global(slot: ParamSlot, local: Tensor, dims: ParallelDims) -> Any:
     return slot.shard_as_dtensor(local, dims.get_mesh)
 
 
-def optimizer_params(module: nn.Module, zero: Optional[ZeroDataParallel], dims: ParallelDims) -> dict[int, OptimParam]:
-    """Map ``id(tensor the optimizer steps)`` to its name and global view."""
+def optimizer_params(
+    module: nn.Module, data_parallel: Optional[DataParallel], dims: ParallelDims
+) -> dict[int, OptimParam]:
+    """Map ``id(tensor the optimizer steps)`` to its name and global view (the shards data parallelism's
+    optimizers step instead of parameters: :meth:`DataParallel.optimizer_slots`)."""
     views = {id(p): OptimParam(name, lambda t: t) for name, p in module.named_parameters()}
-    if zero is not None:
-        for slot in zero.slots:
-            if slot.master is not None:
-                views[id(slot.master)] = OptimParam(slot.name, lambda t, s=slot: slot_to_global(s, t, dims), slot)
+    if data_parallel is not None:
+        for slot in data_parallel.optimizer_slots():
+            views[id(slot.master)] = OptimParam(slot.name, lambda t, s=slot: slot_to_global(s, t, dims), slot)
     return views
 
 
@@ -131,7 +133,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, views: Mapping[int, O
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDataParallel] = None) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, data_parallel: Optional[DataParallel] = None) -> None:
     """Create an optimizer's state tensors without changing any weight (for checkpoint loading).
 
     Runs one step with zero gradients and ``lr=0`` (and no weight decay) on parameters that
@@ -150,7 +152,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, zero: Optional[ZeroDa
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
-        with zero.step_without_communication() if zero is not None else contextlib.nullcontext():
+        with data_parallel.step_without_communication() if data_parallel is not None else contextlib.nullcontext():
             optimizer.step()
     finally:
         for g, old in zip(optimizer.param_groups, saved):
@@ -166,10 +168,10 @@ def load_optimizer_state(
     views: Mapping[int, OptimParam],
     path: Union[str, Path],
     prefix: str,
-    zero: Optional[ZeroDataParallel],
+    data_parallel: Optional[DataParallel],
 ) -> None:
     """Restore one optimizer from a sharded checkpoint into the current layout."""
-    init_optimizer_state(optimizer, zero)
+    init_optimizer_state(optimizer, data_parallel)
     template = {prefix: optimizer_state_dict(optimizer, views)}
     flat = load_sharded_into(path, template)
     missing = set(flat.pop("__missing__"))
@@ -192,8 +194,8 @@ def load_optimizer_state(
             if view.separate_master and skey + MASTER_KEY in missing:
                 # The checkpoint has no fp32 master (it came from an fp32 run): take the loaded weights.
                 view.slot.load_master(view.slot.local)
-    if zero is not None:
-        zero.gather_params()
+    if data_parallel is not None:
+        data_parallel.gather_params()
 
 
 __all__ = ["gather_rows", "init_optimizer_state", "load_optimizer_state", "optimizer_params", "optimizer_state_dict", "slot_to_global"]

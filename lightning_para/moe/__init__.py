@@ -28,14 +28,16 @@ from lightning_para.moe.helpers import (
     MoEMetrics,
     aux_loss,
     moe_layers,
+    aux_loss_grad_scale,
     moe_stats_paused,
     set_aux_loss_grad_scale,
 )
-from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, TopKRouter
+from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, MoEStats, TopKRouter
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
 __all__ = [
     "MoE",
+    "MoEStats",
     "MoEMetrics",
     "MoEAuxLossScale",
     "TopKRouter",
@@ -43,6 +45,7 @@ __all__ = [
     "FeedForward",
     "aux_loss",
     "moe_layers",
+    "aux_loss_grad_scale",
     "moe_stats_paused",
     "set_aux_loss_grad_scale",
     "expert_capacity",

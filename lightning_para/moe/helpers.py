@@ -55,8 +55,20 @@ def moe_stats_paused(module: nn.Module) -> Iterator[None]:
             layer.set_recording(value)
 
 
+def aux_loss_grad_scale(*, loss_scale: float = 1.0, accumulate: int = 1, microbatches: int = 1) -> float:
+    """``d(loss that backward starts from) / d(task loss)``: the one formula for the aux-gradient scale.
+
+    Lightning's backward starts from ``loss / accumulate_grad_batches`` (automatic optimization),
+    times the ``16-mixed`` loss scale; a pipeline schedule also divides by its ``microbatches``.
+    ``ParaStrategy`` (pp=1, before backward), its pipeline runner (pp>1, before the schedule) and
+    :class:`MoEAuxLossScale` all set the scale from this.
+    """
+    return loss_scale / (microbatches * accumulate)
+
+
 def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
-    """Set ``d(loss that backward starts from) / d(task loss)`` for the attached aux gradients.
+    """Set ``d(loss that backward starts from) / d(task loss)`` for the attached aux gradients
+    (:func:`aux_loss_grad_scale`); the only writer of ``MoE.aux_loss_grad_scale``.
 
     ``ParaStrategy`` does this before each backward (loss scale of ``16-mixed`` divided by
     ``accumulate_grad_batches``). Call it yourself in a custom loop that scales its loss.
@@ -71,11 +83,10 @@ class MoEAuxLossScale(Callback):
     ``16-mixed`` GradScaler's scale), so accumulation and fp16 train the routers correctly."""
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        scale = 1.0 / trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1.0
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            scale *= float(scaler.get_scale())
-        set_aux_loss_grad_scale(pl_module, scale)
+        loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        set_aux_loss_grad_scale(pl_module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
 
 
 class MoEMetrics(Callback):
@@ -95,10 +106,12 @@ class MoEMetrics(Callback):
             if stats is None:
                 continue
             key = f"{self.prefix}/{name}"
-            values = {f"{key}/{s}": float(stats[s]) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")}
+            values = {
+                f"{key}/{s}": float(getattr(stats, s)) for s in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance")
+            }
             if self.per_expert:
-                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats["tokens_per_expert"])})
+                values.update({f"{key}/tokens_expert_{i}": float(c) for i, c in enumerate(stats.tokens_per_expert)})
             pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
 
 
-__all__ = ["moe_layers", "aux_loss", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]
+__all__ = ["moe_layers", "aux_loss", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]

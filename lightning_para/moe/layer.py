@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -17,6 +18,24 @@ from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_SCOPES = ("sequence", "batch")
 
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """One MoE layer's routing statistics over the training forwards since the last :meth:`MoE.pop_stats`.
+
+    ``balance_loss`` and ``z_loss`` (weighted, mean over forwards), ``aux_loss`` (their sum),
+    ``dropped_fraction`` (of the k*T assignments), ``tokens_per_expert`` (assignments this rank
+    routed to each expert, summed over forwards) and ``load_imbalance`` (max / mean of those
+    counts; 1 is perfectly even).
+    """
+
+    balance_loss: float
+    z_loss: float
+    aux_loss: float
+    dropped_fraction: float
+    tokens_per_expert: list[int]
+    load_imbalance: float
 
 class ExpertDispatcher(Protocol):
     """Runs routed tokens on experts that live elsewhere (expert parallelism hands one to the layer).
@@ -275,26 +294,20 @@ class MoE(nn.Module):
         self._aux_value = balance + z if self._aux_value is None else self._aux_value + balance + z
         self._aux_forwards += 1
 
-    def pop_stats(self) -> Optional[dict[str, Any]]:
-        """Statistics of the training forwards since the last call (``None`` if there were none).
-
-        ``balance_loss`` and ``z_loss`` (weighted, mean over forwards), ``aux_loss`` (their sum),
-        ``dropped_fraction`` (of the k*T assignments), ``tokens_per_expert`` (assignments this
-        rank routed to each expert, summed over forwards) and ``load_imbalance`` (max / mean of
-        those counts; 1 is perfectly even).
-        """
+    def pop_stats(self) -> Optional[MoEStats]:
+        """Statistics of the training forwards since the last call (:class:`MoEStats`; ``None`` if there were none)."""
         if self._stat_forwards == 0:
             return None
         n, s = self._stat_forwards, {k: v.cpu() for k, v in self._stats.items()}
         counts = s["tokens_per_expert"]
-        stats = {
-            "balance_loss": float(s["balance_loss"]) / n,
-            "z_loss": float(s["z_loss"]) / n,
-            "aux_loss": float(s["balance_loss"] + s["z_loss"]) / n,
-            "dropped_fraction": float(s["dropped"] / s["assigned"].clamp_min(1)),
-            "tokens_per_expert": counts,
-            "load_imbalance": float(counts.max()) / max(float(counts.float().mean()), 1e-12),
-        }
+        stats = MoEStats(
+            balance_loss=float(s["balance_loss"]) / n,
+            z_loss=float(s["z_loss"]) / n,
+            aux_loss=float(s["balance_loss"] + s["z_loss"]) / n,
+            dropped_fraction=float(s["dropped"] / s["assigned"].clamp_min(1)),
+            tokens_per_expert=[int(c) for c in counts.tolist()],
+            load_imbalance=float(counts.max()) / max(float(counts.float().mean()), 1e-12),
+        )
         self._stats, self._stat_forwards = {}, 0
         return stats
 
@@ -339,4 +352,4 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-__all__ = ["ExpertDispatcher", "MoE", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]
+__all__ = ["ExpertDispatcher", "MoE", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

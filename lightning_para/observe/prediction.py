@@ -27,11 +27,12 @@ from torch import nn
 
 from lightning_para.observe.timeline import (
     PipelineEvent,
-    as_events,
     rank_pipeline_record,
     replayed_idle_fraction,
     with_median_cpu,
 )
+from lightning_para.parallel.data import MemoryBreakdown
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.plan.check import MeasuredRank, PredictionCheck, comm_by_dimension, compare
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.model import ModelDesc
@@ -53,8 +54,8 @@ def measure_rank(
     rank: int,
     comm_summary: Optional[Mapping[str, Mapping[str, float]]],
     step_seconds: Optional[float],
-    pipeline_steps: Sequence[Mapping[str, Any]] = (),
-    memory: Optional[Mapping[str, Any]] = None,
+    pipeline_steps: Sequence[PipelineStats] = (),
+    memory: Optional[MemoryBreakdown] = None,
 ) -> tuple[MeasuredRank, list[list[PipelineEvent]]]:
     """This rank's measurement (no communication): memory between steps (now, unless ``memory``
     gives ``memory_breakdown()`` taken at an earlier step end: Lightning frees gradients before validation), the
@@ -65,12 +66,12 @@ def measure_rank(
     events: list[list[PipelineEvent]] = []
     wall = None
     if pipeline_steps and dims.pp > 1:
-        wall = sum(float(step["idle_fraction"]) for step in pipeline_steps) / len(pipeline_steps)
+        wall = sum(float(step.idle_fraction) for step in pipeline_steps) / len(pipeline_steps)
         stage = dims.local_rank("pp")
-        events = [as_events(rank_pipeline_record(dict(step), rank, stage)["events"]) for step in pipeline_steps]
+        events = [list(rank_pipeline_record(step, rank, stage).events) for step in pipeline_steps]
     measured = MeasuredRank(
         rank=rank, pp_rank=dims.local_rank("pp"),
-        memory={k: float(memory[k]) for k in ("params", "grads", "optimizer")},
+        memory={k: float(getattr(memory, k)) for k in ("params", "grads", "optimizer")},
         comm=comm_by_dimension(comm_summary) if comm_summary else {},
         step_seconds=step_seconds, idle_wall=wall,
     )

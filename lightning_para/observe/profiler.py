@@ -44,10 +44,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_para.moe import moe_layers
+from lightning_para.moe import MoEStats, moe_layers
 from lightning_para.observe.comm_trace import CommTracer, group_labels
 from lightning_para.observe.prediction import check_run, describe_for_prediction, measure_rank
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
+from lightning_para.parallel.data import MemoryBreakdown
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.plan.check import PredictionCheck
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import detect_peak_flops
@@ -152,7 +154,7 @@ class ParaProfiler(Callback):
         # what training holds between steps, which the prediction check compares with. At the end of
         # training it may be gone: Lightning frees gradients before every validation loop
         # (`on_validation_model_zero_grad`), and a run usually ends with one.
-        self._memory_between_steps: Optional[dict[str, Any]] = None
+        self._memory_between_steps: Optional[MemoryBreakdown] = None
         self.train_losses: list[Tensor] = []
         self.val_losses: list[tuple[int, float]] = []
         self._batches = 0
@@ -172,7 +174,7 @@ class ParaProfiler(Callback):
         self._model_desc: Optional[ModelDesc] = None
         self._no_prediction: Optional[str] = None  # why there is no prediction, when there is none
         self._last_comm: Optional[dict[str, dict[str, float]]] = None
-        self._pipeline_steps: list[dict[str, Any]] = []  # pipeline_stats() of recent untraced steps
+        self._pipeline_steps: list[PipelineStats] = []  # pipeline_stats() of recent untraced steps
         self._batch_shape: tuple[int, ...] = ()
         self.prediction_check: Optional[PredictionCheck] = None
 
@@ -354,34 +356,35 @@ class ParaProfiler(Callback):
         breakdown_fn = getattr(trainer.strategy, "memory_breakdown", None)
         if breakdown_fn is None:
             return
-        mine = breakdown_fn()
-        self._memory_between_steps = dict(mine)
+        mine: MemoryBreakdown = breakdown_fn()
+        self._memory_between_steps = mine
+        device_max = None
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
-            mine["device_max_allocated"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
-        per_rank = gather_objects(mine)
+            device_max = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
+        per_rank: list[tuple[MemoryBreakdown, Optional[int]]] = gather_objects((mine, device_max))
         if not trainer.is_global_zero:
             return
         metrics = {}
         rows = ["| rank | params MiB | grads MiB | optimizer MiB | total MiB | ZeRO formula MiB | measured / formula |",
                 "|---|---|---|---|---|---|---|"]
-        for rank, b in enumerate(per_rank):
-            expected = b["expected"]["total"]
+        for rank, (b, rank_device_max) in enumerate(per_rank):
+            expected = b.expected.total
             for key in ("params", "grads", "optimizer", "total"):
-                metrics[f"memory/rank{rank}/{key}_MiB"] = b[key] / MIB
-                metrics[f"memory/rank{rank}/expected_{key}_MiB"] = b["expected"][key] / MIB
+                metrics[f"memory/rank{rank}/{key}_MiB"] = getattr(b, key) / MIB
+                metrics[f"memory/rank{rank}/expected_{key}_MiB"] = getattr(b.expected, key) / MIB
             if expected:
-                metrics[f"memory/rank{rank}/measured_over_expected"] = b["total"] / expected
-            if "device_max_allocated" in b:
-                metrics[f"memory/rank{rank}/device_max_allocated_MiB"] = b["device_max_allocated"] / MIB
-            ratio = f"{b['total'] / expected:.3f}" if expected else "-"
-            rows.append(f"| {rank} | {b['params'] / MIB:.2f} | {b['grads'] / MIB:.2f} | {b['optimizer'] / MIB:.2f}"
-                        f" | {b['total'] / MIB:.2f} | {expected / MIB:.2f} | {ratio} |")
+                metrics[f"memory/rank{rank}/measured_over_expected"] = b.total / expected
+            if rank_device_max is not None:
+                metrics[f"memory/rank{rank}/device_max_allocated_MiB"] = rank_device_max / MIB
+            ratio = f"{b.total / expected:.3f}" if expected else "-"
+            rows.append(f"| {rank} | {b.params / MIB:.2f} | {b.grads / MIB:.2f} | {b.optimizer / MIB:.2f}"
+                        f" | {b.total / MIB:.2f} | {expected / MIB:.2f} | {ratio} |")
         self._log_scalars(trainer, metrics)
-        first = per_rank[0]
-        header = f"ZeRO-{first['zero']} over dp={first['dp']} (edp={first['edp']}): {first['formula']}\n\n"
-        if first.get("dp_replicate", 1) > 1 or first.get("cp", 1) > 1:  # N = dp_shard x cp shards the state
-            header = (f"ZeRO-{first['zero']} sharded over N={first['dp']} ranks (dp_shard x cp, cp={first['cp']}),"
-                      f" replicated over dp_replicate={first['dp_replicate']}: {first['formula']}\n\n")
+        first = per_rank[0][0]
+        header = f"ZeRO-{first.zero} over dp={first.dp} (edp={first.edp}): {first.formula}\n\n"
+        if first.dp_replicate > 1 or first.cp > 1:  # N = dp_shard x cp shards the state
+            header = (f"ZeRO-{first.zero} sharded over N={first.dp} ranks (dp_shard x cp, cp={first.cp}),"
+                      f" replicated over dp_replicate={first.dp_replicate}: {first.formula}\n\n")
         self._log_text(trainer, "memory/breakdown", header + "\n".join(rows))
 
     def _check_predictions(self, trainer: L.Trainer) -> None:
@@ -437,15 +440,15 @@ class ParaProfiler(Callback):
 
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
-        mine = {}
+        mine: dict[str, MoEStats] = {}
         for name, layer in list(moe_layers(pl_module)):
             stats = layer.pop_stats()
             if stats is not None:
-                mine[name] = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in stats.items()}
+                mine[name] = stats
         per_rank = gather_objects(mine)
         if not trainer.is_global_zero:
             return
-        merged: dict[str, list[dict[str, Any]]] = {}
+        merged: dict[str, list[MoEStats]] = {}
         for r in per_rank:
             for name, stats in r.items():
                 merged.setdefault(name, []).append(stats)
@@ -453,8 +456,8 @@ class ParaProfiler(Callback):
         imbalance = []
         for name, entries in sorted(merged.items()):
             for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
-                metrics[f"moe/{name}/{key}"] = sum(e[key] for e in entries) / len(entries)
-            counts = [sum(c) for c in zip(*(e["tokens_per_expert"] for e in entries))]
+                metrics[f"moe/{name}/{key}"] = sum(getattr(e, key) for e in entries) / len(entries)
+            counts = [sum(c) for c in zip(*(e.tokens_per_expert for e in entries))]
             mean = sum(counts) / max(len(counts), 1)
             # Global balance: max/mean of the tokens each expert got from all ranks together.
             metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0

@@ -10,26 +10,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
+
+from lightning_para.parallel.pipeline.measure import PipelineEvent, PipelineStats, PipelineStepStats
 
 COLORS = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (52, 168, 83), "W": (251, 140, 0)}
 OTHER_COLOR = (160, 80, 200)
 IDLE = (236, 236, 236)
-
-
-@dataclass(frozen=True)
-class PipelineEvent:
-    """One schedule action as it ran: ``start``/``end`` in seconds on a clock shared by the ranks."""
-
-    rank: int
-    stage: int
-    action: str  # "F", "B", "I" or "W"
-    microbatch: int
-    start: float
-    end: float
-    cpu: float = 0.0  # thread CPU seconds of the action (0: not measured)
 
 
 def as_events(records: Iterable[Any]) -> list[PipelineEvent]:
@@ -45,34 +34,44 @@ def as_events(records: Iterable[Any]) -> list[PipelineEvent]:
     return events
 
 
-def rank_pipeline_record(stats: dict[str, Any], rank: int, stage: int) -> dict[str, Any]:
-    """What one rank sends rank 0: its stage, idle fractions and events on the common clock.
+@dataclass(frozen=True)
+class RankPipelineRecord:
+    """What one rank sends rank 0: its stage, its last step's idle fraction, the schedule's expected
+    one, and its events on the ranks' common clock."""
 
-    ``stats`` is ``ParaStrategy.pipeline_stats()``: events in seconds since this rank's step
-    start plus ``step_start_unix``, which puts the ranks of one machine on one clock (across
-    machines NTP accuracy bounds the alignment). The loss action ("L") runs inside the last
-    forward and is left out.
+    stage: int
+    idle: Optional[float]
+    expected: Optional[float]
+    events: tuple[PipelineEvent, ...]
+
+
+def rank_pipeline_record(stats: Union[PipelineStats, PipelineStepStats], rank: int, stage: int, *,
+                         expected: Optional[float] = None) -> RankPipelineRecord:
+    """This rank's record for rank 0 from ``ParaStrategy.pipeline_stats()`` (or one measured step of it).
+
+    Events come in seconds since this rank's step start plus ``step_start_unix``, which puts the
+    ranks of one machine on one clock (across machines NTP accuracy bounds the alignment). The
+    loss action ("L") runs inside the last forward and is left out.
     """
-    origin = float(stats.get("step_start_unix", 0.0))
-    events = [
-        {"rank": rank, "stage": e["stage"], "action": e["action"], "microbatch": e["microbatch"],
-         "start": origin + e["start"], "end": origin + e["end"], "cpu": e.get("cpu", 0.0)}
-        for e in stats.get("events", []) if e.get("action") != "L"
-    ]
-    return {"stage": stage, "idle": stats.get("idle_fraction"), "expected": stats.get("expected_idle_fraction"),
-            "events": events}
+    if isinstance(stats, PipelineStats):
+        expected = stats.expected_idle_fraction
+    origin = float(stats.step_start_unix)
+    events = tuple(
+        replace(e, rank=rank, start=origin + e.start, end=origin + e.end) for e in stats.events if e.action != "L"
+    )
+    return RankPipelineRecord(stage=stage, idle=stats.idle_fraction, expected=expected, events=events)
 
 
-def pipeline_metrics(per_rank: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[PipelineEvent]]:
+def pipeline_metrics(per_rank: Sequence[RankPipelineRecord]) -> tuple[dict[str, float], list[PipelineEvent]]:
     """Idle fraction per stage (mean over its ranks), the expected bubble, and all events."""
     by_stage: dict[int, list[float]] = {}
     for r in per_rank:
-        if r["idle"] is not None:
-            by_stage.setdefault(r["stage"], []).append(float(r["idle"]))
+        if r.idle is not None:
+            by_stage.setdefault(r.stage, []).append(float(r.idle))
     metrics = {f"pipeline/idle_fraction/stage{s}": sum(v) / len(v) for s, v in sorted(by_stage.items())}
-    if per_rank and per_rank[0]["expected"] is not None:
-        metrics["pipeline/expected_idle_fraction"] = float(per_rank[0]["expected"])
-    return metrics, as_events(e for r in per_rank for e in r["events"])
+    if per_rank and per_rank[0].expected is not None:
+        metrics["pipeline/expected_idle_fraction"] = float(per_rank[0].expected)
+    return metrics, [e for r in per_rank for e in r.events]
 
 
 def idle_fraction(events: Sequence[PipelineEvent]) -> dict[int, float]:

@@ -105,11 +105,11 @@ def _naming(strategy: Any, module: torch.nn.Module) -> tuple[Callable[[Tensor], 
         parallel = strategy.parallel_model  # ParaStrategy's record of the layout
     except (AttributeError, RuntimeError):
         parallel = None  # another strategy: whole gradients on one device
-    zero = parallel.zero if parallel is not None else None
+    data_parallel = parallel.data_parallel if parallel is not None else None
 
     def name(q: Tensor) -> str:
-        slot = zero.slot_for_optimizer_param(q) if zero is not None else None
-        return slot.name if slot is not None else by_id.get(id(q), f"<unnamed {tuple(q.shape)}>")
+        master_of = data_parallel.parameter_name(q) if data_parallel is not None else None
+        return master_of if master_of is not None else by_id.get(id(q), f"<unnamed {tuple(q.shape)}>")
 
     if parallel is None:
         return name, lambda q: 1

@@ -28,8 +28,8 @@ def strategy_arguments(layout: Layout) -> dict[str, Any]:
 
 
 def world_of(arguments: Mapping[str, Any]) -> int:
-    """Processes a layout needs: ``dp * tp * pp`` (``ep`` lives inside ``dp``)."""
-    return math.prod(int(arguments.get(k, 1)) for k in ("dp", "tp", "pp"))
+    """Processes a layout needs: ``dp * cp * tp * pp`` (``ep`` lives inside ``dp``)."""
+    return math.prod(int(arguments.get(k, 1)) for k in ("dp", "cp", "tp", "pp"))
 
 
 def describe(arguments: Mapping[str, Any]) -> str:

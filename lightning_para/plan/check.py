@@ -12,7 +12,7 @@ What is compared, per rank (the measurement's source in brackets):
   <lightning_para.plan.cost.Estimate.idle_fractions>`: gated is the measured schedule re-timed
   with each action's CPU time (:func:`~lightning_para.observe.timeline.replayed_idle_fraction`:
   what a core per process would give), reported next to it the wall-clock idle fraction
-  (``pipeline_stats()["idle_fraction"]``), which on an oversubscribed host also counts the
+  (``pipeline_stats().idle_fraction``), which on an oversubscribed host also counts the
   time the OS ran other processes;
 * step time (measured wall clock against the roofline): reported, never gated -- on CPU its
   peak and link figures are nominal.

@@ -503,7 +503,7 @@ class GPT(L.LightningModule):
         dims = getattr(strategy, "_dims", None)
         copies = 1
         if dims is not None and dims.pp > 1:
-            copies = strategy.pipeline_stats()["microbatches"]  # each microbatch needs one sample
+            copies = strategy.pipeline_stats().microbatches  # each microbatch needs one sample
         batch = context.expand(copies, -1).contiguous()
         logits = full_tensor(strategy.predict_step((batch, batch), 0))
         return logits[:1, length - 1]

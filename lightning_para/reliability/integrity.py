@@ -228,6 +228,27 @@ class IntegrityChecker:
             self._report(step, findings)
         return findings
 
+    def check_model(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        dims: ParallelDims,
+        device: torch.device,
+        *,
+        fully_sharded: bool,
+        is_expert: Callable[[Tensor], bool],
+    ) -> list[str]:
+        """:meth:`check` of a model and its optimizers: every replicated parameter and optimizer state
+        tensor (:func:`replicated_state`) and every optimizer parameter's gradient (collective)."""
+        return self.check(
+            step,
+            lambda: replicated_state(module, optimizers, dims, fully_sharded=fully_sharded, is_expert=is_expert),
+            lambda: (q.grad for o in optimizers for g in o.param_groups for q in g["params"] if q.grad is not None),
+            dims,
+            device,
+        )
+
     def _compare(self, group_name: str, entries: list[tuple[str, Tensor]], dims: ParallelDims, device: torch.device) -> list[Mismatch]:
         group = dims.group(group_name)
         size = dist.get_world_size(group)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_para.parallel.data import BytesPerParam
 from tests.comm_counter import CollectiveCounter, nccl_reduce_scatter_path
 from tests.harness import WorkerError
 from tests.models import RegressionNet, SGDRegressionNet, regression_dataset
@@ -128,7 +129,7 @@ def check_memory(results: list[dict], zero: int, dp: int) -> None:
         measured, breakdown = r, r["breakdown"]
         # The library's numbers agree with the tensors counted here.
         for key in ("params", "grads", "optimizer"):
-            assert breakdown[key] == measured[key], (key, breakdown[key], measured[key])
+            assert getattr(breakdown, key) == measured[key], (key, getattr(breakdown, key), measured[key])
         # ZeRO paper claims, per rank (5% slack for per-tensor `step` scalars and uneven rows).
         shard = 1.05 / dp
         assert measured["optimizer"] <= (shard if zero >= 1 else 1.05) * full_optimizer
@@ -141,9 +142,9 @@ def check_memory(results: list[dict], zero: int, dp: int) -> None:
         else:
             assert measured["params"] == full
         # Expected bytes from the formula match the measurement.
-        expected = breakdown["expected"]
-        assert measured["optimizer"] == pytest.approx(expected["optimizer"], rel=0.05)
-        assert measured["params"] == pytest.approx(expected["params"], rel=0.05)
+        expected = breakdown.expected
+        assert measured["optimizer"] == pytest.approx(expected.optimizer, rel=0.05)
+        assert measured["params"] == pytest.approx(expected.params, rel=0.05)
 
 
 # ----------------------------------------------------------------------------- communication
@@ -252,7 +253,7 @@ def _overlap_job(zero: int) -> dict:
                         callbacks=[window, _FirstLayerMark(window)], use_distributed_sampler=False,
                         **trainer_kwargs(**CLIP))
     trainer.fit(RegressionNet(depth=3), datamodule=ShardedData(regression_dataset, 8))
-    return {"calls": [c[0] for c in window.counter.calls], "buckets": len(strategy.parallel_model.zero.buckets)}
+    return {"calls": [c[0] for c in window.counter.calls], "buckets": len(strategy.parallel_model.data_parallel.engine.buckets)}
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -350,15 +351,15 @@ def test_bf16_true_fp32_masters_sharded(pools, zero):
     for r in results:
         mem = r["memory"]
         if zero < 3:
-            assert mem["bytes_per_param"] == {"param": 2, "grad": 2, "optimizer": 12}
-            assert mem["params"] == 2 * full_params  # bf16 model weights, replicated
+            assert mem.bytes_per_param == BytesPerParam(param=2, grad=2, optimizer=12)
+            assert mem.params == 2 * full_params  # bf16 model weights, replicated
             # fp32 master (4) + Adam (8) per parameter, divided by dp from stage 1 on
             expected_optimizer = 12 * full_params / (2 if zero >= 1 else 1)
         else:
-            assert mem["bytes_per_param"]["param"] == 4  # FSDP2 keeps fp32 shards: they are the masters
-            assert mem["params"] <= 1.05 * 4 * full_params / 2
+            assert mem.bytes_per_param.param == 4  # FSDP2 keeps fp32 shards: they are the masters
+            assert mem.params <= 1.05 * 4 * full_params / 2
             expected_optimizer = 8 * full_params / 2
-        assert mem["optimizer"] == pytest.approx(expected_optimizer, rel=0.05)
+        assert mem.optimizer == pytest.approx(expected_optimizer, rel=0.05)
     _bf16_losses[zero] = mean_over_dp([r["losses"] for r in results], [[0, 1]])
     # The loss falls, and all stages agree with each other to bf16 accuracy.
     assert _bf16_losses[zero][-1] < _bf16_losses[zero][0]

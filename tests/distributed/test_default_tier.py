@@ -12,6 +12,7 @@ grouping by world size spawns each size once.
 
 from __future__ import annotations
 
+from tests.distributed.test_context_parallel_any_model import test_cp2_ring_plain_hf_llama_matches_one_device as _cp_hf
 from tests.distributed.test_context_parallel_training import LAYOUTS_4, gpt
 from tests.distributed.test_context_parallel_training import test_cp2_composes_parity as _cp_composed
 from tests.distributed.test_context_parallel_training import test_cp2_parity_gpt_recipe as _cp
@@ -53,6 +54,10 @@ def test_expert_parallel(pools):
 
 def test_context_parallel_ring(pools):
     _cp(pools, method="ring", model=gpt)
+
+
+def test_context_parallel_transformers_llama_without_hook(pools):
+    _cp_hf(pools)
 
 
 def test_transformers_llama_tensor_parallel(pools):

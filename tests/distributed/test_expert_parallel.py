@@ -302,8 +302,8 @@ def test_ep2_parity_memory_and_communication(pools):
     for r in results:
         assert abs(r["expert_local_bytes"] - full / 2) <= 0.01 * full / 2
         mem = r["memory"]
-        assert mem["expert"]["params"] == r["expert_local_bytes"]
-        assert mem["num_expert_params"] * 4 == full / 2
+        assert mem.expert.params == r["expert_local_bytes"]
+        assert mem.num_expert_params * 4 == full / 2
     depth = 2
     for r in results:
         fwd = [c for c in r["forward_calls"] if c[0] == "all_to_all"]
@@ -429,7 +429,7 @@ def test_ep2_dp4_parity_and_expert_data_parallel_groups(pools, zero):
         # (ZeRO-1 grads are left out: ZeroDataParallel frees the full gradients after the
         # reduce-scatter, so after a step it holds psi/N, below the formula's psi.)
         for key in ("params", "optimizer") + (("grads",) if zero >= 2 else ()):
-            assert mem["expert"][key] == pytest.approx(mem["expected_expert"][key], rel=0.01), key
+            assert getattr(mem.expert, key) == pytest.approx(getattr(mem.expected_expert, key), rel=0.01), key
 
 
 # ----------------------------------------------------------------------------- skewed routing

@@ -115,9 +115,9 @@ def test_hsdp_bytes_per_rank_and_across_replicas(pools, zero):
         if zero >= 2:
             assert r["grads"] <= 1.05 * psi / dp_shard
         for key in ("params", "optimizer"):  # the library's own numbers and formula agree
-            assert breakdown[key] == r[key]
-            assert r[key] == pytest.approx(breakdown["expected"][key], rel=0.05)
-        assert (breakdown["dp"], breakdown["dp_replicate"]) == (dp_shard, 2)
+            assert getattr(breakdown, key) == r[key]
+            assert r[key] == pytest.approx(getattr(breakdown.expected, key), rel=0.05)
+        assert (breakdown.dp, breakdown.dp_replicate) == (dp_shard, 2)
         # --- traffic: only gradient shards cross the replicate dimension (all-reduce counts 2x)
         across = {kind: b for (dim, kind), b in traffic.items() if dim == "dp_replicate"}
         assert set(across) == {"all_reduce"}, across

@@ -156,7 +156,7 @@ def test_pp2_schedules_match_single_device(pools, layout, variant):
     results = pools.get(2).run(pp_job, {"pp": 2, "microbatches": 4, **layout}, VARIANTS[variant])
     assert_matches_reference(results, variant)
     # The loss every rank logs (progress bar, loggers, ModelCheckpoint) is the last stage's.
-    last = next(r for r in results if r["stats"]["stages"][-1] == 2 * layout.get("virtual_stages", 1) - 1)
+    last = next(r for r in results if r["stats"].stages[-1] == 2 * layout.get("virtual_stages", 1) - 1)
     for r in results:
         assert r["logged"] == last["logged"]
         assert r["losses"] == last["losses"]
@@ -165,12 +165,12 @@ def test_pp2_schedules_match_single_device(pools, layout, variant):
 
     order = schedule_action_order(layout["schedule"], 2, 4, layout.get("virtual_stages", 1))
     for r in results:
-        ran = [f"{e['stage']}{e['action']}{e['microbatch']}" for e in r["stats"]["events"] if e["action"] != "L"]
-        assert ran == order[r["stats"]["pp_rank"]]
+        ran = [f"{e.stage}{e.action}{e.microbatch}" for e in r["stats"].events if e.action != "L"]
+        assert ran == order[r["stats"].pp_rank]
         # Busy + idle = step; the idle fraction is logged every step.
         stats = r["stats"]
-        assert stats["busy_time_s"] + stats["idle_time_s"] == pytest.approx(stats["step_time_s"])
-        assert len(r["logged_idle"]) == len(r["losses"]) and r["logged_idle"][-1] == pytest.approx(stats["idle_fraction"])
+        assert stats.busy_time_s + stats.idle_time_s == pytest.approx(stats.step_time_s)
+        assert len(r["logged_idle"]) == len(r["losses"]) and r["logged_idle"][-1] == pytest.approx(stats.idle_fraction)
 
 
 @pytest.mark.parametrize("layout", [{"schedule": "looped_bfs", "virtual_stages": 2}, {"schedule": "zbv", "virtual_stages": 2},
@@ -189,8 +189,8 @@ def test_pp2_explicit_split_eval_and_predict(pools):
     results = pools.get(2).run(
         pp_job, {"pp": 2, "microbatches": 4, "pipeline_split": [2]}, during_fit, evaluate=True
     )
-    assert results[0]["stats"]["stage_layers"] == {0: ["embed", "blocks.0"]}
-    assert results[1]["stats"]["stage_layers"] == {1: ["blocks.1", "blocks.2", "blocks.3", "head"]}
+    assert results[0]["stats"].stage_layers == {0: ["embed", "blocks.0"]}
+    assert results[1]["stats"].stage_layers == {1: ["blocks.1", "blocks.2", "blocks.3", "head"]}
     assert_matches_reference(results, "plain")
     model = TinyTokenModel()
     model.load_state_dict(reference("plain")["params"], strict=False)
@@ -208,7 +208,7 @@ def test_pp2_explicit_split_eval_and_predict(pools):
 def test_pp2_balance_by_measured_time_matches_single_device(pools):
     # The model summary would run a forward with `example_input_array`: no rank can (it is cleared).
     results = pools.get(2).run(pp_job, {"pp": 2, "microbatches": 4, "pipeline_balance": "time"}, {"enable_model_summary": True})
-    layers = [name for r in sorted(results, key=lambda r: r["stats"]["pp_rank"]) for name in r["stats"]["stage_layers"][r["stats"]["pp_rank"]]]
+    layers = [name for r in sorted(results, key=lambda r: r["stats"].pp_rank) for name in r["stats"].stage_layers[r["stats"].pp_rank]]
     assert layers == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]  # contiguous, complete
     assert_matches_reference(results, "plain")
 
@@ -236,8 +236,8 @@ def test_gpipe_holds_m_microbatches_of_activations_1f1b_at_most_p(pools):
             pp_job, {"pp": p, "microbatches": m, "schedule": schedule}, PLAIN, global_batch=32, max_steps=2,
             measure_activations=True,
         )
-        stage0 = next(r for r in results if r["stats"]["stages"] == [0])
-        peaks[schedule] = stage0["stats"]["peak_saved_activation_bytes"]
+        stage0 = next(r for r in results if r["stats"].stages == [0])
+        peaks[schedule] = stage0["stats"].peak_saved_activation_bytes
     ratio = peaks["gpipe"] / peaks["1f1b"]
     assert ratio >= 0.8 * m / p, f"GPipe/1F1B peak activation ratio {ratio:.2f} < 0.8*m/p = {0.8 * m / p}; {peaks}"
 
@@ -348,7 +348,7 @@ def test_pp2_dp2_zero2_matches_single_device(pools):
 
 def test_pp4_matches_single_device(pools):
     results = pools.get(4).run(pp_job, {"pp": 4, "microbatches": 4, "schedule": "1f1b"}, PLAIN)
-    assert sorted(r["stats"]["stages"][0] for r in results) == [0, 1, 2, 3]
+    assert sorted(r["stats"].stages[0] for r in results) == [0, 1, 2, 3]
     assert_matches_reference(results, "plain")
 
 

@@ -85,8 +85,8 @@ def test_tp2_parity_nanogpt_names_and_memory_breakdown(pools):
     )
     check_parity(results, reference())
     memory = results[0]["memory"]
-    assert memory["params"] == _expected_param_bytes(tp=2)
-    assert memory["params"] < 0.6 * _expected_param_bytes(tp=1)
+    assert memory.params == _expected_param_bytes(tp=2)
+    assert memory.params < 0.6 * _expected_param_bytes(tp=1)
 
 
 def _size_one_dp_job() -> dict:
@@ -117,7 +117,7 @@ def _size_one_dp_job() -> dict:
         "groups": [group for _, _, group in count.counter.calls],
         "dp_group": dims.group("dp").group_name,
         "tp_group": dims.group("tp").group_name,
-        "buckets": len(strategy.parallel_model.zero.buckets),
+        "buckets": len(strategy.parallel_model.data_parallel.engine.buckets),
     }
 
 
@@ -333,9 +333,9 @@ def test_dp2_tp2_parity_with_clipping_and_memory(pools, zero):
     check_parity(results, reference(**CLIP), dp=2)
     memory = results[0]["memory"]
     # Parameters: tp shards (ZeRO-3 also shards them over dp); momentum: always over dp too.
-    assert memory["params"] == pytest.approx(_expected_param_bytes(tp=2, dp_shards=2 if zero == 3 else 1), rel=0.01)
-    assert memory["optimizer"] == pytest.approx(_expected_param_bytes(tp=2, dp_shards=2), rel=0.01)
-    assert memory["optimizer"] == pytest.approx(memory["expected"]["optimizer"], rel=0.01)
+    assert memory.params == pytest.approx(_expected_param_bytes(tp=2, dp_shards=2 if zero == 3 else 1), rel=0.01)
+    assert memory.optimizer == pytest.approx(_expected_param_bytes(tp=2, dp_shards=2), rel=0.01)
+    assert memory.optimizer == pytest.approx(memory.expected.optimizer, rel=0.01)
 
 
 def _train(strategy_kwargs: dict, max_steps: int, ckpt_dir: str | None = None, resume: str | None = None) -> dict:

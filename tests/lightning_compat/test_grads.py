@@ -48,7 +48,8 @@ class GradProbe(Callback):
             "get_total_norm": _plain(torch.nn.utils.get_total_norm([g for g in grads if g is not None])),
         }
         strategy = trainer.strategy
-        zero = getattr(getattr(strategy, "parallel_model", None), "zero", None)
+        data_parallel = getattr(getattr(strategy, "parallel_model", None), "data_parallel", None)
+        zero = getattr(data_parallel, "engine", None)  # ZeRO 0-2: the ZeroDataParallel engine
         if zero is not None and zero.stage > 0:
             # ZeRO-1/2: the DTensor's local tensor is the optimizer's gradient shard itself (no copy).
             slots = [zero.slot_of(p) for p in params]

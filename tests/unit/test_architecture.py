@@ -366,3 +366,70 @@ def test_long_modules_say_why(name):
         return
     doc = ast.get_docstring(ast.parse(source)) or ""
     assert "Why this module is long" in doc, f"{name} has {len(source.splitlines())} lines and no reason in its docstring"
+
+
+# ----------------------------------------------------------------------------- data parallelism (issue 22)
+# (unlike the checks above, this one imports the package: it compares the implementations' signatures)
+_ZERO_INTERNALS = {
+    # names and attributes only data parallelism's own package may use
+    "ZeroDataParallel", "count_grad_replication", "shard_optimizer", "slot_for_optimizer_param", "slots", "buckets",
+    "engine", "fsdp_no_sync", "fsdp_without_gradient_sync", "is_fsdp_root", "reshard_fsdp_units", "apply_fully_shard",
+}
+
+
+def _zero_internals_used(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _ZERO_INTERNALS:
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in _ZERO_INTERNALS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "zero":
+            # `config.zero` (the stage number) is fine; `parallel.zero` (the old engine field) is not.
+            value = node.value
+            is_stage = (isinstance(value, ast.Attribute) and value.attr == "config") or (
+                isinstance(value, ast.Name) and value.id in ("old", "new", "config")
+            )
+            if not is_stage:
+                found.append(f"line {node.lineno}: .zero")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE}.parallel.data."):
+            found.append(f"line {node.lineno}: from {node.module}")  # only the package's public names
+    return found
+
+
+def test_data_parallel_has_one_interface_that_the_strategy_uses():
+    """``strategy.py`` reads no ZeRO internals: it talks to ``DataParallel`` only; every implementation
+    of the interface is concrete and keeps the interface's signatures; ``apply_data_parallel`` returns one."""
+    import inspect
+
+    from lightning_para.parallel.data import (
+        DataParallel,
+        FullyShardedData,
+        UserFullyShardedData,
+        ZeroData,
+        apply_data_parallel,
+    )
+
+    tree = ast.parse((ROOT / "strategy.py").read_text())
+    assert _zero_internals_used(tree) == []
+    # The check sees the old forms.
+    old = "def f(self):\n    self._parallel.zero.flush()\n    count_grad_replication(q, d, self._parallel.zero, e)\n"
+    assert len(_zero_internals_used(ast.parse(old))) == 3
+    assert _zero_internals_used(ast.parse("self.config.zero >= 2\nold.zero != new.zero\n")) == []
+
+    public = [n for n, v in vars(DataParallel).items() if not n.startswith("_") and callable(v)]
+    assert {"no_sync", "accumulation_no_sync", "flush", "attach_optimizer", "optimizer_slots", "memory_breakdown"} <= set(public)
+    for impl in (ZeroData, FullyShardedData, UserFullyShardedData):
+        assert issubclass(impl, DataParallel) and not inspect.isabstract(impl), impl
+        for name in public:
+            assert inspect.signature(getattr(impl, name)) == inspect.signature(getattr(DataParallel, name)), (impl, name)
+    assert inspect.signature(apply_data_parallel).return_annotation in (DataParallel, "DataParallel")
+    # Outside parallel/data, nobody imports the ZeRO engine or its module.
+    for name, path in _modules().items():
+        if name.startswith(f"{PACKAGE}.parallel.data"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != f"{PACKAGE}.parallel.data.zero", name
+                assert "ZeroDataParallel" not in {a.name for a in node.names}, name

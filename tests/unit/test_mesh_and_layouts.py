@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.observe.memory import expected, formula
+from lightning_para.parallel.data.memory import expected, formula
 from lightning_para.parallel.data.layout import pack_rank_major as _pack, unpack_rank_major as _unpack
 from lightning_para.parallel.data.fsdp import choose_units
 
@@ -117,13 +117,13 @@ def test_zero_formulas_match_the_paper(stage, paper):
     """bf16 weights and grads (2 + 2 B) and Adam with an fp32 master (12 B), N = 4."""
     psi = 1000
     exp = expected(stage=stage, psi_dense=psi, psi_expert=0, dp=4, edp=4, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
-    assert exp["total"] / psi == pytest.approx(paper)
+    assert exp.total / psi == pytest.approx(paper)
     assert formula(stage, 4).startswith(("16 ", "4+12/N", "2+14/N", "16/N"))
 
 
 def test_expert_parameters_shard_over_edp():
     exp = expected(stage=1, psi_dense=100, psi_expert=100, dp=4, edp=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
-    assert exp["optimizer"] == 8 * (100 / 4 + 100 / 2)
+    assert exp.optimizer == 8 * (100 / 4 + 100 / 2)
 
 
 class _Untied(nn.Module):

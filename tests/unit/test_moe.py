@@ -165,9 +165,9 @@ def test_sequence_scope_is_invariant_to_splitting_the_batch():
     for scope, invariant in (("sequence", True), ("batch", False)):
         layer = MoE(8, 16, 4, top_k=1, balance_scope=scope)
         layer(x)
-        whole = layer.pop_stats()["balance_loss"]
+        whole = layer.pop_stats().balance_loss
         layer(x[:2]), layer(x[2:])
-        halves = layer.pop_stats()["balance_loss"]  # mean over the two forwards
+        halves = layer.pop_stats().balance_loss  # mean over the two forwards
         assert math.isclose(whole, halves, rel_tol=1e-6) is invariant
 
 
@@ -183,8 +183,8 @@ def test_capacity_drops_overflow_and_reports_fraction():
     tokens = 16
     capacity = expert_capacity(tokens, 4, 1.0, 1)  # 4
     stats = layer.pop_stats()
-    assert stats["tokens_per_expert"].tolist() == [16, 0, 0, 0]
-    assert stats["dropped_fraction"] == pytest.approx((tokens - capacity) / tokens)
+    assert stats.tokens_per_expert == [16, 0, 0, 0]
+    assert stats.dropped_fraction == pytest.approx((tokens - capacity) / tokens)
     keep = capacity_keep_mask(torch.zeros(tokens, 1, dtype=torch.long), 4, capacity)
     assert torch.allclose(out, naive_moe(layer, x, keep), atol=1e-6)
     # A dropped token gets only the shared expert here; the block's residual carries it on.
@@ -202,7 +202,7 @@ def test_activation_checkpoint_recompute_is_not_counted_twice():
     layer.zero_grad()
     layer(x).sum().backward()
     assert torch.allclose(g_ckpt, layer.router.weight.grad, atol=1e-7)
-    assert stats_ckpt["tokens_per_expert"].sum() == 2 * 4 * 2  # one forward's assignments, not two
+    assert sum(stats_ckpt.tokens_per_expert) == 2 * 4 * 2  # one forward's assignments, not two
 
 
 def test_paused_forward_records_nothing():

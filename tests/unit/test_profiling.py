@@ -16,6 +16,7 @@ from lightning_para.observe.profiler import ParaProfiler, detect_peak_flops
 from lightning_para.observe.timeline import (
     COLORS, IDLE, PipelineEvent, as_events, draw_timeline, idle_fraction, pipeline_metrics, rank_pipeline_record,
 )
+from lightning_para.parallel.pipeline import PipelineStats, PipelineStepStats
 from lightning_para.recipes.gpt import GPT
 
 
@@ -61,17 +62,21 @@ def test_pipeline_records_share_one_clock_and_average_per_stage():
     """Two ranks per stage; each rank's events are relative to its own step start."""
     per_rank = []
     for rank, (stage, start_unix, idle) in enumerate([(0, 100.0, 0.2), (0, 100.5, 0.4), (1, 100.25, 0.1), (1, 100.0, 0.3)]):
-        stats = {
-            "step_start_unix": start_unix, "idle_fraction": idle, "expected_idle_fraction": 1 / 3,
-            "events": [{"stage": stage, "microbatch": 0, "action": "F", "start": 0.5, "end": 1.0},
-                       {"stage": stage, "microbatch": 0, "action": "L", "start": 0.9, "end": 1.0}],
-        }
+        step = PipelineStepStats(
+            step_time_s=1.0, busy_time_s=1.0 - idle, idle_time_s=idle, idle_fraction=idle, step_start_unix=start_unix,
+            events=(PipelineEvent(0, stage, "F", 0, 0.5, 1.0), PipelineEvent(0, stage, "L", 0, 0.9, 1.0)),
+        )
+        stats = PipelineStats(
+            schedule="gpipe", pp=2, pp_rank=stage, virtual_stages=1, microbatches=1, stages=[stage],
+            stage_layers={stage: []}, expected_idle_fraction=1 / 3, steps=1, mean_idle_fraction=idle, last_step=step,
+        )
         per_rank.append(rank_pipeline_record(stats, rank, stage))
     metrics, events = pipeline_metrics(per_rank)
     assert metrics == pytest.approx({"pipeline/idle_fraction/stage0": 0.3, "pipeline/idle_fraction/stage1": 0.2,
                                      "pipeline/expected_idle_fraction": 1 / 3})
     assert [e.action for e in events] == ["F"] * 4  # the loss ("L") runs inside the forward
     assert [e.start for e in events] == [100.5, 101.0, 100.75, 100.5]
+    assert [e.rank for e in events] == [0, 1, 2, 3]  # the global rank each record was made for
 
 
 def test_collective_byte_accounting_follows_the_zero_paper():

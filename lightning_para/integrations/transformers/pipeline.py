@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_para.integrations.transformers.context import context_parallel_runtime
 from lightning_para.parallel.pipeline.spec import PipelineSpec
 
 IGNORE_INDEX = -100
@@ -210,6 +211,14 @@ def pipeline_spec(
     Raises ``ValueError`` naming the class and what is missing for an architecture it does not know.
     """
     check_causal_lm(model)
+    runtime = context_parallel_runtime(model)
+    if runtime is not None and runtime.shard.cp > 1:
+        # Its stages build positions, the causal mask and the label shift from the chunk they see.
+        raise ValueError(
+            f"pipeline_spec: `{type(model).__name__}` under pp x cp (cp={runtime.shard.cp}) is not supported: the"
+            " pipeline stages would number each rank's chunks from 0 and shift labels inside them. Use cp without pp"
+            " (the model's own forward gets its global positions), or pp without cp."
+        )
     if getattr(model.config, "output_router_logits", False):
         raise ValueError(
             f"pipeline_spec: `{type(model).__name__}` has config.output_router_logits=True, but the router auxiliary"

@@ -58,3 +58,16 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, load_b
 def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     """SDPA's default softmax scale, ``1 / sqrt(head_dim)`` (Vaswani et al. 2017)."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def check_key_valid(key_valid: Optional[torch.Tensor], q: torch.Tensor, cp: int) -> Optional[torch.Tensor]:
+    """A key padding mask ``[batch, seq]`` for the whole sequence, as bool on q's device (``None`` stays ``None``)."""
+    if key_valid is None:
+        return None
+    expected = (q.shape[0], q.shape[2] * cp)
+    if key_valid.dim() != 2 or tuple(key_valid.shape) != expected:
+        raise ValueError(
+            f"key_valid must be the whole sequence's key padding [batch, seq] = {list(expected)} (True: a real "
+            f"token), got shape {tuple(key_valid.shape)}"
+        )
+    return key_valid.to(device=q.device, dtype=torch.bool)

@@ -70,6 +70,7 @@ def context_parallel_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     load_balance: bool = True,
+    key_valid: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group``; SDPA's layout and semantics.
 
@@ -82,12 +83,16 @@ def context_parallel_attention(
         is_causal: causal mask over global positions.
         scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
         load_balance: the inputs use the head-tail layout (must match the sharding).
+        key_valid: key padding of the whole sequence, ``[batch, seq]`` bool in natural order
+            (``False``: padding, seen by no query), the same on every rank; ``None``: none.
 
     Returns:
         This rank's output shard, equal to the matching rows of full-sequence SDPA.
     """
     _check_method(method)
-    return CP_METHODS[method](q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance)
+    return CP_METHODS[method](
+        q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance, key_valid=key_valid
+    )
 
 
 class ContextParallelSDPA(TorchFunctionMode):
@@ -113,6 +118,7 @@ class ContextParallelSDPA(TorchFunctionMode):
         self.method = method
         self.load_balance = load_balance
         self.calls = 0  # SDPA calls routed, e.g. to check that a model's attention was reached
+        self.recorded: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None  # set: keep q, k, v
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -135,6 +141,8 @@ class ContextParallelSDPA(TorchFunctionMode):
                 f"attention (as F.scaled_dot_product_attention requires)"
             )
         self.calls += 1
+        if self.recorded is not None:  # the first-step position check (.check) compares them
+            self.recorded.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
         return context_parallel_attention(
             q,
             k,
@@ -144,7 +152,12 @@ class ContextParallelSDPA(TorchFunctionMode):
             is_causal=a["is_causal"],
             scale=a["scale"],
             load_balance=self.load_balance,
+            key_valid=self.key_valid(),
         )
+
+    def key_valid(self) -> Optional[torch.Tensor]:
+        """Key padding of the current forward (``[batch, seq]``, natural order), or ``None``."""
+        return None
 
 
 def context_parallel_sdpa(

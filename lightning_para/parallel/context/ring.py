@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_para.parallel.context._checks import check_qkv, cp_rank_and_size, default_scale
+from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size, default_scale
 from lightning_para.parallel.context.sharding import chunk_ids_for_rank
 
 __all__ = ["ring_attention"]
@@ -74,14 +74,34 @@ def _pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
     return _DIAGONAL if k_chunk == q_chunk else _SKIP  # later keys are all masked
 
 
-def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    """Scaled scores ``[b, hkv, g, sq, sk]`` of grouped queries ``q5`` against ``k`` ``[b, hkv, sk, d]``."""
+def _scores(
+    q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str, key_valid: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Scaled scores ``[b, hkv, g, sq, sk]`` of grouped queries ``q5`` against ``k`` ``[b, hkv, sk, d]``;
+    ``key_valid`` ``[b, sk]`` (False: a padding key) masks keys as well."""
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
     if kind == _DIAGONAL:  # same chunk: query i sees keys j <= i (global positions differ by a constant)
         n = s.shape[-1]
         visible = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~visible, float("-inf"))
+    if key_valid is not None:
+        s = s.masked_fill(~key_valid[:, None, None, None, :], float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that see no key at all (``-inf``) set to 0, so ``exp(s - lse)`` is 0 there, not NaN.
+
+    Such rows (queries before the first real token of a left-padded sequence) output 0, as
+    ``F.scaled_dot_product_attention`` does for a fully masked row."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _key_block(key_valid: Optional[torch.Tensor], chunk: int, ring: "_Ring") -> Optional[torch.Tensor]:
+    """The padding of natural chunk ``chunk`` (``key_valid`` is the whole sequence's, natural order)."""
+    if key_valid is None:
+        return None
+    return key_valid[:, chunk * ring.chunk_len : (chunk + 1) * ring.chunk_len]
 
 
 def _merge(
@@ -95,7 +115,8 @@ def _merge(
         return out, lse
     acc_out, acc_lse = acc
     new_lse = torch.logaddexp(acc_lse, lse)
-    merged = acc_out * torch.exp(acc_lse - new_lse).unsqueeze(-1) + out * torch.exp(lse - new_lse).unsqueeze(-1)
+    safe = _finite(new_lse)  # both -inf (no key seen yet): weights exp(-inf) = 0, not NaN
+    merged = acc_out * torch.exp(acc_lse - safe).unsqueeze(-1) + out * torch.exp(lse - safe).unsqueeze(-1)
     return merged, new_lse
 
 
@@ -114,6 +135,7 @@ class _RingAttention(torch.autograd.Function):
         is_causal: bool,
         scale: float,
         load_balance: bool,
+        key_valid: Optional[torch.Tensor],
     ) -> torch.Tensor:
         b, hq, n, d = q.shape
         hkv = k.shape[1]
@@ -136,9 +158,9 @@ class _RingAttention(torch.autograd.Function):
                     kind = _pair_kind(q_chunk, k_chunk, is_causal)
                     if kind == _SKIP:
                         continue
-                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind)
+                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind, _key_block(key_valid, k_chunk, ring))
                     lse = torch.logsumexp(s, dim=-1)
-                    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v_chunks[ki].unsqueeze(2))
+                    out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v_chunks[ki].unsqueeze(2))
                     acc[qi] = _merge(acc[qi], out, lse)
             for work in pending:
                 work.wait()
@@ -149,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.cat([a[1] for a in acc], dim=3)  # type: ignore[index]
         out = out5.reshape(b, hq, n, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.is_causal, ctx.scale = ring, is_causal, scale
+        ctx.ring, ctx.is_causal, ctx.scale, ctx.key_valid = ring, is_causal, scale, key_valid
         return out
 
     @staticmethod
@@ -165,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
         # FlashAttention-2's D = rowsum(dO * O): the softmax Jacobian term (Dao 2023, Alg. 2).
         delta = (dout5 * out.float().reshape(shape5)).sum(-1)
         q_chunks, dout_chunks = _split(q5, ring, 3), _split(dout5, ring, 3)
-        lse_chunks, delta_chunks = _split(lse, ring, 3), _split(delta, ring, 3)
+        lse_chunks, delta_chunks = _split(_finite(lse), ring, 3), _split(delta, ring, 3)
         dq_chunks = [torch.zeros_like(c) for c in q_chunks]
 
         k_cur, v_cur = k.contiguous(), v.contiguous()
@@ -187,7 +209,8 @@ class _RingAttention(torch.autograd.Function):
                     if kind == _SKIP:
                         continue
                     # Recompute P from the saved global lse; masked entries give exp(-inf) = 0.
-                    p = torch.exp(_scores(q_chunks[qi], k_chunks[ki], scale, kind) - lse_chunks[qi].unsqueeze(-1))
+                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind, _key_block(ctx.key_valid, k_chunk, ring))
+                    p = torch.exp(s - lse_chunks[qi].unsqueeze(-1))
                     dv_chunks[ki].add_(torch.matmul(p.transpose(-1, -2), dout_chunks[qi]).sum(2))
                     dp = torch.matmul(dout_chunks[qi], v_chunks[ki].unsqueeze(2).transpose(-1, -2))
                     ds = p * (dp - delta_chunks[qi].unsqueeze(-1))
@@ -213,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
         for work in grad_pending:
             work.wait()
         dq = torch.cat(dq_chunks, dim=3).reshape(q.shape).to(q.dtype)
-        return dq, dk_in.to(k.dtype), dv_in.to(v.dtype), None, None, None, None  # type: ignore[union-attr]
+        return dq, dk_in.to(k.dtype), dv_in.to(v.dtype), None, None, None, None, None  # type: ignore[union-attr]
 
 
 def ring_attention(
@@ -225,6 +248,7 @@ def ring_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     load_balance: bool = True,
+    key_valid: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Context-parallel attention by passing K/V blocks around the cp ring.
 
@@ -238,6 +262,9 @@ def ring_attention(
         load_balance: whether the shards follow the head-tail layout of
             :func:`~lightning_para.parallel.context.sharding.shard_sequence` (``True``) or are
             contiguous slices (``False``). It must match how the inputs were sharded.
+        key_valid: the whole sequence's key padding ``[batch, seq]`` (bool, natural order; False:
+            padding), the same on every cp rank, applied on top of the causal mask (a padding
+            key is seen by no query; a query that sees no key outputs 0, as SDPA's). ``None``: none.
 
     Returns:
         This rank's shard of the attention output, ``[batch, heads, local_seq, head_dim]``,
@@ -249,4 +276,7 @@ def ring_attention(
     """
     _, cp = cp_rank_and_size(group)
     check_qkv(q, k, v, cp, load_balance)
-    return _RingAttention.apply(q, k, v, group, bool(is_causal), default_scale(q, scale), bool(load_balance))
+    key_valid = check_key_valid(key_valid, q, cp)
+    return _RingAttention.apply(
+        q, k, v, group, bool(is_causal), default_scale(q, scale), bool(load_balance), key_valid
+    )

@@ -19,12 +19,16 @@ This module imports nothing from the rest of ``lightning_para``.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 __all__ = [
+    "ContextParallelShard",
     "chunk_ids_for_rank",
     "natural_to_rank_order",
     "position_ids_for_rank",
@@ -158,3 +162,62 @@ def unshard_sequence(
     pieces = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(pieces, local, group=group)
     return rank_order_to_natural(torch.cat(pieces, dim), cp, dim, load_balance)
+
+
+@dataclass(frozen=True)
+class ContextParallelShard:
+    """This rank's place in its cp group: what a batch hook or a position-aware module needs.
+
+    Attributes:
+        cp_rank: this rank's index in the cp group.
+        cp: the cp degree.
+        load_balance: the head-tail layout (chunks ``r`` and ``2cp-1-r`` of ``2cp``); otherwise
+            the ``r``-th of ``cp`` contiguous slices.
+    """
+
+    cp_rank: int
+    cp: int
+    load_balance: bool = True
+
+    def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """This rank's chunks of ``tensor`` along ``dim`` (``ValueError`` naming ``cp`` if they do not divide it)."""
+        self.check_length(tensor.shape[dim])
+        return shard_sequence(tensor, self.cp_rank, self.cp, dim=dim, load_balance=self.load_balance)
+
+    def check_length(self, seq_len: int) -> None:
+        """Raise ``ValueError`` naming ``cp`` and the valid choices unless ``seq_len`` can be split."""
+        chunks = 2 * self.cp if self.load_balance else self.cp
+        if seq_len % chunks == 0:
+            return
+        choices = sorted({1, *valid_cp_sizes(seq_len, load_balance=self.load_balance)})  # cp=1 splits nothing
+        how = f"2*cp={chunks} equal chunks (load-balanced, for causal attention)" if self.load_balance else f"{chunks} equal chunks"
+        hint = ", or set cp_load_balance=False (then cp alone must divide it)" if self.load_balance else ""
+        raise ValueError(
+            f"ParaStrategy(cp={self.cp}) splits every sequence (dim 1 of the batch tensors) into {how}, but a"
+            f" sequence has {seq_len} tokens. Choose cp in {choices}, pad sequences to a multiple of {chunks}{hint}."
+        )
+
+    def split_batch(self, batch: Any) -> Any:
+        """The default split: every tensor with at least two dims, along dim 1 (nested lists, tuples, dicts)."""
+        if isinstance(batch, Tensor):
+            return self.split(batch, 1) if batch.dim() >= 2 else batch
+        if isinstance(batch, Mapping):
+            return type(batch)({k: self.split_batch(v) for k, v in batch.items()})  # type: ignore[call-arg]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*(self.split_batch(v) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.split_batch(v) for v in batch)
+        return batch
+
+    def position_ids(
+        self, seq_len: int, *, batch_size: Optional[int] = None, device: Optional[torch.device] = None
+    ) -> Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence: ``[seq_len / cp]``,
+        or ``[batch_size, seq_len / cp]`` (what HF models take as ``position_ids``)."""
+        self.check_length(seq_len)
+        positions = position_ids_for_rank(seq_len, self.cp_rank, self.cp, self.load_balance, device=device)
+        return positions if batch_size is None else positions.expand(batch_size, -1)
+
+    def local_positions(self, local_len: int, device: Optional[torch.device] = None) -> Tensor:
+        """Global positions of a local shard of ``local_len`` tokens (for RoPE / position embeddings)."""
+        return self.position_ids(local_len * self.cp, device=device)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,13 +48,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_para.parallel.context.adapters import ContextParallelRuntime, context_parallel_adapters
 from lightning_para.parallel.context.attention import SDPA_CONTRACT, ContextParallelSDPA
-from lightning_para.parallel.context.sharding import (
-    position_ids_for_rank,
-    shard_sequence,
-    unshard_sequence,
-    valid_cp_sizes,
-)
+from lightning_para.parallel.context.check import PositionCheck, run_position_check
+from lightning_para.parallel.context.sharding import ContextParallelShard, unshard_sequence
 
 __all__ = ["ContextParallel", "ContextParallelShard", "ContextParallelStepMode", "apply_context_parallel"]
 
@@ -66,75 +62,41 @@ _CROSS_ENTROPY = F.cross_entropy
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
-@dataclass(frozen=True)
-class ContextParallelShard:
-    """This rank's place in its cp group: what a batch hook or a position-aware module needs.
-
-    Attributes:
-        cp_rank: this rank's index in the cp group.
-        cp: the cp degree.
-        load_balance: the head-tail layout (chunks ``r`` and ``2cp-1-r`` of ``2cp``); otherwise
-            the ``r``-th of ``cp`` contiguous slices.
-    """
-
-    cp_rank: int
-    cp: int
-    load_balance: bool = True
-
-    def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
-        """This rank's chunks of ``tensor`` along ``dim`` (``ValueError`` naming ``cp`` if they do not divide it)."""
-        self.check_length(tensor.shape[dim])
-        return shard_sequence(tensor, self.cp_rank, self.cp, dim=dim, load_balance=self.load_balance)
-
-    def check_length(self, seq_len: int) -> None:
-        """Raise ``ValueError`` naming ``cp`` and the valid choices unless ``seq_len`` can be split."""
-        chunks = 2 * self.cp if self.load_balance else self.cp
-        if seq_len % chunks == 0:
-            return
-        choices = sorted({1, *valid_cp_sizes(seq_len, load_balance=self.load_balance)})  # cp=1 splits nothing
-        how = f"2*cp={chunks} equal chunks (load-balanced, for causal attention)" if self.load_balance else f"{chunks} equal chunks"
-        hint = ", or set cp_load_balance=False (then cp alone must divide it)" if self.load_balance else ""
-        raise ValueError(
-            f"ParaStrategy(cp={self.cp}) splits every sequence (dim 1 of the batch tensors) into {how}, but a"
-            f" sequence has {seq_len} tokens. Choose cp in {choices}, pad sequences to a multiple of {chunks}{hint}."
-        )
-
-    def split_batch(self, batch: Any) -> Any:
-        """The default split: every tensor with at least two dims, along dim 1 (nested lists, tuples, dicts)."""
-        if isinstance(batch, Tensor):
-            return self.split(batch, 1) if batch.dim() >= 2 else batch
-        if isinstance(batch, Mapping):
-            return type(batch)({k: self.split_batch(v) for k, v in batch.items()})  # type: ignore[call-arg]
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*(self.split_batch(v) for v in batch))
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.split_batch(v) for v in batch)
-        return batch
-
-    def position_ids(
-        self, seq_len: int, *, batch_size: Optional[int] = None, device: Optional[torch.device] = None
-    ) -> Tensor:
-        """Global positions of this rank's tokens of a ``seq_len``-token sequence: ``[seq_len / cp]``,
-        or ``[batch_size, seq_len / cp]`` (what HF models take as ``position_ids``)."""
-        self.check_length(seq_len)
-        positions = position_ids_for_rank(seq_len, self.cp_rank, self.cp, self.load_balance, device=device)
-        return positions if batch_size is None else positions.expand(batch_size, -1)
-
-    def local_positions(self, local_len: int, device: Optional[torch.device] = None) -> Tensor:
-        """Global positions of a local shard of ``local_len`` tokens (for RoPE / position embeddings)."""
-        return self.position_ids(local_len * self.cp, device=device)
-
-
 class ContextParallelStepMode(ContextParallelSDPA):
     """The mode around a step under cp: SDPA becomes context-parallel, cross-entropy covers the sequence.
 
     ``tp`` is only used in error messages (Ulysses' head split happens on each tp rank's heads).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, method: str, load_balance: bool, tp: int = 1) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        method: str,
+        load_balance: bool,
+        tp: int = 1,
+        runtime: Optional[ContextParallelRuntime] = None,
+    ) -> None:
         super().__init__(group, method=method, load_balance=load_balance)
         self.cp = dist.get_world_size(group)
         self.tp = tp
+        self.runtime = runtime  # adapters' hooks act only while a step mode is entered
+
+    def key_valid(self) -> Optional[Tensor]:
+        """The padding an adapter found in this forward's attention mask (``runtime.key_valid``)."""
+        return self.runtime.key_valid if self.runtime is not None else None
+
+    def __enter__(self) -> "ContextParallelStepMode":
+        if self.runtime is not None:
+            self.runtime.enter()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self.runtime is not None:
+                self.runtime.exit()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -222,16 +184,28 @@ class ContextParallel:
         self.method = method
         self.tp = tp
         self.checked = False  # whether a step has shown that the model's attention goes through SDPA
+        self.positions_checked = False  # whether the first-step position check ran (.check)
+        self.runtime = ContextParallelRuntime(self.shard, self.group)
+        self.adapted: list[tuple[str, str]] = []  # (module name, adapter name) set by apply_context_parallel
+        self.told: list[str] = []  # modules with set_context_parallel, told their shard
+        self._detach: list[Callable[[], None]] = []
         self._local_len: Optional[int] = None
 
     @property
     def cp(self) -> int:
         return self.shard.cp
 
+    @staticmethod
+    def tell(module: nn.Module, shard: ContextParallelShard) -> None:
+        """Call ``module.set_context_parallel(shard)`` (the position contract for models without an adapter)."""
+        getattr(module, MODULE_HOOK)(shard)
+
     def mode(self) -> ContextParallelStepMode:
         """A fresh mode for one step, or for one recomputation under activation checkpointing (torch-function
         modes are not active in backward, where a checkpointed block's forward runs again)."""
-        return ContextParallelStepMode(self.group, method=self.method, load_balance=self.shard.load_balance, tp=self.tp)
+        return ContextParallelStepMode(
+            self.group, method=self.method, load_balance=self.shard.load_balance, tp=self.tp, runtime=self.runtime
+        )
 
     def split_batch(self, module: nn.Module, batch: Any) -> Any:
         """This rank's part of ``batch``: the module's ``context_parallel_batch(batch, shard)`` hook, or the default."""
@@ -260,6 +234,55 @@ class ContextParallel:
         if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
             return type(output)(self.gather_output(v) for v in output)
         return output
+
+    def check_positions(
+        self, module: nn.Module, batch: Any, run: Callable[[Any], Any], *, sequence_multiple: int = 1
+    ) -> Optional[PositionCheck]:
+        """Before the first cp step: raise ``ValueError`` on every rank if the model computes something
+        else under cp than on the whole sequence (:mod:`.check`). ``run(batch)`` runs the Lightning
+        step on a batch (the strategy's step, without the cp split). Returns what was measured."""
+        self.positions_checked = True
+        told = [sub for sub in module.modules() if callable(getattr(sub, MODULE_HOOK, None))]
+
+        def run_split(prefix: Any) -> list:
+            local_len = self._local_len
+            local = self.split_batch(module, prefix)
+            self._local_len = local_len
+            mode = self.mode()
+            mode.recorded = []
+            with mode:
+                run(local)
+            return mode.recorded
+
+        result = run_position_check(
+            batch, shard=self.shard, module=module, run_full=run, run_split=run_split, told=told,
+            sequence_multiple=sequence_multiple, device=self.mesh.device_type,
+        )
+        if result is not None and not result.ok:
+            raise ValueError(self._position_error(result))
+        return result
+
+    def _position_error(self, result: PositionCheck) -> str:
+        adapted = ", ".join(f"{name or '<root>'} ({adapter})" for name, adapter in self.adapted)
+        told = ", ".join(name or "<root>" for name in self.told)
+        found = (
+            (f" Adapters covered: {adapted}." if adapted else " No registered adapter claimed any submodule"
+             f" (adapters: {', '.join(a.supports for a in context_parallel_adapters()) or 'none'}).")
+            + (f" Told their shard through set_context_parallel: {told}." if told else "")
+        )
+        return (
+            f"ParaStrategy(cp={self.cp}) would train a different model than one device: on a {result.prefix}-token"
+            f" prefix of the first batch, the {result.where} differs between the cp run and the whole sequence by"
+            f" {result.error:.3g} (relative; at most {result.tolerance:g} is rounding). Something in the model is"
+            " computed from this rank's chunk of the sequence instead of the whole sequence: most often positions"
+            " built from the local length (torch.arange(x.shape[1]) for RoPE or a position embedding), labels"
+            " shifted inside a chunk, or a mask built from the chunk. Give the model its global positions with one"
+            " of: a method `set_context_parallel(self, shard)` on the submodule that builds positions (keep the"
+            " shard; use `shard.local_positions(x.shape[1], device=x.device)` instead of arange), or a"
+            " LightningModule hook `context_parallel_batch(self, batch, shard)` that returns this rank's batch"
+            " with `shard.position_ids(seq_len, batch_size=B)` for the model (docs/context_parallel.md,"
+            f' "Positions: the contract").{found} Or set cp=1. (cp_check=False skips this check.)'
+        )
 
     def check_attention_reached(self, mode: ContextParallelStepMode) -> None:
         """After the first step: raise on every rank if no rank's model called SDPA (one all-reduce, once)."""
@@ -291,12 +314,25 @@ def _first_sequence(batch: Any) -> Optional[Tensor]:
 def apply_context_parallel(
     module: nn.Module, cp_mesh: DeviceMesh, *, method: str = "ring", load_balance: bool = True, tp: int = 1
 ) -> ContextParallel:
-    """Set up context parallelism over ``cp_mesh`` for ``module``: tell every submodule with a
-    ``set_context_parallel(shard)`` method its :class:`ContextParallelShard`, and return the
-    :class:`ContextParallel` the strategy uses around each step."""
+    """Set up context parallelism over ``cp_mesh`` for ``module`` and return the :class:`ContextParallel`
+    the strategy uses around each step.
+
+    Walks the module tree once: a submodule that a registered adapter claims (:mod:`.adapters`;
+    e.g. a Hugging Face ``PreTrainedModel``) gets the adapter's hooks, and the adapter covers
+    everything inside it; every submodule with a ``set_context_parallel(shard)`` method is told
+    its rank's :class:`ContextParallelShard`. No communication."""
     context = ContextParallel(cp_mesh, method=method, load_balance=load_balance, tp=tp)
-    for sub in module.modules():
-        hook = getattr(sub, MODULE_HOOK, None)
-        if callable(hook):
-            hook(context.shard)
+    adapters = context_parallel_adapters()
+    claimed: list[str] = []
+    for name, sub in module.named_modules():
+        inside = any(name == c or name.startswith(c + ".") if c else True for c in claimed)
+        if not inside:
+            adapter = next((a for a in adapters if a.claims(sub)), None)
+            if adapter is not None:
+                context._detach.append(adapter.attach(sub, context.runtime))
+                context.adapted.append((name, adapter.name))
+                claimed.append(name)
+        if callable(getattr(sub, MODULE_HOOK, None)):
+            context.tell(sub, context.shard)
+            context.told.append(name)
     return context

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_para.parallel.context._checks import check_qkv, cp_rank_and_size
+from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size
 from lightning_para.parallel.context.sharding import natural_to_rank_order, rank_order_to_natural
 
 __all__ = ["all_to_all", "ulysses_attention", "validate_ulysses_heads"]
@@ -97,6 +97,7 @@ def ulysses_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     load_balance: bool = True,
+    key_valid: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Context-parallel attention by re-sharding from sequence to heads (DeepSpeed-Ulysses).
 
@@ -108,6 +109,8 @@ def ulysses_attention(
         is_causal: causal mask over global positions.
         scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
         load_balance: whether the shards follow the head-tail layout of ``shard_sequence``.
+        key_valid: the whole sequence's key padding ``[batch, seq]`` (bool, natural order; False:
+            padding), applied with the causal mask; ``None``: none.
 
     Returns:
         This rank's shard of the output, ``[batch, heads, local_seq, head_dim]``.
@@ -117,13 +120,23 @@ def ulysses_attention(
     _, cp = cp_rank_and_size(group)
     check_qkv(q, k, v, cp, load_balance)
     validate_ulysses_heads(q.shape[1], k.shape[1], cp)
+    key_valid = check_key_valid(key_valid, q, cp)
     # [b, h, s/c, d] -> [b, h/c, s, d]: scatter heads, gather sequence (rank order).
     q_h, k_h, v_h = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (q, k, v))
     reorder = is_causal and load_balance and cp > 1
     if reorder:
         q_h, k_h, v_h = (rank_order_to_natural(t, cp, dim=2) for t in (q_h, k_h, v_h))
+    mask = None
+    if key_valid is not None:  # keys in the order of k_h: natural, or rank order when not reordered
+        if load_balance and cp > 1 and not reorder:
+            key_valid = natural_to_rank_order(key_valid, cp, dim=1)
+        mask = key_valid[:, None, None, :]
+        if is_causal:
+            s = q_h.shape[2]
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=q_h.device).tril()
     out = F.scaled_dot_product_attention(
-        q_h, k_h, v_h, is_causal=is_causal, scale=scale, enable_gqa=q_h.shape[1] != k_h.shape[1]
+        q_h, k_h, v_h, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
+        enable_gqa=q_h.shape[1] != k_h.shape[1],
     )
     if reorder:
         out = natural_to_rank_order(out, cp, dim=2)

@@ -1,7 +1,8 @@
 """Measuring a pipeline: per-action clocks, busy/idle time, saved-activation bytes.
 
-* :class:`StepRecorder` keeps one rank's action events for a step (the format the timeline
-  drawing reads) and the busy time they add up to.
+* :class:`PipelineEvent`, :class:`PipelineStepStats` and :class:`PipelineStats` are the typed
+  records ``ParaStrategy.pipeline_stats()`` returns (and ``observe/timeline.py`` draws).
+* :class:`StepRecorder` keeps one rank's action events for a step and the busy time they add up to.
 * :class:`TimedPipelineStage` is torch's ``PipelineStage`` with a clock around every forward,
   backward, input-grad and weight-grad action.
 * :class:`SavedActivationMeter` measures the activation bytes autograd keeps for backward.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,15 +24,102 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.moe import moe_stats_paused
 
 
+@dataclass(frozen=True)
+class PipelineEvent:
+    """One schedule action as it ran.
+
+    ``action``: ``F`` forward, ``B`` full backward, ``I`` input-grad backward, ``W`` weight-grad
+    backward, ``L`` loss of a microbatch on the last stage (inside its forward). ``start``/``end``
+    in seconds: since this rank's step start in :class:`PipelineStats`, on the ranks' common clock
+    after ``observe.timeline.rank_pipeline_record``. ``cpu``: thread CPU seconds (0: not measured).
+    """
+
+    rank: int
+    stage: int
+    action: str
+    microbatch: int
+    start: float
+    end: float
+    cpu: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineStepStats:
+    """One measured training step of this rank's pipeline stages.
+
+    ``idle_time_s = step_time_s - busy_time_s``: waiting on sends/receives (and the schedule's own
+    bookkeeping) up to the loss all-reduce, which ends the step on all pipeline ranks together --
+    so it is the bubble the formulas describe. ``step_start_unix`` (``time.time()``) puts the
+    ranks of one machine on one clock. ``peak_saved_activation_bytes`` is measured only while
+    the runner's ``measure_activations`` is on (else ``None``).
+    """
+
+    step_time_s: float
+    busy_time_s: float
+    idle_time_s: float
+    idle_fraction: float
+    step_start_unix: float
+    events: tuple[PipelineEvent, ...] = ()
+    peak_saved_activation_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """This rank's pipeline layout and its measured training steps (``ParaStrategy.pipeline_stats()``).
+
+    ``mean_idle_fraction`` averages the recorded steps after the first (which also infers
+    shapes); ``last_step`` is the last measured step (``None`` before one). The last step's
+    fields are also read directly (``stats.idle_fraction``, ``stats.events``, ...).
+    """
+
+    schedule: str
+    pp: int
+    pp_rank: int
+    virtual_stages: int
+    microbatches: int
+    stages: list[int]
+    stage_layers: dict[int, list[str]]
+    expected_idle_fraction: float
+    steps: int
+    mean_idle_fraction: Optional[float]
+    last_step: Optional[PipelineStepStats] = None
+
+    @property
+    def step_time_s(self) -> Optional[float]:
+        return self.last_step.step_time_s if self.last_step is not None else None
+
+    @property
+    def busy_time_s(self) -> Optional[float]:
+        return self.last_step.busy_time_s if self.last_step is not None else None
+
+    @property
+    def idle_time_s(self) -> Optional[float]:
+        return self.last_step.idle_time_s if self.last_step is not None else None
+
+    @property
+    def idle_fraction(self) -> Optional[float]:
+        return self.last_step.idle_fraction if self.last_step is not None else None
+
+    @property
+    def step_start_unix(self) -> float:
+        return self.last_step.step_start_unix if self.last_step is not None else 0.0
+
+    @property
+    def events(self) -> tuple[PipelineEvent, ...]:
+        return self.last_step.events if self.last_step is not None else ()
+
+    @property
+    def peak_saved_activation_bytes(self) -> Optional[int]:
+        return self.last_step.peak_saved_activation_bytes if self.last_step is not None else None
+
+
 class StepRecorder:
     """Per-step clock of one rank: action events and busy/idle totals, with no host synchronization.
 
-    An event is a dict ``{"stage": int, "microbatch": int, "action": str, "start": float,
-    "end": float}`` with times in seconds since the step began. Actions: ``F`` forward, ``B``
-    full backward, ``I`` input-grad backward, ``W`` weight-grad backward, ``L`` loss of a
-    microbatch on the last stage. With ``"cpu"``, the thread CPU seconds
-    the action used (``time.thread_time``; CPU only: not stretched while the OS runs another process). ``step_start_unix`` (``time.time()``) aligns the ranks of one
-    machine on a common clock.
+    An event is a :class:`PipelineEvent` of this ``rank`` with times in seconds since the step
+    began, and ``cpu`` the thread CPU seconds the action used (``time.thread_time``; CPU only: not
+    stretched while the OS runs another process). ``step_start_unix`` (``time.time()``) aligns
+    the ranks of one machine on a common clock.
 
     On CPU the clock is ``time.perf_counter``. On an accelerator, each mark is a device event
     recorded in the current stream (``torch.Event(enable_timing=True)``): recording never waits
@@ -39,10 +128,11 @@ class StepRecorder:
     off (the default on accelerators unless the profiler asks) nothing is recorded at all.
     """
 
-    def __init__(self, device: Optional[torch.device] = None, enabled: bool = True) -> None:
+    def __init__(self, device: Optional[torch.device] = None, enabled: bool = True, rank: int = 0) -> None:
         self.device = device if device is not None else torch.device("cpu")
         self.enabled = enabled
-        self.events: list[dict[str, Any]] = []
+        self.rank = rank
+        self.events: list[PipelineEvent] = []
         self.step_start_unix = 0.0
         self.inferring = False
         self._marks: list[tuple[int, int, str, Any, Any, float]] = []
@@ -86,8 +176,7 @@ class StepRecorder:
         if self._uses_device_events:
             end.synchronize()  # once per measured step: every earlier mark is complete too
         self.events = [
-            {"stage": stage, "microbatch": mb, "action": action,
-             "start": self._seconds(self._start, a), "end": self._seconds(self._start, b), "cpu": cpu}
+            PipelineEvent(self.rank, stage, action, mb, self._seconds(self._start, a), self._seconds(self._start, b), cpu)
             for stage, mb, action, a, b, cpu in self._marks
         ]
         wall = self._seconds(self._start, end)
@@ -107,7 +196,7 @@ class StepRecorder:
 
     @property
     def busy_time(self) -> float:
-        return sum(e["end"] - e["start"] for e in self.events)
+        return sum(e.end - e.start for e in self.events)
 
 
 class TimedPipelineStage(PipelineStage):
@@ -215,4 +304,11 @@ def _storage_key(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-__all__ = ["SavedActivationMeter", "StepRecorder", "TimedPipelineStage"]
+__all__ = [
+    "PipelineEvent",
+    "PipelineStats",
+    "PipelineStepStats",
+    "SavedActivationMeter",
+    "StepRecorder",
+    "TimedPipelineStage",
+]

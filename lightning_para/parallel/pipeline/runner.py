@@ -29,15 +29,22 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_para._dtensor import full_tensor
-from lightning_para.moe import aux_loss, moe_layers, set_aux_loss_grad_scale
-from lightning_para.parallel.pipeline.measure import SavedActivationMeter, StepRecorder, TimedPipelineStage
+from lightning_para.moe import aux_loss, aux_loss_grad_scale, moe_layers, set_aux_loss_grad_scale
+from lightning_para.parallel.pipeline.measure import (
+    PipelineStats,
+    PipelineStepStats,
+    SavedActivationMeter,
+    StepRecorder,
+    TimedPipelineStage,
+)
 from lightning_para.parallel.pipeline.schedules import build_schedule, expected_bubble
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
 
 
 class GradientSync(Protocol):
-    """What the runner needs of data parallelism (``ZeroDataParallel``): skip sync, then sync once."""
+    """What the runner needs of data parallelism (``lightning_para.parallel.data.DataParallel``):
+    skip sync over the schedule, then sync once."""
 
     sync_enabled: bool
 
@@ -75,11 +82,12 @@ class PipelineRunner:
         # Per-action timing (idle fraction, timeline): free on CPU; on an accelerator only when asked
         # (the profiler turns it on for the steps it samples), since reading device events waits once a step.
         self.measure_timing = device.type == "cpu"
-        self.recorder = StepRecorder(device, enabled=self.measure_timing)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.recorder = StepRecorder(device, enabled=self.measure_timing, rank=rank)
         self._eval_recorder = StepRecorder(device, enabled=False)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._pending_grads: Optional[list[Optional[Tensor]]] = None
-        self._history: list[dict[str, Any]] = []
+        self._history: list[PipelineStepStats] = []
         self._raw_losses: list[Tensor] = []
         self._loss_factor = 1.0
         self._model_has_moe: Optional[bool] = None  # any stage (not only this rank's) has MoE layers
@@ -119,7 +127,9 @@ class PipelineRunner:
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
-        self._loss_factor = loss_scale / (self.microbatches * accumulate)
+        self._loss_factor = aux_loss_grad_scale(
+            loss_scale=loss_scale, accumulate=accumulate, microbatches=self.microbatches
+        )
         for stage in self.stage_modules:  # MoE layers feed their aux-loss gradient in backward, scaled like the loss
             set_aux_loss_grad_scale(stage, self._loss_factor)
         self._raw_losses = []
@@ -154,7 +164,7 @@ class PipelineRunner:
         if aux is not None:
             self._log(module, "train_aux", aux, sync_dist=True)
         if trainer is not None and wall is not None:
-            module.log("pipeline/idle_fraction", self._history[-1]["idle_fraction"], on_step=True)
+            module.log("pipeline/idle_fraction", self._history[-1].idle_fraction, on_step=True)
         return loss
 
     def finish_backward(self, gradient_sync: Optional[GradientSync] = None) -> None:
@@ -304,46 +314,39 @@ class PipelineRunner:
     # ---------------------------------------------------------------- measurement
     def _record_step(self, wall: float, meter: Any) -> None:
         busy = self.recorder.busy_time
-        entry = {
-            "step_time_s": wall,
-            "busy_time_s": busy,
-            "idle_time_s": max(wall - busy, 0.0),
-            "idle_fraction": max(wall - busy, 0.0) / wall if wall > 0 else 0.0,
-            "step_start_unix": self.recorder.step_start_unix,
-            "events": list(self.recorder.events),
-        }
-        if isinstance(meter, SavedActivationMeter):
-            entry["peak_saved_activation_bytes"] = meter.peak_bytes
+        entry = PipelineStepStats(
+            step_time_s=wall,
+            busy_time_s=busy,
+            idle_time_s=max(wall - busy, 0.0),
+            idle_fraction=max(wall - busy, 0.0) / wall if wall > 0 else 0.0,
+            step_start_unix=self.recorder.step_start_unix,
+            events=tuple(self.recorder.events),
+            peak_saved_activation_bytes=meter.peak_bytes if isinstance(meter, SavedActivationMeter) else None,
+        )
         self._history.append(entry)
         del self._history[:-64]  # a bounded history; `stats()` summarizes it
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's pipeline layout and its last training step's busy/idle time and action events.
+    def stats(self) -> PipelineStats:
+        """This rank's pipeline layout and its last training step's busy/idle time and action events
+        (:class:`~lightning_para.parallel.pipeline.measure.PipelineStats`).
 
-        ``idle_time_s = step_time_s - busy_time_s``: waiting on sends/receives (and the
-        schedule's own bookkeeping) up to the loss all-reduce, which ends the step on all
-        pipeline ranks together -- so it is the bubble the formulas describe.
-        ``mean_idle_fraction`` averages the recorded steps after the first (which also infers
-        shapes). ``events`` is described in :class:`~lightning_para.parallel.pipeline.measure.StepRecorder`.
         Timing is recorded while :attr:`measure_timing` is on (always on CPU).
         """
         history = self._history
         warm = history[1:] if len(history) > 1 else history
-        result: dict[str, Any] = {
-            "schedule": self.schedule,
-            "pp": self.pp,
-            "pp_rank": self.pp_rank,
-            "virtual_stages": self.virtual_stages,
-            "microbatches": self.microbatches,
-            "stages": list(self.own_stages),
-            "stage_layers": {m.stage_index: list(m.layer_names) for m in self.stage_modules},
-            "expected_idle_fraction": expected_bubble(self.schedule, self.pp, self.microbatches, self.virtual_stages),
-            "steps": len(history),
-            "mean_idle_fraction": sum(h["idle_fraction"] for h in warm) / len(warm) if warm else None,
-        }
-        if history:
-            result.update(history[-1])
-        return result
+        return PipelineStats(
+            schedule=self.schedule,
+            pp=self.pp,
+            pp_rank=self.pp_rank,
+            virtual_stages=self.virtual_stages,
+            microbatches=self.microbatches,
+            stages=list(self.own_stages),
+            stage_layers={m.stage_index: list(m.layer_names) for m in self.stage_modules},
+            expected_idle_fraction=expected_bubble(self.schedule, self.pp, self.microbatches, self.virtual_stages),
+            steps=len(history),
+            mean_idle_fraction=sum(h.idle_fraction for h in warm) / len(warm) if warm else None,
+            last_step=history[-1] if history else None,
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def merge_param_group_names(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,5 +1,8 @@
 """``memory_breakdown()``: bytes this rank holds, against the ZeRO paper's formulas.
 
+The result is a typed :class:`MemoryBreakdown` (``ParaStrategy.memory_breakdown()`` returns it; the
+data-parallel implementation builds it, since the formulas are data parallelism's).
+
 With psi parameters on a rank before data parallelism (after TP/PP/EP split them), ``p`` and
 ``g`` bytes per parameter and gradient element, ``K`` optimizer bytes per parameter (fp32
 master included) and ``N`` data-parallel ranks (Rajbhandari et al. 2020, Sec. 5):
@@ -28,6 +31,7 @@ rows and is not counted twice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -75,9 +79,84 @@ class _StorageCounter:
         return storage.nbytes()
 
 
+@dataclass(frozen=True)
+class MemoryBytes:
+    """Bytes for parameters, gradients and optimizer state (measured: ints; expected: floats)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """The formulas' bytes per parameter element: ``p`` (weight), ``g`` (gradient), ``K`` (optimizer, master included)."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """This rank's bytes, measured and as the ZeRO formulas expect them (see the module docstring).
+
+    ``params``/``grads``/``optimizer``/``total`` are measured on this rank; ``expert`` and
+    ``dense`` split them (MoE experts shard over ``edp``); ``expected*`` are the formulas' bytes
+    for the same split. ``dp``/``edp`` are the formulas' ``N`` (ranks that shard dense / expert
+    state: ``dp_shard x cp``, ``edp x cp``); ``dp_replicate`` and ``cp`` are reported alongside.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    expert: MemoryBytes
+    dense: MemoryBytes
+    expected: MemoryBytes
+    expected_expert: MemoryBytes
+    expected_dense: MemoryBytes
+    zero: int
+    dp: int
+    edp: int
+    dp_replicate: int
+    cp: int
+    num_params: int
+    num_expert_params: int
+    bytes_per_param: BytesPerParam
+    formula: str
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def measured(self) -> MemoryBytes:
+        return MemoryBytes(self.params, self.grads, self.optimizer)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain nested values (for text and TensorBoard output, JSON)."""
+        return {
+            "params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total,
+            "expert": self.expert.as_dict(), "dense": self.dense.as_dict(), "expected": self.expected.as_dict(),
+            "expected_expert": self.expected_expert.as_dict(), "expected_dense": self.expected_dense.as_dict(),
+            "zero": self.zero, "dp": self.dp, "edp": self.edp, "dp_replicate": self.dp_replicate, "cp": self.cp,
+            "num_params": self.num_params, "num_expert_params": self.num_expert_params,
+            "bytes_per_param": {"param": self.bytes_per_param.param, "grad": self.bytes_per_param.grad,
+                                "optimizer": self.bytes_per_param.optimizer},
+            "formula": self.formula,
+        }
+
+
 def measure(
     module: nn.Module, optimizers: list[torch.optim.Optimizer], only: Optional[Callable[[Tensor], bool]] = None
-) -> dict[str, int]:
+) -> MemoryBytes:
     """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated).
 
     ``only`` keeps the parameters (model or optimizer tensors) it accepts, e.g. MoE experts.
@@ -99,7 +178,7 @@ def measure(
                 for value in state.values():
                     if isinstance(value, Tensor):
                         optimizer += counter.add(value)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    return MemoryBytes(params, grads, optimizer)
 
 
 def expected(
@@ -112,7 +191,7 @@ def expected(
     param_bytes: int,
     grad_bytes: int,
     optimizer_bytes: int,
-) -> dict[str, float]:
+) -> MemoryBytes:
     """The ZeRO formula per category for this rank (see module docstring)."""
 
     def shard(psi: int, n: int, sharded: bool) -> float:
@@ -121,8 +200,7 @@ def expected(
     out = {}
     for key, per, from_stage in (("params", param_bytes, 3), ("grads", grad_bytes, 2), ("optimizer", optimizer_bytes, 1)):
         out[key] = per * (shard(psi_dense, dp, stage >= from_stage) + shard(psi_expert, edp, stage >= from_stage))
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
+    return MemoryBytes(**out)
 
 
 def formula(stage: int, n: int) -> str:
@@ -146,7 +224,7 @@ def memory_breakdown(
     is_expert: Callable[[Tensor], bool] = lambda t: False,
     dp_replicate: int = 1,
     cp: int = 1,
-) -> dict[str, Any]:
+) -> MemoryBreakdown:
     """Measured and expected bytes for this rank (see :meth:`ParaStrategy.memory_breakdown`).
 
     ``dp``/``edp`` are the numbers of ranks that shard dense/expert state (the formulas' ``N``);
@@ -159,33 +237,28 @@ def memory_breakdown(
     if states is None:  # unknown optimizer: infer from what it holds
         psi = max(psi_dense + psi_expert, 1)
         shard_factor = dp if stage >= 1 else 1
-        states = round((measured["optimizer"] * shard_factor / psi - master_bytes) / 4) if optimizers else 0
+        states = round((measured.optimizer * shard_factor / psi - master_bytes) / 4) if optimizers else 0
     optimizer_bytes = master_bytes + 4 * states
     exp = expected(
         stage=stage, psi_dense=psi_dense, psi_expert=psi_expert, dp=dp, edp=edp,
         param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
     )
     # Expert vs dense split (MoE): experts are replicated over edp only, dense over dp.
-    expert = measure(module, optimizers, only=is_expert) if psi_expert else {k: 0 for k in measured}
-    expert["total"] = sum(expert.values())
-    dense = {k: measured[k] - expert[k] for k in ("params", "grads", "optimizer")}
-    dense["total"] = sum(dense.values())
+    expert = measure(module, optimizers, only=is_expert) if psi_expert else MemoryBytes(0, 0, 0)
+    dense = MemoryBytes(
+        measured.params - expert.params, measured.grads - expert.grads, measured.optimizer - expert.optimizer
+    )
     kwargs = dict(stage=stage, dp=dp, edp=edp, param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes)
-    return {
-        **measured,
-        "total": measured["params"] + measured["grads"] + measured["optimizer"],
-        "expert": expert,
-        "dense": dense,
-        "expected": exp,
-        "expected_expert": expected(psi_dense=0, psi_expert=psi_expert, **kwargs),
-        "expected_dense": expected(psi_dense=psi_dense, psi_expert=0, **kwargs),
-        "zero": stage,
-        "dp": dp,
-        "edp": edp,
-        "dp_replicate": dp_replicate,
-        "cp": cp,
-        "num_params": psi_dense + psi_expert,
-        "num_expert_params": psi_expert,
-        "bytes_per_param": {"param": param_bytes, "grad": param_bytes, "optimizer": optimizer_bytes},
-        "formula": formula(stage, dp),
-    }
+    return MemoryBreakdown(
+        params=measured.params, grads=measured.grads, optimizer=measured.optimizer,
+        expert=expert, dense=dense, expected=exp,
+        expected_expert=expected(psi_dense=0, psi_expert=psi_expert, **kwargs),
+        expected_dense=expected(psi_dense=psi_dense, psi_expert=0, **kwargs),
+        zero=stage, dp=dp, edp=edp, dp_replicate=dp_replicate, cp=cp,
+        num_params=psi_dense + psi_expert, num_expert_params=psi_expert,
+        bytes_per_param=BytesPerParam(param_bytes, param_bytes, optimizer_bytes),
+        formula=formula(stage, dp),
+    )
+
+
+__all__ = ["BytesPerParam", "MemoryBreakdown", "MemoryBytes", "expected", "formula", "measure", "memory_breakdown"]
