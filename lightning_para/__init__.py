@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_para.checkpoint import consolidate_checkpoint
+from lightning_para.checkpoint import ParaModelCheckpoint, consolidate_checkpoint
 from lightning_para.compat import grad_norm
 from lightning_para.config import ParallelConfig
 from lightning_para.integrations import transformers as _transformers_integration  # noqa: F401  (registers)
@@ -29,6 +29,7 @@ if "para" not in StrategyRegistry:
     ParaStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "ParaModelCheckpoint",
     "ParaPrecision",
     "ParaProfiler",
     "ParaStrategy",

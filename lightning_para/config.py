@@ -9,22 +9,34 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional, Protocol, Union
 
 from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims, check_expert_degree
-from lightning_para.parallel.context.attention import CP_METHODS
-from lightning_para.parallel.data.fsdp import ZERO3_UNITS
-from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, validate_pipeline_config
+from lightning_para.options import (
+    ACTIVATION_CHECKPOINTING,
+    CP_METHODS,
+    PIPELINE_BALANCE,
+    PRECISIONS,
+    SCHEDULES,
+    TP_UNPLANNED,
+    ZERO3_UNITS,
+    ZERO_ACCUMULATION,
+    ZERO_STAGES,
+)
+from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
 
-ZERO_STAGES = (0, 1, 2, 3)
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-ACTIVATION_CHECKPOINTING = (None, "full", "selective")
-ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
-TP_UNPLANNED = ("error", "replicate")
+__all__ = ["ACTIVATION_CHECKPOINTING", "PRECISIONS", "ParallelConfig", "StrategyLayout", "TP_UNPLANNED", "ZERO_STAGES"]
 
 Degree = Union[int, Literal["auto"]]
+
+
+class StrategyLayout(Protocol):
+    """What :meth:`ParallelConfig.with_layout` takes: the planner's ``Layout`` (``lightning_para.plan``),
+    whose :meth:`strategy_kwargs` is the one mapping from a layout to ParaStrategy's arguments."""
+
+    def strategy_kwargs(self) -> dict[str, Any]: ...
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -128,8 +140,8 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             warnings.warn("`sequence_parallel=True` has no effect with tp=1 (there is nothing to split the sequence over).")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"`schedule={self.schedule!r}` is unknown. Choose one of {_choices(PIPELINE_SCHEDULES)}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"`schedule={self.schedule!r}` is unknown. Choose one of {_choices(SCHEDULES)}.")
         if self.microbatches is not None:
             _check_positive_int("microbatches", self.microbatches)
         if self.layout not in (None, "auto"):
@@ -139,8 +151,10 @@ class ParallelConfig:
             and self.layout_memory_gb > 0
         ):
             raise ValueError(f"`layout_memory_gb={self.layout_memory_gb!r}` must be a positive number of GB.")
-        if self.pipeline_balance not in ("params", "time"):
-            raise ValueError(f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose 'params' or 'time'.")
+        if self.pipeline_balance not in PIPELINE_BALANCE:
+            raise ValueError(
+                f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose one of {_choices(PIPELINE_BALANCE)}."
+            )
         if self.pp > 1:
             self._validate_pipeline()
         if isinstance(self.dp, int):  # known now: fail at construction, not at launch
@@ -173,11 +187,22 @@ class ParallelConfig:
             for name, value in (("dp_replicate", r), ("dp_shard", s)):
                 if value is not None and self.dp % value:
                     raise ValueError(f"`{name}={value}` must divide `dp={self.dp}`. Choose {name} in {divisors(self.dp)}.")
-        if (r or 1) > 1 and self.zero == 0:
+        if (r or 1) > 1 and self.zero == 0 and self.layout != "auto":  # layout="auto" picks zero >= 1 for it
             raise ValueError(
                 f"`dp_replicate={r}` (hybrid sharding) needs `zero` in 1, 2 or 3: ZeRO-0 shards nothing, so there is"
                 " nothing to replicate across groups. Use zero>=1, or leave dp_replicate out (plain data parallel)."
             )
+
+    def with_layout(self, layout: StrategyLayout) -> "ParallelConfig":
+        """This config with a planner layout's degrees and options, validated again.
+
+        The one place a ``Layout`` becomes a config: ``layout.strategy_kwargs()`` names
+        ParaStrategy's arguments, so every option the layout holds replaces this config's
+        (``layout="auto"``, ``plan --validate`` and the parity tool all come through here).
+        Options the layout leaves out (e.g. ``bucket_size_mb`` when the planner used its rule)
+        stay this config's.
+        """
+        return replace(self, **layout.strategy_kwargs())
 
     def _replicas(self, dp: int) -> int:
         """``dp_replicate`` for ``dp`` data-parallel ranks (1 without hybrid sharding)."""

@@ -178,8 +178,9 @@ class ParaStrategy(ParallelStrategy):
         )
         # Reliability options (issue 14), validated before any process group exists.
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
-        check_watchdog_timeout(watchdog_timeout)
+        check_watchdog_timeout(watchdog_timeout, timeout)
         self._watchdog_timeout = watchdog_timeout
+        self._checkpoint_lock = ckpt.DirectoryLock(ckpt.new_token())  # rank 0's hold on its checkpoint folders
         self._watchdog: Optional[Watchdog] = None
         self._integrity = (
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
@@ -320,6 +321,7 @@ class ParaStrategy(ParallelStrategy):
             self._watchdog = None
 
     def teardown(self) -> None:
+        self._checkpoint_lock.release()
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -335,7 +337,7 @@ class ParaStrategy(ParallelStrategy):
             self.config, module, getattr(trainer, "datamodule", None),
             world_size=self.num_nodes * self.num_processes, processes_per_node=self.num_processes,
             device=self.root_device, precision=self.precision_plugin.precision,
-            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1,
+            accumulation=trainer.accumulate_grad_batches if trainer is not None else 1, trainer=trainer,
         )
         rank_zero_info(self.layout_choice.report)
         return self._resolve_dims(self.num_nodes * self.num_processes)
@@ -454,7 +456,10 @@ class ParaStrategy(ParallelStrategy):
             return self._run_parallel_step(name, context, *args, **kwargs)
         # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
         # across the cp group and cross-entropy covers the whole sequence, in every stage too.
-        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None:
+        # The first-step check runs the step twice more without gradients: not under pp (stages see activations),
+        # and not a manual-optimization training_step (it steps the optimizer itself; a validation step can check).
+        manual = name == "training_step" and not self.lightning_module.automatic_optimization
+        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None and not manual:
             self._check_cp_positions(name, cp, args, kwargs)
         args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
         mode = cp.mode()
@@ -658,7 +663,9 @@ class ParaStrategy(ParallelStrategy):
         if self.lightning_module is not None:
             checkpoint.update(ckpt.model_info(self.lightning_module))
         self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
-        ckpt.save_checkpoint(Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token)
+        ckpt.save_checkpoint(
+            Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token, lock=self._checkpoint_lock
+        )
         self._report(f"checkpoint {path} saved (global step {self._global_step()})")
 
     def remove_checkpoint(self, filepath: Any) -> None:

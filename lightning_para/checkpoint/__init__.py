@@ -6,10 +6,15 @@
 * :mod:`.atomic`: write beside, mark complete, swap into place; verification on load;
 * :mod:`.io`: what the strategy calls to save, remove and load in place;
 * :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``);
+* :mod:`.checksums`: per-file CRC-32s written at save, verified at load;
+* :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
+* :mod:`.lock`: one run per checkpoint directory;
+* :mod:`.last`: ``ckpt_path="last"`` as the newest complete checkpoint (``ParaModelCheckpoint``);
 * :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
 from lightning_para.checkpoint.atomic import (
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     mark_checkpoint_complete,
     new_token,
@@ -17,13 +22,22 @@ from lightning_para.checkpoint.atomic import (
     verify_checkpoint,
 )
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
+from lightning_para.checkpoint.failures import CheckpointDiskFullError, CheckpointSaveError
 from lightning_para.checkpoint.full_state import full_model_state, full_optimizer_state
 from lightning_para.checkpoint.io import load_checkpoint_in_place, remove_checkpoint, save_checkpoint
+from lightning_para.checkpoint.last import ParaModelCheckpoint
+from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock
 from lightning_para.checkpoint.model_info import model_info, register_model_info
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
 
 __all__ = [
+    "CheckpointDirectoryLockedError",
+    "CheckpointDiskFullError",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "DirectoryLock",
     "IncompleteCheckpointError",
+    "ParaModelCheckpoint",
     "consolidate_checkpoint",
     "full_model_state",
     "full_optimizer_state",

@@ -9,7 +9,8 @@ A checkpoint is never written where it will be read. Every save goes through the
 2. A barrier: every rank's shards, DCP's ``.metadata`` and ``meta.pt`` are on disk.
 3. Rank 0 writes the completion marker ``para_complete.json`` (itself atomically: temp file,
    fsync, rename). It lists every file with its size, so a truncated or missing file is found
-   on load without reading any shard.
+   on load without reading any shard, and its CRC-32 (each rank checksummed the shards it wrote,
+   :mod:`.checksums`), so a corrupted one is found when the load verifies the data.
 4. Rank 0 swaps the sibling into place. A new name is one ``rename``. An existing one (the
    ``last.ckpt`` that ``ModelCheckpoint`` rewrites) is *exchanged* with the new one in one
    ``renameat2(RENAME_EXCHANGE)`` call (Linux >= 3.15 on ext4/xfs/btrfs/tmpfs/overlayfs), so at
@@ -20,7 +21,12 @@ A checkpoint is never written where it will be read. Every save goes through the
 A checkpoint directory without its marker is never loaded: :func:`verify_checkpoint` names
 what is missing or corrupt and suggests the newest complete checkpoint in the same folder.
 Single-file checkpoints (``save_distributed_checkpoint=False``) are written to a hidden
-sibling file, fsynced and swapped in the same way; a file that exists is complete.
+sibling file, fsynced and swapped in the same way; a file that exists and is a whole
+``torch.save`` archive is complete (its records carry their own CRC-32s).
+
+Why this module is long: the save protocol, its verification and the swap belong together (the
+ordering argument above is read once, here); checksums, save failures and the directory lock are
+their own modules.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from typing import Any, Callable, Optional, Union
 
 from torch.distributed.checkpoint import FileSystemReader
 
+from lightning_para.checkpoint import checksums as crc
+
 MARKER_FILENAME = "para_complete.json"
 MARKER_FORMAT = 1
 PARTIAL_TAG = ".partial-"  # `.<name>.partial-<token>`: a save in progress (or interrupted)
@@ -51,6 +59,10 @@ _HIDDEN_TAGS = (PARTIAL_TAG, REPLACED_TAG, DELETING_TAG)
 
 class IncompleteCheckpointError(ValueError):
     """A checkpoint path that must not be loaded: no completion marker, or missing/truncated files."""
+
+
+class CorruptCheckpointError(IncompleteCheckpointError):
+    """A complete checkpoint whose data no longer matches the checksums written at save."""
 
 
 def new_token() -> str:
@@ -100,13 +112,23 @@ def _manifest(directory: Path) -> dict[str, int]:
     return files
 
 
-def write_marker(directory: Union[str, Path], info: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def write_marker(
+    directory: Union[str, Path], info: Optional[dict[str, Any]] = None, checksums: Optional[dict[str, str]] = None
+) -> dict[str, Any]:
     """Write ``para_complete.json`` into a fully written checkpoint directory (rank 0, after the barrier).
 
-    It records the format, the time, ``info`` (e.g. ``global_step``) and every file with its size.
+    It records the format, the time, ``info`` (e.g. ``global_step``), every file with its size and
+    its CRC-32: ``checksums`` are the ones the ranks computed for their own shards; rank 0 hashes
+    the files they do not cover (``.metadata``, ``meta.pt``).
     """
     directory = Path(directory)
-    marker = {"format": MARKER_FORMAT, "saved_at": time.time(), **(info or {}), "files": _manifest(directory)}
+    files = _manifest(directory)
+    given = dict(checksums or {})
+    sums = {name: given[name] if name in given else crc.file_checksum(directory / name) for name in files}
+    marker = {
+        "format": MARKER_FORMAT, "saved_at": time.time(), **(info or {}), "files": files,
+        "checksum": crc.ALGORITHM, "checksums": sums,
+    }
     tmp = directory / f"{MARKER_FILENAME}.tmp"
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=1)
@@ -152,6 +174,8 @@ def checkpoint_problems(path: Union[str, Path], required: Iterable[str] = (".met
     if path.is_file():
         if path.stat().st_size == 0:
             status.problems.append("the file is empty")
+        elif not crc.is_whole_zip(path):
+            status.problems.append("it is not a complete torch.save archive (truncated, or not a checkpoint)")
         return status
     if not path.is_dir():
         status.problems.append("it does not exist")
@@ -179,18 +203,44 @@ def checkpoint_problems(path: Union[str, Path], required: Iterable[str] = (".met
     return status
 
 
-def _saved_at(status: CheckpointStatus) -> float:
-    if status.marker is not None and isinstance(status.marker.get("saved_at"), (int, float)):
-        return float(status.marker["saved_at"])
-    return status.path.stat().st_mtime
+def data_problems(status: CheckpointStatus, names: Optional[Iterable[str]] = None) -> list[str]:
+    """Read the data and compare it with the checksums written at save (``names``: only those files).
+
+    A directory whose marker predates checksums has nothing to compare with and passes.
+    """
+    if status.path.is_file():
+        problem = crc.verify_zip(status.path)
+        return [problem] if problem else []
+    sums = (status.marker or {}).get("checksums")
+    if not isinstance(sums, dict):
+        return []
+    return crc.mismatches(status.path, sums, sorted(sums) if names is None else names)
 
 
-def newest_complete_checkpoint(folder: Union[str, Path], exclude: Optional[Path] = None) -> Optional[Path]:
-    """The most recently saved complete checkpoint (a ``*.ckpt`` directory or file) in ``folder``."""
+def _recency(status: CheckpointStatus) -> tuple[float, int]:
+    """When a checkpoint was saved (the marker's time; a file's mtime) and its step: newest sorts last."""
+    marker = status.marker or {}
+    when = marker.get("saved_at")
+    step = marker.get("global_step")
+    return (
+        float(when) if isinstance(when, (int, float)) else status.path.stat().st_mtime,
+        step if isinstance(step, int) else -1,
+    )
+
+
+def newest_complete_checkpoint(
+    folder: Union[str, Path], exclude: Optional[Path] = None, verify_data: bool = False
+) -> Optional[Path]:
+    """The most recently saved complete checkpoint (a ``*.ckpt`` directory or file) in ``folder``,
+    whatever its name: by the save time and step its marker records (a file's mtime otherwise).
+
+    Complete means the marker and every file it lists at its size (a file: a whole archive);
+    ``verify_data`` also reads the data against the checksums (newest first, until one passes).
+    """
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    best: Optional[tuple[float, Path]] = None
+    found = []
     for candidate in folder.iterdir():
         if candidate.name.startswith(".") or candidate.suffix != ".ckpt":
             continue
@@ -198,15 +248,16 @@ def newest_complete_checkpoint(folder: Union[str, Path], exclude: Optional[Path]
             continue
         status = checkpoint_problems(candidate)
         if status.complete:
-            when = _saved_at(status)
-            if best is None or when > best[0]:
-                best = (when, candidate)
-    return best[1] if best else None
+            found.append((_recency(status), status))
+    for _, status in sorted(found, key=lambda item: item[0], reverse=True):
+        if not verify_data or not data_problems(status):
+            return status.path
+    return None
 
 
 def describe_problems(status: CheckpointStatus) -> str:
     """One message: the path, what is wrong, and the newest complete checkpoint beside it (if any)."""
-    suggestion = newest_complete_checkpoint(status.path.parent, exclude=status.path)
+    suggestion = newest_complete_checkpoint(status.path.parent, exclude=status.path, verify_data=True)
     hint = (
         f" The newest complete checkpoint in the same folder is {str(suggestion)!r}: pass it as `ckpt_path`."
         if suggestion is not None
@@ -215,10 +266,15 @@ def describe_problems(status: CheckpointStatus) -> str:
     return f"The checkpoint {str(status.path)!r} cannot be loaded: {'; '.join(status.problems)}.{hint}"
 
 
-def verify_checkpoint(path: Union[str, Path]) -> CheckpointStatus:
+def verify_checkpoint(path: Union[str, Path], verify_data: bool = True) -> CheckpointStatus:
     """Raise if ``path`` is not a complete checkpoint (``FileNotFoundError`` if it does not exist,
-    :class:`IncompleteCheckpointError` otherwise); return its status (with the marker) if it is."""
+    :class:`IncompleteCheckpointError` otherwise, :class:`CorruptCheckpointError` if ``verify_data``
+    and a file does not match its checksum); return its status (with the marker) if it is."""
     status = checkpoint_problems(path)
+    if status.complete and verify_data:
+        status.problems.extend(data_problems(status))
+        if status.problems:
+            raise CorruptCheckpointError(describe_problems(status))
     if status.complete:
         return status
     message = describe_problems(status)
@@ -315,6 +371,12 @@ def commit(partial: Path, path: Path, exchange: Callable[[Path, Path], None] = _
     _remove(doomed)
 
 
+def remove_partial(partial: Path) -> None:
+    """Delete a save that failed (its hidden sibling), e.g. so a full disk gets its space back."""
+    _remove(partial)
+    fsync_dir(partial.parent)
+
+
 def remove_checkpoint(path: Union[str, Path]) -> None:
     """Delete a checkpoint so that no half-deleted copy is ever visible: rename to a hidden name, then delete."""
     path = Path(path)
@@ -352,9 +414,11 @@ def sweep_interrupted(folder: Union[str, Path], keep: Optional[Path] = None) -> 
 __all__ = [
     "MARKER_FILENAME",
     "CheckpointStatus",
+    "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "checkpoint_problems",
     "commit",
+    "data_problems",
     "describe_problems",
     "mark_checkpoint_complete",
     "new_token",
@@ -362,6 +426,7 @@ __all__ = [
     "partial_path",
     "read_marker",
     "remove_checkpoint",
+    "remove_partial",
     "sweep_interrupted",
     "verify_checkpoint",
     "write_marker",

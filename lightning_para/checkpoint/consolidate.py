@@ -14,7 +14,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # private: see docs/architecture.md
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private: see docs/architecture.md
 
-from lightning_para.checkpoint.atomic import commit, fsync_file, new_token, partial_path, verify_checkpoint
+from lightning_para.checkpoint.atomic import (
+    commit,
+    fsync_file,
+    new_token,
+    partial_path,
+    remove_partial,
+    verify_checkpoint,
+)
 from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
 
 
@@ -44,8 +51,12 @@ def write_file_atomically(path: Path, obj: Any) -> None:
     """``torch.save`` into a hidden sibling, fsync, then swap it into ``path`` (one process)."""
     partial = partial_path(path, new_token())
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, partial)
-    fsync_file(partial)
+    try:
+        torch.save(obj, partial)
+        fsync_file(partial)
+    except BaseException:
+        remove_partial(partial)  # a full disk gets its space back; `path` is untouched
+        raise
     commit(partial, path)
 
 

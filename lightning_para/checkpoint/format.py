@@ -18,14 +18,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # private: see docs/architecture.md
 
+from lightning_para.checkpoint.checksums import ChecksummingWriter
 from lightning_para.parallel.tensor.checkpoint import StridedBoxes, for_dcp
 
 METADATA_FILENAME = "meta.pt"
 MASTER_KEY = "_master"
 
 
-def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Write a sharded checkpoint directory (collective: call on every rank).
+def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> dict[str, str]:
+    """Write a sharded checkpoint directory (collective: call on every rank); return the CRC-32 of
+    each shard file this rank wrote (:mod:`.checksums`).
 
     ``path`` should be a fresh directory: :mod:`.atomic` writes into a hidden sibling and swaps it
     into place, so nothing here is written over a checkpoint that someone may read. DCP fsyncs
@@ -33,12 +35,14 @@ def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(for_dcp(tensors), checkpoint_id=str(path))
+    writer = ChecksummingWriter(path)
+    dcp.save(for_dcp(tensors), storage_writer=writer, checkpoint_id=str(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(path / METADATA_FILENAME, "wb") as f:
             torch.save(metadata, f)
             f.flush()
             os.fsync(f.fileno())
+    return writer.checksums
 
 
 def is_sharded_checkpoint(path: Union[str, Path]) -> bool:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.checkpoint import atomic
+from lightning_para.checkpoint import atomic, failures
 from lightning_para.checkpoint.consolidate import trainer_format, write_file_atomically
 from lightning_para.checkpoint.format import (
     METADATA_FILENAME,
@@ -29,6 +29,8 @@ from lightning_para.checkpoint.format import (
     load_sharded_into,
     save_sharded,
 )
+from lightning_para.checkpoint.last import warn_if_newer
+from lightning_para.checkpoint.lock import DirectoryLock
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
@@ -55,23 +57,86 @@ def _from_rank0(compute: Callable[[], T]) -> T:
     return box[0]
 
 
-def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = True, token: Optional[str] = None) -> None:
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _agree(
+    failure: Optional[BaseException], path: Path, partial: Optional[Path], needed_here: int, payload: Any = None
+) -> list[Any]:
+    """Collective: if any rank failed, rank 0 removes ``partial`` and every rank raises the same error;
+    otherwise every rank's ``payload``, in rank order.
+
+    A sync point even when nothing failed (it replaces a barrier), so no rank goes on into the next
+    step of the save (or the next collective of training) while another has failed.
+    """
+    folder = path.parent
+    mine = failures.summarize(failure, _rank(), folder, needed_here) if failure is not None else None
+    gathered = _gather((mine, needed_here, payload))
+    summaries = [s for s, _, _ in gathered if s is not None]
+    if not summaries:
+        return [p for _, _, p in gathered]
+    decided = None
+    if _is_rank0():
+        removed = partial is not None and (partial.exists() or partial.is_symlink())
+        if removed:
+            atomic.remove_partial(partial)
+        newest = atomic.newest_complete_checkpoint(folder) if folder.is_dir() else None
+        needed = failures.checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
+        decided = failures.verdict(summaries, path, needed, newest, removed)
+    if dist.is_initialized():
+        box = [decided]
+        dist.broadcast_object_list(box, src=0)
+        decided = box[0]
+    raise failures.as_error(*decided) from failure
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_checkpoint(
+    path: Path,
+    checkpoint: dict[str, Any],
+    *,
+    sharded: bool = True,
+    token: Optional[str] = None,
+    lock: Optional[DirectoryLock] = None,
+) -> None:
     """Write Lightning's ``checkpoint`` dict (collective), atomically (see :mod:`.atomic`).
 
     Model and optimizer states go through DCP, the rest into ``meta.pt``, all into a hidden
     sibling of ``path`` that rank 0 marks complete and swaps into place once every rank has
-    written. ``sharded=False``: the dict already holds the full state on rank 0 (:mod:`.full_state`),
+    written. Each rank checksums the shards it wrote; the marker records every file's CRC-32.
+    ``sharded=False``: the dict already holds the full state on rank 0 (:mod:`.full_state`),
     which writes it as one ordinary file beside ``path`` and swaps it into place; the other ranks
     write nothing.
     ``token`` names the sibling (the same on every rank; drawn by rank 0 when not given).
+    ``lock``: rank 0 holds the folder for this run before sweeping it (:mod:`.lock`).
+
+    A failure on any rank (a full disk, a locked folder, a write error) makes every rank raise the
+    same error (:class:`~.failures.CheckpointDiskFullError`, :class:`~.lock.CheckpointDirectoryLockedError`,
+    :class:`~.failures.CheckpointSaveError`) after rank 0 removed the partial save; the checkpoints
+    already in the folder are untouched.
     """
     path = Path(path)
+    failure: Optional[BaseException] = None
     if not sharded:
         if _is_rank0():
-            if path.parent.is_dir():
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if lock is not None:
+                    lock.acquire(path.parent)
                 atomic.sweep_interrupted(path.parent)  # leftovers of earlier interrupted saves
-            write_file_atomically(path, checkpoint)
-        _barrier()  # no rank reads `path` (or saves again) before it is in place
+                write_file_atomically(path, checkpoint)  # removes its hidden sibling if it fails
+            except failures.SAVE_ERRORS as error:
+                failure = error
+        # No rank reads `path` (or saves again) before it is in place.
+        _agree(failure, path, None, failures.tensor_bytes(checkpoint) if _is_rank0() else 0)
         return
     token = token or _from_rank0(atomic.new_token)
     partial = atomic.partial_path(path, token)
@@ -80,17 +145,33 @@ def save_checkpoint(path: Path, checkpoint: dict[str, Any], *, sharded: bool = T
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
+    needed = failures.tensor_bytes(tensors)
+    if _is_rank0():  # the folder, this run's hold on it, no leftovers, the sibling every rank writes into
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if lock is not None:
+                lock.acquire(path.parent)
+            atomic.sweep_interrupted(path.parent, keep=partial)  # leftovers of earlier interrupted saves
+            partial.mkdir()
+        except failures.SAVE_ERRORS as error:
+            failure = error
+    _agree(failure, path, partial, needed)
+    sums: dict[str, str] = {}
+    try:
+        sums = save_sharded(partial, tensors, checkpoint)
+    except failures.SAVE_ERRORS as error:
+        failure = error
+    # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this agreement.
+    everyone = _agree(failure, path, partial, needed, sums)
+    removable: Optional[Path] = partial
     if _is_rank0():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.sweep_interrupted(path.parent, keep=partial)  # leftovers of earlier interrupted saves
-    _barrier()
-    save_sharded(partial, tensors, checkpoint)
-    # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this barrier.
-    _barrier()
-    if _is_rank0():
-        atomic.write_marker(partial, info)
-        atomic.commit(partial, path)
-    _barrier()  # no rank reads `path` (or saves again) before it is in place
+        try:
+            atomic.write_marker(partial, info, {k: v for rank_sums in everyone for k, v in rank_sums.items()})
+            removable = None  # from here on `partial` may hold the previous checkpoint (exchanged): keep it
+            atomic.commit(partial, path)
+        except failures.SAVE_ERRORS as error:
+            failure = error
+    _agree(failure, path, removable, needed)  # no rank reads `path` (or saves again) before it is in place
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -199,6 +280,23 @@ def _problem(path: Path) -> Optional[tuple[str, str]]:
     return kind, atomic.describe_problems(status)
 
 
+def _data_problem(path: Path) -> Optional[str]:
+    """Collective: every rank reads a share of the files against the checksums written at save
+    (a single file: rank 0, against its zip records' CRC-32s); rank 0 words the agreed verdict."""
+    status = atomic.checkpoint_problems(path)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if path.is_dir():
+        sums = (status.marker or {}).get("checksums")
+        mine = atomic.data_problems(status, sorted(sums)[_rank()::world]) if isinstance(sums, dict) else []
+    else:
+        mine = atomic.data_problems(status) if _is_rank0() else []
+    found = [problem for problems in _gather(mine) for problem in problems]
+    if not found:
+        return None
+    status.problems = found
+    return _from_rank0(lambda: atomic.describe_problems(status))
+
+
 def _unreadable(path: Path, what: str, error: BaseException) -> atomic.IncompleteCheckpointError:
     status = atomic.CheckpointStatus(path, [f"{what} cannot be read ({type(error).__name__}: {error})"])
     return atomic.IncompleteCheckpointError(atomic.describe_problems(status))
@@ -229,9 +327,11 @@ def load_checkpoint_in_place(
     :func:`optimizer_params`. With no optimizers (validate/predict), ZeRO masters follow the
     loaded weights.
 
-    Rank 0 verifies the checkpoint first (completion marker, every file at its written size):
-    every rank raises ``FileNotFoundError`` or :class:`~.atomic.IncompleteCheckpointError`
-    naming the path, what is wrong and the newest complete checkpoint in the same folder.
+    Rank 0 verifies the checkpoint first (completion marker, every file at its written size),
+    then every rank reads a share of the files against the checksums written at save: every rank
+    raises ``FileNotFoundError``, :class:`~.atomic.IncompleteCheckpointError` or
+    :class:`~.atomic.CorruptCheckpointError` naming the path, the file and what is wrong, and the
+    newest complete (and verified) checkpoint in the same folder.
     Missing and unexpected model keys raise unless ``module.strict_loading`` is ``False``.
     """
     path = Path(path)
@@ -239,6 +339,11 @@ def load_checkpoint_in_place(
     if problem is not None:
         kind, message = problem
         raise FileNotFoundError(message) if kind == "missing" else atomic.IncompleteCheckpointError(message)
+    corrupt = _data_problem(path)
+    if corrupt is not None:
+        raise atomic.CorruptCheckpointError(corrupt)
+    if _is_rank0():
+        warn_if_newer(path)
     strict = getattr(module, "strict_loading", True)
     if path.is_dir():
         own = module.state_dict()

@@ -144,9 +144,10 @@ def compare(
 
     Args:
         config: a LightningCLI YAML (or a shipped config's short name), as for ``lightning-para fit``.
-        layout: ``"tp=2,pp=2"`` (keys: ``dp tp pp ep zero sp schedule microbatches virtual_stages
-            recompute zero_accumulation``) or a dict of ParaStrategy arguments; degrees not given
-            are 1, options not given are the config's.
+        layout: ``"tp=2,pp=2"`` (keys: every ParaStrategy layout argument, ``dp tp pp ep cp
+            cp_method dp_replicate dp_shard zero zero3_units sp schedule microbatches ...``; see
+            :func:`~lightning_para.plan.run.parse_layout`) or a dict of ParaStrategy arguments;
+            degrees not given are 1, options not given are the config's.
         steps: optimizer steps of each run.
         reference: ``None`` for one device, or a layout as ``layout``.
         extra_args: more LightningCLI arguments for both runs (e.g. ``["--data.init_args.max_bytes", "100000"]``).

@@ -6,13 +6,20 @@ What it asks the planner (:func:`search`):
   (built in ``__init__``, whole, possibly on the meta device), with its ``configure_pipeline()``;
 * the run: sequence length and batch from the datamodule (``seq_len``/``seq_length``/
   ``max_seq_length``/``block_size``; ``global_batch_size``, else ``batch_size`` per data-parallel
-  rank; or the model's ``hparams``), the trainer's ``accumulate_grad_batches``, the precision
-  plugin's precision, Adam (the optimizer is created after the layout);
+  rank; or the model's ``hparams``), else from the first training batch (its first tensor of two
+  or more dimensions, ``input_ids`` first in a mapping, read as ``(batch per rank, sequence)``),
+  the trainer's ``accumulate_grad_batches``, the precision plugin's precision, Adam (the
+  optimizer is created after the layout);
 * the machine: the world size, processes per node, and each process's memory (the device's, or
   on CPU the RAM divided among the node's processes, or ``layout_memory_gb``).
 
 Which layouts it may choose: every degree and option the user left at its default; a value
-the user set (``tp=2``, ``zero=1``, ``schedule="zbv"``, ``sequence_parallel=True``, ...) is kept.
+the user set (``tp=2``, ``cp=2``, ``dp_replicate=2``, ``dp_shard=2``, ``dp=2``, ``zero=1``,
+``schedule="zbv"``, ``sequence_parallel=True``, ...) is kept, and so is every option the search
+does not vary (``cp_method``, ``cp_load_balance``, ``zero3_units``, ``loss_parallel``, ...:
+``plan.layout.FIXED_OPTIONS``). ``cp`` and ``dp_replicate`` are searched only when given (then
+kept): context parallelism changes what the model's attention must support, and hybrid sharding
+is a choice about the network the planner's nominal CPU figures cannot make.
 Tensor parallelism is considered only for a model with a tensor-parallel plan, pipeline
 parallelism only for one with ``configure_pipeline()``, expert parallelism only for MoE
 models; sequence parallelism stays as the user set it (it changes what the model's code sees);
@@ -26,11 +33,14 @@ same ``ValueError``. The choice and the runner-up are logged with their predicti
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_para.config import ParallelConfig
@@ -38,10 +48,10 @@ from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate
 from lightning_para.plan.describe import describe_module
-from lightning_para.plan.layout import Layout
+from lightning_para.plan.layout import FIXED_OPTIONS, Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.run import config_from_layout, local_cluster
 from lightning_para.plan.result import PlanResult
+from lightning_para.plan.run import local_cluster
 from lightning_para.plan.search import SearchSpace, search
 
 SEQ_ATTRIBUTES = ("seq_len", "seq_length", "max_seq_length", "sequence_length", "block_size")
@@ -69,21 +79,84 @@ def _attribute(objects: list[Any], names: tuple[str, ...]) -> Optional[int]:
     return None
 
 
-def run_training_of(module: nn.Module, datamodule: Any, precision: str, accumulation: int = 1) -> Training:
+def batch_shape(batch: Any) -> Optional[tuple[int, int]]:
+    """``(sequences, sequence length)`` of a training batch: its first tensor of two or more
+    dimensions (``input_ids`` first in a mapping), or ``None`` when it has none."""
+    if isinstance(batch, torch.Tensor):
+        return (int(batch.shape[0]), int(batch.shape[1])) if batch.dim() >= 2 else None
+    if isinstance(batch, Mapping):
+        items = ([batch["input_ids"]] if "input_ids" in batch else []) + list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        return None
+    for item in items:
+        shape = batch_shape(item)
+        if shape is not None:
+            return shape
+    return None
+
+
+def _train_loader(trainer: Any, module: nn.Module, datamodule: Any) -> Any:
+    """The run's training loader as its owner gives it (the datamodule's, the model's, or the one
+    passed to ``fit``), or ``None``."""
+    if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
+        return datamodule.train_dataloader()
+    if isinstance(module, pl.LightningModule) and is_overridden("train_dataloader", module, pl.LightningModule):
+        return module.train_dataloader()
+    # Lightning keeps the loaders given to `fit(train_dataloaders=...)` here until its data setup.
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # private: see docs/architecture.md
+    loader = getattr(source, "instance", None)
+    if isinstance(loader, (pl.LightningModule, pl.LightningDataModule)):
+        return None
+    if isinstance(loader, Mapping):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    return loader
+
+
+def first_batch_shape(trainer: Any, module: nn.Module, datamodule: Any) -> tuple[Optional[tuple[int, int]], str]:
+    """``((batch per rank, sequence length), "")`` from the run's first training batch, or
+    ``(None, why not)``. Builds the loader and reads one batch; nothing else of the run happens."""
+    try:
+        # Only rank 0 plans: iterating a loader draws from the global RNG (its base seed), which
+        # would leave rank 0's generator ahead of the others'. Restore it.
+        with torch.random.fork_rng(devices=[]):
+            loader = _train_loader(trainer, module, datamodule)
+            if loader is None:
+                return None, "there is no training loader to read a batch from"
+            batch = next(iter(loader), None)
+    except Exception as err:  # the loader may need `setup()`, which Lightning runs after the layout
+        return None, f"reading the first training batch failed ({type(err).__name__}: {err})"
+    if batch is None:
+        return None, "the training loader is empty"
+    shape = batch_shape(batch)
+    return shape, "" if shape else "the first training batch holds no tensor of two or more dimensions"
+
+
+def run_training_of(
+    module: nn.Module, datamodule: Any, precision: str, accumulation: int = 1, trainer: Any = None
+) -> Training:
     """The planner's :class:`Training` for a fit of ``module`` on ``datamodule`` (see the module docstring).
 
     Raises ``ValueError`` naming the attributes it looked for when the sequence length or the
-    batch cannot be found.
+    batch can be found neither there nor in the first training batch.
     """
     sources = [s for s in (datamodule, module, getattr(module, "config", None)) if s is not None]
     seq_len = _attribute(sources, SEQ_ATTRIBUTES)
     global_batch = _attribute(sources, ("global_batch_size",))
     per_rank = None if global_batch else _attribute(sources, ("batch_size",))
+    why = ""
+    if seq_len is None or (global_batch is None and per_rank is None):
+        shape, why = first_batch_shape(trainer, module, datamodule)
+        if shape is not None:  # the batch the loader yields is what each data-parallel rank loads
+            per_rank, seq_len, global_batch = shape[0], shape[1], None
     if seq_len is None or (global_batch is None and per_rank is None):
         missing = "the sequence length" if seq_len is None else "the batch size"
         raise ValueError(
-            f"`layout='auto'` could not find {missing} of the run. Give the datamodule (or the model's hparams) a"
-            f" `seq_len` and a `global_batch_size` (or a per-device `batch_size`) attribute, as"
+            f"`layout='auto'` could not find {missing} of the run: {why}. Give the datamodule (or the model's hparams)"
+            f" a `seq_len` and a `global_batch_size` (or a per-device `batch_size`) attribute, as"
             f" lightning_para.recipes.TextDataModule has, or choose the layout yourself (dp/tp/pp/ep/zero)."
         )
     if global_batch is not None:
@@ -96,10 +169,18 @@ def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, wo
     """The layouts ``layout="auto"`` may choose from: the user's non-default values are kept."""
     tp_ok = _has_tensor_parallel_plan(module, config)
     pp_ok = callable(getattr(module, "configure_pipeline", None)) and _pipeline_ok(module)
+    if config.dp_replicate is not None:
+        dp_replicate: tuple[int, ...] = (config.dp_replicate,)
+    elif config.dp_shard is not None:  # dp_replicate = dp / dp_shard for whichever dp: `choose` keeps dp_shard
+        dp_replicate = tuple(d for d in range(1, world_size + 1) if world_size % d == 0)
+    else:
+        dp_replicate = (1,)
     return SearchSpace(
         tp=(config.tp,) if config.tp != 1 or not tp_ok else None,
         pp=(config.pp,) if config.pp != 1 or not pp_ok else None,
         ep=(config.ep,) if config.ep != 1 or not model.is_moe else None,
+        cp=(config.cp,),
+        dp_replicate=dp_replicate,
         zero=(config.zero,) if config.zero != 0 else (0, 1, 2, 3),
         schedules=(config.schedule,) if config.schedule != "1f1b" else ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
         virtual_stages=(config.virtual_stages,) if config.virtual_stages != 1 else (1, 2, 4),
@@ -107,6 +188,7 @@ def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, wo
         recompute=(config.activation_checkpointing,) if config.activation_checkpointing else (None, "full"),
         sequence_parallel=(config.sequence_parallel,),
         zero_accumulation=(config.zero_accumulation,) if config.zero_accumulation != "no_sync" else ("no_sync", "reduce_each_step"),
+        options=Layout(**{name: getattr(config, name) for name in FIXED_OPTIONS}),
     )
 
 
@@ -127,15 +209,19 @@ def _pipeline_ok(module: nn.Module) -> bool:
 
 
 def choose(
-    model: ModelDesc, cluster: Cluster, training: Training, space: SearchSpace, dp: Optional[int] = None
+    model: ModelDesc, cluster: Cluster, training: Training, space: SearchSpace, dp: Optional[int] = None,
+    dp_shard: Optional[int] = None,
 ) -> tuple[Estimate, Optional[Estimate], PlanResult]:
-    """``(best, runner-up, search result)`` among the layouts of ``space`` (and ``dp`` when pinned).
+    """``(best, runner-up, search result)`` among the layouts of ``space`` (and ``dp``, ``dp_shard``
+    when pinned).
 
     Raises ``ValueError`` listing the nearest misses when none fits.
     """
     result = search(model, cluster, training, space)
     if dp is not None:
         result.fits = [e for e in result.fits if e.layout.dp == dp]
+    if dp_shard is not None:
+        result.fits = [e for e in result.fits if e.layout.dp_shard == dp_shard]
     if not result.fits:
         misses = "; ".join(f"{r.layout.label()}: {r.reason}" for r in result.rejected[:4]) or "no layout to try"
         raise ValueError(
@@ -169,16 +255,18 @@ def plan_layout(
     device: torch.device,
     precision: str,
     accumulation: int = 1,
+    trainer: Any = None,
 ) -> LayoutChoice:
     """Search the best layout for this run (no communication; see :func:`auto_configure`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a parameter-count warning would print on every rank
         model = describe_module(module)
-    training = run_training_of(module, datamodule, precision, accumulation)
+    training = run_training_of(module, datamodule, precision, accumulation, trainer)
     memory = config.layout_memory_gb * GB if config.layout_memory_gb is not None else None
     cluster = local_cluster(world_size, processes_per_node, device, memory_bytes=memory)
     dp = config.dp if isinstance(config.dp, int) else None
-    best, runner_up, result = choose(model, cluster, training, search_space(config, module, model, world_size), dp)
+    space = search_space(config, module, model, world_size)
+    best, runner_up, result = choose(model, cluster, training, space, dp, config.dp_shard)
     return LayoutChoice(
         layout=best.layout, summary=best.summary(), runner_up=runner_up.summary() if runner_up else None,
         report=_report(best, runner_up, result, device.type),
@@ -195,6 +283,7 @@ def auto_configure(
     device: torch.device,
     precision: str,
     accumulation: int = 1,
+    trainer: Any = None,
 ) -> tuple[ParallelConfig, LayoutChoice]:
     """Rank 0 plans (:func:`plan_layout`) and broadcasts; every rank returns the chosen config, or
     raises rank 0's ``ValueError``. Call it on every rank, before any other collective."""
@@ -203,7 +292,7 @@ def auto_configure(
         try:
             payload[0] = plan_layout(
                 config, module, datamodule, world_size=world_size, processes_per_node=processes_per_node,
-                device=device, precision=precision, accumulation=accumulation,
+                device=device, precision=precision, accumulation=accumulation, trainer=trainer,
             )
         except ValueError as err:
             payload[0] = str(err)
@@ -212,7 +301,10 @@ def auto_configure(
     choice = payload[0]
     if isinstance(choice, str):
         raise ValueError(choice)
-    return config_from_layout(config, choice.layout), choice
+    return config.with_layout(choice.layout), choice
 
 
-__all__ = ["LayoutChoice", "auto_configure", "choose", "plan_layout", "run_training_of", "search_space"]
+__all__ = [
+    "LayoutChoice", "auto_configure", "batch_shape", "choose", "first_batch_shape", "plan_layout", "run_training_of",
+    "search_space",
+]

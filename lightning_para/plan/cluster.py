@@ -10,6 +10,7 @@ precision     weights  grads  fp32 master  activations  note
 bf16-mixed    4        4      0            2            fp32 weights, bf16 autocast compute
 16-mixed      4        4      0            2            as bf16-mixed, with loss scaling
 bf16-true     2        2      4            2            ZeRO's K = 12 with Adam: 4 + 8
+16-true       2        2      4            2            as bf16-true, in fp16
 ============  =======  =====  ==========  ===========  =========================================
 
 Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum).
@@ -20,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
+from lightning_para.options import PRECISIONS
+
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
 
@@ -41,7 +43,9 @@ _PRECISION_BYTES = {
     "bf16-mixed": PrecisionBytes(4, 4, 0, 2, True),
     "16-mixed": PrecisionBytes(4, 4, 0, 2, True),
     "bf16-true": PrecisionBytes(2, 2, 4, 2, False),
+    "16-true": PrecisionBytes(2, 2, 4, 2, False),  # ParaPrecision: fp16 weights, fp32 masters under ZeRO
 }
+assert set(_PRECISION_BYTES) == set(PRECISIONS), "the planner must price every precision ParaStrategy has"
 
 
 def _choices(values: Any) -> str:
@@ -56,9 +60,20 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 
 
 # Per-GPU figures: dense bf16 peak FLOP/s, and one direction of NVLink (intra) and of the
-# GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
+# GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM):
+# * h100: H100 SXM5 80 GB, 989 TFLOP/s dense BF16, NVLink 4 900 GB/s bidirectional (450 one
+#   way), one 400 Gb/s ConnectX-7 (50 GB/s) per GPU (NVIDIA H100 datasheet; DGX H100).
+# * h100-96gb: the 96 GB HBM2e H100 of Meta's Grand Teton hosts that torchtitan benchmarks on
+#   (pytorch/torchtitan docs/performance.md: 96 GB, 400 Gb/s RDMA per GPU, 500 W). Its peak is
+#   "between SXM and NVL" and unpublished; torchtitan's MFU uses the SXM figure, and so do we.
+# * h200: H200 SXM 141 GB HBM3e, same compute and NVLink as H100 SXM (NVIDIA H200 datasheet).
+# * b200: B200 192 GB HBM3e (HGX B200), 2.25 PFLOP/s dense BF16 (4.5 with sparsity), NVLink 5
+#   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
 GPU_SPECS: dict[str, dict[str, float]] = {
     "h100": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h100-96gb": {"memory_bytes": 96e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h200": {"memory_bytes": 141e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "b200": {"memory_bytes": 192e9, "peak_flops": 2250e12, "intra_node_bw": 900e9, "inter_node_bw": 50e9},
     "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9},
     "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
     "a100-40gb": {"memory_bytes": 40e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
@@ -144,7 +159,7 @@ class Training:
             that batch into its ``microbatches`` (default ``pp * virtual_stages``).
         accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
             used with ``micro_batch=None``.
-        precision: one of ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``, ``"16-mixed"``.
+        precision: one of :data:`~lightning_para.options.PRECISIONS` (ParaStrategy's).
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.

@@ -40,6 +40,7 @@ from lightning_para.plan.comm import Collective, crosses_nodes
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import (
+    SCHEDULES,
     bubble_fraction,
     pipeline_ranks,
     schedule_problem,
@@ -238,10 +239,15 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     chunks = lay.pp * lay.virtual_stages
     if lay.pp > 1 and chunks > len(model.units()):
         problems.append(f"pipeline layers {len(model.units())} fewer than pp*virtual_stages = {chunks}")
-    if lay.cp > 1 and training.seq_len % (2 * lay.cp):  # load-balanced: two chunks per cp rank
+    if lay.cp > 1 and lay.cp_load_balance and training.seq_len % (2 * lay.cp):  # two chunks per cp rank
         problems.append(f"seq_len {training.seq_len} not divisible by 2*cp={2 * lay.cp} (load-balanced chunks)")
+    elif lay.cp > 1 and not lay.cp_load_balance and training.seq_len % lay.cp:
+        problems.append(f"seq_len {training.seq_len} not divisible by cp={lay.cp}")
     elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
         problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
+    if lay.pp > 1 and lay.schedule not in SCHEDULES:
+        problems.append(f"schedule '{lay.schedule}' runs under ParaStrategy, but the planner has no bubble model for it")
+        return problems
     if lay.zero == 3 and lay.pp > 1:
         # ParaStrategy's rule (config.py): FSDP2 would gather a stage for every microbatch.
         problems.append("zero=3 with pp>1 is not supported by ParaStrategy (use zero=1 or 2)")

@@ -9,14 +9,52 @@ microbatch, crosses nodes first. (Megatron-LM orders its groups the same way: tp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_para.plan.pipeline import check_schedule
+from lightning_para.options import (
+    ACTIVATION_CHECKPOINTING,
+    CP_METHODS,
+    PIPELINE_BALANCE,
+    SCHEDULES,
+    ZERO3_UNITS,
+    ZERO_ACCUMULATION,
+    ZERO_STAGES,
+)
 
-RECOMPUTE = (None, "selective", "full")
-CP_METHODS = ("ring", "all_to_all")  # ParaStrategy's cp_method (lightning_para.parallel.context)
-ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
+if TYPE_CHECKING:
+    from lightning_para.config import ParallelConfig
+    from lightning_para.mesh import ParallelDims
+
+RECOMPUTE = ACTIVATION_CHECKPOINTING  # the search's name for the same list (SearchSpace.recompute)
+
+# ParaStrategy's arguments that are not part of a layout, and why; together with Layout's fields
+# they are all of ParaStrategy.__init__'s arguments (tests/unit/test_layout_vocabulary.py checks it).
+NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
+    "precision": "the planner's Training.precision (priced there)",
+    "tp_plan": "the model's tensor-parallel plan (describe_module reads the model)",
+    "tp_unplanned": "how the model's unplanned layers are handled (the model, not the layout)",
+    "cp_check": "a first-step numerics check of the model under cp (parallel/context/check.py), not a layout",
+    "layout": "layout='auto' itself",
+    "layout_memory_gb": "layout='auto''s memory limit (the planner's Cluster)",
+    "save_distributed_checkpoint": "checkpoint format",
+    "process_group_backend": "process group set-up",
+    "timeout": "process group set-up",
+    "integrity_check_every_n_steps": "reliability checks",
+    "integrity_action": "reliability checks",
+    "watchdog_timeout": "reliability checks",
+    "accelerator": "Lightning plumbing",
+    "parallel_devices": "Lightning plumbing",
+    "cluster_environment": "Lightning plumbing",
+    "checkpoint_io": "Lightning plumbing",
+    "precision_plugin": "Lightning plumbing (see precision)",
+}
+# Options the search does not vary: :class:`~lightning_para.plan.search.SearchSpace` takes them
+# from its ``options`` layout (``layout="auto"``: the user's config), so a chosen layout keeps them.
+FIXED_OPTIONS = (
+    "cp_method", "cp_load_balance", "zero3_units", "sp_save_input_shard", "loss_parallel", "pipeline_split",
+    "pipeline_balance",
+)
 
 
 def _check_degree(name: str, value: Any) -> None:
@@ -24,9 +62,18 @@ def _check_degree(name: str, value: Any) -> None:
         raise ValueError(f"`{name}={value!r}` must be a positive integer (1 disables this dimension).")
 
 
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"`{name}={value!r}` is unknown. Choose one of {', '.join(map(repr, choices))}.")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees and options of one layout; ``world_size = pp * dp * cp * tp``.
+
+    Every field is the ParaStrategy argument of the same name and meaning
+    (:meth:`strategy_kwargs` and :meth:`from_config` are the one mapping each way; the
+    ParaStrategy arguments that are no part of a layout are :data:`NOT_LAYOUT_ARGUMENTS`).
 
     Args:
         dp, tp, pp: data, tensor and pipeline parallel degrees.
@@ -37,25 +84,36 @@ class Layout:
         cp_method: ``"ring"`` (ring attention: K/V blocks passed peer-to-peer, overlapped with the
             blockwise attention) or ``"all_to_all"`` (DeepSpeed-Ulysses: q, k, v and the output
             re-sharded from sequence to heads; heads must divide by ``cp x tp``).
+        cp_load_balance: head-tail chunks (the sequence must divide by ``2 cp``; else by ``cp``).
+            Priced as balanced either way (the planner does not model the causal imbalance).
         dp_replicate, dp_shard: hybrid sharding, ``dp = dp_replicate * dp_shard``; ZeRO shards
             over ``dp_shard`` (default: all of ``dp``) and all-reduces over ``dp_replicate``.
         zero: ZeRO stage 0-3.
+        zero3_units: ZeRO-3's FSDP2 units (``parallel/data/fsdp.py``): ``"blocks"`` (the
+            embedding, final norm and head one grouped unit), ``"blocks_and_ends"`` (a unit
+            each) or ``"auto"`` (grouped when they hold no more than the largest block).
         sequence_parallel: Megatron sequence parallelism with ``tp`` (Korthikanti et al. 2022).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"`` or ``"zbv"``.
+        sp_save_input_shard: under SP, backward all-gathers each sublayer's saved input shard
+            again (ParaStrategy's default). Priced as ``True`` (the planner's SP activations).
+        loss_parallel: cross-entropy on vocabulary-sharded logits. Priced as ``True``.
+        activation_checkpointing: activation recomputation, ``None``, ``"selective"`` or ``"full"``
+            (also readable as :attr:`recompute`).
+        schedule: a pipeline schedule of ParaStrategy (:data:`~lightning_para.options.SCHEDULES`);
+            the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.
         microbatches: microbatches per pipeline flush (``None``: all microbatches of the step
             in one flush; otherwise the rest is gradient accumulation). Ignored without a
             pipeline, where each microbatch is one accumulation step.
         virtual_stages: model chunks per pipeline rank.
-        recompute: activation recomputation, ``None``, ``"selective"`` or ``"full"``.
+        pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
+            entries; ``None``: balanced by parameter count, as ParaStrategy does by default.
+        pipeline_balance: ``"params"`` or ``"time"`` (ParaStrategy measures stage times); the
+            planner splits by parameters either way.
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
             gradients and reduces once per step, ``"reduce_each_step"`` reduce-scatters every
-            microbatch (ParaStrategy's option of the same name).
-        pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
-            entries (ParaStrategy's ``pipeline_split``); ``None``: balanced by parameter count,
-            as ParaStrategy does by default.
-        bucket_mb: ZeRO-0/1/2 gradient bucket size in MiB (ParaStrategy's ``bucket_size_mb``);
-            ``None``: Megatron-LM's rule (:func:`~lightning_para.plan.rank.bucket_bytes`), which
-            the YAML then suggests. It changes the number of calls, not the bytes.
+            microbatch.
+        bucket_size_mb: ZeRO-0/1/2 gradient bucket size in MiB; ``None``: Megatron-LM's rule
+            (:func:`~lightning_para.plan.rank.bucket_bytes`), which the YAML then suggests. It
+            changes the number of calls, not the bytes.
     """
 
     dp: int = 1
@@ -70,11 +128,16 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: Optional[int] = None
     virtual_stages: int = 1
-    recompute: Optional[str] = None
+    activation_checkpointing: Optional[str] = None
     zero_accumulation: str = "no_sync"
     pipeline_split: Optional[tuple[int, ...]] = None
-    bucket_mb: Optional[float] = None
+    bucket_size_mb: Optional[float] = None
     cp_method: str = "ring"
+    cp_load_balance: bool = True
+    zero3_units: str = "auto"
+    sp_save_input_shard: bool = True
+    loss_parallel: bool = True
+    pipeline_balance: str = "params"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -88,29 +151,71 @@ class Layout:
             raise ValueError(
                 f"`dp_replicate={self.dp_replicate}` x `dp_shard={self.dp_shard}` must equal `dp={self.dp}`."
             )
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of 0, 1, 2, 3.")
         if self.dp_replicate > 1 and self.zero == 0:
             raise ValueError("`dp_replicate > 1` (hybrid sharding) needs `zero >= 1`: ZeRO-0 shards nothing.")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"`sequence_parallel={self.sequence_parallel!r}` must be True or False.")
+        for name in ("sequence_parallel", "cp_load_balance", "sp_save_input_shard", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("`sequence_parallel=True` needs `tp > 1` (it shards the sequence over the tp ranks).")
-        check_schedule(self.schedule)
+        _check_choice("schedule", self.schedule, SCHEDULES)
         if self.microbatches is not None:
             _check_degree("microbatches", self.microbatches)
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"`recompute={self.recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+        _check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         if self.pipeline_split is not None:
             object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
-        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
-            raise ValueError(f"`bucket_mb={self.bucket_mb!r}` must be a positive number of MiB.")
-        if self.cp_method not in CP_METHODS:
-            raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose 'ring' or 'all_to_all'.")
-        if self.zero_accumulation not in ZERO_ACCUMULATION:
-            raise ValueError(
-                f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose 'no_sync' or 'reduce_each_step'."
-            )
+        if self.bucket_size_mb is not None and not (
+            isinstance(self.bucket_size_mb, (int, float)) and not isinstance(self.bucket_size_mb, bool)
+            and self.bucket_size_mb > 0
+        ):
+            raise ValueError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of MiB.")
+        _check_choice("cp_method", self.cp_method, CP_METHODS)
+        _check_choice("zero_accumulation", self.zero_accumulation, ZERO_ACCUMULATION)
+        _check_choice("zero3_units", self.zero3_units, ZERO3_UNITS)
+        _check_choice("pipeline_balance", self.pipeline_balance, PIPELINE_BALANCE)
+
+    @property
+    def recompute(self) -> Optional[str]:
+        """:attr:`activation_checkpointing` under the cost model's name (recomputation)."""
+        return self.activation_checkpointing
+
+    # ------------------------------------------------------------------ the one mapping
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """ParaStrategy's arguments for this layout: the one ``Layout -> ParaStrategy`` mapping.
+
+        Every field under its own name (``pipeline_split`` as a list); ``bucket_size_mb=None``
+        (the planner's rule) is left out, so a config keeps its own.
+        ``ParaStrategy(**layout.strategy_kwargs())`` and ``config.with_layout(layout)`` run this layout.
+        """
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.pipeline_split is not None:
+            out["pipeline_split"] = list(self.pipeline_split)
+        if self.bucket_size_mb is None:
+            del out["bucket_size_mb"]
+        return out
+
+    @classmethod
+    def from_config(cls, config: "ParallelConfig", dims: "ParallelDims") -> "Layout":
+        """The layout of a resolved ParaStrategy configuration (the reverse of :meth:`strategy_kwargs`).
+
+        ``dims`` gives the degrees ``"auto"`` resolved to. Pipeline options are those of the
+        run only with a pipeline (``pp=1`` runs no schedule) and ``sequence_parallel`` only with
+        ``tp > 1``, as ParaStrategy applies them; microbatches are the validated count.
+        """
+        pipelined = dims.pp > 1
+        kwargs = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
+        kwargs.update(
+            dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp, dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp // dims.dp_replicate,
+            sequence_parallel=config.sequence_parallel and dims.tp > 1,
+            schedule=config.schedule if pipelined else "1f1b",
+            microbatches=config.pipeline_microbatches if pipelined else None,
+            virtual_stages=config.virtual_stages if pipelined else 1,
+            pipeline_split=tuple(config.pipeline_split) if pipelined and config.pipeline_split is not None else None,
+        )
+        return cls(**kwargs)
 
     @property
     def world_size(self) -> int:
@@ -158,8 +263,12 @@ class Layout:
             parts.append(self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.microbatches is not None:
             parts.append(f"m{self.microbatches}")
-        if self.recompute:
-            parts.append(f"rc:{self.recompute}")
+        if self.activation_checkpointing:
+            parts.append(f"rc:{self.activation_checkpointing}")
+        if self.zero == 3 and self.zero3_units != "auto":
+            parts.append(f"units:{self.zero3_units}")
+        if self.cp > 1 and not self.cp_load_balance:
+            parts.append("cp-contiguous")
         if self.zero_accumulation != "no_sync" and self.zero >= 2:
             parts.append("reduce-each-step")
         return " ".join(parts)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_para.options import ACTIVATION_CHECKPOINTING
 from lightning_para.plan.model import ModelDesc
 
 
@@ -71,7 +72,7 @@ def layer_activation_bytes(
 
     Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
     """
-    if recompute not in (None, "selective", "full"):
+    if recompute not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"`recompute={recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
     s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
     sp_divisor = tp if sequence_parallel else 1

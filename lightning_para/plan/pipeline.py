@@ -30,16 +30,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_para.options import PLANNED_SCHEDULES
+from lightning_para.options import SCHEDULES as STRATEGY_SCHEDULES
 from lightning_para.parallel.pipeline.schedules import stage_to_rank
 from lightning_para.parallel.pipeline.split import balanced_split, explicit_split
 from lightning_para.plan.model import ModelDesc, PipelineUnit
 from lightning_para.plan.tensors import ParamTensor, part_tensors, total_numel
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+SCHEDULES = PLANNED_SCHEDULES  # those priced here (lightning_para.options names every one ParaStrategy runs)
 
 
 def check_schedule(name: str) -> None:
-    """``ValueError`` for a schedule name the planner does not know."""
+    """``ValueError`` for a schedule name the planner does not price."""
+    if name in STRATEGY_SCHEDULES and name not in SCHEDULES:
+        raise ValueError(
+            f"`schedule={name!r}` runs under ParaStrategy, but the planner has no bubble model for it."
+            f" Choose one of {', '.join(map(repr, SCHEDULES))} to plan."
+        )
     if name not in SCHEDULES:
         raise ValueError(f"`schedule={name!r}` is unknown. Choose one of {', '.join(map(repr, SCHEDULES))}.")
 

@@ -180,7 +180,7 @@ def _memory(
     s, b, e = training.seq_len, training.micro_batch, precision.activation
     per_layer = [
         layer_activation_bytes(
-            model, s, b, recompute=layout.recompute, flash_attention=training.flash_attention,
+            model, s, b, recompute=layout.activation_checkpointing, flash_attention=training.flash_attention,
             activation_bytes=e, moe_layer=model.is_moe_layer(i), **kwargs,
         ) for i in part.layers
     ]
@@ -190,7 +190,7 @@ def _memory(
     if part.last_stage:
         held += head_activation_bytes(model, s, b, activation_bytes=e, **kwargs)
     activations = part.in_flight * held
-    if layout.recompute == "full" and part.layers:
+    if layout.activation_checkpointing == "full" and part.layers:
         # Backward recomputes one layer at a time: its full activations are live once more.
         activations += max(
             layer_activation_bytes(
@@ -216,9 +216,9 @@ def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: R
             flops += 6.0 * (active + replicated) * tokens / expert_tp
         else:
             flops += 6.0 * replicated * tokens / tp  # norms: negligible, counted as in 6N
-    if layout.recompute == "full":
+    if layout.activation_checkpointing == "full":
         flops *= 4.0 / 3.0
-    elif layout.recompute == "selective" and not training.flash_attention:
+    elif layout.activation_checkpointing == "selective" and not training.flash_attention:
         flops += scores / 3.0  # the score forward, once more
     if part.head:
         flops += 6.0 * model.vocab * model.hidden * tokens / tp
@@ -232,7 +232,7 @@ def _microbatch_collectives(
     e = training.bytes.activation
     tokens = training.micro_batch * training.seq_len / layout.cp
     activation = tokens * model.hidden * e
-    full = layout.recompute == "full"
+    full = layout.activation_checkpointing == "full"
     n_moe = sum(model.is_moe_layer(i) for i in part.layers)
     found: list[tuple[Collective, bool]] = []
 
@@ -304,7 +304,7 @@ def _dp_collectives(
         if not group or n == 1:
             continue
         params, padded = total_numel(group), n * shard_numel(group, n)
-        capacity = layout.bucket_mb * 2**20 if layout.bucket_mb is not None else bucket_bytes(n, g)
+        capacity = layout.bucket_size_mb * 2**20 if layout.bucket_size_mb is not None else bucket_bytes(n, g)
         buckets = max(1, math.ceil(params * g / capacity))
         if layout.zero == 0:
             grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
@@ -351,12 +351,15 @@ def _dp_collectives(
 
 
 def _zero3_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[list[ParamTensor], bool]:
-    """The tensors outside the blocks (embedding, final norm, head; tied or not) and whether
-    ``zero3_units="auto"`` makes them one grouped unit: when they hold no more than the largest
-    block, experts included (``parallel/data/fsdp.py``'s rule, on the same local sizes)."""
+    """The tensors outside the blocks (embedding, final norm, head; tied or not) and whether they
+    form one grouped unit: always under ``zero3_units="blocks"``, never under ``"blocks_and_ends"``,
+    and under ``"auto"`` when they hold no more than the largest block, experts included
+    (``parallel/data/fsdp.py``'s rule, on the same local sizes)."""
     layers = [layer_tensors(model, i, layout.tp, layout.ep) for i in part.layers]
     in_layers = {t for layer in layers for t in layer}
     ends = [t for t in rank_tensors(model, layout, part) if t not in in_layers]
+    if layout.zero3_units != "auto":  # the user's choice: "blocks" groups the ends, "blocks_and_ends" does not
+        return ends, layout.zero3_units == "blocks"
     grouped = bool(layers) and total_numel(ends) <= max(total_numel(layer) for layer in layers)
     return ends, grouped
 
@@ -417,7 +420,7 @@ def price_rank(
         spare = max(0.0, cp_seconds - per_step * score_flops / speed)
         collectives = [c.exposed(spare * c.seconds / cp_seconds) if c.dim == "cp" else c for c in collectives]
         critical += spare
-    backward_share = 0.75 if layout.recompute == "full" else 2.0 / 3.0
+    backward_share = 0.75 if layout.activation_checkpointing == "full" else 2.0 / 3.0
     dp_items, dp_exposed = _dp_collectives(
         model, cluster, training, layout, part, flushes, backward_share * compute, (1 - backward_share) * compute
     )

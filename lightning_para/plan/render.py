@@ -4,6 +4,12 @@
 from __future__ import annotations
 
 from lightning_para.plan.cost import Estimate, bucket_bytes, format_bytes
+from lightning_para.plan.layout import Layout
+
+_ALWAYS_SHOWN = ("dp", "tp", "pp", "ep", "zero", "sequence_parallel", "schedule", "microbatches", "virtual_stages",
+                 "activation_checkpointing")
+_DEFAULTS = Layout().strategy_kwargs()  # the layout options' defaults, which are ParaStrategy's
+
 
 def grid(header: list[str], rows: list[list[str]]) -> str:
     """Columns padded to their widest cell, a dashed line under the header."""
@@ -17,23 +23,19 @@ def strategy_yaml(choice: Estimate) -> str:
     """``trainer.strategy`` for LightningCLI: ParaStrategy's arguments for ``choice``, with its prediction."""
     layout = choice.layout
     pipelined = layout.pp > 1
-    args: dict[str, object] = {
-        "dp": layout.dp,
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "ep": layout.ep,
-        "zero": layout.zero,
-        "sequence_parallel": layout.sequence_parallel,
-        "schedule": layout.schedule,
-        "microbatches": choice.microbatches if pipelined else None,
-        "virtual_stages": layout.virtual_stages,
-        "activation_checkpointing": layout.recompute,
-    }
+    # Layout.strategy_kwargs() is the one Layout -> ParaStrategy mapping; shown: the degrees and the
+    # options always printed, plus any other option away from ParaStrategy's default.
+    kwargs = layout.strategy_kwargs()
+    kwargs["microbatches"] = choice.microbatches if pipelined else None  # the count the estimate priced
+    args: dict[str, object] = {k: kwargs[k] for k in _ALWAYS_SHOWN}
+    args.update({k: v for k, v in kwargs.items() if k not in args and v != _DEFAULTS.get(k)})
+    args.pop("bucket_size_mb", None)
+    if layout.dp_replicate == 1:  # plain data parallel: dp alone says it
+        args.pop("dp_replicate", None)
+        args.pop("dp_shard", None)
     if layout.zero < 3 and layout.group("dp")[0] > 1:
-        bucket = layout.bucket_mb or bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 2**20
+        bucket = layout.bucket_size_mb or bucket_bytes(layout.group("dp")[0], choice.training.bytes.grad) / 2**20
         args["bucket_size_mb"] = round(bucket)
-    if layout.zero >= 2 and layout.zero_accumulation != "no_sync":
-        args["zero_accumulation"] = layout.zero_accumulation
     m = choice.memory
     lines = [
         f"# lightning-para plan: {choice.model.name} on {choice.cluster.world_size} devices: {layout.label()}",
@@ -60,4 +62,6 @@ def _yaml_value(value: object) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)

@@ -7,7 +7,7 @@ rank as the DataLoader yields it, a precision plugin, an optimizer, and the mach
 This module translates between the two, so that
 
 * ``ParaStrategy(layout="auto")`` can turn the planner's choice into a config
-  (:func:`config_from_layout`);
+  (:meth:`ParallelConfig.with_layout`, through :meth:`Layout.strategy_kwargs`: the one mapping);
 * the profiler and ``lightning-para plan --validate`` can ask the planner about *this* run
   (:func:`layout_from_config`, :func:`run_training`, :func:`local_cluster`) and compare.
 
@@ -19,8 +19,9 @@ figures for a gloo process (:data:`CPU_PROCESS`), which only the step-time estim
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import replace
+from dataclasses import fields
 from typing import Any, Optional
 
 import torch
@@ -90,49 +91,46 @@ def local_cluster(
 
 
 def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
-    """The planner's :class:`Layout` of a resolved ParaStrategy configuration."""
-    pipelined = dims.pp > 1
-    return Layout(
-        dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp, cp_method=config.cp_method,
-        dp_replicate=dims.dp_replicate, zero=config.zero,
-        sequence_parallel=config.sequence_parallel and dims.tp > 1,
-        schedule=config.schedule if pipelined else "1f1b",
-        microbatches=config.pipeline_microbatches if pipelined else None,
-        virtual_stages=config.virtual_stages if pipelined else 1,
-        recompute=config.activation_checkpointing,
-        zero_accumulation=config.zero_accumulation,
-        pipeline_split=tuple(config.pipeline_split) if pipelined and config.pipeline_split is not None else None,
-        bucket_mb=config.bucket_size_mb,
-    )
+    """The planner's :class:`Layout` of a resolved ParaStrategy configuration (:meth:`Layout.from_config`)."""
+    return Layout.from_config(config, dims)
 
 
 def config_from_layout(config: ParallelConfig, layout: Layout) -> ParallelConfig:
-    """``config`` with the planner's degrees and options (validated again by ``ParallelConfig``)."""
-    return replace(
-        config, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
-        sequence_parallel=layout.sequence_parallel, schedule=layout.schedule, microbatches=layout.microbatches,
-        virtual_stages=layout.virtual_stages, activation_checkpointing=layout.recompute,
-        zero_accumulation=layout.zero_accumulation,
-    )
+    """``config`` with the planner's degrees and options (:meth:`ParallelConfig.with_layout`)."""
+    return config.with_layout(layout)
 
 
-# `--layout "tp=2,pp=2,zero=1"` keys (and short aliases) -> ParaStrategy arguments, with their types.
+# Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
+LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages",
+                  "recompute": "activation_checkpointing", "bucket_mb": "bucket_size_mb"}
+
+
+def _field_kind(annotation: Any) -> type:
+    text = str(annotation)
+    for kind, name in ((bool, "bool"), (float, "float"), (tuple, "tuple"), (int, "int")):
+        if name in text:
+            return kind
+    return str
+
+
+# `--layout "tp=2,pp=2,zero=1"` keys -> (ParaStrategy argument, value type): Layout's fields, which are
+# ParaStrategy's argument names (tests/unit/test_layout_vocabulary.py), and the short aliases.
 LAYOUT_KEYS: dict[str, tuple[str, type]] = {
-    "dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "ep": ("ep", int), "zero": ("zero", int),
-    "sp": ("sequence_parallel", bool), "sequence_parallel": ("sequence_parallel", bool),
-    "schedule": ("schedule", str), "microbatches": ("microbatches", int), "m": ("microbatches", int),
-    "virtual_stages": ("virtual_stages", int), "v": ("virtual_stages", int),
-    "recompute": ("activation_checkpointing", str), "activation_checkpointing": ("activation_checkpointing", str),
-    "zero_accumulation": ("zero_accumulation", str), "zero3_units": ("zero3_units", str),
+    **{f.name: (f.name, _field_kind(f.type)) for f in fields(Layout)},
+    **{alias: (name, _field_kind(next(f.type for f in fields(Layout) if f.name == name)))
+       for alias, name in LAYOUT_ALIASES.items()},
 }
+_OPTIONAL = {f.name for f in fields(Layout) if "Optional" in str(f.type)}
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """``"tp=2,pp=2,zero=1"`` -> ParaStrategy arguments (``ValueError`` naming a bad entry).
 
-    Keys: ``dp tp pp ep zero sp schedule microbatches (m) virtual_stages (v) recompute zero_accumulation
-    zero3_units``;
-    ``1``/``0``/``true``/``false`` for ``sp``.
+    Keys: every :class:`Layout` field, which are ParaStrategy's layout arguments (``dp tp pp ep cp
+    cp_method cp_load_balance dp_replicate dp_shard zero zero3_units sequence_parallel ... ``), and
+    the aliases ``sp m v recompute bucket_mb``. Booleans take ``1``/``0``/``true``/``false``; lists
+    (``pipeline_split``) are written with ``:`` (``pipeline_split=0:3``); ``none`` is ``None`` where
+    the argument may be ``None``. The values are checked as a :class:`Layout` checks them.
     """
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -144,7 +142,9 @@ def parse_layout(text: str) -> dict[str, Any]:
                 f" (e.g. --layout \"tp=2,pp=2\")."
             )
         name, kind = LAYOUT_KEYS[key]
-        if kind is bool:
+        if name in _OPTIONAL and value.lower() in ("none", "null"):
+            out[name] = None
+        elif kind is bool:
             if value.lower() not in ("1", "0", "true", "false"):
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes true or false.")
             out[name] = value.lower() in ("1", "true")
@@ -152,26 +152,51 @@ def parse_layout(text: str) -> dict[str, Any]:
             if not value.isdigit() or int(value) < (0 if name == "zero" else 1):
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes a positive integer.")
             out[name] = int(value)
+        elif kind is float:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes a number.") from None
+        elif kind is tuple:
+            parts = value.split(":")
+            if not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"`--layout` entry {item!r}: {key} takes integers separated by ':' (e.g. 0:3).")
+            out[name] = [int(p) for p in parts]
         else:
-            out[name] = None if value.lower() in ("none", "null") else value
+            out[name] = None if value.lower() in ("none", "null") and name in _OPTIONAL else value
+        _check_value(item, name, out[name])
     return out
 
 
+def _check_value(item: str, name: str, value: Any) -> None:
+    """A value as :class:`Layout` checks it (degrees and choices; relations come later, from ParaStrategy)."""
+    if name in ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches", "zero"):
+        return  # checked above; their relations are ParaStrategy's to check with the world size
+    if name == "sequence_parallel" and value:
+        return  # Layout needs tp > 1 beside it; ParaStrategy checks the pair
+    try:
+        Layout(**{name: value})
+    except ValueError as err:
+        raise ValueError(f"`--layout` entry {item!r}: {err}") from None
+
+
 def layout_arguments(layout: Layout) -> dict[str, Any]:
-    """ParaStrategy arguments of a planner :class:`Layout`."""
-    return {
-        "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "zero": layout.zero,
-        "sequence_parallel": layout.sequence_parallel, "schedule": layout.schedule,
-        "microbatches": layout.microbatches, "virtual_stages": layout.virtual_stages,
-        "activation_checkpointing": layout.recompute, "zero_accumulation": layout.zero_accumulation,
-    }
+    """ParaStrategy arguments of a planner :class:`Layout` (:meth:`Layout.strategy_kwargs`)."""
+    return layout.strategy_kwargs()
 
 
 def strategy_overrides(arguments: dict[str, Any]) -> list[str]:
     """``--trainer.strategy.KEY VALUE`` command-line overrides for LightningCLI."""
     out = []
     for key, value in arguments.items():
-        text = "null" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
+        if value is None:
+            text = "null"
+        elif isinstance(value, bool):
+            text = str(value).lower()
+        elif isinstance(value, (list, tuple)):
+            text = json.dumps(list(value))
+        else:
+            text = str(value)
         out += [f"--trainer.strategy.{key}", text]
     return out
 
@@ -214,7 +239,7 @@ def predict_run(
 
 
 __all__ = [
-    "CPU_PROCESS", "LAYOUT_KEYS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_arguments",
+    "CPU_PROCESS", "LAYOUT_ALIASES", "LAYOUT_KEYS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_arguments",
     "layout_from_config", "local_cluster", "optimizer_kind", "parse_layout", "predict_run", "run_training",
     "strategy_overrides",
 ]

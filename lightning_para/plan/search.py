@@ -12,12 +12,12 @@ collectives), then to less memory.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate, format_bytes, layout_problems
-from lightning_para.plan.layout import RECOMPUTE, ZERO_ACCUMULATION, Layout
+from lightning_para.plan.layout import FIXED_OPTIONS, RECOMPUTE, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
 from lightning_para.plan.result import PlanResult, Rejected
@@ -50,6 +50,9 @@ class SearchSpace:
         tp_within_node: reject ``tp > gpus_per_node``.
         best_variant_only: keep one layout (the fastest that fits) per choice of degrees and ZeRO
             stage, and one rejection (the nearest miss) per choice that has none.
+        options: a layout whose options the search does not vary (``cp_method``, ``zero3_units``,
+            ... :data:`~lightning_para.plan.layout.FIXED_OPTIONS`) are taken from; default:
+            ParaStrategy's defaults. ``layout="auto"`` passes the user's, so its choice keeps them.
     """
 
     tp: Optional[Sequence[int]] = None
@@ -66,6 +69,7 @@ class SearchSpace:
     zero_accumulation: Sequence[str] = ZERO_ACCUMULATION
     tp_within_node: bool = True
     best_variant_only: bool = True
+    options: Layout = field(default_factory=Layout)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -100,6 +104,7 @@ def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int])
             else:
                 lowest = 2 if schedule == "interleaved" else 1
                 schedules += [(schedule, v) for v in space.virtual_stages if v >= lowest]
+    fixed = {name: getattr(space.options, name) for name in FIXED_OPTIONS}
     sp_choices = space.sequence_parallel if tp > 1 else (False,)
     accumulate = space.zero_accumulation if zero >= 2 and (per_step or 1) > 1 else ("no_sync",)
     for schedule, v in dict.fromkeys(schedules):
@@ -108,8 +113,8 @@ def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int])
                 for sp in sp_choices:
                     for zero_accumulation in accumulate:
                         yield Layout(
-                            **layout_degrees, sequence_parallel=sp, schedule=schedule, virtual_stages=v,
-                            microbatches=microbatches, recompute=recompute, zero_accumulation=zero_accumulation,
+                            **layout_degrees, **fixed, sequence_parallel=sp, schedule=schedule, virtual_stages=v,
+                            microbatches=microbatches, activation_checkpointing=recompute, zero_accumulation=zero_accumulation,
                         )
 
 

@@ -55,13 +55,25 @@ NEIGHBOURS = 2
 _LOCAL_WINDOW = 64  # ranks on either side whose records are read once, to find this node's peers
 
 
-def check_watchdog_timeout(value: Optional[float]) -> None:
-    """``ValueError`` naming the argument (called before any process group exists)."""
+def check_watchdog_timeout(value: Optional[float], timeout: Optional[timedelta] = None) -> None:
+    """``ValueError`` naming the argument (called before any process group exists).
+
+    ``timeout`` is the process group's (collective) timeout: the watchdog must fire first, or a rank
+    blocked on a lost peer fails with the collective's timeout, naming nobody, before the watchdog
+    can name the lost rank.
+    """
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(
             f"`watchdog_timeout={value!r}` must be a positive number of seconds, or None to switch the watchdog off."
+        )
+    limit = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and value >= limit:
+        raise ValueError(
+            f"`watchdog_timeout={value!r}` s must be below `timeout={timeout!r}` ({limit:g} s, the collective"
+            " timeout): otherwise a rank blocked on a lost peer fails with the collective's timeout before the"
+            " watchdog names the lost rank. Lower `watchdog_timeout` or raise `timeout`."
         )
 
 

@@ -259,3 +259,93 @@ def test_layout_auto_trains_logs_its_choice_and_matches_one_device(pools):
     loss_tolerance, _ = tolerances("32-true")
     for actual, expected in zip(first["losses"], reference.losses, strict=True):
         assert abs(actual - expected) <= loss_tolerance * abs(expected), (first["losses"], reference.losses)
+
+
+# ----------------------------------------------------------------------------- layout="auto" keeps fixed degrees
+AUTO_BATCH_PER_RANK = 2  # token_dataset: 40 sequences of 16 tokens
+AUTO_STEPS = 4
+
+
+def _sharp_gpt() -> GPT:
+    """The cp tests' tiny Llama-style GPT (RoPE: a wrong position fails), sharpened by a warm-up."""
+    return GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, sample_tokens=0, warmup_steps=2)
+
+
+def auto_fixed_job(fixed: dict, steps: int) -> dict:
+    """``ParaStrategy(layout="auto", **fixed)`` on a plain datamodule (no ``seq_len``/batch attributes:
+    the planner reads the first batch); returns the losses, this rank's dp slice and the layout."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_para import ParaStrategy
+    from tests.parity import LossRecorder, trainer_kwargs
+    from tests.tp_models import token_dataset
+
+    class PlainData(L.LightningDataModule):
+        def train_dataloader(self):  # Lightning adds its shuffling DistributedSampler over the dp ranks
+            return DataLoader(token_dataset(), batch_size=AUTO_BATCH_PER_RANK)
+
+    strategy = ParaStrategy(layout="auto", **fixed)
+    L.seed_everything(0, verbose=False)
+    module = _sharp_gpt()
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=[recorder],
+                        **trainer_kwargs())
+    trainer.fit(module, datamodule=PlainData())
+    dims = strategy.parallel_dims
+    return {
+        "losses": recorder.losses, "dp_rank": strategy.distributed_sampler_kwargs["rank"],
+        "label": strategy.layout_choice.layout.label(), "report": strategy.layout_choice.report,
+        "dims": {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate},
+        "zero": strategy.config.zero, "cp_method": strategy.config.cp_method,
+    }
+
+
+def _in_lightning_order():
+    """token_dataset in the order Lightning's training DistributedSampler deals it (it always shuffles:
+    seed PL_GLOBAL_SEED=0, epoch 0). dp ranks take every dp-th index, so the d ranks' batches of one
+    step are d * B consecutive indices of this order: one device's batch of d * B."""
+    import torch
+    from torch.utils.data import Subset
+
+    from tests.tp_models import token_dataset
+
+    dataset = token_dataset()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    return Subset(dataset, order)
+
+
+def _auto_keeps(pools, fixed: dict) -> dict:
+    from tests.parity import assert_losses_close, fit_reference
+
+    results = pools.get(4).run(auto_fixed_job, fixed, AUTO_STEPS)
+    first = results[0]
+    assert all(r["label"] == first["label"] for r in results), [r["label"] for r in results]  # one layout
+    dims = first["dims"]
+    assert dims["dp"] * dims["cp"] * dims["tp"] * dims["pp"] == 4, first["report"]
+    by_dp = {r["dp_rank"]: r["losses"] for r in results}  # cp and tp peers report the same loss
+    assert len(by_dp) == dims["dp"]
+    mean = [sum(losses[i] for losses in by_dp.values()) / dims["dp"] for i in range(AUTO_STEPS)]
+    reference = fit_reference(_sharp_gpt, _in_lightning_order, AUTO_BATCH_PER_RANK * dims["dp"], AUTO_STEPS)
+    assert_losses_close(mean, reference["losses"])  # fp32: 1e-5 relative per step
+    return first
+
+
+def test_layout_auto_keeps_cp_and_matches_one_device(pools):
+    """`ParaStrategy(cp=2, layout="auto")` on 4 processes failed at setup (the auto layout dropped cp:
+    pp=1 x dp=4 x cp=2 x tp=1 = 8); now cp and cp_method are kept and it trains like one device."""
+    first = _auto_keeps(pools, {"cp": 2, "cp_method": "all_to_all"})
+    assert first["dims"]["cp"] == 2 and first["cp_method"] == "all_to_all", first["report"]
+
+
+def test_layout_auto_keeps_dp_replicate_and_matches_one_device(pools):
+    first = _auto_keeps(pools, {"dp_replicate": 2})
+    assert first["dims"]["dp_replicate"] == 2 and first["zero"] >= 1, first["report"]
+
+
+def test_parity_tool_takes_cp_as_a_layout_key(pools):
+    """`lightning-para parity --layout "cp=2,..."`: every ParaStrategy option is a layout key."""
+    report = _parity(pools, GPT_DEMO, "cp=2,dp=2")
+    assert report.verdict == "match", report.text()
+    assert "cp=2" in report.text()

@@ -38,9 +38,10 @@ def gpt(n_layer: int = 2):
 
 def gpt_fit_job(
     strategy_kwargs: dict[str, Any], max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None,
-    n_layer: int = 2, seed: int = 0,
+    n_layer: int = 2, seed: int = 0, para_last: bool = False,
 ) -> dict[str, Any]:
-    """Inside a worker: the GPT recipe on TextDataModule; saves every 3 steps into ``ckpt_dir``."""
+    """Inside a worker: the GPT recipe on TextDataModule; saves every 3 steps into ``ckpt_dir``
+    (``para_last``: with ``ParaModelCheckpoint``, whose ``"last"`` is the newest complete checkpoint)."""
     from lightning_para import ParaStrategy
     from lightning_para.recipes import TextDataModule
 
@@ -49,7 +50,10 @@ def gpt_fit_job(
     logged = LoggedLoss()
     callbacks: list[Callback] = [logged]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
+        kind = ModelCheckpoint
+        if para_last:
+            from lightning_para.checkpoint import ParaModelCheckpoint as kind
+        callbacks.append(kind(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=max_steps,
         callbacks=callbacks, **trainer_kwargs(limit_val_batches=0, enable_checkpointing=ckpt_dir is not None),
@@ -115,6 +119,30 @@ def test_strict_loading_and_incomplete_checkpoints(pools, uninterrupted, tmp_pat
     with pytest.raises(Exception) as info:
         pool.run(gpt_fit_job, {"tp": 2, "pp": 2}, STEPS, None, str(torn), 2, keep_alive_on_error=True)
     assert all(f"`{shard.name}` is truncated or changed: 100 bytes" in tb for tb in info.value.errors.values())
+
+
+def test_a_flipped_shard_fails_the_resume_on_every_rank_naming_the_file(pools, uninterrupted):
+    """The fault campaign's 8 bytes flipped in the middle of a shard (the size unchanged): DCP loaded
+    them without complaint and the resumed loss differed. Now every rank checks a share of the files
+    against the CRC-32s written at save and all raise, naming the file and the checkpoint to use."""
+    folder, _ = uninterrupted
+    flipped = folder / "flipped.ckpt"
+    shutil.copytree(folder / "step=6.ckpt", flipped)
+    try:
+        shard = max(flipped.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+        shard.write_bytes(bytes(data))
+        with pytest.raises(Exception) as info:
+            pools.get(4).run(gpt_fit_job, {"tp": 2, "pp": 2}, STEPS, None, str(flipped), 2, keep_alive_on_error=True)
+        assert sorted(info.value.errors) == [0, 1, 2, 3], info.value
+        for traceback in info.value.errors.values():
+            assert "CorruptCheckpointError" in traceback, traceback[-3000:]
+            assert f"`{shard.name}` does not match its crc32 checksum written at save" in traceback
+            assert f"newest complete checkpoint in the same folder is {str(folder / 'step=6.ckpt')!r}" in traceback
+    finally:
+        shutil.rmtree(flipped)
 
 
 # ----------------------------------------------------------------------------- silent corruption

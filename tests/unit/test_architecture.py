@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mesh", ("mesh",)),
     ("models", ("moe",)),
     ("parallel", ("parallel",)),
-    ("config", ("config", "compat")),
+    ("config", ("config", "options", "compat")),
     ("composition", ("parallelize", "precision", "scaler", "checkpoint", "reliability")),
     ("planner", ("plan",)),
     ("observe", ("observe",)),

@@ -77,4 +77,4 @@ def test_cpu_clock_measures_without_events(counted):
     recorder = StepRecorder(torch.device("cpu"))
     wall = _step(recorder, 3)
     assert _CountingEvent.records == 0 and wall is not None and wall >= recorder.busy_time >= 0
-    assert [e["microbatch"] for e in recorder.events] == [0, 1, 2]
+    assert [e.microbatch for e in recorder.events] == [0, 1, 2]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_para import ParallelConfig, PipelineSpec
-from lightning_para.config import PIPELINE_SCHEDULES
+from lightning_para.options import SCHEDULES as PIPELINE_SCHEDULES
 from lightning_para.parallel.pipeline.spec import PipelineStageModule, named_layers_of, pipeline_spec_of
 from lightning_para.parallel.pipeline.split import apply_pipeline_parallel, balanced_split, explicit_split
 from lightning_para.parallel.pipeline.measure import SavedActivationMeter

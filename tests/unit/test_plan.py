@@ -117,7 +117,7 @@ def test_deepseek_v3_fits_with_ep64_pp16():
     assert model.active_params() == pytest.approx(37e9, rel=0.03)
     cluster = Cluster.of("h800", nodes=256)
     training = Training(seq_len=4096, global_batch=15360, precision="bf16-true")
-    layout = Layout(dp=128, pp=16, ep=64, zero=1, schedule="1f1b", recompute="full")
+    layout = Layout(dp=128, pp=16, ep=64, zero=1, schedule="1f1b", activation_checkpointing="full")
     chosen = estimate(model, cluster, training, layout)
     assert chosen.fits, chosen.summary()
     assert chosen.crosses_nodes()["ep"]  # 64 ranks = 8 nodes, as in the report
@@ -217,7 +217,7 @@ def test_expert_all_to_all_bytes():
     model = preset("mixtral-8x7b")
     cluster = Cluster.of("h100", nodes=2)
     training = Training(seq_len=4096, global_batch=16, precision="bf16-true")
-    result = estimate(model, cluster, training, Layout(dp=16, ep=8, zero=1, recompute="full"))
+    result = estimate(model, cluster, training, Layout(dp=16, ep=8, zero=1, activation_checkpointing="full"))
     tokens = 4096 * 1
     per_layer = 6 * tokens * model.top_k * model.hidden * 2  # 4 + 2 recomputed forward all-to-alls
     assert result.comm_bytes()["ep"] == pytest.approx(per_layer * model.layers)
@@ -252,7 +252,7 @@ def test_estimate_refuses_a_layout_that_cannot_run():
         (lambda: Layout(zero=4), r"`zero=4` is not a ZeRO stage. Choose one of 0, 1, 2, 3"),
         (lambda: Layout(tp=0), r"`tp=0` must be a positive integer"),
         (lambda: Layout(schedule="dualpipe"), r"`schedule='dualpipe'` is unknown. Choose one of 'gpipe'"),
-        (lambda: Layout(recompute="some"), r"`recompute='some'` is unknown. Choose one of None"),
+        (lambda: Layout(activation_checkpointing="some"), r"`activation_checkpointing='some'` is unknown. Choose one of None"),
         (lambda: Layout(sequence_parallel=True), r"`sequence_parallel=True` needs `tp > 1`"),
         (lambda: Layout(dp=4, dp_replicate=2, dp_shard=4, zero=3), r"`dp_replicate=2` x `dp_shard=4` must equal"),
         (lambda: Layout(dp=4, dp_replicate=2), r"hybrid sharding\) needs `zero >= 1`"),
@@ -290,7 +290,7 @@ def test_yaml_table_and_chart(tmp_path):
     layout = best.layout
     assert (args["dp"], args["tp"], args["pp"], args["ep"], args["zero"]) == (
         layout.dp, layout.tp, layout.pp, layout.ep, layout.zero)
-    assert args["activation_checkpointing"] == layout.recompute
+    assert args["activation_checkpointing"] == layout.activation_checkpointing
     assert args["microbatches"] == (best.microbatches if layout.pp > 1 else None)
     assert config["trainer"]["precision"] == "bf16-true"
     png = result.save_chart(tmp_path / "plan.png")

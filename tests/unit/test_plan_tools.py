@@ -98,7 +98,7 @@ def test_parse_layout():
     assert parse_layout("dp=4,zero=3,zero3_units=blocks_and_ends") == {
         "dp": 4, "zero": 3, "zero3_units": "blocks_and_ends",
     }
-    assert strategy_arguments("dp=4,ep=2,zero=1") == {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "zero": 1}
+    assert strategy_arguments("dp=4,ep=2,zero=1") == {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "cp": 1, "zero": 1}
     assert strategy_arguments(None)["dp"] == 1 and strategy_arguments(None)["zero"] == 0
     for bad in ("tp", "tp=0", "zero=x", "sp=maybe", "foo=1"):
         with pytest.raises(ValueError, match="--layout"):
@@ -259,17 +259,17 @@ def test_parity_report_verdict_first_step_and_offending_parameters():
 
 
 def test_bucket_size_changes_calls_not_bytes():
-    """ParaStrategy's bucket_size_mb (Layout.bucket_mb) sets how many collectives ZeRO issues, not their bytes."""
+    """ParaStrategy's bucket_size_mb (Layout.bucket_size_mb) sets how many collectives ZeRO issues, not their bytes."""
     model, cluster = preset("gpt-125m"), Cluster.of("h100", nodes=1)
     training = Training(seq_len=1024, global_batch=8, precision="bf16-true")
 
-    def dp(bucket_mb):
-        return [c for c in estimate(model, cluster, training, Layout(dp=8, zero=1, bucket_mb=bucket_mb)).collectives
+    def dp(bucket_size_mb):
+        return [c for c in estimate(model, cluster, training, Layout(dp=8, zero=1, bucket_size_mb=bucket_size_mb)).collectives
                 if c.dim == "dp"]
 
     default, small = dp(None), dp(25.0)
     assert [c.bytes for c in small] == pytest.approx([c.bytes for c in default])
     psi_bytes = sum(c.bytes for c in small if c.op == "reduce_scatter")
     assert small[0].calls == math.ceil(psi_bytes / (25 * 2**20)) > default[0].calls  # Megatron: 40M elements
-    with pytest.raises(ValueError, match="`bucket_mb=0` must be a positive number of MiB"):
-        Layout(bucket_mb=0)
+    with pytest.raises(ValueError, match="`bucket_size_mb=0` must be a positive number of MiB"):
+        Layout(bucket_size_mb=0)

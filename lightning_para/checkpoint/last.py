@@ -1,0 +1,70 @@
+"""``ckpt_path="last"`` as the newest complete checkpoint in the folder, whatever its name.
+
+Lightning resolves ``fit(ckpt_path="last")`` in ``_CheckpointConnector._parse_ckpt_path``: it asks every
+``ModelCheckpoint`` for ``_find_last_checkpoints(trainer)`` -- the files named ``last*.ckpt`` in its
+folder -- and takes the one modified last. A kill between ``step=8.ckpt`` and the ``last.ckpt`` of
+the same step leaves ``last.ckpt`` at step 4, and a kill during the very first ``last.ckpt`` leaves
+none at all (the run restarts from step 0 although ``step=4.ckpt`` is complete). That happens
+before the strategy is asked to load anything (and with no path, it is not asked at all), so the
+hook is the callback: :class:`ParaModelCheckpoint` answers with the newest *complete* checkpoint in
+its folder, ordered by the save time and step its completion marker records
+(:func:`~lightning_para.checkpoint.atomic.newest_complete_checkpoint`), not by name or mtime.
+
+With Lightning's own ``ModelCheckpoint``, :func:`warn_if_newer` (called by the load) warns when the
+checkpoint being loaded is older than a complete one beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_para.checkpoint.atomic import checkpoint_problems, newest_complete_checkpoint
+
+
+class ParaModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (every argument the same) whose ``"last"`` is the newest complete
+    checkpoint in its folder: ``trainer.fit(ckpt_path="last")`` never skips a newer complete checkpoint,
+    and never starts from scratch while one exists."""
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:  # private: see docs/architecture.md
+        folder = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # private: see docs/architecture.md
+        if not Path(folder).is_dir():  # not created yet, or a remote filesystem: Lightning's own lookup
+            return super()._find_last_checkpoints(trainer)
+        newest = newest_complete_checkpoint(folder)
+        return {os.path.normpath(newest)} if newest is not None else set()
+
+
+def newer_complete_checkpoint(path: Path) -> Optional[Path]:
+    """A complete checkpoint beside ``path`` saved after it (by their markers), or ``None``."""
+    newest = newest_complete_checkpoint(path.parent)
+    if newest is None or newest.resolve() == path.resolve():
+        return None
+    mine, theirs = checkpoint_problems(path), checkpoint_problems(newest)
+    if mine.marker is None or theirs.marker is None:
+        return None
+    if theirs.marker.get("saved_at", 0) <= mine.marker.get("saved_at", 0):
+        return None
+    return newest
+
+
+def warn_if_newer(path: Path) -> None:
+    """Warn (rank 0) when a ``last*.ckpt`` being loaded is older than a complete checkpoint beside it."""
+    if not path.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+        return
+    newer = newer_complete_checkpoint(path)
+    if newer is not None:
+        step = checkpoint_problems(newer).marker.get("global_step")
+        warnings.warn(
+            f"Loading {str(path)!r}, but {str(newer)!r} (global step {step}) is a complete checkpoint saved after"
+            " it (a run stopped between the two saves). `ParaModelCheckpoint` in place of `ModelCheckpoint` makes"
+            ' `ckpt_path="last"` the newest complete checkpoint; or pass that path as `ckpt_path`.',
+            stacklevel=2,
+        )
+
+
+__all__ = ["ParaModelCheckpoint", "newer_complete_checkpoint", "warn_if_newer"]

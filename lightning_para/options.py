@@ -1,0 +1,35 @@
+"""The values ParaStrategy's options take, named once (issue 22: one layout vocabulary).
+
+``config.py`` validates ParaStrategy's arguments against these lists and the planner
+(``plan/``) prices the same names, so a precision, schedule or recomputation mode added here is
+known to both. A leaf: it imports only the dimension registries that own their names
+(``parallel/pipeline/schedules.py``, ``parallel/context/attention.py``, ``parallel/data/fsdp.py``).
+"""
+
+from __future__ import annotations
+
+from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
+from lightning_para.parallel.data.fsdp import ZERO3_UNITS
+from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES
+
+# Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+# ``activation_checkpointing`` (the planner's "recomputation"): none, per-op selective, whole blocks.
+ACTIVATION_CHECKPOINTING = (None, "selective", "full")
+# Every pipeline schedule ParaStrategy runs (``parallel/pipeline/schedules.py`` is the registry).
+SCHEDULES = PIPELINE_SCHEDULES
+# The schedules whose bubble and in-flight activations the planner prices (``plan/pipeline.py``);
+# the others are valid layouts that the planner rejects with a reason.
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+ZERO_STAGES = (0, 1, 2, 3)
+ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
+CP_METHODS = tuple(_CP_ATTENTION)  # "ring" (ring attention), "all_to_all" (DeepSpeed-Ulysses)
+PIPELINE_BALANCE = ("params", "time")
+TP_UNPLANNED = ("error", "replicate")
+
+assert set(PLANNED_SCHEDULES) <= set(SCHEDULES), "the planner prices a schedule ParaStrategy does not run"
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS", "SCHEDULES",
+    "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES",
+]

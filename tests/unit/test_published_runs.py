@@ -1,0 +1,147 @@
+"""The planner against published training runs (issue 23): one row per run, each with its source.
+
+The rows and the tolerances are the issue's. Every row is priced with the same global
+constants (``Cluster.efficiency = 0.5``, the GPU presets of ``plan/cluster.py``); nothing is
+tuned per row. A row either meets its tolerance (asserted) or is a documented gap: its test
+pins the gap as measured, so a planner change that closes (or widens) it shows up here and the
+table in ``docs/planner.md`` must be updated. ``print_table`` writes that table:
+``python -m pytest -q -s tests/unit/test_published_runs.py -k table``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from lightning_para.plan import Cluster, Layout, Training, estimate, preset
+
+GIB = 2**30
+LLAMA3 = "Llama 3 paper (Dubey et al. 2024), Table 4"
+TITAN = "torchtitan docs/performance.md (Llama 3.1, H100 96 GB)"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    source: str
+    model: str
+    gpu: str
+    gpus: int
+    layout: Layout
+    training: Training
+    published_mfu: Optional[float] = None  # fraction
+    published_tps: Optional[float] = None  # tokens/s per GPU
+    published_gib: Optional[float] = None  # peak memory, GiB
+    features_match: bool = True  # False: the run used torch.compile / Float8 / async TP
+    gap: str = ""  # why the row misses its tolerance (empty: it meets it)
+
+
+def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: str = "") -> Run:
+    # Llama 3 paper Sec. 3.3.2: bf16 weights with fp32 master/optimizer state (ZeRO's
+    # mixed-precision Adam = bf16-true), interleaved 1F1B schedule, sequence-parallel TP, ZeRO-1
+    # (their FSDP shards optimizer state and gradients, not weights, as ZeRO-1/2). The number of
+    # virtual stages is not printed; we take v = 8 (one unit per chunk: 128 units / (16 x 8)).
+    # Batch: 16M tokens per step, one sequence per microbatch.
+    layout = Layout(tp=8, pp=16, cp=cp, dp=dp, zero=1, sequence_parallel=True, schedule="interleaved",
+                    virtual_stages=8)
+    training = Training(seq_len=seq, global_batch=16 * 2**20 // seq, micro_batch=1, precision="bf16-true")
+    return Run(name, LLAMA3, "llama3-405b", "h100", gpus, layout, training, published_mfu=mfu, gap=gap)
+
+
+def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_batch: int, micro_batch: int,
+           recompute: Optional[str], tps: float, gib: float, features_match: bool, gap: str = "") -> Run:
+    from dataclasses import replace
+
+    training = Training(seq_len=seq, global_batch=global_batch, micro_batch=micro_batch, precision="bf16-mixed")
+    return Run(name, TITAN, model, "h100-96gb", gpus, replace(layout, activation_checkpointing=recompute), training,
+               published_tps=tps, published_gib=gib, features_match=features_match, gap=gap)
+
+
+_OP_SAC = ("the planner has no model of torchtitan's per-op selective recomputation (it keeps every "
+           "matmul output but every second one); its 'selective' with fused attention keeps all, so "
+           "memory is over; throughput: torchtitan's 8B FSDP runs reach 33-39% MFU on power-capped "
+           "(500 W) H100s, the planner's global efficiency 0.5 gives ~50%")
+_FIT_GAP = ("interleaved schedule with v=8 holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks "
+            "(Narayanan et al. 2021): with the Llama formula e sbh(4 + 2q/h + 2kv/h + 3f/h)/t per layer "
+            "this exceeds 80 GB; Meta's memory-saving details beyond Sec. 3.3.2 are not modelled")
+
+RUNS = [
+    _llama3("405B, 8,192 GPUs, TP8 PP16 DP64, seq 8K", 8192, 8192, 1, 64, 0.43, gap=_FIT_GAP),
+    _llama3("405B, 16,384 GPUs, TP8 PP16 DP128, seq 8K", 16384, 8192, 1, 128, 0.41, gap=_FIT_GAP),
+    # Printed DP=4; 16,384 / (8 x 16 x 16) = 8.
+    _llama3("405B, 16,384 GPUs, TP8 CP16 PP16 DP8, seq 131K", 16384, 131072, 16, 8, 0.38, gap=_FIT_GAP),
+    _titan("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, Layout(dp=8, zero=3), 8192, 16, 2, "selective",
+           5762, 82.4, True, gap=_OP_SAC),
+    _titan("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, Layout(dp=128, zero=3), 8192, 256, 2, "selective",
+           5605, 67.0, True, gap=_OP_SAC),
+    *(
+        _titan(f"8B FSDP{8 // cp} CP{cp}, seq {seq // 1024}K (Table 2)", "llama3-8b", 8, Layout(dp=8 // cp, cp=cp, zero=3),
+               seq, 8 // cp, 1, "full", tps, gib, False)
+        for cp, seq, tps, gib in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                  (8, 262144, 548, 84.5))
+    ),
+    _titan("70B FSDP32 TP8, 256 GPUs (Table 4)", "llama3-70b", 256, Layout(dp=32, tp=8, zero=3, sequence_parallel=True),
+           8192, 512, 16, "full", 829, 71.9, False),
+    # torchtitan runs FSDP (zero=3) under PP; ParaStrategy rejects zero=3 with pp>1 and the planner
+    # prices zero=2: the same peak memory (FSDP2 under PP keeps the stage's weights gathered
+    # across the microbatches, reshard_after_forward=False), the same reduce-scatter bytes.
+    _titan("405B FSDP8 TP8 PP8 1F1B, 512 GPUs (Table 5)", "llama3-405b", 512,
+           Layout(dp=8, tp=8, pp=8, zero=2, sequence_parallel=True, schedule="1f1b"), 8192, 256, 1, "full",
+           100, 82.5, False),
+    _titan("405B FSDP8 TP8 PP8 interleaved v2, 512 GPUs (Table 5)", "llama3-405b", 512,
+           Layout(dp=8, tp=8, pp=8, zero=2, sequence_parallel=True, schedule="interleaved", virtual_stages=2),
+           8192, 256, 1, "full", 128, 72.7, False),
+]
+
+
+def predict(run: Run) -> dict:
+    cluster = Cluster.of(run.gpu, nodes=run.gpus // 8)
+    est = estimate(preset(run.model), cluster, run.training, run.layout)
+    tokens = run.training.tokens_per_step
+    return {
+        "mfu": est.mfu, "tps": tokens / est.step_seconds / run.gpus, "gib": est.memory.total / GIB,
+        "fits": est.fits, "gb": est.memory.total / 1e9,
+    }
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.source == LLAMA3], ids=lambda r: r.name)
+def test_llama3_table4(run: Run) -> None:
+    got = predict(run)
+    assert abs(got["mfu"] / run.published_mfu - 1) <= 0.15, got  # the issue's tolerance: 15% relative
+    if not run.gap:
+        assert got["fits"], got
+    else:  # documented gap: pinned as measured (does not fit, by less than 12%)
+        assert not got["fits"] and got["gb"] < 1.12 * 80, got
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.source == TITAN], ids=lambda r: r.name)
+def test_torchtitan_benchmarks(run: Run) -> None:
+    got = predict(run)
+    mem_err, tps_err = got["gib"] / run.published_gib - 1, got["tps"] / run.published_tps - 1
+    if run.features_match and not run.gap:
+        assert abs(mem_err) <= 0.10 and abs(tps_err) <= 0.20, got
+    elif run.features_match:  # documented gap (see `_OP_SAC`): pinned as measured
+        assert 0.10 < mem_err < 0.25 and 0.20 < tps_err < 0.60, got
+    else:  # compile/Float8/async TP runs: shown in the table, not gated; still a sane prediction
+        assert 0.3 < got["tps"] / run.published_tps < 3 and got["gib"] < 96e9 / GIB, got
+
+
+def test_table() -> None:
+    """Prints the docs/planner.md table (run with ``-s``) and checks every row is priced."""
+    lines = ["| run | source | published | predicted | within tolerance |", "|---|---|---|---|---|"]
+    for run in RUNS:
+        got = predict(run)
+        if run.published_mfu is not None:
+            pub = f"MFU {run.published_mfu:.0%}"
+            pred = f"MFU {got['mfu']:.1%} ({got['mfu'] / run.published_mfu - 1:+.0%}), {got['gb']:.1f} GB"
+            ok = "MFU yes; " + ("fits 80 GB" if got["fits"] else "does not fit 80 GB")
+        else:
+            pub = f"{run.published_tps:,.0f} tok/s/GPU, {run.published_gib} GiB"
+            pred = (f"{got['tps']:,.0f} ({got['tps'] / run.published_tps - 1:+.0%}),"
+                    f" {got['gib']:.1f} GiB ({got['gib'] / run.published_gib - 1:+.0%})")
+            ok = ("no (gap)" if run.gap else "yes") if run.features_match else "not gated (compile/Float8)"
+        lines.append(f"| {run.name} | {run.source} | {pub} | {pred} | {ok} |")
+    print("\n".join(lines))
+    assert len(lines) == len(RUNS) + 2
