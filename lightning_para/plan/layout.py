@@ -43,6 +43,8 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
     "integrity_check_every_n_steps": "reliability checks",
     "integrity_action": "reliability checks",
     "watchdog_timeout": "reliability checks",
+    "check_finite": "reliability checks (the non-finite stop, reliability/step_guard.py)",
+    "on_sigterm": "reliability checks (preemption, reliability/step_guard.py)",
     "accelerator": "Lightning plumbing",
     "parallel_devices": "Lightning plumbing",
     "cluster_environment": "Lightning plumbing",
