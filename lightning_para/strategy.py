@@ -41,6 +41,7 @@ from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
+from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
@@ -103,6 +104,10 @@ class ParaStrategy(ParallelStrategy):
             which holds less memory gathered and costs two more collectives per step. ``"auto"``
             (default): ``"blocks"`` when the parameters outside the blocks are no more than the largest
             block's. The bytes moved are the same (``docs/data_parallel.md``).
+        compile: ``torch.compile`` each transformer block after TP/SP, CP and activation
+            checkpointing, before data parallelism (``True``: inductor; a dict: ``torch.compile``'s
+            keyword arguments, e.g. ``{"backend": "aot_eager"}``). Blocks of one class share one
+            graph; a recompile storm warns with dynamo's reasons (``docs/performance.md``).
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
@@ -159,6 +164,7 @@ class ParaStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         zero_accumulation: str = "no_sync",
         zero3_units: str = "auto",
+        compile: Union[bool, Mapping[str, Any]] = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -183,7 +189,7 @@ class ParaStrategy(ParallelStrategy):
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             zero3_units=zero3_units,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
-            layout=layout, layout_memory_gb=layout_memory_gb,
+            layout=layout, layout_memory_gb=layout_memory_gb, compile=compile,
         )
         # Reliability options (issue 14), validated before any process group exists.
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
@@ -210,6 +216,7 @@ class ParaStrategy(ParallelStrategy):
         self._dims: Optional[ParallelDims] = None
         self._parallel: Optional[ParallelModel] = None
         self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
+        self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles (issue 25)
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -386,6 +393,9 @@ class ParaStrategy(ParallelStrategy):
                 param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
             )
             _PARALLELIZED[module] = self._parallel
+            if self._parallel.compiled:  # counts from here: the first compilation of each block class is expected
+                types = sorted({t for info in self._parallel.compiled for t in info.block_types})
+                self.compile_watch = CompileWatch(types)
         else:
             self._check_same_layout(existing)
             self._parallel = existing
@@ -529,6 +539,8 @@ class ParaStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        if self.compile_watch is not None:
+            self.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
         pipeline = self._parallel.pipeline if self._parallel is not None else None
         local = pipeline is None or pipeline.has_last  # under pp the loss is the last stage's, shared
         if self._guard.active:  # device-side note of a non-finite local loss
