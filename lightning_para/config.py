@@ -25,7 +25,8 @@ from lightning_para.options import (
     ZERO_ACCUMULATION,
     ZERO_STAGES,
 )
-from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
+from lightning_para.parallel.compile import compile_options
+from lightning_para.parallel.pipeline.schedules import schedule_info, validate_pipeline_config
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "PRECISIONS", "ParallelConfig", "StrategyLayout", "TP_UNPLANNED", "ZERO_STAGES"]
 
@@ -108,6 +109,9 @@ class ParallelConfig:
     # --- layout="auto" (issue 15): the planner picks what the user left at its default at setup ---
     layout: Optional[str] = None
     layout_memory_gb: Optional[float] = None  # memory per process the planner may fill (default: the device's)
+    # --- performance (issue 25) ---
+    # torch.compile each block (True: inductor, torch's defaults; a dict: torch.compile's keyword arguments).
+    compile: Union[bool, Mapping[str, Any]] = False
     # Microbatches per pipeline step once validated (``microbatches`` or the schedule's default).
     pipeline_microbatches: int = field(init=False, default=1)
 
@@ -155,6 +159,7 @@ class ParallelConfig:
             raise ValueError(
                 f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose one of {_choices(PIPELINE_BALANCE)}."
             )
+        compile_options(self.compile)  # ValueError naming `compile`
         if self.pp > 1:
             self._validate_pipeline()
         if isinstance(self.dp, int):  # known now: fail at construction, not at launch
@@ -202,7 +207,10 @@ class ParallelConfig:
         Options the layout leaves out (e.g. ``bucket_size_mb`` when the planner used its rule)
         stay this config's.
         """
-        return replace(self, **layout.strategy_kwargs())
+        kwargs = layout.strategy_kwargs()
+        if kwargs.get("compile") and isinstance(self.compile, Mapping):
+            kwargs["compile"] = self.compile  # the layout says whether; the user's dict says how
+        return replace(self, **kwargs)
 
     def _replicas(self, dp: int) -> int:
         """``dp_replicate`` for ``dp`` data-parallel ranks (1 without hybrid sharding)."""
@@ -224,6 +232,13 @@ class ParallelConfig:
                 " microbatch's forward and backward (2m gathers per step instead of 2) and its reduce-scatter would"
                 " fire once per microbatch, or it keeps them gathered and saves nothing over ZeRO-2. Use zero=1"
                 " (or zero=2); each rank already holds only 1/pp of the model."
+            )
+        if self.compile and schedule_info(self.schedule).split_backward:
+            raise ValueError(
+                f"`compile=True` with `schedule={self.schedule!r}` is not supported: the schedule splits each backward"
+                " into input- and weight-gradient passes over the stage's autograd graph, which a compiled block"
+                " runs as one opaque node. Use schedule='1f1b' or 'interleaved' (or 'gpipe', 'looped_bfs') with"
+                " compile, or compile=False with this schedule."
             )
         self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
 

@@ -15,7 +15,9 @@ Order, and why:
 4. **Expert parallel**: experts become ``ep`` shards; the record names the expert modules, so
    data parallelism reduces their parameters over ``edp`` only.
 5. **Activation checkpointing** wraps blocks that are already TP/EP-parallel, so the
-   recomputed forward re-issues the same collectives.
+   recomputed forward re-issues the same collectives. Then **compile** (``compile=True``):
+   each block, already parallel and checkpointed, is compiled (``parallel/compile.py``), so
+   data parallelism's hooks and FSDP2 units sit around compiled blocks (torchtitan's order).
 6. **Data parallel / ZeRO**: FSDP2 (stage 3) must wrap the final parameters, and the
    ZeRO-0/1/2 gradient hooks must sit on the parameters that really receive gradients.
    Gradients are averaged over ``dp x cp`` (the cp ranks hold different tokens of the same
@@ -49,6 +51,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_para.parallel.compile import CompileInfo, apply_compile, compile_options
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
 from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
@@ -79,6 +82,7 @@ class ParallelModel:
     # Data parallelism (ZeRO 0-2, FSDP2, or the user's fully_shard): the one interface to it.
     data_parallel: Optional[DataParallel] = None
     context: Optional[ContextParallel] = None  # cp > 1: batch split, attention and loss around each step
+    compiled: list[CompileInfo] = field(default_factory=list)  # compile=True: the compiled blocks, per part
     # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
     psi_dense: int = 0
     psi_expert: int = 0
@@ -186,6 +190,9 @@ def parallelize(
     for part in parts:
         # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).
         apply_activation_checkpointing(part, config.activation_checkpointing, context.mode if context else None)
+    options = compile_options(config.compile)
+    if options is not None:  # after TP/SP, CP, EP and recomputation; before data parallelism wraps the blocks
+        result.compiled = [apply_compile(part, options=options) for part in parts]
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
     result.data_parallel = apply_data_parallel(

@@ -96,15 +96,23 @@ class ParaPrecision(Precision):
         # gradients are read (unscaling, inf check, clipping), and counts gradient replicas.
         self._finalize_gradients: Callable[[], None] = lambda: None
         self._grad_replication: Optional[Callable[[Tensor], int]] = None
+        self._check_step: Optional[Callable[[Optimizer, bool], None]] = None
         self._scaler = ParaGradScaler(self) if precision == "16-mixed" else None
 
-    def connect_layout(self, data_parallel: DataParallel) -> None:
+    def connect_layout(
+        self, data_parallel: DataParallel, check_step: Optional[Callable[[Optimizer, bool], None]] = None
+    ) -> None:
         """Called by ParaStrategy once the model is parallelized, with its data parallelism:
         :meth:`~DataParallel.flush` completes pending gradient communication (ZeRO's buckets) after
         backward, before gradients are unscaled, checked or clipped; its ``grad_replication`` says on
-        how many ranks a parameter's gradient is identical, for the global norm of gradient clipping."""
+        how many ranks a parameter's gradient is identical, for the global norm of gradient clipping.
+        ``check_step`` is called on every rank once the gradients are final, before callbacks, clipping
+        and the optimizer step, with the optimizer and whether to check its gradients (not under fp16
+        loss scaling, where an inf gradient only skips the step): the strategy's non-finite and signal
+        agreement (:mod:`lightning_para.reliability.step_guard`)."""
         self._finalize_gradients = data_parallel.flush
         self._grad_replication = data_parallel.grad_replication
+        self._check_step = check_step
 
     def finalize_gradients(self) -> None:
         """Finish pending gradient communication (ZeRO's buckets) before gradients are read."""
@@ -176,6 +184,8 @@ class ParaPrecision(Precision):
     def _wrap_closure(self, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
         self._finalize_gradients()
+        if self._check_step is not None:
+            self._check_step(optimizer, True)
         self._after_closure(model, optimizer)
         return closure_result
 
@@ -186,6 +196,8 @@ class ParaPrecision(Precision):
             raise ValueError("`precision='16-mixed'` cannot drive LBFGS (it re-evaluates the closure); use 32-true.")
         closure_result = closure()
         self._finalize_gradients()
+        if self._check_step is not None:
+            self._check_step(optimizer, False)
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
         if skip:
             return closure_result

@@ -41,6 +41,7 @@ from lightning_para._dtensor import plain_step_output
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
+from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
@@ -48,6 +49,7 @@ from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
+from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -102,6 +104,10 @@ class ParaStrategy(ParallelStrategy):
             which holds less memory gathered and costs two more collectives per step. ``"auto"``
             (default): ``"blocks"`` when the parameters outside the blocks are no more than the largest
             block's. The bytes moved are the same (``docs/data_parallel.md``).
+        compile: ``torch.compile`` each transformer block after TP/SP, CP and activation
+            checkpointing, before data parallelism (``True``: inductor; a dict: ``torch.compile``'s
+            keyword arguments, e.g. ``{"backend": "aot_eager"}``). Blocks of one class share one
+            graph; a recompile storm warns with dynamo's reasons (``docs/performance.md``).
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
@@ -119,6 +125,12 @@ class ParaStrategy(ParallelStrategy):
         watchdog_timeout: seconds after which a rank that is gone (no heartbeat) or stuck (no progress)
             makes every surviving rank log it and exit with code 75; ``None`` switches it off. Keep it
             below ``timeout`` and above the longest step (``docs/reliability.md``).
+        check_finite: stop every rank before the optimizer step when a loss or gradient is not finite,
+            naming the step, the rank and (under pp) the stage where it first appeared (``NonFiniteError``);
+            ``False`` trains on (``docs/reliability.md``).
+        on_sigterm: ``"checkpoint"`` (default): after SIGTERM on any rank, every rank saves
+            ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` at the next step boundary and exits with code
+            143; ``"exit"``: the same without saving; ``None``: Lightning's own SIGTERM handling.
     """
 
     strategy_name = "para"
@@ -152,6 +164,7 @@ class ParaStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         zero_accumulation: str = "no_sync",
         zero3_units: str = "auto",
+        compile: Union[bool, Mapping[str, Any]] = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -160,6 +173,8 @@ class ParaStrategy(ParallelStrategy):
         integrity_check_every_n_steps: Optional[int] = None,
         integrity_action: str = "raise",
         watchdog_timeout: Optional[float] = 60.0,
+        check_finite: bool = True,
+        on_sigterm: Optional[str] = "checkpoint",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -174,7 +189,7 @@ class ParaStrategy(ParallelStrategy):
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             zero3_units=zero3_units,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
-            layout=layout, layout_memory_gb=layout_memory_gb,
+            layout=layout, layout_memory_gb=layout_memory_gb, compile=compile,
         )
         # Reliability options (issue 14), validated before any process group exists.
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
@@ -185,6 +200,7 @@ class ParaStrategy(ParallelStrategy):
         self._integrity = (
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
+        self._guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # issue 24: NaN stop, SIGTERM
         if precision is not None:
             if precision_plugin is not None:
                 raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
@@ -200,6 +216,7 @@ class ParaStrategy(ParallelStrategy):
         self._dims: Optional[ParallelDims] = None
         self._parallel: Optional[ParallelModel] = None
         self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
+        self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles (issue 25)
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -317,10 +334,14 @@ class ParaStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if self._watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
-            self._watchdog.failed(exception)
+            if isinstance(exception, Preempted):  # every rank agreed to stop here: a finished run, no failure
+                self._watchdog.stop()
+            else:
+                self._watchdog.failed(exception)
             self._watchdog = None
 
     def teardown(self) -> None:
+        self._guard.restore_signal_handler()
         self._checkpoint_lock.release()
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -372,6 +393,9 @@ class ParaStrategy(ParallelStrategy):
                 param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
             )
             _PARALLELIZED[module] = self._parallel
+            if self._parallel.compiled:  # counts from here: the first compilation of each block class is expected
+                types = sorted({t for info in self._parallel.compiled for t in info.block_types})
+                self.compile_watch = CompileWatch(types)
         else:
             self._check_same_layout(existing)
             self._parallel = existing
@@ -382,7 +406,13 @@ class ParaStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._attach_optimizers()
         self.setup_precision_plugin()
-        precision.connect_layout(self._data_parallel())
+        pipeline = self._parallel.pipeline
+        self._guard.connect(self.root_device, pipeline_rank_info(self.parallel_dims.mesh))
+        if pipeline is not None:  # which stage produced a NaN first: each stage's forward output is checked
+            self._guard.watch_stage_outputs(
+                ((m.stage_index, m) for m in pipeline.stage_modules), self._global_step, lambda: pipeline.inferring_shapes
+            )
+        precision.connect_layout(self._data_parallel(), check_step=self._check_step if self._guard.active else None)
 
     def _sync_batchnorm(self, module: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the dp group, on any device
@@ -507,7 +537,13 @@ class ParaStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-        if self._integrity is not None:  # device-side note of a non-finite local loss: no sync, no collective
+        if self.compile_watch is not None:
+            self.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
+        pipeline = self._parallel.pipeline if self._parallel is not None else None
+        local = pipeline is None or pipeline.has_last  # under pp the loss is the last stage's, shared
+        if self._guard.active:  # device-side note of a non-finite local loss
+            self._guard.observe_loss(output, self._global_step(), local=local)
+        if self._integrity is not None and local:  # device-side note of a non-finite local loss: no sync, no collective
             self._integrity.observe_loss(output, self.lightning_module.trainer.global_step)
         return output
 
@@ -548,6 +584,16 @@ class ParaStrategy(ParallelStrategy):
         else:
             with data_parallel.accumulation_no_sync():
                 yield
+
+    # ------------------------------------------------------------------ non-finite values, SIGTERM (issue 24)
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._guard.start_fit(self.lightning_module.trainer)  # end-of-batch stop, SIGTERM handler
+
+    def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
+        """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
+        self._report(f"finite check (global step {self._global_step()})")
+        self._guard.check(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
 
     # ------------------------------------------------------------------ integrity (issue 14)
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

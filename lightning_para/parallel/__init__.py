@@ -5,5 +5,6 @@
 * :mod:`.tensor` -- ``apply_tensor_parallel`` (TP + sequence parallel from a plan);
 * :mod:`.expert` -- ``apply_expert_parallel`` (experts over ``ep``, all-to-all dispatch);
 * :mod:`.activation_checkpoint` -- ``apply_activation_checkpointing``;
+* :mod:`.compile` -- ``apply_compile`` (``torch.compile`` per block, after recomputation);
 * :mod:`.data` -- ``ZeroDataParallel`` (ZeRO 0-2) and ``apply_fully_shard`` (ZeRO-3, FSDP2).
 """

@@ -26,6 +26,9 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
   all-gather in the optimizer's step hook; its step takes up to those collectives' ``seconds``
   longer (reported by the profiler's step-time comparison, which is not gated).
 
+``compile`` (and ``fp8`` with it) divide the compute time by torchtitan's measured speedups
+(:data:`COMPILE_SPEEDUP`, :data:`COMPILE_FP8_SPEEDUP`; sources in :mod:`~lightning_para.plan.rank`).
+
 Not modelled: the optimizer step itself, kernel launch overheads, stragglers, network
 contention between dimensions, dropped or imbalanced MoE tokens.
 """
@@ -47,6 +50,8 @@ from lightning_para.plan.pipeline import (
     unit_split,
 )
 from lightning_para.plan.rank import (
+    COMPILE_FP8_SPEEDUP,
+    COMPILE_SPEEDUP,
     MemoryBreakdown,
     RankEstimate,
     bucket_bytes,
@@ -54,7 +59,7 @@ from lightning_para.plan.rank import (
 )
 
 __all__ = [
-    "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
+    "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
 ]
 
 DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")

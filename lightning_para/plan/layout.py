@@ -9,6 +9,7 @@ microbatch, crosses nodes first. (Megatron-LM orders its groups the same way: tp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -43,6 +44,8 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
     "integrity_check_every_n_steps": "reliability checks",
     "integrity_action": "reliability checks",
     "watchdog_timeout": "reliability checks",
+    "check_finite": "reliability checks (the non-finite stop, reliability/step_guard.py)",
+    "on_sigterm": "reliability checks (preemption, reliability/step_guard.py)",
     "accelerator": "Lightning plumbing",
     "parallel_devices": "Lightning plumbing",
     "cluster_environment": "Lightning plumbing",
@@ -53,7 +56,7 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
 # from its ``options`` layout (``layout="auto"``: the user's config), so a chosen layout keeps them.
 FIXED_OPTIONS = (
     "cp_method", "cp_load_balance", "zero3_units", "sp_save_input_shard", "loss_parallel", "pipeline_split",
-    "pipeline_balance",
+    "pipeline_balance", "compile",
 )
 
 
@@ -111,6 +114,8 @@ class Layout:
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
             gradients and reduces once per step, ``"reduce_each_step"`` reduce-scatters every
             microbatch.
+        compile: ``torch.compile`` per block (ParaStrategy's ``compile``; a dict of options there is
+            ``True`` here). Priced as a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`).
         bucket_size_mb: ZeRO-0/1/2 gradient bucket size in MiB; ``None``: Megatron-LM's rule
             (:func:`~lightning_para.plan.rank.bucket_bytes`), which the YAML then suggests. It
             changes the number of calls, not the bytes.
@@ -138,6 +143,7 @@ class Layout:
     sp_save_input_shard: bool = True
     loss_parallel: bool = True
     pipeline_balance: str = "params"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -155,7 +161,9 @@ class Layout:
             raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of 0, 1, 2, 3.")
         if self.dp_replicate > 1 and self.zero == 0:
             raise ValueError("`dp_replicate > 1` (hybrid sharding) needs `zero >= 1`: ZeRO-0 shards nothing.")
-        for name in ("sequence_parallel", "cp_load_balance", "sp_save_input_shard", "loss_parallel"):
+        if isinstance(self.compile, Mapping):  # ParaStrategy's dict of torch.compile options: compiled
+            object.__setattr__(self, "compile", True)
+        for name in ("sequence_parallel", "cp_load_balance", "sp_save_input_shard", "loss_parallel", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         if self.sequence_parallel and self.tp == 1:
@@ -214,6 +222,7 @@ class Layout:
             microbatches=config.pipeline_microbatches if pipelined else None,
             virtual_stages=config.virtual_stages if pipelined else 1,
             pipeline_split=tuple(config.pipeline_split) if pipelined and config.pipeline_split is not None else None,
+            compile=bool(config.compile),  # the planner prices whether; a dict of torch.compile options stays the config's
         )
         return cls(**kwargs)
 
@@ -271,4 +280,6 @@ class Layout:
             parts.append("cp-contiguous")
         if self.zero_accumulation != "no_sync" and self.zero >= 2:
             parts.append("reduce-each-step")
+        if self.compile:
+            parts.append("compile")
         return " ".join(parts)

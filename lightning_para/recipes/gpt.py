@@ -57,6 +57,7 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    n_kv_head: Optional[int] = None  # grouped-query attention (Ainslie et al. 2023): key/value heads; None: n_head
     mlp_hidden: Optional[int] = None  # default: 4*d (GELU) or 8d/3 rounded up to 64 (SwiGLU)
     norm: str = "rmsnorm"
     pos: str = "rope"
@@ -76,6 +77,11 @@ class GPTConfig:
             raise ValueError(
                 f"`n_embd={self.n_embd}` must be divisible by `n_head={self.n_head}` (head_dim = n_embd / n_head)."
             )
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int) or self.n_kv_head < 1 \
+                or self.n_head % self.n_kv_head:
+            raise ValueError(f"`n_kv_head={self.n_kv_head!r}` must be a positive divisor of `n_head={self.n_head}`.")
         if self.pos == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of channels: head_dim={self.head_dim} must be even.")
         for name, value, choices in (("norm", self.norm, NORMS), ("pos", self.pos, POSITIONS), ("mlp", self.mlp, MLPS)):
@@ -102,6 +108,8 @@ class GPTConfig:
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if "mlp" in overrides and "mlp_hidden" not in overrides:
             overrides["mlp_hidden"] = None  # recompute the default width for the new MLP kind
+        if "n_head" in overrides and "n_kv_head" not in overrides:
+            overrides["n_kv_head"] = None  # multi-head attention with the new head count (the default)
         return replace(PRESETS[name], **overrides)
 
 
@@ -148,10 +156,10 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta if config.pos == "rope" else None
         self.dropout = config.dropout
-        d = config.n_embd
+        d, kv = config.n_embd, config.n_kv_head * config.head_dim
         self.c_q = nn.Linear(d, d, bias=config.bias)
-        self.c_k = nn.Linear(d, d, bias=config.bias)
-        self.c_v = nn.Linear(d, d, bias=config.bias)
+        self.c_k = nn.Linear(d, kv, bias=config.bias)
+        self.c_v = nn.Linear(d, kv, bias=config.bias)
         self.c_proj = nn.Linear(d, d, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.context_shard: Optional[ContextParallelShard] = None  # set under context parallel
@@ -173,6 +181,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            **({"enable_gqa": True} if k.shape[2] != q.shape[2] else {}),  # GQA: each k/v head serves n_head/n_kv_head
         )
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.c_proj(y))
@@ -310,6 +319,7 @@ class GPT(L.LightningModule):
         n_layer: Optional[int] = None,
         n_head: Optional[int] = None,
         n_embd: Optional[int] = None,
+        n_kv_head: Optional[int] = None,
         mlp_hidden: Optional[int] = None,
         norm: Optional[str] = None,
         pos: Optional[str] = None,
@@ -330,7 +340,7 @@ class GPT(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig.from_preset(
             preset, vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            mlp_hidden=mlp_hidden, norm=norm, pos=pos, mlp=mlp, bias=bias, tie_weights=tie_weights, dropout=dropout,
+            n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, norm=norm, pos=pos, mlp=mlp, bias=bias, tie_weights=tie_weights, dropout=dropout,
         )
         self.build()
         self.val_ppl = Perplexity()

@@ -24,6 +24,12 @@ How (a daemon thread per rank, started when the strategy sets up the process gro
 * **One verdict.** The first rank to decide writes the verdict to the store (compare-and-set);
   every rank polls that key, so all survivors print the same lines and exit within about one
   interval of each other.
+* **A rank that raised.** A rank whose main thread raised an error that is not a lost peer (an
+  ``IndexError`` from a bad batch on one dp rank, a user error) posts a *failure notice*. Its peers
+  are usually blocked in their next collective, waiting for it; each rank that still runs
+  :data:`FAILURE_GRACE` intervals after reading the notice turns it into the verdict and exits
+  (ranks that raised the same error themselves have stopped their watchdog by then and raise
+  normally). So one rank's error releases the others in seconds instead of ``timeout``.
 
 Choose ``T`` above the longest gap between progress reports (a training step, a validation
 batch) and below the process-group ``timeout``: the watchdog only helps if it fires first.
@@ -51,6 +57,7 @@ from torch.distributed.distributed_c10d import _get_default_store  # private: se
 
 WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a peer failed; restart from the last checkpoint
 LOCAL_CHECK_SECONDS = 0.25
+FAILURE_GRACE = 3  # intervals a rank waits after a peer's failure notice before exiting itself
 NEIGHBOURS = 2
 _LOCAL_WINDOW = 64  # ranks on either side whose records are read once, to find this node's peers
 
@@ -196,6 +203,7 @@ class Watchdog:
         self._pid_checks = 0
         self._local_unknown = set(range(max(0, rank - _LOCAL_WINDOW), min(world_size, rank + _LOCAL_WINDOW + 1))) - {rank}
         self._store_down_since: Optional[float] = None
+        self._failure_seen_at: Optional[float] = None
 
     # ---------------------------------------------------------------- main thread: cheap reports
     def progress(self, what: str, exempt: bool = False) -> None:
@@ -230,11 +238,22 @@ class Watchdog:
         names the lost rank and exits with :data:`WATCHDOG_EXIT_CODE`. Otherwise (or if nothing is
         found) stop beating and publish the error; peers blocked on this rank act once the beat is
         ``timeout`` old."""
-        text = f"{type(error).__name__}: {error}"[:300]
+        root = error
+        while root.__cause__ is not None:  # e.g. torch's pipeline stage wraps the user's error in a RuntimeError
+            root = root.__cause__
+        text = " ".join(f"{type(root).__name__}: {root}".split())[:300]  # one line: the verdict is one line
         if looks_like_a_lost_peer(error) and self._thread is not None and self._thread.is_alive():
             self.progress(f"handling {text[:120]}")
             self._thread.join(timeout=self.timeout + 2 * self.interval)  # it exits the process on a verdict
+            self.stop("failed", text)
+            return
+        what = self._report.what
         self.stop("failed", text)
+        try:  # peers waiting for this rank in a collective exit after FAILURE_GRACE intervals, naming it
+            notice = f"rank {self.rank} stopped after {text} while doing {what!r}"
+            self.store.compare_set("failure", "", notice)
+        except Exception:  # noqa: BLE001 - the store may be gone
+            pass
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -254,6 +273,7 @@ class Watchdog:
                 self._publish()
                 self._store_down_since = None
                 self._read_verdict()
+                self._read_failure(now)
                 self._learn_local_peers()
                 self._confirm_dead_local_peers()
                 self._watch_neighbours(now)
@@ -290,6 +310,14 @@ class Watchdog:
     def _read_verdict(self) -> None:
         if self.store.check(["verdict"]):
             self._die(self.store.get("verdict").decode(), by_other=True)
+
+    def _read_failure(self, now: float) -> None:
+        if not self.store.check(["failure"]):
+            return
+        if self._failure_seen_at is None:
+            self._failure_seen_at = now
+        elif now - self._failure_seen_at >= FAILURE_GRACE * self.interval:
+            self._decide(self.store.get("failure").decode())
 
     def _watch_neighbours(self, now: float) -> None:
         for rank, seen in self._watched.items():
@@ -457,6 +485,7 @@ def start_watchdog(timeout: float, token: str) -> Watchdog:
 
 
 __all__ = [
+    "FAILURE_GRACE",
     "WATCHDOG_EXIT_CODE",
     "Watchdog",
     "check_watchdog_timeout",

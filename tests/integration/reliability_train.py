@@ -5,6 +5,9 @@ Runs under Lightning's launcher (``--devices 4`` in one process) or as separatel
 training starts and, if it finishes, ``rank<r>.json`` with the ``train_loss`` it logged per
 global step. ``--kill POINT:RANK:NTH`` SIGKILLs rank RANK at POINT of its NTH checkpoint save:
 the points wrap the library's own functions from the outside (nothing in the library knows).
+``--sigterm RANK:STEP`` makes rank RANK send itself SIGTERM (as SLURM or Kubernetes would) after
+global step STEP. ``--bad-id STEP`` puts token id 10000 (the vocabulary has 256) into the batch of
+dp rank 0 at global step STEP.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-LAYOUTS = {"pp2dp2": {"pp": 2, "dp": 2}, "dp2tp2": {"dp": 2, "tp": 2}}
+LAYOUTS = {
+    "pp2dp2": {"pp": 2, "dp": 2}, "dp2tp2": {"dp": 2, "tp": 2}, "dp2tp2z3": {"dp": 2, "tp": 2, "zero": 3},
+    "pp2tp2": {"pp": 2, "tp": 2},
+}
 # Where a save can be cut, in the order a save passes them (rank 0 passes all; others the DCP ones).
 KILL_POINTS = (
     "save-start",  # ParaStrategy.save_checkpoint entered
@@ -41,14 +47,18 @@ KILL_POINTS = (
 class StepLosses(Callback):
     """``train_loss`` as logged after each step, by global step; optionally slows steps down."""
 
-    def __init__(self, out: Path, sleep: float) -> None:
+    def __init__(self, out: Path, sleep: float, sigterm: str = "") -> None:
         self.out, self.sleep, self.losses = out, sleep, {}
+        self.sigterm = tuple(int(v) for v in sigterm.split(":")) if sigterm else None
 
     def on_train_start(self, trainer, pl_module) -> None:
         (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+        if self.sigterm is not None and self.sigterm == (trainer.global_rank, trainer.global_step):
+            sys.stderr.write(f"[sigterm] rank {trainer.global_rank} sends itself SIGTERM after step {trainer.global_step}\n")
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.sleep:
             time.sleep(self.sleep)
 
@@ -120,6 +130,9 @@ def main() -> None:
     parser.add_argument("--watchdog-timeout", type=float, default=10.0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--kill", default=None, help="POINT:RANK:NTH")
+    parser.add_argument("--sigterm", default="", help="RANK:STEP")
+    parser.add_argument("--bad-id", type=int, default=-1, help="STEP")
+    parser.add_argument("--root-dir", default=None, help="Trainer's default_root_dir (default: OUT)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint's folder (default: OUT/ckpt)")
     args = parser.parse_args()
@@ -136,8 +149,16 @@ def main() -> None:
     from lightning_para.recipes import GPT, TextDataModule
 
     L.seed_everything(0, verbose=False)
-    model = GPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
-    losses = StepLosses(out, args.step_sleep)
+    class Model(GPT):
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # before the step, under pp too
+            if self.trainer.training and self.trainer.global_step == args.bad_id \
+                    and self.trainer.strategy.parallel_dims.local_rank("dp") == 0:
+                batch = (batch[0].clone(), batch[1])
+                batch[0][0, 3] = 10_000
+            return batch
+
+    model = Model(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, warmup_steps=2, sample_tokens=0)
+    losses = StepLosses(out, args.step_sleep, args.sigterm)
     callbacks: list[Callback] = [losses]
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir or out / "ckpt", filename="{step}", every_n_train_steps=args.save_every,
@@ -146,6 +167,7 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=ParaStrategy(**LAYOUTS[args.layout], watchdog_timeout=args.watchdog_timeout),
         max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(args.save_every), limit_val_batches=0, num_sanity_val_steps=0,
+        default_root_dir=args.root_dir or out,
     )
     data = TextDataModule(seq_len=32, global_batch_size=8, max_bytes=40_000)
     ckpt_path = args.resume

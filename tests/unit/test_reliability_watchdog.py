@@ -17,7 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_para.reliability.watchdog import WATCHDOG_EXIT_CODE, Watchdog, node_fingerprint
+from lightning_para.reliability.watchdog import FAILURE_GRACE, WATCHDOG_EXIT_CODE, Watchdog, node_fingerprint
 
 TIMEOUT = 1.0
 
@@ -168,6 +168,29 @@ def test_a_verdict_posted_by_another_rank_ends_this_one_and_a_missing_peer_is_na
     dog.start()
     _wait_for(exits, 5 * TIMEOUT)
     assert exits == [WATCHDOG_EXIT_CODE] and "rank 1 never started its watchdog" in out.getvalue()
+
+
+def test_a_rank_that_raised_releases_its_waiting_peers_after_a_short_grace(store):
+    """Issue 24: one rank raises (a bad batch on one dp rank); its peers wait for it in a collective. Its
+    failure notice ends them after FAILURE_GRACE intervals, long before the timeout; it itself does not exit."""
+    with Peers(store, "h") as peers:
+        peers.add(1)
+        peers.add(2)
+        failing, failing_exits, _ = _watchdog(store, "h")
+        failing.rank = 1  # plays rank 1: its own watchdog stops and posts the notice
+        failing.start().progress("training_step (global step 0)")
+        waiting, exits, out = _watchdog(store, "h")
+        waiting.start().progress("backward and gradient sync (global step 0)")
+        try:  # as torch's pipeline stage reports it: a RuntimeError from the user's error
+            raise RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...") from IndexError(
+                "Token ids must lie in [0, 256)")
+        except RuntimeError as error:
+            failing.failed(error)
+        took = _wait_for(exits, 5 * TIMEOUT)
+    assert failing_exits == [] and exits == [WATCHDOG_EXIT_CODE]
+    assert FAILURE_GRACE * 0.1 <= took < TIMEOUT, took
+    assert "lightning-para watchdog: rank 1 stopped after IndexError: Token ids must lie in [0, 256) while doing" \
+           " 'training_step (global step 0)'" in out.getvalue()
 
 
 def test_bad_timeouts_raise_before_any_process_starts():

@@ -94,6 +94,11 @@ class PipelineRunner:
         self.loss_parallel = False  # set by `enable_loss_parallel` once tensor parallelism shards the head
         self.sequence_multiple = 1  # set by `require_sequence_multiple` under sequence parallelism
 
+    @property
+    def inferring_shapes(self) -> bool:
+        """A stage runs torch's shape inference now (its inputs are placeholders, not the batch's values)."""
+        return self.recorder.inferring
+
     def enable_loss_parallel(self) -> None:
         """The last stage's logits are vocab-sharded DTensors (tensor parallelism): its loss runs loss-parallel."""
         self.loss_parallel = True

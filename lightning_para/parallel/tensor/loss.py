@@ -14,11 +14,15 @@ import contextlib
 from collections.abc import Generator
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.parallel.loss import customized_loss_ops
 from torch.overrides import TorchFunctionMode
+
+from lightning_para._dtensor import local_tensor
+from lightning_para.parallel.tensor.bounds import check_targets
 
 
 def _loss_parallel() -> contextlib.AbstractContextManager[Any]:
@@ -41,6 +45,10 @@ class _CrossEntropyOnShards(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.cross_entropy and args and isinstance(args[0], DTensor):
             logits = args[0]
+            target = args[1] if len(args) > 1 else kwargs.get("target")
+            if isinstance(target, torch.Tensor):  # a label no rank's vocabulary shard holds would count as logit 0
+                ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+                check_targets(local_tensor(target), logits.shape[1 if logits.dim() > 1 else 0], ignore)
             if kwargs.get("label_smoothing", 0.0):
                 return func(logits.full_tensor(), *args[1:], **kwargs)
             with _loss_parallel():

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
+from lightning_para.parallel.tensor.bounds import check_token_ids
 from lightning_para.parallel.tensor.sequence import (
     SEQ_DIM,
     GatherSequence,
@@ -295,6 +296,8 @@ class VocabParallelEmbedding(ParallelStyle):
     def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(ids, DTensor):
             ids = ids.to_local()
+        # The ids are whole on every tp rank: each raises the same IndexError torch raises at tp=1.
+        check_token_ids(ids, module.num_embeddings)
         tp = mesh.size()
         if self.sequence_parallel:
             if ids.dim() != 2:

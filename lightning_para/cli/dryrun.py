@@ -1,0 +1,166 @@
+"""``lightning-para dryrun``: run the real code of chosen ranks of an N-rank job, on the meta device.
+
+::
+
+    lightning-para dryrun --model llama3-405b --gpus 16384 --layout "tp=8,pp=16,zero=1,sp=true" \\
+        --seq-len 8192 --global-batch 2048 --ranks first,last
+    lightning-para dryrun --model llama3-8b --gpus 64 --layout "tp=4,pp=2" --ranks 0,63 --json
+
+Each chosen rank runs in a process of its own (:mod:`lightning_para.plan.dryrun`: torch's fake
+process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and ZeRO sharding, one
+training step on meta tensors) and is printed beside the planner's prediction for its pipeline
+rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
+(the first and the last pipeline rank). Models: the planner's dense presets, built as the
+project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from lightning_para.config import ParallelConfig
+from lightning_para.plan.cluster import Training
+from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
+from lightning_para.plan.model import PRESETS, ModelDesc, preset
+from lightning_para.plan.run import parse_layout
+from lightning_para.recipes.gpt import GPT
+
+PROG = "lightning-para dryrun"
+GiB = 1024**3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Dry-run chosen ranks of an N-rank job on the meta device.")
+    p.add_argument("--model", required=True, choices=sorted(PRESETS), help="a published model (dense presets)")
+    p.add_argument("--gpus", type=int, required=True, help="ranks in the job")
+    p.add_argument("--layout", default="", help='ParaStrategy degrees, e.g. "tp=8,pp=16,zero=1,sp=true"')
+    p.add_argument("--ranks", default="first,last", help="global ranks to run: first, last or numbers (comma-separated)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: dp x micro-batch x pp)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--worker-rank", type=int, help=argparse.SUPPRESS)  # one simulated rank (a child process)
+    return p
+
+
+def gpt_arguments(model: ModelDesc, seq_len: int) -> dict[str, Any]:
+    """The GPT recipe's arguments for a planner preset of the Llama kind (RMSNorm, RoPE, SwiGLU, untied)."""
+    if model.is_moe or model.norm != "rmsnorm" or not model.gated_mlp or model.tied_embeddings or model.bias:
+        raise ValueError(
+            f"`--model {model.name}`: the dry run builds Llama-style dense models (RMSNorm, SwiGLU, untied, no biases)."
+            " Choose llama3-8b, llama3-70b or llama3-405b."
+        )
+    return dict(
+        n_layer=model.layers, n_embd=model.hidden, n_head=model.heads, n_kv_head=model.kv_heads or model.heads,
+        mlp_hidden=model.ffn, vocab_size=model.vocab, block_size=seq_len,
+    )
+
+
+def _ranks(text: str, world: int) -> list[int]:
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        rank = 0 if item == "first" else world - 1 if item == "last" else int(item) if item.isdigit() else -1
+        if not 0 <= rank < world:
+            raise ValueError(f"`--ranks` entry {item!r} is not first, last or a rank in [0, {world - 1}].")
+        out.append(rank)
+    return sorted(set(out))
+
+
+def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Training]:
+    model = preset(args.model)
+    arguments = parse_layout(args.layout)
+    pp = arguments.get("pp", 1)
+    probe = ParallelConfig(**{**arguments, "microbatches": arguments.get("microbatches") or (pp if pp > 1 else None)})
+    dims = probe.resolve_dims(args.gpus)
+    global_batch = args.global_batch or dims.dp * args.micro_batch * max(pp, 1)
+    per_rank = global_batch // (dims.dp * args.micro_batch)
+    if per_rank * dims.dp * args.micro_batch != global_batch:
+        raise ValueError(f"`--global-batch {global_batch}` must be a multiple of dp x micro-batch = {dims.dp * args.micro_batch}.")
+    config = ParallelConfig(**{**arguments, "microbatches": per_rank if pp > 1 else None})
+    training = Training(seq_len=args.seq_len, global_batch=global_batch, micro_batch=args.micro_batch, precision="32-true")
+    return model, config, training
+
+
+def _worker(args: argparse.Namespace) -> int:
+    model, config, training = _setup(args)
+    kwargs = gpt_arguments(model, args.seq_len)
+    result = dry_run_rank(
+        lambda: GPT(**kwargs), config, args.gpus, args.worker_rank, seq_len=args.seq_len,
+        micro_batch=args.micro_batch, hidden=model.hidden, model=model, training=training,
+    )
+    print("DRYRUN-RESULT " + json.dumps(result.to_dict()), flush=True)
+    return 0
+
+
+def _pct(measured: float, predicted: float) -> str:
+    if predicted == 0:
+        return "n/a" if measured else "0%"
+    return f"{100 * (measured - predicted) / predicted:+.1f}%"
+
+
+def render(results: list[RankDryRun]) -> str:
+    """The per-rank table: measured, planner and difference, memory in GiB, collectives in GiB per step."""
+    lines = []
+    for r in results:
+        coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
+        lines.append(
+            f"rank {r.rank} of {r.world_size} ({coords}; pipeline rank {r.pipeline_rank}, {r.layers} layers,"
+            f" {r.in_flight} microbatch(es) in flight)  wall: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items())
+        )
+        lines.append(f"  {'memory (GiB)':<14}{'dry run':>10}{'planner':>10}{'diff':>9}")
+        for name in ("params", "grads", "optimizer", "activations", "peak"):
+            m, p = getattr(r.measured, name), getattr(r.predicted, name)
+            lines.append(f"  {name:<14}{m / GiB:>10.2f}{p / GiB:>10.2f}{_pct(m, p):>9}")
+        lines.append(f"  {'collectives':<28}{'calls':>7}{'GiB':>10}   planner: calls, GiB")
+        predicted = {}
+        for c in r.predicted_comm:
+            entry = predicted.setdefault((c.dim, c.op), [0, 0.0])
+            entry[0] += c.calls
+            entry[1] += c.bytes
+        for c in r.comm:
+            pc = predicted.get((c.dim, c.op))
+            other = f"{pc[0]}, {pc[1] / GiB:.3f}" if pc else "-"
+            lines.append(f"  {c.dim + ' ' + c.op:<28}{c.calls:>7}{c.bytes / GiB:>10.3f}   {other}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.worker_rank is not None:
+            return _worker(args)
+        _setup(args)  # bad arguments fail here, before any process starts
+        ranks = _ranks(args.ranks, args.gpus)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    results = []
+    for rank in ranks:
+        start = time.perf_counter()
+        argv_child = [sys.executable, "-m", "lightning_para.cli", "dryrun", *(argv if argv is not None else sys.argv[2:])]
+        argv_child += ["--worker-rank", str(rank)]
+        proc = subprocess.run(argv_child, capture_output=True, text=True, env=os.environ.copy())
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("DRYRUN-RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(f"{PROG}: rank {rank} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
+            return 1
+        result = RankDryRun.from_dict(json.loads(line[len("DRYRUN-RESULT "):]))
+        result.seconds["process"] = time.perf_counter() - start
+        results.append(result)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+    else:
+        print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""``torch.compile`` per transformer block: ``ParaStrategy(compile=True)`` (issue 25).
+
+Each block (the same blocks activation checkpointing wraps: :func:`find_blocks`) is compiled
+with ``nn.Module.compile``, which keeps the module and its parameter names (checkpoints are the
+same with and without compile) and compiles its call, hooks included. ``parallelize()`` calls
+:func:`apply_compile` after tensor/sequence parallelism, context parallelism and activation
+checkpointing (so the compiled region contains the block's TP collectives and its
+recomputation) and before data parallelism (FSDP2 and the ZeRO hooks sit around the compiled
+blocks, as in torchtitan's ``apply_compile``).
+
+Blocks of one class share one compiled graph: dynamo inlines ``nn.Module`` calls and treats
+parameters as graph inputs (``inline_inbuilt_nn_modules``), so the second block of a class
+reuses the first one's code cache. :class:`CompileWatch` counts the graphs and the
+recompilations from dynamo's compilation metrics and warns, naming dynamo's recompile reasons,
+when a block class recompiles more than a few times (a recompile storm: a changing shape, a
+Python value guarded on, a new grad mode).
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from lightning_para.parallel.activation_checkpoint import find_blocks
+
+# torch.compile's keyword arguments that compile=<dict> may give.
+COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+# Compilations of one block class beyond which CompileWatch warns: one training graph, one for
+# evaluation (no_grad) and a last batch of another size are expected.
+RECOMPILE_WARN = 4
+
+
+def compile_options(value: Union[bool, Mapping[str, Any], None]) -> Optional[dict[str, Any]]:
+    """``compile=`` as ``torch.compile`` keyword arguments (``None``: no compile).
+
+    ``True`` is torch's defaults (inductor); a mapping is passed to ``torch.compile``. Raises
+    ``ValueError`` naming ``compile`` for another value or an unknown key.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(COMPILE_KEYS))
+        if unknown:
+            raise ValueError(
+                f"`compile={dict(value)!r}`: {unknown} are not torch.compile options. Use keys from {list(COMPILE_KEYS)}."
+            )
+        return dict(value)
+    raise ValueError(f"`compile={value!r}` must be True, False or a dict of torch.compile options ({list(COMPILE_KEYS)}).")
+
+
+@dataclass
+class CompileInfo:
+    """What :func:`apply_compile` compiled in one part (a pipeline stage or the whole model)."""
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def block_types(self) -> list[str]:
+        """The distinct block classes: one compiled graph each."""
+        return sorted({type(b).__qualname__ for b in self.blocks})
+
+
+def apply_compile(module: nn.Module, *, options: Mapping[str, Any]) -> CompileInfo:
+    """Compile every block of ``module`` in place with ``torch.compile(**options)``; returns what was compiled.
+
+    Raises ``ValueError`` naming ``compile`` when the module has no blocks (entries of an
+    ``nn.ModuleList``/``nn.Sequential``).
+    """
+    blocks = find_blocks(module)
+    if not blocks:
+        raise ValueError(
+            f"`compile=True`: {type(module).__name__} has no blocks (entries of an nn.ModuleList or nn.Sequential)"
+            " to compile. Keep the transformer blocks in a ModuleList, or compile the model yourself."
+        )
+    for block in blocks:
+        block.compile(**options)
+    return CompileInfo(blocks=blocks, options=dict(options))
+
+
+def _compilation_metrics() -> list[Any]:
+    from torch._dynamo.utils import get_compilation_metrics  # private: see docs/architecture.md
+
+    return get_compilation_metrics()
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters  # private: see docs/architecture.md
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass
+class CompileWatch:
+    """Counts dynamo's compilations from the moment it is made; warns once on a recompile storm.
+
+    ``graphs()`` is the number of graphs compiled since (one per block class when nothing
+    recompiled); ``recompiles()`` maps each recompile reason dynamo gave to its count.
+    """
+
+    block_types: list[str]
+    start: int = field(default_factory=lambda: len(_compilation_metrics()))
+    start_graphs: int = field(default_factory=_unique_graphs)
+    warned: bool = False
+
+    def _since(self) -> list[Any]:
+        return _compilation_metrics()[self.start:]
+
+    def graphs(self) -> int:
+        """Graphs dynamo compiled since the watch began (first compilations and recompilations; the
+        backward of a graph is part of it)."""
+        return _unique_graphs() - self.start_graphs
+
+    def recompiles(self) -> collections.Counter:
+        """Dynamo's recompile reason -> how often it caused a recompilation."""
+        return collections.Counter(m.recompile_reason for m in self._since() if m.recompile_reason)
+
+    def check(self) -> Optional[str]:
+        """Warn (once) when the blocks compiled more than ``RECOMPILE_WARN`` times per block class; returns the message."""
+        if self.warned:
+            return None
+        limit = RECOMPILE_WARN * max(1, len(self.block_types))
+        count = self.graphs()
+        if count <= limit:
+            return None
+        reasons = "; ".join(f"{n}x {r.strip()[:200]}" for r, n in self.recompiles().most_common(3))
+        message = (
+            f"`compile=True`: the blocks ({', '.join(self.block_types)}) compiled {count} times (more than {limit}):"
+            f" a recompile storm. Dynamo's reasons: {reasons or 'none given'}. Keep batch and sequence shapes"
+            " fixed (drop_last=True), or pass compile={'dynamic': True}."
+        )
+        warnings.warn(message)
+        self.warned = True
+        return message
+
+
+__all__ = ["COMPILE_KEYS", "CompileInfo", "CompileWatch", "apply_compile", "compile_options"]

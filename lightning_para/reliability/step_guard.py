@@ -1,0 +1,372 @@
+"""One cheap agreement per optimizer step: stop on a non-finite loss or gradient, and on SIGTERM.
+
+Two things must never happen silently or leave a rank behind, and both need every rank to take
+the same decision at the same step (issue 24):
+
+* **Non-finite values.** A NaN/inf loss or gradient, left alone, turns the parameters into NaN
+  and the run goes on (Megatron-LM checks loss and gradient norm for NaN by default, too). Each
+  rank notes, on the device and without a sync, whether its *local* loss (its own batch, before
+  any reduction) was finite and, under pipeline parallelism, whether each of its stages' forward
+  outputs was; before the optimizer steps, the norm of its local gradient shards is computed
+  (``torch.nn.utils.get_total_norm``: one fused pass over the gradients, no communication).
+* **Preemption.** SLURM and Kubernetes send SIGTERM to one or all processes. The signal handler
+  only records the signal number (no collective inside a handler: a collective there pairs with
+  whatever collective the peers run next, which is how a SIGTERM used to hang a run).
+
+Both go into **one all-reduce (MAX) of two integers over the world**, issued once per optimizer
+step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer
+step. So every rank learns the same thing at the same step:
+
+* a non-finite value: one small all-gather of each rank's notes, then every rank raises the same
+  :class:`NonFiniteError` naming the step, the rank(s) where it first appeared and, under
+  pipeline parallelism, the stage that produced it (the first stage in pipeline order whose
+  forward output was not finite; else the last stage's loss; else, for gradients, the stage where
+  backward starts). The optimizer has not stepped: the parameters are still finite.
+* a signal: after this step's optimizer step, at the next step boundary, every rank saves a
+  checkpoint through the normal (atomic) save path and raises :class:`Preempted`, a
+  ``SIGTERMException`` (``SystemExit``) with code :data:`PREEMPTED_EXIT_CODE` (143 = 128 +
+  SIGTERM, what a process ended by SIGTERM reports, so schedulers and ``torchrun`` restart it).
+
+The cost per optimizer step: one pass over the local gradients (memory-bound), an ``isfinite``
+on each stage's output (pipeline only), one all-reduce of 16 bytes and one host read of its
+result (``docs/reliability.md`` has the measured figures).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor, nn
+
+from lightning_para._dtensor import local_tensor
+from lightning_para.reliability.integrity import IntegrityError
+
+PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)  # 143: "terminated by SIGTERM" for shells, SLURM, Kubernetes
+SIGNAL_ACTIONS = ("checkpoint", "exit")
+_NONE = -1
+_BIG = 1 << 30
+
+
+class NonFiniteError(IntegrityError):
+    """A loss or gradient was not finite (inf/NaN); raised on every rank before the optimizer step."""
+
+
+class Preempted(SIGTERMException):
+    """Every rank agreed to stop after a signal (SIGTERM): raised at a step boundary, after the
+    checkpoint was saved; exits the process with :data:`PREEMPTED_EXIT_CODE`."""
+
+    def __init__(self, message: str, checkpoint: Optional[str]) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.message = message
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_step_guard_options(check_finite: bool, on_sigterm: Optional[str]) -> None:
+    """``ValueError`` naming the argument (called before any process group exists)."""
+    if not isinstance(check_finite, bool):
+        raise ValueError(f"`check_finite={check_finite!r}` must be True (stop on a non-finite loss/gradient) or False.")
+    if on_sigterm is not None and on_sigterm not in SIGNAL_ACTIONS:
+        raise ValueError(
+            f"`on_sigterm={on_sigterm!r}` is unknown. Choose 'checkpoint' (save at the next step boundary, then exit"
+            f" with code {PREEMPTED_EXIT_CODE}), 'exit' (exit at the next step boundary without saving) or None"
+            " (Lightning's own SIGTERM handling)."
+        )
+
+
+def _first_tensor(output: Any) -> Optional[Tensor]:
+    if isinstance(output, dict):
+        output = output.get("loss")
+    return output if isinstance(output, Tensor) else None
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
+
+
+class StepGuard:
+    """The per-step agreement described in the module docstring.
+
+    Args:
+        check_finite: stop on a non-finite loss or gradient (default on; ``False`` trains on).
+        on_sigterm: ``"checkpoint"``, ``"exit"`` or ``None`` (no handler of ours).
+        device: where the flags live (the device the default group communicates on).
+        rank_info: global rank -> a short description (``"pipeline stage 0"``), for messages.
+    """
+
+    def __init__(self, *, check_finite: bool = True, on_sigterm: Optional[str] = "checkpoint",
+                 device: torch.device = torch.device("cpu"), rank_info: Optional[Callable[[int], str]] = None) -> None:
+        check_step_guard_options(check_finite, on_sigterm)
+        self.check_finite = check_finite
+        self.on_sigterm = on_sigterm
+        self._hooks: list[Any] = []
+        self._previous_handler: Any = None
+        self._installed = False
+        self.connect(device, rank_info)
+
+    def connect(self, device: torch.device, rank_info: Optional[Callable[[int], str]] = None) -> None:
+        """Start a fit on ``device`` (the default group's): fresh notes, no signal, no stage hooks."""
+        self.remove_hooks()
+        self.device = torch.device(device)
+        self.rank_info = rank_info or (lambda rank: "")
+        self.signal_received: Optional[int] = None  # set by the handler on this rank
+        self.stop_signal: Optional[int] = None  # agreed by every rank
+        self.pending = False  # a loss was observed since the last check (the same on every rank)
+        self.stepped = False  # an optimizer step was checked since the last step boundary
+        self._loss_step = self._new(_NONE)  # first step with a non-finite local loss
+        self._stage = self._new(_BIG)  # first pipeline stage (in pipeline order) with a non-finite output
+        self._stage_step = self._new(_NONE)
+
+    def _new(self, value: int) -> Tensor:
+        return torch.full((), value, dtype=torch.int64, device=self.device)
+
+    @property
+    def active(self) -> bool:
+        return self.check_finite or self.on_sigterm is not None
+
+    # ---------------------------------------------------------------- device-side notes (no sync)
+    @torch.no_grad()
+    def observe_loss(self, output: Any, step: int, local: bool = True) -> None:
+        """Note whether this rank's local loss is finite. ``local=False``: the value is not computed
+        here (a pipeline rank without the last stage receives it): mark the step, note nothing."""
+        self.pending = True
+        loss = _first_tensor(output)
+        if not self.check_finite or not local or loss is None:
+            return
+        value = local_tensor(loss).detach().float().reshape(-1).sum().to(self.device)
+        bad = ~torch.isfinite(value) & (self._loss_step < 0)
+        self._loss_step = torch.where(bad, torch.full_like(self._loss_step, step), self._loss_step)
+
+    def watch_stage_outputs(
+        self, stages: Iterable[tuple[int, nn.Module]], step: Callable[[], int], skip: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Pipeline stages: note the first stage (by index) whose training forward output is not finite.
+        ``skip()`` says when a forward's inputs are placeholders (the schedule's shape inference)."""
+        if not self.check_finite:
+            return
+        for index, module in stages:
+            self._hooks.append(module.register_forward_hook(self._stage_hook(index, step, skip)))
+
+    def _stage_hook(self, index: int, step: Callable[[], int], skip: Callable[[], bool]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or skip():  # validation/prediction, or shape inference
+                return
+            tensors = [local_tensor(t).detach() for t in _tensors(output) if t.is_floating_point()]
+            if not tensors:
+                return
+            bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(self.device)
+            first = bad & (self._stage > index)
+            self._stage = torch.where(first, torch.full_like(self._stage, index), self._stage)
+            self._stage_step = torch.where(bad & (self._stage_step < 0), torch.full_like(self._stage_step, step()),
+                                           self._stage_step)
+
+        return hook
+
+    # ---------------------------------------------------------------- the agreement (collective)
+    @torch.no_grad()
+    def check(self, step: int, params: Optional[Iterable[Tensor]] = None) -> None:
+        """Every rank, once per optimizer step (and at a step boundary if a loss was noted since):
+        one all-reduce; raises :class:`NonFiniteError` on every rank, or records an agreed signal.
+
+        ``params``: the optimizer's parameters whose local gradients are checked (``None``: none, e.g.
+        under fp16 loss scaling, where an inf gradient only skips the step)."""
+        self.pending = False
+        grad_bad = self._new(0)
+        if params is not None:
+            self.stepped = True
+        if self.check_finite and params is not None:
+            grads = [local_tensor(p.grad).detach() for p in params if p.grad is not None]
+            grads = [g for g in grads if g.numel()]
+            if grads:
+                # Non-finite iff some element is inf/NaN (or the sum of squares overflows fp32: also a stop).
+                norm = torch.nn.utils.get_total_norm(grads, 2.0)
+                grad_bad = (~torch.isfinite(norm)).to(device=self.device, dtype=torch.int64)
+        flags = torch.stack([
+            ((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad,
+            self._new(self.signal_received or 0),
+        ])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, signum = flags.tolist()
+        if signum and self.stop_signal is None:
+            self.stop_signal = int(signum)
+        if nonfinite:
+            raise NonFiniteError(self._where(step, grad_bad))
+
+    def _where(self, step: int, grad_bad: Tensor) -> str:
+        """Gather every rank's notes; the same message on every rank."""
+        local = torch.stack([self._loss_step, torch.where(self._stage < _BIG, self._stage, self._new(_NONE)),
+                             self._stage_step, grad_bad])
+        if dist.is_initialized():
+            world = dist.get_world_size()
+            table = torch.zeros(world * 4, dtype=torch.int64, device=self.device)
+            dist.all_gather_into_tensor(table, local)
+            rows = table.view(world, 4).tolist()
+        else:
+            rows = [local.tolist()]
+        stages = [r[1] for r in rows if r[1] >= 0]
+        losses = [r[0] for r in rows if r[0] >= 0]
+        if stages:
+            first = min(stages)
+            ranks = [i for i, r in enumerate(rows) if r[1] == first]
+            at = min(rows[i][2] for i in ranks)
+            what = f"the forward output of pipeline stage {first} was not finite first at step {at}, on {self._ranks(ranks)}"
+        elif losses:
+            at = min(losses)
+            ranks = [i for i, r in enumerate(rows) if r[0] == at]
+            what = f"the loss was not finite first at step {at}, on {self._ranks(ranks)} (their local batch)"
+        else:
+            ranks = [i for i, r in enumerate(rows) if r[3]]
+            what = f"the gradients were not finite at step {step} (after synchronisation), on {self._ranks(ranks)}"
+        return (
+            f"lightning-para: {what}. Training stopped before the optimizer step, so the parameters are still finite"
+            " (the last checkpoint is intact). Look for the cause in that step's batch or in the model; to train on"
+            " regardless, pass `ParaStrategy(check_finite=False)`."
+        )
+
+    def _ranks(self, ranks: list[int]) -> str:
+        described = []
+        for r in ranks:
+            info = self.rank_info(r)
+            described.append(f"{r} ({info})" if info else str(r))
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(described)
+
+    # ---------------------------------------------------------------- signals
+    def install_signal_handler(self) -> None:
+        """Replace the SIGTERM handler (Lightning's broadcasts inside the handler) with one that only
+        records the signal; Lightning restores the original handlers when ``fit`` ends."""
+        if self.on_sigterm is None or self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous_handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_received is None:
+            self.signal_received = signum
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            sys.stderr.write(
+                f"[rank {rank}] lightning-para: received {signal.Signals(signum).name}; every rank stops at the next"
+                " step boundary" + (" after saving a checkpoint.\n" if self.on_sigterm == "checkpoint" else ".\n")
+            )
+            sys.stderr.flush()
+
+    def start_fit(self, trainer: Any) -> None:
+        """From ``on_train_start``: the end-of-batch hook (:class:`StepBoundary`) and the signal handler."""
+        if self.active and not any(isinstance(c, StepBoundary) for c in trainer.callbacks):
+            trainer.callbacks.append(StepBoundary(self, lambda: save_hpc_checkpoint(trainer)))  # after ModelCheckpoint
+        self.install_signal_handler()  # after Lightning's (whose handler runs a collective)
+
+    def restore_signal_handler(self) -> None:
+        if self._installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+        self._installed = False
+
+    def at_step_boundary(self, step: int, save: Callable[[], Optional[str]]) -> None:
+        """After each training batch, on every rank: check a loss noted since the last check (manual
+        optimization, accumulation micro-steps); after an optimizer step, act on an agreed signal."""
+        if self.pending:
+            self.check(step)
+        stepped, self.stepped = self.stepped, False
+        if stepped:
+            self.stop_at_boundary(save)
+
+    def stop_at_boundary(self, save: Callable[[], Optional[str]]) -> None:
+        """At a step boundary (every rank together): after an agreed signal, save (``"checkpoint"``)
+        and raise :class:`Preempted`."""
+        if self.stop_signal is None:
+            return
+        name = signal.Signals(self.stop_signal).name
+        path = save() if self.on_sigterm == "checkpoint" else None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        saved = f"saved the checkpoint {path!r}" if path else "saved no checkpoint (on_sigterm='exit')"
+        message = (
+            f"[rank {rank}] lightning-para: stopped after {name}: {saved}; exiting with code {PREEMPTED_EXIT_CODE}."
+            + (" Resume with trainer.fit(..., ckpt_path='hpc') (automatic under SLURM)." if path else "")
+        )
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        raise Preempted(message, path)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class StepBoundary(Callback):
+    """Runs :meth:`StepGuard.at_step_boundary` where Lightning's ``ModelCheckpoint`` saves (the end of a
+    training batch, after it: callbacks run in list order and Lightning puts checkpoint callbacks last),
+    so a preemption checkpoint resumes exactly as a periodic one does."""
+
+    def __init__(self, guard: StepGuard, save: Callable[[], Optional[str]]) -> None:
+        self.guard, self.save = guard, save
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.guard.at_step_boundary(trainer.global_step, self.save)
+
+
+def save_hpc_checkpoint(trainer: Any) -> str:
+    """Every rank: save through ``trainer.save_checkpoint`` (the strategy's atomic save) under rank 0's next
+    :func:`hpc_checkpoint_path` in ``default_root_dir``; returns the path."""
+    path = trainer.strategy.broadcast(hpc_checkpoint_path(str(trainer.default_root_dir)))
+    trainer.save_checkpoint(path)
+    return path
+
+
+def hpc_checkpoint_path(folder: str) -> str:
+    """The next ``hpc_ckpt_<n>.ckpt`` in ``folder``: the name Lightning's SLURM requeue saves under and
+    ``fit(ckpt_path="hpc")`` (automatic under SLURM) resumes from, the highest ``n`` first."""
+    versions = [0]
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name)
+            if match:
+                versions.append(int(match.group(1)))
+    return os.path.join(folder, f"hpc_ckpt_{max(versions) + 1}.ckpt")
+
+
+def pipeline_rank_info(mesh: Any) -> Callable[[int], str]:
+    """Global rank -> ``"pipeline rank k"`` on a mesh with a ``"pp"`` dimension of size > 1, else ``""``."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None or "pp" not in names or mesh.size(names.index("pp")) < 2:
+        return lambda rank: ""
+    dim, ranks = names.index("pp"), mesh.mesh
+
+    def info(rank: int) -> str:
+        where = (ranks == rank).nonzero()
+        return f"pipeline rank {int(where[0][dim])}" if len(where) else ""
+
+    return info
+
+
+__all__ = [
+    "NonFiniteError",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
+    "SIGNAL_ACTIONS",
+    "StepBoundary",
+    "StepGuard",
+    "check_step_guard_options",
+    "hpc_checkpoint_path",
+    "save_hpc_checkpoint",
+    "pipeline_rank_info",
+]
