@@ -209,6 +209,10 @@ def parallelize(
         result.compiled = [apply_compile(part, options=options) for part in parts]
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
+    if param_dtype is not None and master_dtype is None:
+        # No fp32 masters (`ParaPrecision(master_weights=False)`, Lightning's true half precision): every
+        # stage holds and steps the half-precision weights, FSDP2's shards included.
+        module.to(dtype=param_dtype)
     result.data_parallel = apply_data_parallel(
         module, dims, stage=config.zero, parts=parts, accumulation=config.zero_accumulation,
         bucket_size_mb=config.bucket_size_mb, zero3_units=config.zero3_units, param_dtype=param_dtype,
@@ -217,7 +221,7 @@ def parallelize(
         shard_placement_fn=fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None,
         psi_dense=result.psi_dense, psi_expert=result.psi_expert,
     )
-    if param_dtype is not None and not result.fully_sharded:
+    if param_dtype is not None and master_dtype is not None and not result.fully_sharded:
         module.to(dtype=param_dtype)
     return result
 

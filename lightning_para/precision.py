@@ -15,6 +15,11 @@ bf16-true     bf16 / bf16                     fp32 master weights, sharded with 
 Under ``*-true``, ``trainer.init_module()`` creates the weights in bf16/fp16 (as Lightning's
 plugins do) and the fp32 masters are upcast copies of them; a model built outside
 ``init_module()`` is fp32 first and its masters keep the exact fp32 initialisation.
+Under ZeRO-3 the masters *are* FSDP2's shards, so the module's parameters read fp32 between
+steps (FSDP2 gathers them in half precision for compute). ``master_weights=False`` is
+Lightning's own true half precision instead: no fp32 masters, the weights and the optimizer
+state in half precision under every ZeRO stage (the parameters then read bf16/fp16 under
+ZeRO-3 too, as with Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy``).
 ``.scaler`` is the ``GradScaler``-compatible view of the loss scaling under ``16-mixed``
 (:class:`~lightning_para.scaler.ParaGradScaler`) and ``None`` otherwise, as in Lightning.
 
@@ -67,6 +72,11 @@ class ParaPrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` or ``"16-mixed"``.
         init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
             ``"16-mixed"`` (same meaning as ``torch.amp.GradScaler``).
+        master_weights: under ``"bf16-true"``/``"16-true"``, whether the optimizer steps fp32 masters
+            (default: the ZeRO paper's layout, sharded with the stage; under ZeRO-3 FSDP2's fp32 shards,
+            so the parameters read fp32 between steps). ``False``: Lightning's true half precision,
+            the parameters and optimizer state in the half dtype under every stage (less memory; small
+            updates can round away). Ignored by the other modes.
     """
 
     def __init__(
@@ -77,6 +87,7 @@ class ParaPrecision(Precision):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        master_weights: bool = True,
     ) -> None:
         precision = str(precision)
         if precision not in PRECISIONS:
@@ -85,6 +96,7 @@ class ParaPrecision(Precision):
                 f" {', '.join(repr(p) for p in PRECISIONS)}."
             )
         self.precision = precision
+        self.master_weights = bool(master_weights)
         self.device_type = "cpu"
         self.scale = float(init_scale) if precision == "16-mixed" else 1.0
         self.growth_factor = growth_factor
@@ -135,8 +147,9 @@ class ParaPrecision(Precision):
 
     @property
     def master_dtype(self) -> Optional[torch.dtype]:
-        """dtype of the optimizer's copy of the weights when it differs from the model's."""
-        return torch.float32 if self.param_dtype is not None else None
+        """dtype of the optimizer's copy of the weights when it differs from the model's (``None``: the
+        optimizer steps the model's own weights, e.g. ``master_weights=False``)."""
+        return torch.float32 if self.param_dtype is not None and self.master_weights else None
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """``trainer.init_module()`` creates floating-point tensors in the parameter dtype (as Lightning's

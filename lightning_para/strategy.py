@@ -460,6 +460,8 @@ class ParaStrategy(ParallelStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
+        if self._parallel is not None and self._parallel.data_parallel is not None:
+            self._parallel.data_parallel.before_backward()  # gradients shown since the last step (DDP: until zero_grad)
         self._set_moe_aux_grad_scale()
 
     def _set_moe_aux_grad_scale(self) -> None:

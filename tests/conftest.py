@@ -9,6 +9,7 @@ unit test carries ``@pytest.mark.slow`` itself.
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from tests.harness import PoolManager
 # Two cores: every process (this one and each rank) must stay on one thread.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The planner's per-machine calibration cache (lightning_para/plan/calibrate.py) changes CPU step-time
+# predictions; tests use an empty one unless they set their own, so they do not depend on the machine.
+os.environ["LIGHTNING_PARA_CACHE"] = tempfile.mkdtemp(prefix="lightning-para-cache-")
 
 MULTI_PROCESS_FOLDERS = {"distributed", "integration", "lightning_compat"}
 

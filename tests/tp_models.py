@@ -15,6 +15,7 @@ needs (each rank holds ``n_head / tp`` heads; see docs/tensor_parallel.md).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import lightning as L
@@ -22,6 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
+
+# Parity models are sharp (tests/sharpness.py): at std 0.05 attention is ~uniform and a wrong
+# position, mask or head order moves the loss by less than the 1e-5 tolerance.
+SHARP_STD = 0.3
+# Sharp weights make SGD at the old lr 0.3 chaotic: a 1e-7 relative perturbation of the initial weights (a
+# reordered fp32 sum) moved NanoGPT's parameters by 2.5e-5 after 10 unclipped steps and LlamaLike's loss by
+# 9.4e-4; at lr 0.01, 2.0e-7 and 3.6e-7 (tests.sharpness.perturbation_param_drift / perturbation_growth).
+SHARP_LR = 0.01
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
@@ -90,7 +99,8 @@ class Block(nn.Module):
 
 class NanoGPT(L.LightningModule):
     def __init__(self, vocab_size: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.0, lr: float = 0.3, optimizer: str = "sgd") -> None:
+                 n_embd: int = 64, dropout: float = 0.0, lr: float = SHARP_LR, optimizer: str = "sgd",
+                 init_std: float = SHARP_STD) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.transformer = nn.ModuleDict(dict(
@@ -102,20 +112,20 @@ class NanoGPT(L.LightningModule):
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        self.apply(self._init_weights)
+        self.apply(functools.partial(self._init_weights, std=init_std))
         # LayerNorm weights away from 1 so that their gradients matter in the parity checks.
         for name, p in self.named_parameters():
             if "ln_" in name:
                 nn.init.normal_(p, mean=1.0 if name.endswith("weight") else 0.0, std=0.1)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(module: nn.Module, std: float = SHARP_STD) -> None:
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.05)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.normal_(module.bias, std=0.02)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.05)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.size()
@@ -220,13 +230,14 @@ class LlamaModel(nn.Module):
 
 class LlamaLike(L.LightningModule):
     def __init__(self, vocab_size: int = 64, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                 num_key_value_heads: int = 2, intermediate_size: int = 96, lr: float = 0.3, optimizer: str = "sgd") -> None:
+                 num_key_value_heads: int = 2, intermediate_size: int = 96, lr: float = SHARP_LR, optimizer: str = "sgd",
+                 init_std: float = SHARP_STD) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = LlamaModel(vocab_size, hidden_size, num_layers, num_heads, num_key_value_heads, intermediate_size)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         for name, p in self.named_parameters():
-            nn.init.normal_(p, mean=1.0 if "layernorm" in name or name.endswith("norm.weight") else 0.0, std=0.05)
+            nn.init.normal_(p, mean=1.0 if "layernorm" in name or name.endswith("norm.weight") else 0.0, std=init_std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(input_ids))

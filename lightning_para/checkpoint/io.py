@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_para._dtensor import is_strided, local_tensor
+from lightning_para._dtensor import local_tensor
 from lightning_para.checkpoint import atomic, failures
 from lightning_para.checkpoint.consolidate import trainer_format, write_file_atomically
 from lightning_para.checkpoint.format import (
@@ -230,12 +230,8 @@ def _local_of_full(param: Tensor, full: Tensor) -> Tensor:
     """This rank's piece of a full tensor, laid out like ``param`` (plain, TP or FSDP DTensor)."""
     if isinstance(param, DTensor):
         full = full.to(device=param.device_mesh.device_type, dtype=param.dtype)
-        if param.device_mesh.ndim > 1 and is_strided(param):
-            raise NotImplementedError(
-                "Loading a single-file checkpoint into ZeRO-3 with tensor parallelism is not supported;"
-                " load the sharded checkpoint directory instead."
-            )
-        # Every rank holds the full tensor already: split locally, no communication.
+        # Every rank holds the full tensor already: split locally, no communication. This covers FSDP2's
+        # shards of a tensor-parallel shard too (`_StridedShard` over dp on the joint (dp, tp) mesh).
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     return full.to(param.dtype)
 

@@ -30,6 +30,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.data import layout as data_layout
+from lightning_para.plan.calibrate import cached_calibration
 from lightning_para.plan.cluster import GPU_SPECS, Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.layout import Layout
@@ -77,6 +78,10 @@ def local_cluster(
     memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
     if device.type == "cpu":
         figures: dict[str, Any] = dict(CPU_PROCESS)
+        # This machine's measured figures, when `calibrate()` has cached them for this thread budget.
+        calibration = cached_calibration()
+        if calibration is not None:
+            figures.update(calibration.cluster_figures())
         # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
         figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE
     else:

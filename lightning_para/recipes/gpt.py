@@ -304,6 +304,9 @@ class GPT(L.LightningModule):
     Args:
         preset: a named size from :data:`PRESETS` (``"tiny"``, ``"gpt-125m"``, ``"gpt-350m"``,
             ``"gpt-1.3b"``, ``"gpt-7b"``); the fields below, when given, override it.
+        init_std: the weights' init std (GPT-2's 0.02 by default). Parity checks use 0.3: at
+            0.02 a tiny model attends almost uniformly, so a wrong position or mask barely
+            moves the loss (docs/planner.md, "What makes a parity check able to fail").
         lr, weight_decay, betas: AdamW (no decay on norms, biases and embeddings).
         warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``
             at ``trainer.max_steps``.
@@ -327,6 +330,7 @@ class GPT(L.LightningModule):
         bias: Optional[bool] = None,
         tie_weights: Optional[bool] = None,
         dropout: Optional[float] = None,
+        init_std: Optional[float] = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -340,7 +344,8 @@ class GPT(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig.from_preset(
             preset, vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, norm=norm, pos=pos, mlp=mlp, bias=bias, tie_weights=tie_weights, dropout=dropout,
+            n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, norm=norm, pos=pos, mlp=mlp, bias=bias, tie_weights=tie_weights,
+            dropout=dropout, init_std=init_std,
         )
         self.build()
         self.val_ppl = Perplexity()

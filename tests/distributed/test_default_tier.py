@@ -21,6 +21,7 @@ from tests.distributed.test_expert_parallel import test_ep2_dp4_parity_and_exper
 from tests.distributed.test_expert_parallel import test_ep2_parity_memory_and_communication as _ep
 from tests.distributed.test_hybrid_sharding import test_hsdp_parity as _hsdp
 from tests.distributed.test_pipeline_parallel import test_pp2_dp2_zero1_matches_single_device as _pp_dp
+from tests.distributed.test_planted_bugs import test_cp_positions_shifted_by_one_fail_parity as _planted
 from tests.distributed.test_pipeline_parallel import test_pp2_schedules_match_single_device as _pp
 from tests.distributed.test_pipeline_parallel import test_pp2_tp2_matches_single_device as _pp_tp
 from tests.distributed.test_tensor_parallel import test_dp2_tp2_parity_with_clipping_and_memory as _dp_tp
@@ -62,6 +63,11 @@ def test_context_parallel_transformers_llama_without_hook(pools):
 
 def test_transformers_llama_tensor_parallel(pools):
     _hf(pools, kwargs={"tp": 2, "sequence_parallel": True})
+
+
+def test_planted_position_bug_fails_parity(pools):
+    """The parity check can fail: cp positions shifted by one (tests/distributed/test_planted_bugs.py)."""
+    _planted(pools)
 
 
 # ----------------------------------------------------------------------------- compositions (4 processes)

@@ -92,6 +92,7 @@ class TinyMoETransformer(L.LightningModule):
         top_k: int = 2,
         lr: float = 3e-3,
         forced: bool = False,
+        init_std: float = 0.3,
         **moe: Any,
     ) -> None:
         super().__init__()
@@ -106,6 +107,11 @@ class TinyMoETransformer(L.LightningModule):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.lr = lr
+        # Sharp (tests/sharpness.py): PyTorch's default init (std ~0.1) attends and predicts ~uniformly.
+        # Expert weights are initialised by the MoE layer itself.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, init_std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
@@ -279,10 +285,18 @@ def merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return merged
 
 
+# Parameters after 10 AdamW steps of the sharp model: on one device, a 1e-7 relative perturbation of the
+# initial weights (a reordered fp32 sum) moves some parameters by up to 2.1e-5 absolute
+# (tests.sharpness.perturbation_param_drift; AdamW's m / sqrt(v) turns tiny gradient differences into O(lr)
+# updates). The blunt model met atol 1e-6 only by luck; 3e-5 is 0.1% of the ~3e-2 the weights travel. The
+# losses (1e-5) are unchanged.
+PARAM_ATOL = 3e-5
+
+
 def check_parity(results, factory, overrides: tuple = ()) -> None:
     ref = reference(factory, STEPS, overrides)
     assert_losses_close(mean_loss(results), ref["losses"])
-    assert_params_close(merged_params(results), ref["params"])
+    assert_params_close(merged_params(results), ref["params"], atol=PARAM_ATOL)
 
 
 def expert_bytes(params: dict[str, torch.Tensor]) -> int:
@@ -391,9 +405,12 @@ def test_ep2_validate_and_predict(pools):
 @pytest.mark.parametrize(
     "precision, rtol",
     [
-        # CPU autocast turns few ops of this model to fp16: measured 4.6e-6. The point is the aux gradient:
-        # without the loss scale S on it (it would be unscaled by 1/S with the rest) the loss differs by 9e-5.
-        ("16-mixed", 3e-5),
+        # Against the fp32 reference. CPU autocast turns few ops of this model to fp16: with the sharp model
+        # (init 0.3) that is 4.3e-5 at step 0 (the forward alone) and 6.2e-5 over 4 steps (4.6e-6 at the old
+        # blunt init). The point is the aux gradient: without the loss scale S on it (unscaled by 1/S with
+        # the rest) the sharp model's loss differs by 1.0e-3 (measured on one device with the aux-gradient
+        # scale set to 1/65536); 2e-4 lies between the two.
+        ("16-mixed", 2e-4),
         # bf16 weights and bf16 tokens through the all-to-all (8-bit mantissa, ~4e-3 per op): measured 7e-3.
         ("bf16-true", 2e-2),
     ],

@@ -82,7 +82,7 @@ def _hsdp_bytes_job(strategy_kwargs: dict) -> dict:
     step = _StepCounter(batch=2)
     strategy = ParaStrategy(**strategy_kwargs)
     L.seed_everything(0, verbose=False)
-    module = gpt()
+    module = gpt_constant_lr()  # the recipe's AdamW (two fp32 states), not gpt()'s SGD (one)
     psi = sum(p.numel() for p in module.parameters()) * 4  # fp32 bytes of the whole model
     dp = strategy.config.resolve_dp(dist.get_world_size())
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=3, callbacks=[step],
@@ -170,7 +170,7 @@ def gpt_constant_lr():
     from lightning_para.recipes.gpt import GPT
 
     return GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, sample_tokens=0, warmup_steps=0,
-               min_lr_ratio=1.0)
+               min_lr_ratio=1.0, init_std=0.3)  # sharp: tests/sharpness.py
 
 
 def test_checkpoint_from_hsdp_resumes_under_cp_and_tp(pools, tmp_path):

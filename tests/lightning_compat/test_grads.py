@@ -10,6 +10,7 @@ Adapted from what Lightning's tests and users do in ``on_before_optimizer_step``
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -143,3 +144,51 @@ def test_lightning_grad_norm_cannot_read_dtensor_gradients(pools):
     takes the same arguments and returns the same keys (checked against one device above)."""
     messages = pools.get(2).run(_lightning_grad_norm_error, 2)
     assert all("data is not allocated" in m for m in messages), messages
+
+
+class GradLifetimeProbe(Callback):
+    """When ``p.grad`` is readable, as DDP shows it: after the optimizer step (``on_train_batch_end``) and
+    into the next batch, until ``zero_grad`` (then ``None`` in ``on_before_backward``)."""
+
+    def __init__(self) -> None:
+        self.after_step: list[dict[str, float]] = []
+        self.kept_into_next_batch: list[bool] = []
+        self.none_before_backward: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        assert all(p.grad is not None for p in pl_module.parameters()), "p.grad is gone after the optimizer step"
+        self.after_step.append({k: float(v) for k, v in grad_norm(pl_module, 2).items()})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx > 0:
+            self.kept_into_next_batch.append(all(p.grad is not None for p in pl_module.parameters()))
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.none_before_backward.append(all(p.grad is None for p in pl_module.parameters()))
+
+
+def _lifetime_records(trainer, module) -> dict[str, Any]:
+    probe = next(cb for cb in trainer.callbacks if isinstance(cb, GradLifetimeProbe))
+    return {"after_step": probe.after_step, "kept": probe.kept_into_next_batch, "none": probe.none_before_backward}
+
+
+@pytest.mark.parametrize("zero", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_grad_readable_after_optimizer_step_as_under_ddp(pools, zero):
+    """Issue 24: under ZeRO-2 ``p.grad`` was ``None`` in ``on_train_batch_end``. Now it keeps DDP's lifetime:
+    the step's synchronised gradient (a DTensor shard: ``full_tensor()`` reads it whole) until the next
+    ``zero_grad``/backward. Each parameter's global gradient norm there matches one device (1e-5)."""
+    results = pools.get(2).run(fit_job, "para", {"zero": zero}, FeedForwardModule, STEPS, GLOBAL_BATCH, None,
+                               (GradLifetimeProbe(),), _lifetime_records)
+    if "lifetime" not in _reference:
+        probe = GradLifetimeProbe()
+        fit_reference(FeedForwardModule, vector_dataset, GLOBAL_BATCH, STEPS, callbacks=(probe,))
+        _reference["lifetime"] = _lifetime_records(SimpleNamespace(callbacks=[probe]), None)
+    ref = _reference["lifetime"]
+    assert all(ref["kept"]) and all(ref["none"]), ref  # what DDP / one device shows
+    for r in results:
+        got = r["extra"]
+        assert got["kept"] == ref["kept"] and got["none"] == ref["none"], got
+        assert len(got["after_step"]) == STEPS
+        for mine, theirs in zip(got["after_step"], ref["after_step"]):
+            assert mine.keys() == theirs.keys()
+            assert max_rel_diff(list(mine.values()), list(theirs.values())) <= FP32_RTOL, (mine, theirs)

@@ -155,9 +155,11 @@ class DtypeProbe(FeedForwardModule):
         }
 
 
-def _init_module_job(precision: str, strategy_kwargs: dict[str, Any], fsdp: bool) -> dict[str, Any]:
-    trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), precision=precision,
-                        max_steps=2, **trainer_kwargs())
+def _init_module_job(precision: str, strategy_kwargs: dict[str, Any], fsdp: bool, master_weights: bool = True) -> dict[str, Any]:
+    # `Trainer(precision=...)`, or the plugin itself where an option is set (as a Lightning user passes plugins).
+    chosen = {"precision": precision} if master_weights else {"plugins": [ParaPrecision(precision, master_weights=False)]}
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=2,
+                        **chosen, **trainer_kwargs())
     with trainer.init_module():
         model = DtypeProbe(fsdp=fsdp)
     created = sorted({str(p.dtype) for p in model.parameters()})
@@ -180,6 +182,36 @@ def test_init_module_creates_weights_in_the_true_dtype(pools, precision, strateg
         masters = ["torch.float32"] if not fsdp else [dtype]
         assert r["optimizer"] == masters, r  # fp32 masters, taken from the half-precision weights
         assert r["finite"]
+
+
+def _fit_without_masters(precision: str, steps: int) -> dict[str, Any]:
+    return fit_job("para", {"zero": 3}, FeedForwardModule, steps, 16,
+                   {"plugins": [ParaPrecision(precision, master_weights=False)]})
+
+
+@pytest.mark.parametrize(("precision", "zero"), [
+    ("bf16-true", 3),
+    pytest.param("16-true", 3, marks=pytest.mark.slow),
+    pytest.param("bf16-true", 1, marks=pytest.mark.slow),
+])
+def test_true_half_precision_without_masters_matches_lightning(pools, precision, zero):
+    """Issue 24: under ZeRO-3 ``init_module()`` + ``*-true`` left the parameters fp32 (FSDP2's shards are the
+    fp32 masters). ``ParaPrecision(master_weights=False)`` is Lightning's own true half precision: the
+    parameters and what the optimizer steps are bf16/fp16 under every stage, ZeRO-3 included."""
+    results = pools.get(2).run(_init_module_job, precision, {"zero": zero}, False, False)
+    dtype = "torch.float16" if precision == "16-true" else "torch.bfloat16"
+    for r in results:
+        assert (r["created"], r["params"], r["optimizer"]) == ([dtype], [dtype], [dtype]), r
+        assert r["finite"]
+    if zero == 3 and precision == "bf16-true":
+        # The same training as Lightning's ModelParallelStrategy with the user's fully_shard, on the same ranks.
+        pool, steps = pools.get(2), 4
+        mps = pool.run(fit_job, "mps", {"data_parallel_size": 2, "tensor_parallel_size": 1},
+                       partial(FeedForwardModule, fsdp=True), steps, 16, {"precision": precision})
+        para = pool.run(_fit_without_masters, precision, steps)
+        worst = max(max_rel_diff(p["losses"], m["losses"]) for m, p in zip(mps, para))
+        print(f"bf16-true without masters vs ModelParallelStrategy: {worst:.2e}")
+        assert worst <= 1e-6, [(m["losses"], p["losses"]) for m, p in zip(mps, para)]
 
 
 def test_scaler_is_gradscaler_compatible():

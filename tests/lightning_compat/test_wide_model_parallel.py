@@ -5,12 +5,22 @@ ZeRO-1 or ZeRO-3 added by ParaStrategy to the user's TP, and Lightning's own FSD
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from tests.lightning_compat.common import FeedForwardModule, compare_with_mps, vector_dataset
+from tests.lightning_compat.common import (
+    FeedForwardModule,
+    compare_with_mps,
+    dp_mean_losses,
+    fit_job,
+    max_rel_diff,
+    vector_dataset,
+)
+from tests.parity import FP32_RTOL, assert_params_close, fit_reference, full_parameters
 
 
 def test_user_tp_matches_model_parallel_strategy_tp4(pools):
@@ -83,3 +93,45 @@ def _lightning_style_fit(strategy_kwargs) -> int:
 
 def test_fsdp2_tensor_parallel_as_lightning_checks_it(pools):
     assert pools.get(4).run(_lightning_style_fit, {"dp": 2, "tp": 2}) == [2] * 4
+
+
+# ----------------------------------------------------------------------------- a one-device checkpoint into tp x zero=3
+CKPT_STEPS, CKPT_BATCH, CKPT_SAMPLES = 3, 16, 32  # two steps per epoch: the checkpoint at the end of epoch 0
+
+
+class ParamsAtStart(Callback):
+    """The full parameters once the checkpoint is restored (collective: every rank gathers them)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.params = full_parameters(pl_module)
+
+
+def _resume_from_file(path: str) -> dict[str, Any]:
+    def after(trainer, module):
+        start = next(cb for cb in trainer.callbacks if isinstance(cb, ParamsAtStart)).params
+        return {"start": start, "end": full_parameters(module), "step": trainer.global_step}
+
+    return fit_job("para", {"dp": 2, "tp": 2, "zero": 3}, partial(FeedForwardModule, tp=True), CKPT_STEPS, CKPT_BATCH,
+                   None, (ParamsAtStart(),), after, ckpt_path=path, dataset=partial(vector_dataset, CKPT_SAMPLES))
+
+
+def test_one_device_checkpoint_loads_into_tp_and_zero3(pools, tmp_path):
+    """Issue 24: a plain single-file checkpoint (one device, as under DDP) loaded into dp2 x tp2 ZeRO-3 raised
+    ``NotImplementedError`` (FSDP2's shards of tensor-parallel shards, ``_StridedShard``). Lightning's
+    ModelParallelStrategy loads it; so does ParaStrategy now: weights and AdamW state are split into the
+    DTensor shards, the weights equal the file's exactly, and the next step matches one device (1e-5)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{step}", save_top_k=-1)
+    reference = fit_reference(FeedForwardModule, partial(vector_dataset, CKPT_SAMPLES), CKPT_BATCH, CKPT_STEPS,
+                              {"enable_checkpointing": True}, callbacks=(checkpoint,))
+    path = tmp_path / "epoch=0-step=2.ckpt"
+    assert path.is_file()
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    assert saved["optimizer_states"][0]["state"], "the file carries AdamW's moments"
+    results = pools.get(4).run(_resume_from_file, str(path))
+    for r in (r["extra"] for r in results):
+        assert r["step"] == CKPT_STEPS
+        for name, value in saved["state_dict"].items():
+            assert torch.equal(r["start"][name], value.float()), name
+        # One step after the restore: AdamW's moments came along too, or the parameters would differ.
+        assert_params_close(r["end"], reference["params"])
+    assert max_rel_diff(dp_mean_losses(results), reference["losses"][-1:]) <= FP32_RTOL

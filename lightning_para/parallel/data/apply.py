@@ -66,6 +66,9 @@ class ZeroData(DataParallel):
     def sync_now(self) -> None:
         self.engine.sync_now()
 
+    def before_backward(self) -> None:
+        self.engine.before_backward()
+
     def flush(self) -> None:
         self.engine.flush()
 

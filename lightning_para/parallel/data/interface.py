@@ -71,6 +71,11 @@ class DataParallel(ABC):
         """Finish any gradient communication still pending, so ``.grad`` holds this step's synced
         gradients (before unscaling, the inf check and clipping). Idempotent within a step."""
 
+    def before_backward(self) -> None:
+        """A backward is about to start (Lightning called ``zero_grad`` just before, if at all): drop
+        gradients that were only shown in ``.grad`` for users to read since the last sync (ZeRO-1/2's
+        shards stay readable after the optimizer step, as DDP's ``.grad`` until ``zero_grad``)."""
+
     # ------------------------------------------------------------------ optimizers
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, is_expert: Callable[[Tensor], bool]) -> None:
         """Take over ``optimizer`` (ZeRO-1/2: it steps this rank's shards) and count on how many ranks

@@ -33,7 +33,8 @@ class ParamSlot:
     master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
     bucket: int = -1
     offset: int = 0  # position inside the bucket's per-rank segment
-    # The gradient ZeRO put into ``param.grad`` for users to read (cleared before the next backward).
+    # The gradient ZeRO put into ``param.grad`` for users to read: kept after the optimizer step, as DDP
+    # keeps ``.grad`` until ``zero_grad``; dropped when the next backward starts.
     exposed_grad: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
@@ -142,11 +143,23 @@ class ParamSlot:
         param.grad = view
         self.exposed_grad = view
 
-    def clear_exposed_grad(self) -> None:
-        """Drop the gradient :meth:`expose_grad` showed (before the next backward accumulates, after a step)."""
-        if self.exposed_grad is not None and self.param.grad is self.exposed_grad:
+    def clear_exposed_grad(self, *, forget: bool = True) -> None:
+        """Drop the gradient :meth:`expose_grad` showed, if ``param.grad`` still shows it.
+
+        ``forget=False`` keeps the reference when ``param.grad`` is something else right now (a
+        pipeline step sets ``.grad`` aside while its schedule runs and puts it back afterwards), so
+        a later call still recognises the shown gradient and never lets autograd add into it.
+        """
+        shown = self.exposed_grad is not None and self.param.grad is self.exposed_grad
+        if shown:
             self.param.grad = None
-        self.exposed_grad = None
+        if shown or forget:
+            self.exposed_grad = None
+
+    def accumulated_grad(self) -> Optional[Tensor]:
+        """``param.grad`` if it holds a gradient backward accumulated, ``None`` if it is the shown one."""
+        grad = self.param.grad
+        return None if grad is not None and grad is self.exposed_grad else grad
 
     def local_rows(self, tensor: Tensor) -> Tensor:
         """The rows of a tensor shaped like the local parameter that this rank owns."""

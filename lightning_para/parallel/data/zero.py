@@ -54,8 +54,10 @@ How it works:
   the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
   itself. Stages 1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's
   gradient shard (no copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of
-  ``p.grad`` reaches the optimizer. A tensor hook clears it before the next backward
-  accumulates (and the optimizer step clears it), so autograd never adds into it.
+  ``p.grad`` reaches the optimizer. It stays readable after the optimizer step (in
+  ``on_train_batch_end``, as DDP keeps ``.grad`` until ``zero_grad``) and is dropped when the
+  next backward starts (:meth:`ZeroDataParallel.before_backward`, and a tensor hook before
+  accumulation), so autograd never adds into it.
   ``docs/data_parallel.md`` says what users may do with it per stage.
 
 Why this module is long: it is one engine whose backward hooks, bucket launches and
@@ -283,7 +285,7 @@ class ZeroDataParallel:
             buffer = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=bucket.slots[0].local.device)
             for slot in bucket.slots:
                 dest = buffer[slot.offset : slot.offset + slot.numel]
-                grad = slot.param.grad
+                grad = slot.accumulated_grad()  # not a gradient shown after an earlier sync
                 dest.copy_(local_tensor(grad).reshape(-1)) if grad is not None else dest.zero_()
             if world > 1:  # a group of one rank: its gradient is already the average
                 buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
@@ -293,7 +295,8 @@ class ZeroDataParallel:
             device = bucket.slots[0].local.device
             buffer = torch.empty(world, bucket.segment_numel, dtype=bucket.dtype, device=device)
             for slot in bucket.slots:
-                grad = slot.param.grad
+                grad = slot.accumulated_grad()  # not a shard shown after an earlier sync
+                slot.clear_exposed_grad()
                 if grad is None:
                     buffer[:, slot.offset : slot.offset + slot.segment_numel].zero_()
                 else:
@@ -331,8 +334,15 @@ class ZeroDataParallel:
                         slot.param.grad = torch.zeros_like(slot.param)
                     local_tensor(slot.param.grad).view(-1).copy_(reduced)
         else:
+            output = bucket.output
+            if any(s.master.dtype != s.local.dtype for s in bucket.slots) and (
+                output.untyped_storage().nbytes() > output.numel() * output.element_size()
+            ):
+                # gloo's in-place all-reduce: the bf16 shards shown in `.grad` (kept until the next
+                # backward) must not keep the whole bucket alive, only this rank's segment.
+                output = output.clone()
             for slot in bucket.slots:
-                shard = bucket.output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
+                shard = output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
                 fresh = slot.master.grad is None
                 _accumulate_grad(slot.master, shard)
                 grad = slot.master.grad
@@ -348,7 +358,17 @@ class ZeroDataParallel:
         slot.expose_grad(grad, self._mesh_of)
 
     def _before_accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
-        slot.clear_exposed_grad()
+        slot.clear_exposed_grad(forget=False)
+
+    def before_backward(self) -> None:
+        """Drop every gradient shown since the last synchronisation, before a backward starts.
+
+        DDP's ``.grad`` lives until ``zero_grad``, which Lightning calls right before backward;
+        ``torch.optim`` has no hook on ``zero_grad``, so the shown shards go here (the optimizer's
+        own gradients, the masters', still follow ``zero_grad`` and accumulate as usual).
+        """
+        for slot in self.slots:
+            slot.clear_exposed_grad()
 
     # ------------------------------------------------------------------ optimizer side
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -391,9 +411,7 @@ class ZeroDataParallel:
         buckets = self.buckets
         if optimizer is not None and optimizer in self._buckets_of_optimizer:
             buckets = [self.buckets[i] for i in self._buckets_of_optimizer[optimizer]]
-        for bucket in buckets:  # the gradients shown to users are this step's: gone with it
-            for slot in bucket.slots:
-                slot.clear_exposed_grad()
+        # The gradients shown to users stay until the next backward (DDP keeps `.grad` until zero_grad).
         self.gather_params(buckets)
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ from torch import Tensor
 
 def check_token_ids(ids: Tensor, num_embeddings: int, where: str = "the vocab-parallel embedding") -> None:
     """``IndexError`` naming the range found and the vocabulary size if any id is outside ``[0, num_embeddings)``."""
-    if ids.numel() == 0 or ids.is_floating_point():
+    if ids.numel() == 0 or ids.is_floating_point() or ids.is_meta:  # meta (the dry run): no values to check
         return
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids.detach())).tolist())
     if lo < 0 or hi >= num_embeddings:
@@ -40,7 +40,7 @@ def check_token_ids(ids: Tensor, num_embeddings: int, where: str = "the vocab-pa
 def check_targets(target: Tensor, num_classes: int, ignore_index: Optional[int] = -100) -> None:
     """``IndexError`` as ``F.cross_entropy`` raises it on one device (``Target 7 is out of bounds.``) for a class
     index outside ``[0, num_classes)`` other than ``ignore_index``; class probabilities are not checked."""
-    if target.numel() == 0 or target.is_floating_point():
+    if target.numel() == 0 or target.is_floating_point() or target.is_meta:  # meta (the dry run): no values
         return
     target = target.detach()
     bad = (target < 0) | (target >= num_classes)

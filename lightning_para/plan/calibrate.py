@@ -1,0 +1,199 @@
+"""Calibrate the planner's step-time model on this machine, once, and cache it (issue 23, item 3).
+
+The CPU figures of :data:`~lightning_para.plan.run.CPU_PROCESS` are nominal; on a real machine the
+step-time prediction was off by 165% (README demo). :func:`calibrate` measures, for one thread
+budget (``torch.get_num_threads()`` of a rank):
+
+* the matmul FLOP/s one rank reaches: the median of ``repeats`` timed ``n x n`` fp32 matmuls
+  (``2 n^3`` FLOPs each, after a warm-up);
+* gloo's all-reduce on 2 processes: the median time of each message size, fitted to the
+  alpha-beta model the planner uses (Hockney 1994; ring all-reduce on ``p = 2`` ranks:
+  ``t = 2 (p-1) alpha + 2 (p-1)/p n / beta = 2 alpha + n / beta``) by least squares.
+
+Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. The result
+is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
+keyed by host, CPU model, torch version and thread count; :func:`cached_calibration` only reads
+it, so ``local_cluster`` never measures inside a training run. Run
+``python -m lightning_para.plan.calibrate`` once per machine (or ``calibrate()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
+           "measure_matmul_flops"]
+
+
+def cache_path() -> Path:
+    """``$LIGHTNING_PARA_CACHE/calibration.json`` (default ``~/.cache/lightning-para``)."""
+    root = os.environ.get("LIGHTNING_PARA_CACHE", os.path.join("~", ".cache", "lightning-para"))
+    return Path(root).expanduser() / "calibration.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(threads: int) -> str:
+    """What a calibration holds for: host, CPU model, torch version, intra-op threads per rank."""
+    return f"{socket.gethostname()}|{_cpu_model()}|torch {torch.__version__}|threads {threads}"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured figures of one rank on this machine (see the module docstring)."""
+
+    matmul_flops: float  # FLOP/s of one rank's fp32 matmuls under its thread budget
+    bandwidth: float  # bytes/s, beta of the alpha-beta model (gloo, 2 processes)
+    latency: float  # seconds per message hop, alpha
+    threads: int
+    key: str
+    measured_at: float  # time.time()
+    load: float  # 1-minute load average when measured
+
+    def cluster_figures(self) -> dict[str, float]:
+        """:class:`~lightning_para.plan.cluster.Cluster` fields: the matmul rate is what the model's
+        matmuls reach, so ``efficiency`` is 1."""
+        return {
+            "peak_flops": self.matmul_flops, "efficiency": 1.0, "intra_node_bw": self.bandwidth,
+            "inter_node_bw": self.bandwidth, "intra_node_latency": self.latency, "inter_node_latency": self.latency,
+        }
+
+
+def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats: int = 7) -> float:
+    """Median FLOP/s of ``repeats`` fp32 ``size x size`` matmuls under ``threads`` intra-op threads."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)  # warm-up
+        calls = max(1, int(2e8 // (2 * size**3)))  # ~0.2 GFLOP per sample
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                torch.mm(a, b)
+            times.append((time.perf_counter() - start) / calls)
+    finally:
+        torch.set_num_threads(before)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        medians = []
+        for nbytes in sizes:
+            x = torch.zeros(max(1, nbytes // 4))
+            dist.all_reduce(x)  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        if rank == 0:
+            out.put(medians)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_gloo(sizes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20), repeats: int = 9,
+                 timeout: float = 120.0) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` of gloo's all-reduce between 2 local processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, sizes, repeats, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        medians = out.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    # Least squares t = a + n b, a = 2 alpha, b = 1 / beta.
+    n_mean, t_mean = statistics.fmean(sizes), statistics.fmean(medians)
+    cov = sum((n - n_mean) * (t - t_mean) for n, t in zip(sizes, medians))
+    var = sum((n - n_mean) ** 2 for n in sizes)
+    slope = max(cov / var, 1e-15)
+    intercept = max(t_mean - slope * n_mean, 0.0)
+    return 1.0 / slope, intercept / 2.0
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = None) -> Optional[Calibration]:
+    """The cached calibration of this machine for ``threads`` (default: this process's), or ``None``."""
+    threads = threads or torch.get_num_threads()
+    entry = _load(path or cache_path()).get(machine_key(threads))
+    return Calibration(**entry) if entry else None
+
+
+def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
+              measure_comm: bool = True) -> Calibration:
+    """Measure this machine (see the module docstring) unless cached, cache it and return it."""
+    threads = threads or torch.get_num_threads()
+    path = path or cache_path()
+    if not refresh:
+        found = cached_calibration(threads, path)
+        if found is not None:
+            return found
+    flops = measure_matmul_flops(threads)
+    bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
+    result = Calibration(
+        matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
+        measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+    )
+    data = _load(path)
+    data[result.key] = asdict(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+    return result
+
+
+if __name__ == "__main__":  # python -m lightning_para.plan.calibrate [threads]
+    import sys
+
+    cal = calibrate(int(sys.argv[1]) if len(sys.argv) > 1 else None, refresh=True)
+    print(json.dumps(asdict(cal), indent=2))
