@@ -17,6 +17,7 @@ from lightning_para.mesh import ParallelDims, check_expert_degree
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
     CP_METHODS,
+    FP8_RECIPES,
     PIPELINE_BALANCE,
     PRECISIONS,
     SCHEDULES,
@@ -112,6 +113,8 @@ class ParallelConfig:
     # --- performance (issue 25) ---
     # torch.compile each block (True: inductor, torch's defaults; a dict: torch.compile's keyword arguments).
     compile: Union[bool, Mapping[str, Any]] = False
+    # torchao float8 training of the linears ("tensorwise" or "rowwise"; parallel/fp8.py), None: off.
+    fp8: Optional[str] = None
     # Microbatches per pipeline step once validated (``microbatches`` or the schedule's default).
     pipeline_microbatches: int = field(init=False, default=1)
 
@@ -160,6 +163,13 @@ class ParallelConfig:
                 f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose one of {_choices(PIPELINE_BALANCE)}."
             )
         compile_options(self.compile)  # ValueError naming `compile`
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"`fp8={self.fp8!r}` is unknown. Choose one of {_choices(FP8_RECIPES)}.")
+        if self.fp8 is not None and self.tp != 1:
+            raise ValueError(
+                f"`fp8={self.fp8!r}` with `tp={self.tp}` is not supported yet: torchao's float8 tensor-parallel styles"
+                " are not wired in. Use fp8 with dp/ZeRO/pp/cp/ep (tp=1), or fp8=None with tp."
+            )
         if self.pp > 1:
             self._validate_pipeline()
         if isinstance(self.dp, int):  # known now: fail at construction, not at launch

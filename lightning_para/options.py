@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
 from lightning_para.parallel.data.fsdp import ZERO3_UNITS
+from lightning_para.parallel.fp8 import FP8_RECIPES as _FP8
 from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES
 
 # Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
@@ -26,10 +27,11 @@ ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
 CP_METHODS = tuple(_CP_ATTENTION)  # "ring" (ring attention), "all_to_all" (DeepSpeed-Ulysses)
 PIPELINE_BALANCE = ("params", "time")
 TP_UNPLANNED = ("error", "replicate")
+FP8_RECIPES = (None, *_FP8)  # torchao float8 training (parallel/fp8.py); None: off
 
 assert set(PLANNED_SCHEDULES) <= set(SCHEDULES), "the planner prices a schedule ParaStrategy does not run"
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS", "SCHEDULES",
+    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS", "SCHEDULES",
     "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES",
 ]

@@ -27,7 +27,8 @@ Order, and why:
    copies, so masters start from the exact fp32 initialisation (FSDP2 keeps fp32 shards and
    gathers in bf16 itself, so ZeRO-3 is not cast).
 
-Before step 1, :func:`~lightning_para.compat.detect_user_parallelism` looks at what the user's
+Before step 1, ``fp8`` converts the chosen linears to torchao float8 training (``parallel/fp8.py``), so
+the tensor-parallel plan and the pipeline split see the new modules. Also before step 1, :func:`~lightning_para.compat.detect_user_parallelism` looks at what the user's
 ``configure_model`` already applied (TP with ``parallelize_module``, FSDP2 with ``fully_shard``),
 checks it against the degrees, and those dimensions are skipped: a model the user fully sharded
 gets nothing more; one the user split with TP gets only data parallelism (ZeRO) on top.
@@ -39,6 +40,7 @@ dimension, for the strategy and the tools that read it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -52,6 +54,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.compile import CompileInfo, apply_compile, compile_options
+from lightning_para.parallel.fp8 import Float8Info, apply_float8
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
 from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
@@ -63,6 +66,9 @@ from lightning_para.parallel.tensor import (
     hook_grad_layouts,
     plan_tensor_parallel,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +89,7 @@ class ParallelModel:
     data_parallel: Optional[DataParallel] = None
     context: Optional[ContextParallel] = None  # cp > 1: batch split, attention and loss around each step
     compiled: list[CompileInfo] = field(default_factory=list)  # compile=True: the compiled blocks, per part
+    float8: Optional[Float8Info] = None  # fp8: the linears converted to torchao float8 training, and the skipped
     # psi of the ZeRO formulas: what this rank holds before data parallelism shards it.
     psi_dense: int = 0
     psi_expert: int = 0
@@ -136,6 +143,11 @@ def parallelize(
     user = detect_user_parallelism(module, dims, config)
     if user.fully_sharded:
         return _keep_user_fully_sharded(module, dims, config, user, param_dtype)
+    float8 = None
+    if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
+        float8 = apply_float8(module, recipe=config.fp8)
+        if float8.skipped:
+            log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
     context = None
@@ -162,7 +174,9 @@ def parallelize(
             pipeline_balance=config.pipeline_balance,
         )
         parts = list(pipeline.stage_modules)
-    result = ParallelModel(config=config, dims=dims, parts=parts, pipeline=pipeline, context=context, user=user)
+    result = ParallelModel(
+        config=config, dims=dims, parts=parts, pipeline=pipeline, context=context, user=user, float8=float8
+    )
 
     if user.tensor_parallel:
         hook_grad_layouts(module)  # the user's TP stays as it is; its gradients get their parameters' layouts

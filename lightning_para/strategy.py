@@ -108,6 +108,9 @@ class ParaStrategy(ParallelStrategy):
             checkpointing, before data parallelism (``True``: inductor; a dict: ``torch.compile``'s
             keyword arguments, e.g. ``{"backend": "aot_eager"}``). Blocks of one class share one
             graph; a recompile storm warns with dynamo's reasons (``docs/performance.md``).
+        fp8: ``"tensorwise"`` or ``"rowwise"``: torchao float8 training of the linears (not the head,
+            not widths that are not multiples of 16; ``strategy.parallel_model.float8`` names them);
+            ``pip install lightning-para[fp8]``. Emulated without float8 hardware. Not yet with ``tp > 1``.
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
@@ -165,6 +168,7 @@ class ParaStrategy(ParallelStrategy):
         zero_accumulation: str = "no_sync",
         zero3_units: str = "auto",
         compile: Union[bool, Mapping[str, Any]] = False,
+        fp8: Optional[str] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -189,7 +193,7 @@ class ParaStrategy(ParallelStrategy):
             pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
             zero3_units=zero3_units,
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
-            layout=layout, layout_memory_gb=layout_memory_gb, compile=compile,
+            layout=layout, layout_memory_gb=layout_memory_gb, compile=compile, fp8=fp8,
         )
         # Reliability options (issue 14), validated before any process group exists.
         check_integrity_options(integrity_check_every_n_steps, integrity_action)

@@ -53,11 +53,20 @@ from lightning_para.plan.check import PredictionCheck
 from lightning_para.plan.cluster import GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import RECOMPUTE
-from lightning_para.plan.model import PRESETS, ModelDesc, preset
+from lightning_para.plan.model import PRESETS, ModelDesc, from_hf_config, preset
 from lightning_para.plan.run import layout_arguments, local_cluster, parse_layout, strategy_overrides
 from lightning_para.plan.search import SearchSpace, search
 
 PROG = "lightning-para plan"
+
+
+def _model_name(text: str) -> str:
+    """``--model``: a preset name or a Hugging Face ``config.json`` path (argparse exits 2 otherwise)."""
+    if text in PRESETS or text.endswith(".json"):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(map(repr, sorted(PRESETS)))}, or a config.json path)"
+    )
 
 
 class PlanError(ValueError):
@@ -68,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Rank the parallel layouts of a model on a cluster.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", "-c", help="a LightningCLI config (or a shipped config's name): its model part")
-    what.add_argument("--model", choices=sorted(PRESETS), help="a published model")
+    what.add_argument("--model", type=_model_name, help=f"a published model ({', '.join(sorted(PRESETS))}) or a Hugging Face config.json path")
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpus", type=int, help="devices in total (default with --config: devices x num_nodes)")
     hw.add_argument("--gpus-per-node", type=int, help="devices per node (default: 8, or --gpus if fewer)")
@@ -266,8 +275,12 @@ def run(argv: list[str]) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = describe_module(module, name=type(module).__name__)
-    else:
+    elif args.model.endswith(".json"):
+        model = from_hf_config(args.model)
+    elif args.model in PRESETS:
         model = preset(args.model)
+    else:
+        raise PlanError(f"`--model {args.model}` is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path.")
     devices = _trainer_value(config, "devices") if config else None
     nodes = int(_trainer_value(config, "num_nodes") or 1) if config else 1
     gpus = args.gpus or (int(devices) * nodes if isinstance(devices, int) else None)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
     CP_METHODS,
+    FP8_RECIPES,
     PIPELINE_BALANCE,
     SCHEDULES,
     ZERO3_UNITS,
@@ -56,7 +57,7 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
 # from its ``options`` layout (``layout="auto"``: the user's config), so a chosen layout keeps them.
 FIXED_OPTIONS = (
     "cp_method", "cp_load_balance", "zero3_units", "sp_save_input_shard", "loss_parallel", "pipeline_split",
-    "pipeline_balance", "compile",
+    "pipeline_balance", "compile", "fp8",
 )
 
 
@@ -116,6 +117,8 @@ class Layout:
             microbatch.
         compile: ``torch.compile`` per block (ParaStrategy's ``compile``; a dict of options there is
             ``True`` here). Priced as a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`).
+        fp8: torchao float8 training (ParaStrategy's ``fp8``); priced with ``compile`` as
+            :data:`~lightning_para.plan.cost.COMPILE_FP8_SPEEDUP`, without it as eager (no memory change).
         bucket_size_mb: ZeRO-0/1/2 gradient bucket size in MiB; ``None``: Megatron-LM's rule
             (:func:`~lightning_para.plan.rank.bucket_bytes`), which the YAML then suggests. It
             changes the number of calls, not the bytes.
@@ -144,6 +147,7 @@ class Layout:
     loss_parallel: bool = True
     pipeline_balance: str = "params"
     compile: bool = False
+    fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
@@ -183,6 +187,7 @@ class Layout:
         _check_choice("zero_accumulation", self.zero_accumulation, ZERO_ACCUMULATION)
         _check_choice("zero3_units", self.zero3_units, ZERO3_UNITS)
         _check_choice("pipeline_balance", self.pipeline_balance, PIPELINE_BALANCE)
+        _check_choice("fp8", self.fp8, FP8_RECIPES)
 
     @property
     def recompute(self) -> Optional[str]:
@@ -282,4 +287,6 @@ class Layout:
             parts.append("reduce-each-step")
         if self.compile:
             parts.append("compile")
+        if self.fp8:
+            parts.append(f"fp8:{self.fp8}")
         return " ".join(parts)

@@ -357,6 +357,34 @@ PRESETS: dict[str, ModelDesc] = {
 }
 
 
+def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
+    """A :class:`ModelDesc` from a Hugging Face ``config.json`` (a path or its dict), for the
+    Llama/Mistral/Qwen2/Mixtral-style keys: ``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
+    ``head_dim``, ``tie_word_embeddings``, ``num_local_experts`` and ``num_experts_per_tok``.
+    These architectures use SwiGLU, RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults)."""
+    import json
+    import os
+
+    if not isinstance(config, dict):
+        path = os.fspath(config)
+        with open(path) as f:
+            config = json.load(f)
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in config]
+    if missing:
+        raise ValueError(f"The Hugging Face config lacks {missing}: give a decoder-only (Llama-style) config.json.")
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    return ModelDesc(
+        layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+        heads=int(config["num_attention_heads"]), kv_heads=config.get("num_key_value_heads"),
+        head_dim=config.get("head_dim"), ffn=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), num_experts=experts,
+        top_k=int(config.get("num_experts_per_tok") or 0) if experts else 0, name=name or "hf-model",
+    )
+
+
 def preset(name: str, **changes: Any) -> ModelDesc:
     """A published model by name (see :data:`PRESETS`), with some fields optionally replaced."""
     if name not in PRESETS:

@@ -356,7 +356,7 @@ def test_one_subpackage_per_dimension():
         assert (parallel / dim / "__init__.py").is_file(), f"parallel/{dim}/ is missing"
     loose = sorted(p.name for p in parallel.glob("*.py") if p.name != "__init__.py")
     # Block-level transforms that are no dimension: recomputation and compile (issue 25).
-    assert loose == ["activation_checkpoint.py", "compile.py"], f"loose modules in parallel/: {loose}"
+    assert loose == ["activation_checkpoint.py", "compile.py", "fp8.py"], f"loose modules in parallel/: {loose}"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

@@ -53,15 +53,15 @@ ROUND_TRIPS = [
          sequence_parallel=True, sp_save_input_shard=False, loss_parallel=False, activation_checkpointing="selective",
          schedule="interleaved", microbatches=4, virtual_stages=2, pipeline_split=[0, 2, 3, 5],
          pipeline_balance="time", bucket_size_mb=7.0, zero_accumulation="reduce_each_step", cp_method="ring",
-         cp_load_balance=True, compile=False),
+         cp_load_balance=True, compile=False, fp8=None),
     dict(dp=2, dp_replicate=1, dp_shard=2, tp=1, pp=1, ep=1, cp=2, cp_method="all_to_all", cp_load_balance=False,
          zero=3, zero3_units="blocks_and_ends", sequence_parallel=False, sp_save_input_shard=True, loss_parallel=True,
          activation_checkpointing="full", schedule="1f1b", microbatches=None, virtual_stages=1, pipeline_split=None,
-         pipeline_balance="params", bucket_size_mb=25.0, zero_accumulation="no_sync", compile=True),
+         pipeline_balance="params", bucket_size_mb=25.0, zero_accumulation="no_sync", compile=True, fp8="tensorwise"),
     dict(dp=4, dp_replicate=2, dp_shard=2, tp=1, pp=2, ep=1, cp=1, cp_method="ring", cp_load_balance=True,
          zero=1, zero3_units="auto", sequence_parallel=False, sp_save_input_shard=True, loss_parallel=True,
          activation_checkpointing=None, schedule="looped_bfs", microbatches=4, virtual_stages=2, pipeline_split=None,
-         pipeline_balance="params", bucket_size_mb=25.0, zero_accumulation="no_sync", compile=True),
+         pipeline_balance="params", bucket_size_mb=25.0, zero_accumulation="no_sync", compile=True, fp8="tensorwise"),
 ]
 
 

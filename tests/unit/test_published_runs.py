@@ -145,3 +145,26 @@ def test_table() -> None:
         lines.append(f"| {run.name} | {run.source} | {pub} | {pred} | {ok} |")
     print("\n".join(lines))
     assert len(lines) == len(RUNS) + 2
+
+
+def test_model_from_hugging_face_config(tmp_path, capsys) -> None:
+    """``--model config.json``: Llama 3.1 8B's published config gives the preset's shape and count."""
+    import json
+
+    from lightning_para.cli import main
+    from lightning_para.plan.model import from_hf_config
+
+    config = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False}
+    path = tmp_path / "llama-3.1-8b" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    model = from_hf_config(path)
+    assert model.total_params() == preset("llama3-8b").total_params() and model.name == "llama-3.1-8b"
+    argv = ["plan", "--model", str(path), "--gpus", "8", "--gpu", "h200", "--seq-len", "8192", "--global-batch", "64",
+            "--top", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama-3.1-8b: 8.03B params") and "141.0 GB usable each" in out
+    with pytest.raises(ValueError, match="lacks"):
+        from_hf_config({"hidden_size": 8})
