@@ -52,6 +52,10 @@ from lightning_para.recipes import GPT  # noqa: E402
 PRECISIONS = ("bf16-mixed", "bf16-true")
 CHECKPOINTING = (None, "full")
 SIDES = ("para", "lightning")
+# `--sides` may add ParaStrategy with issue 25's speed options: torch.compile per block, and compile plus
+# torchao float8 (tensorwise) linears. torchtitan's Llama 3.1 8B H100 figures are the reason to use them
+# (5,762 -> 6,667 -> 8,532 tokens/s/GPU, docs/performance.md).
+FAST_SIDES = {"para+compile": {"compile": True}, "para+compile+fp8": {"compile": True, "fp8": "tensorwise"}}
 
 
 class CheckpointedGPT(GPT):
@@ -81,9 +85,9 @@ def run_one(side: str, precision: str, checkpointing: Optional[str], args: argpa
     model_kwargs: dict[str, Any] = dict(preset=args.preset, block_size=args.seq, vocab_size=args.vocab,
                                         tie_weights=not args.untied, sample_tokens=0, warmup_steps=2)
     L.seed_everything(0, verbose=False)
-    if side == "para":
+    if side.startswith("para"):
         model = GPT(**model_kwargs)
-        strategy: Any = ParaStrategy(activation_checkpointing=checkpointing)
+        strategy: Any = ParaStrategy(activation_checkpointing=checkpointing, **FAST_SIDES.get(side, {}))
     else:
         model = (CheckpointedGPT if checkpointing else GPT)(**model_kwargs)
         strategy = "auto"
@@ -110,6 +114,8 @@ def main(argv: Optional[list[str]] = None) -> Path:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--configs", nargs="+", default=None,
                         help="subset, e.g. bf16-mixed:none bf16-true:full (default: all four)")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=[*SIDES, *FAST_SIDES],
+                        help="what to run: para, lightning (the baseline of the ratio column), para+compile, para+compile+fp8")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
@@ -125,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     load_before = load_average()
     results: dict[tuple[str, str, Optional[str]], Measurement] = {}
-    runs = [(side, p, c) for p, c in configs for side in SIDES]
+    runs = [(side, p, c) for p, c in configs for side in args.sides]
     for r in range(args.rounds):
         shift = r % len(runs)
         for side, precision, checkpointing in runs[shift:] + runs[:shift]:
@@ -155,14 +161,16 @@ def render(results, configs, args, device: torch.device, device_name: str, load_
                        threads=f"device {device}"),
         f"Model: preset `{args.preset}`, vocab {args.vocab}, {params / 1e6:.1f}M parameters, sequence {args.seq},"
         f" batch {args.batch} ({tokens_per_step} tokens/step), {flops_per_token / 1e9:.2f} GFLOP/token (6N + 12LdT)."
-        f" {args.rounds} alternating rounds of {args.steps} steps ({args.warmup} warm-up).", "",
-        "| precision | activation ckpt | side | tokens/s | MFU | peak memory GiB | step time / Lightning (paired) |",
+        f" {args.rounds} alternating rounds of {args.steps} steps ({args.warmup} warm-up). Baseline of the ratio:"
+        f" {'lightning' if 'lightning' in args.sides else args.sides[0]}.", "",
+        "| precision | activation ckpt | side | tokens/s | MFU | peak memory GiB | step time / baseline (paired) |",
         "|---|---|---|---|---|---|---|",
     ]
     peak_flops = detect_peak_flops(device, torch.bfloat16)
     for precision, checkpointing in configs:
-        base = results[("lightning", precision, checkpointing)].step_s
-        for side in SIDES:
+        baseline = "lightning" if "lightning" in args.sides else args.sides[0]
+        base = results[(baseline, precision, checkpointing)].step_s
+        for side in args.sides:
             m = results[(side, precision, checkpointing)]
             step = statistics.median(m.step_s)
             tokens_per_s = tokens_per_step / step
