@@ -31,10 +31,18 @@ def _pp_tokens(model):
     return model(token_dataset(n=8).tensors[0])
 
 
+def _tiny_attention(model):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 16, generator=g)
+    model(x, torch.arange(16).expand(2, 16))
+    return None  # no vocabulary
+
+
 def _models() -> list:
     from tests import cp_models, hf_models, tp_models
-    from tests.distributed import pp_models
+    from tests.distributed import pp_models, test_context_parallel_core as cp_core
     from tests.distributed import test_context_parallel_training as cp_training
+    from tests.distributed import test_data_parallel as dp
     from tests.distributed import test_expert_parallel as ep
     from tests.distributed import test_hybrid_sharding as hsdp
 
@@ -54,6 +62,9 @@ def _models() -> list:
         ("test_context_parallel_training.gpt", cp_training.gpt, _call),
         ("test_context_parallel_training.gpt2_style", cp_training.gpt2_style, _call),
         ("test_context_parallel_training.HFLlama", cp_training.HFLlama, _hf),
+        ("test_context_parallel_core.TinyAttention", cp_core.TinyAttention, _tiny_attention),
+        ("test_data_parallel._tiny_gpt", dp._tiny_gpt, _call),
+        ("test_data_parallel._tiny_gpt(tie)", functools.partial(dp._tiny_gpt, tie=True), _call),
         ("test_hybrid_sharding.gpt_constant_lr", hsdp.gpt_constant_lr, _call),
     ]
 
@@ -62,8 +73,6 @@ def _models() -> list:
 # no position, mask, head order or label pairing for its weights to hide; the bugs its tests look for
 # (a missing reduction, a wrong shard of a gradient or optimizer state) change its loss at any init.
 EXEMPT = ["tests.models.RegressionNet", "tests.models.SGDRegressionNet"]
-# Not yet sharp (issue 24, left for a follow-up: their suites were not re-run in time):
-# test_context_parallel_core.TinyAttention / llama_parity_job, test_data_parallel._tiny_gpt.
 
 _IDS = [name for name, _, _ in _models()]
 
