@@ -321,7 +321,16 @@ class StepBoundary(Callback):
         self.guard, self.save = guard, save
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.guard.at_step_boundary(trainer.global_step, self.save)
+        # An accumulation micro-step (automatic optimization, no optimizer step yet) issues no collective: the
+        # loss it noted is checked by the optimizer step's own all-reduce (ZeRO: no communication on the
+        # first A-1 micro-steps).
+        accumulating = (
+            pl_module.automatic_optimization
+            and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
+            and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        )
+        if not accumulating:
+            self.guard.at_step_boundary(trainer.global_step, self.save)
 
 
 def save_hpc_checkpoint(trainer: Any) -> str:

@@ -200,7 +200,12 @@ def test_communication_per_step(pools, zero):
         expected -= sum(p.numel() * 4 for m in (net.head, net.body[3]) for p in m.parameters())
     for result in (once, accumulated):
         assert result["per_step"] == pytest.approx(expected, rel=0.03), (result, expected)
-    assert accumulated["per_step"] == pytest.approx(once["per_step"], rel=1e-3)
+    # Lightning >= 2.6.6 broadcasts a one-element SIGTERM flag before every training batch
+    # (`_TrainingEpochLoop._broadcast_sigterm_tensor`), micro-steps included: not ours, and not gradient traffic.
+    def without_lightning_flag(result: dict) -> float:
+        return result["per_step"] - result["kinds"].get("broadcast", 0.0)
+
+    assert without_lightning_flag(accumulated) == pytest.approx(without_lightning_flag(once), rel=1e-3)
     kinds = set(once["kinds"]) - {"all_reduce"} if zero else set(once["kinds"])
     if zero in (1, 2, 3):
         assert {"reduce_scatter", "all_gather"} <= kinds
