@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_para.recipes.gpt import GPT
 from lightning_para.recipes.moe import MoEGPT
 from tests.hf_models import hf_tokens, llama
-from tests.parity import assert_losses_close, fit_job, fit_reference, mean_over_dp
+from tests.parity import assert_losses_close, fit_reference, mean_over_dp
 from tests.tp_models import token_dataset
 
 GLOBAL_BATCH = 8
