@@ -35,7 +35,7 @@ import time
 import types
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_para._dtensor import local_tensor
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
+from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import estimate
@@ -113,26 +113,11 @@ def _storage_key(t: Tensor) -> int:
     return t.untyped_storage()._cdata  # private: the only identity a meta storage has
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-
-    def add(self, t: Optional[Tensor]) -> int:
-        if t is None:
-            return 0
-        t = local_tensor(t)
-        if t.numel() == 0:
-            return 0
-        key = _storage_key(t)
-        if key in self.seen:
-            return 0
-        self.seen.add(key)
-        return t.untyped_storage().nbytes()
 
 
 def measure_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     """``(params, grads, optimizer)`` bytes of distinct storages this rank holds (masters count as optimizer)."""
-    counter = _Counter()
+    counter = StorageCounter(key=_storage_key)
     params = [p for p in module.parameters()]
     param_bytes = sum(counter.add(p.data) for p in params)
     grads = sum(counter.add(p.grad) for p in params)

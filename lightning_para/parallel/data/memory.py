@@ -58,13 +58,17 @@ def optimizer_states_per_element(optimizer: torch.optim.Optimizer) -> Optional[i
     return _STATES_PER_ELEMENT.get(name)
 
 
-class _StorageCounter:
+class StorageCounter:
     """Bytes of each distinct storage, once: a ZeRO master that views its parameter's rows adds
     nothing, and FSDP2's sharded gradients (views into one reduce-scatter buffer) count that
-    whole buffer, padding included -- what the rank really holds."""
+    whole buffer, padding included -- what the rank really holds.
 
-    def __init__(self) -> None:
+    ``key`` tells storages apart (default: the data pointer; the dry run's meta storages all have
+    pointer 0 and pass their own)."""
+
+    def __init__(self, key: Optional[Callable[[Tensor], int]] = None) -> None:
         self._seen: set[int] = set()
+        self._key = key or (lambda t: t.untyped_storage().data_ptr())
 
     def add(self, t: Optional[Tensor]) -> int:
         if t is None:
@@ -72,11 +76,11 @@ class _StorageCounter:
         t = local_tensor(t)
         if t.numel() == 0:
             return 0
-        storage = t.untyped_storage()
-        if storage.data_ptr() in self._seen:
+        key = self._key(t)
+        if key in self._seen:
             return 0
-        self._seen.add(storage.data_ptr())
-        return storage.nbytes()
+        self._seen.add(key)
+        return t.untyped_storage().nbytes()
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ def measure(
     def keep(t: Tensor) -> bool:
         return only is None or only(t)
 
-    counter = _StorageCounter()
+    counter = StorageCounter()
     model_params = [p for p in module.parameters() if keep(p)]
     params = sum(counter.add(p.data) for p in model_params)
     grads = sum(counter.add(p.grad) for p in model_params)
