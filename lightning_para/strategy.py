@@ -409,6 +409,9 @@ class ParaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._attach_optimizers()
+            # Wrap again: a LightningOptimizer's class is made from its optimizer's class, which ZeRO-1/2 just
+            # subclassed (`zero_grad` also drops the gradients shown in `p.grad`).
+            self.optimizers = self._raw_optimizers()
         self.setup_precision_plugin()
         pipeline = self._parallel.pipeline
         self._guard.connect(self.root_device, pipeline_rank_info(self.parallel_dims.mesh))

@@ -402,6 +402,32 @@ class ZeroDataParallel:
         # backward), so a flush there would synchronise stale gradients. Whoever reads the
         # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
+        self._hook_zero_grad(optimizer)
+
+    def _hook_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.zero_grad()`` also drop the gradients shown in the model's ``p.grad``.
+
+        The optimizer's parameters are the masters, so its own ``zero_grad`` never reaches the
+        model's ``.grad``; DDP's ``.grad`` is gone after ``zero_grad(set_to_none=True)`` (manual
+        optimization checks this). ``torch.optim`` has no ``zero_grad`` hook, and Lightning's
+        ``LightningOptimizer`` finds ``zero_grad`` on its class (one made from the optimizer's
+        class), not on the instance, so the optimizer gets a subclass of its own class that adds
+        the drop (``isinstance`` checks still hold). The strategy builds its LightningOptimizers
+        after this. With ``set_to_none=False`` the masters' gradients are zeroed in place and the
+        shown views read zeros, as DDP's do.
+        """
+        slots = [slot for index in self._buckets_of_optimizer[optimizer] for slot in self.buckets[index].slots]
+        users_class = type(optimizer)
+
+        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            users_class.zero_grad(opt, set_to_none)
+            if set_to_none:
+                for slot in slots:
+                    slot.clear_exposed_grad()
+
+        optimizer.__class__ = type(users_class.__name__, (users_class,),
+                                   {"zero_grad": zero_grad, "__module__": users_class.__module__,
+                                    "__doc__": users_class.__doc__})
 
     def after_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Write the stepped masters back into the model (all-gather for ZeRO-1/2)."""
