@@ -94,7 +94,8 @@ def accumulated_reference(dataset_factory, micro_batches: int) -> list[float]:
         trainer_overrides={"accumulate_grad_batches": micro_batches},
     )["losses"]
     assert len(losses) == STEPS * micro_batches  # max_steps counts optimizer steps
-    return [sum(losses[i:i + micro_batches]) / micro_batches for i in range(0, len(losses), micro_batches)]
+    # Lightning reports each micro-batch's loss divided by accumulate_grad_batches: their sum is the step's mean.
+    return [sum(losses[i:i + micro_batches]) for i in range(0, len(losses), micro_batches)]
 
 
 def _fp8_job(kwargs: dict) -> dict:
@@ -112,6 +113,9 @@ def _fp8_job(kwargs: dict) -> dict:
     linears = [m for m in models[0].modules() if isinstance(m, Float8Linear)]
     result["float8_linears"] = len(linears)
     result["float8_dtensor_linears"] = sum(isinstance(m.weight, DTensor) for m in linears)
+    result["float8_gathered_linears"] = sum(  # FSDP2 all-gathers these in float8 (torchao's weight wrapper)
+        type(getattr(m.weight, "_local_tensor", m.weight)).__name__ == "WeightWithDynamicFloat8CastTensor" for m in linears
+    )
     return result
 
 
@@ -129,6 +133,7 @@ def test_fp8_tp2_sp_matches_torchao_one_device(pools):
 def test_fp8_dp2_zero3_matches_torchao_accumulating_the_rank_batches(pools):
     """dp2 ZeRO-3 (float8 all-gather): the reference accumulates the two ranks' micro-batches (docstring above)."""
     results = pools.get(2).run(_fp8_job, {"dp": 2, "zero": 3})
+    assert results[0]["float8_gathered_linears"] == results[0]["float8_linears"] == 14
     assert_losses_close(mean_over_dp([r["losses"] for r in results], [[0, 1]]), accumulated_reference(dp2_micro_batches, 2))
 
 
@@ -171,7 +176,12 @@ def _gather_bytes_job(fp8) -> dict:
     converted = [n for n in (float8.converted if float8 else []) if n.startswith("blocks.0.")]
     block_f8 = sum(module.get_submodule(n).weight.numel() for n in converted)
     block_all = sum(p.numel() for p in block.parameters())
-    return {"gathers": gathers, "block_float8_numel": block_f8, "block_numel": block_all,
+    # After each optimizer step every float8 weight's scale is precomputed (one all-reduce for all of them).
+    precomputed = sum(
+        getattr(getattr(module.get_submodule(n).weight, "_local_tensor", None), "_precomputed_scale", None) is not None
+        for n in (float8.converted if float8 else [])
+    )
+    return {"gathers": gathers, "block_float8_numel": block_f8, "block_numel": block_all, "precomputed": precomputed,
             "all_gather_float8": bool(float8 and float8.fsdp_float8_all_gather)}
 
 
@@ -181,6 +191,7 @@ def test_fp8_zero3_all_gathers_the_weights_in_half_the_bf16_bytes(pools):
     fp8 = pools.get(2).run(_gather_bytes_job, "tensorwise")[0]
     bf16 = pools.get(2).run(_gather_bytes_job, None)[0]
     assert fp8["all_gather_float8"] and fp8["block_float8_numel"] > 0
+    assert fp8["precomputed"] == 14  # every float8 weight's scale came from the one all-reduce after the step
     assert len(fp8["gathers"]) == len(bf16["gathers"]) > 0, (fp8["gathers"], bf16["gathers"])
     numel, f8 = bf16["block_numel"], fp8["block_float8_numel"]
     rest = 2 * (numel - f8)  # the block's other parameters (norms) stay bf16 in both runs
