@@ -58,7 +58,12 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.compile import CompileInfo, apply_compile, compile_options
-from lightning_para.parallel.fp8 import Float8Info, apply_float8
+from lightning_para.parallel.fp8 import (
+    Float8Info,
+    apply_float8,
+    float8_collectives_supported,
+    float8_tensor_parallel_styles,
+)
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
 from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
@@ -149,7 +154,9 @@ def parallelize(
         return _keep_user_fully_sharded(module, dims, config, user, param_dtype)
     float8 = None
     if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
-        float8 = apply_float8(module, recipe=config.fp8)
+        # ZeRO-3: FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16).
+        fsdp_float8 = config.zero == 3 and dims.zero_shards > 1
+        float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8)
         if float8.skipped:
             log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
     cast = _PrecisionCast.choose(param_dtype, master_dtype, config.zero)
@@ -194,11 +201,14 @@ def parallelize(
         # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
         # combined (the recomputed forward would install the hooks a second time).
         keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None
+        float8_styles = float8_tensor_parallel_styles(
+            config.fp8, float8_collectives=float8_collectives_supported(dims.get_mesh("tp").get_group())
+        )
         result.tensor = [
             apply_tensor_parallel(
                 part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
                 loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
-                pipeline_stage=pipeline is not None, hook_grads=False,
+                pipeline_stage=pipeline is not None, float8=float8_styles, hook_grads=False,
             )
             for part in parts
         ]

@@ -83,6 +83,7 @@ def apply_tensor_parallel(
     keep_sequence_shard: bool = True,
     unplanned: str = "error",
     pipeline_stage: bool = False,
+    float8: Optional[Any] = None,
     hook_grads: bool = True,
 ) -> TensorParallelInfo:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following its plan (see module docstring).
@@ -96,6 +97,9 @@ def apply_tensor_parallel(
     (``ParaStrategy(tp_unplanned=...)``) instead of raising.
     ``pipeline_stage``: ``module`` is a pipeline stage; under SP the stream enters and leaves it
     as this rank's plain sequence slice (:func:`~.styles.shard_stage_boundary`).
+    ``float8``: torchao's float8 tensor-parallel styles (``parallel/fp8.py``'s ``Float8ParallelStyles``,
+    ``fp8="tensorwise"``): the converted linears get them, sublayers cast their input to float8 before
+    the sequence all-gather; everything else keeps its style.
     """
     tp = tp_mesh.size()
     sp, lp = bool(sequence_parallel), bool(loss_parallel)
@@ -107,9 +111,11 @@ def apply_tensor_parallel(
     tied = tied_parameter_groups(module)
     for fqn, style in resolved.items():
         if isinstance(style, str):
+            target = module.get_submodule(fqn)
+            is_float8 = float8 is not None and (float8.applies_to(target) or style in ("attention", "mlp"))
             style = make_style(
                 style, sequence_parallel=sp, loss_parallel=lp, head_attributes=heads.get(fqn),
-                keep_shard=sp and keep_sequence_shard,
+                keep_shard=sp and keep_sequence_shard, float8=float8 if is_float8 else None,
             )
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
 
