@@ -84,6 +84,7 @@ def apply_tensor_parallel(
     unplanned: str = "error",
     pipeline_stage: bool = False,
     float8: Optional[Any] = None,
+    hook_grads: bool = True,
 ) -> TensorParallelInfo:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following its plan (see module docstring).
 
@@ -119,7 +120,8 @@ def apply_tensor_parallel(
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
 
     _retie(module, tied)
-    hook_grad_layouts(module)
+    if hook_grads:
+        hook_grad_layouts(module)
     if sp and pipeline_stage:
         shard_stage_boundary(module, tp_mesh)
     return TensorParallelInfo(resolved, source, tp, sp, lp, heads)
@@ -127,7 +129,10 @@ def apply_tensor_parallel(
 
 def hook_grad_layouts(module: nn.Module) -> None:
     """Give each DTensor parameter's gradient its parameter's layout right after accumulation
-    (also for tensor parallelism the user applied in ``configure_model``)."""
+    (also for tensor parallelism the user applied in ``configure_model``).
+
+    Register after any dtype cast of the parameters (``module.to(torch.bfloat16)`` swaps a DTensor
+    parameter's tensor and drops its hooks: a ``Partial`` gradient would then reach ZeRO unreduced)."""
     for p in module.parameters():
         if isinstance(p, DTensor):
             p.register_post_accumulate_grad_hook(_grad_to_param_layout)
