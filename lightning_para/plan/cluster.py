@@ -27,6 +27,10 @@ OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
 
 
+# Whose saved tensors the activation model counts (see `Training.activation_profile`).
+ACTIVATION_PROFILES = ("torch", "megatron")
+
+
 @dataclass(frozen=True)
 class PrecisionBytes:
     """Bytes per element of each tensor kind under one precision."""
@@ -163,6 +167,12 @@ class Training:
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.
+        activation_profile: whose code's saved tensors the activations count (issue 23, measured
+            by ``lightning-para dryrun``): ``"torch"`` (default) -- ParaStrategy's, as torchtitan's:
+            DTensor sequence parallelism keeps the q/k/v, MLP and output projections' inputs
+            all-gathered, an unfused SwiGLU keeps 4 ``f``-wide tensors, a ``*-true`` run's
+            cross-entropy keeps 16-bit log-probabilities; ``"megatron"`` -- Megatron-LM's
+            (Korthikanti et al. 2022): sharded inputs, fused SwiGLU (3), fp32 cross-entropy.
 
     Each data-parallel rank runs ``global_batch / (dp * micro_batch)`` microbatches per step
     (:meth:`microbatches_per_step`): the pipeline's microbatches times gradient accumulation.
@@ -175,6 +185,7 @@ class Training:
     optimizer: str = "adam"
     flash_attention: bool = True
     accumulation: int = 1
+    activation_profile: str = "torch"
     batch_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -193,6 +204,10 @@ class Training:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {_choices(PRECISIONS)}.")
+        if self.activation_profile not in ACTIVATION_PROFILES:
+            raise ValueError(
+                f"`activation_profile={self.activation_profile!r}` is unknown. Choose one of {_choices(ACTIVATION_PROFILES)}."
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {_choices(OPTIMIZERS)}.")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:  # type: ignore[operator]

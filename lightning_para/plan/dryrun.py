@@ -36,11 +36,12 @@ import time
 import types
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,13 +132,88 @@ def measure_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     return param_bytes, grads, opt
 
 
-class _FusedAttention(TorchFunctionMode):
-    """SDPA on meta tensors as the fused kernel a real device runs.
+class _MetaFlashAttention(torch.autograd.Function):
+    """Causal attention with the saved-tensor profile of a GPU flash kernel on grouped-query heads:
+    ``q``, the *unrepeated* ``k``/``v``, the output and the fp32 log-sum-exp (flash attention with
+    ``enable_gqa`` reads k/v heads in place). Shapes only: the forward and backward run the CPU flash
+    kernel's meta implementation on k/v repeated to the query heads, and do not keep the repeat."""
 
-    On the meta device ``scaled_dot_product_attention`` takes its math fallback, which keeps the
-    ``heads x s x s`` scores for backward; CPU and GPU run a fused (flash) kernel that keeps only the
-    output and the log-sum-exp. This mode calls the CPU flash kernel's meta implementation instead.
-    Grouped-query k/v are repeated to the query heads first (that kernel needs equal head counts).
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, is_causal, scale):  # noqa: ANN001, ANN205
+        group = q.shape[1] // k.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), dropout_p, is_causal, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        group, dropout_p, is_causal, scale = ctx.args
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), out, lse,
+            dropout_p, is_causal, scale=scale,
+        )
+        b, kv_heads = k.shape[0], k.shape[1]
+        dk = dk.view(b, kv_heads, group, *dk.shape[2:]).sum(2)
+        dv = dv.view(b, kv_heads, group, *dv.shape[2:]).sum(2)
+        return dq, dk, dv, None, None, None
+
+
+class _MetaFusedRMSNorm(torch.autograd.Function):
+    """RMSNorm that keeps what CUDA's ``aten._fused_rms_norm`` keeps: the 16-bit input and the fp32
+    ``rstd`` (on meta/CPU that op decomposes and keeps two fp32 copies of the input instead)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+        upcast = x.float()
+        rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+        out = upcast * rstd
+        if weight is not None:
+            out = out * weight.float()
+        ctx.save_for_backward(x, rstd, weight)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        g = grad.float() * (weight.float() if weight is not None else 1.0)
+        dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        dw = (grad.float() * normed).flatten(0, -2).sum(0).to(weight.dtype) if weight is not None else None
+        return dx.to(x.dtype), dw, None
+
+
+def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
+    eps = torch.finfo(torch.float32).eps if eps is None else eps
+    if not isinstance(x, DTensor):
+        weight = weight.to_local() if isinstance(weight, DTensor) else weight
+        return _MetaFusedRMSNorm.apply(x, weight, eps)
+    # Sequence-sharded norm: run on the local rows; the weight's gradient is a partial sum over them.
+    local_weight = None
+    if weight is not None:
+        local_weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim) \
+            if isinstance(weight, DTensor) else weight
+    out = _MetaFusedRMSNorm.apply(x.to_local(), local_weight, eps)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+class _FusedAttention(TorchFunctionMode):
+    """The fused GPU kernels' saved tensors for attention and RMSNorm, on meta tensors.
+
+    Issue 23 (dry run vs planner, activations ~3x): on the meta (and CPU) device two ops take
+    composite paths that keep more for backward than the CUDA kernels a real run uses:
+
+    * ``scaled_dot_product_attention`` takes its math fallback, which keeps the ``heads x s x s``
+      scores; this mode calls the flash kernel's meta implementation instead, through
+      :class:`_MetaFlashAttention` so grouped-query k/v are kept unrepeated, as CUDA's flash
+      attention (``enable_gqa``) does.
+    * ``rms_norm`` is decomposed: it keeps the fp32 upcast input and the fp32 normalized tensor,
+      ``8 sbh`` bytes per norm; on CUDA it runs ``aten._fused_rms_norm``, which keeps the 16-bit
+      input and the fp32 ``rstd`` (``2 sbh + 4 sb``). That op decomposes on meta too, so this mode
+      runs :class:`_MetaFusedRMSNorm`, which keeps what the CUDA kernel keeps.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -146,13 +222,21 @@ class _FusedAttention(TorchFunctionMode):
             q, k, v = args[:3]
             plain = all(type(t) is Tensor or type(t) is nn.Parameter for t in (q, k, v))
             if plain and q.is_meta and kwargs.get("attn_mask") is None and len(args) == 3:
-                if k.shape[1] != q.shape[1]:
-                    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale")
-                )[0]
+                return _MetaFlashAttention.apply(
+                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
+                )
+        if func is F.rms_norm and args[0].is_meta:
+            x, shape = args[0], args[1]
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            eps = args[3] if len(args) > 3 else kwargs.get("eps")
+            if len(shape) == 1:
+                return _rms_norm(x, weight, eps)
         return func(*args, **kwargs)
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the tensor that holds its memory); any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -162,9 +246,22 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, int] = {}
         self.peak = 0
+        self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
 
     def _release(self, key: int) -> None:
         self.live.pop(key, None)
+
+    def track(self, t: Tensor) -> None:
+        """Count ``t``'s storage (its local shard's) if it is not yet counted and not excluded."""
+        t = _local(t)
+        if t.is_sparse:
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata  # private: see _storage_key
+        if key not in self.live and key not in self.exclude:
+            self.live[key] = storage.nbytes()
+            weakref.finalize(storage, self._release, key)
+            self.peak = max(self.peak, self.current)
 
     @property
     def current(self) -> int:
@@ -173,9 +270,13 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         # Views and in-place results share an input's storage: only new storages are allocations.
-        inputs = {_storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        # A DTensor is a wrapper whose storage has the *global* size; the memory is its local shard's
+        # (issue 23: counting the wrappers made sequence-parallel activations and the vocab-parallel
+        # log-softmax look t times larger).
+        inputs = {_storage_key(_local(t)) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, Tensor) and not t.is_sparse:
+                t = _local(t)
                 storage = t.untyped_storage()
                 key = storage._cdata  # private: see _storage_key
                 if key not in self.live and key not in inputs:
@@ -326,6 +427,8 @@ def dry_run_rank(
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1
     in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches)
     live, comm = _LiveBytes(), _CommCounter(dims)
+    live.exclude = {_storage_key(_local(p)) for p in module.parameters()}
+    live.exclude |= {_storage_key(_local(q)) for g in optimizer.param_groups for q in g["params"]}
     before = sum(measure_states(module, optimizer))  # weights and fp32 masters, made before the step
     t = time.perf_counter()
     activations = 0.0
@@ -372,7 +475,14 @@ def _train_step(
     data_parallel = parallel.data_parallel
     sync = data_parallel.no_sync() if data_parallel is not None else contextlib.nullcontext()
     outputs = []
-    with sync:
+    # Tensors autograd saves are the activations; some are made where the dispatch mode does not see
+    # them (DTensor redistributes its inputs inside its own dispatch: under sequence parallelism the
+    # all-gathered inputs of the q/k/v and MLP projections). Count every saved local storage too.
+    def pack(t: Tensor) -> Tensor:
+        live.track(t)
+        return t
+
+    with sync, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for _ in range(in_flight):
             if first:
                 x: Tensor = tokens

@@ -52,8 +52,19 @@ def layer_activation_bytes(
     flash_attention: bool = False,
     activation_bytes: int = 2,
     moe_layer: bool = False,
+    sp_saves_gathered_inputs: bool = False,
+    swiglu_tensors: int = 4,
 ) -> float:
     """Activation bytes one layer keeps for backward, for one microbatch, on one rank.
+
+    ``sp_saves_gathered_inputs``: under sequence parallelism the q/k/v and MLP projections keep their
+    all-gathered input whole (plain DTensor sequence parallelism: ParaStrategy with
+    ``sp_save_input_shard=False`` or with selective recomputation), not the sequence shard
+    (Megatron-LM and ParaStrategy's default, ``False``: Korthikanti's Eq. 4 exactly).
+    ``swiglu_tensors``: ``f``-wide tensors a SwiGLU MLP keeps without recomputation: 4 for the
+    plain ``c_proj(silu(gate(x)) * fc(x))`` (the recipes', torchtitan's), 3 for Megatron's fused
+    SwiGLU (it keeps the gate/up output and the product). Under ``"selective"`` it keeps 3 (the
+    matmul outputs gate, fc and the product's recomputation inputs; silu is recomputed).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (``e`` bytes per element, 2 in the paper):
 
@@ -79,7 +90,13 @@ def layer_activation_bytes(
     if recompute == "full":
         return e * s * b * h / sp_divisor
     dropout_masks = 2 * s * b * h if model.dropout else 0
-    replicated = 4 * e * s * b * h + dropout_masks
+    # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
+    # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
+    # saves them after the all-gather, whole (issue 23: measured by the dry run's saved tensors).
+    replicated = 2 * e * s * b * h + dropout_masks
+    gathered = 2 * e * s * b * h
+    if not (sequence_parallel and sp_saves_gathered_inputs):
+        replicated, gathered = replicated + gathered, 0.0
     attention = e * s * b * (2 * model.q_dim + 2 * model.kv_dim)
     if flash_attention:
         scores = 4.0 * model.heads * s * b
@@ -88,7 +105,10 @@ def layer_activation_bytes(
     else:
         per_score = e + (1 + e if model.dropout else 0)
         scores = per_score * model.heads * s * seq_len * b
-    hidden_tensors = 3 if model.gated_mlp else 2
+    # SwiGLU ``c_proj(silu(gate(x)) * fc(x))`` keeps four ``f``-wide tensors: the gate's output (for
+    # silu), silu's output and fc's output (for the product), the product (for c_proj); GELU two
+    # (issue 23: the dry run's saved tensors of the recipe block).
+    hidden_tensors = (swiglu_tensors if recompute is None else 3) if model.gated_mlp else 2
     if moe_layer:
         moe_ffn = model.moe_ffn or model.ffn
         copies = s * b * model.top_k * (model.capacity_factor or 1.0)
@@ -100,7 +120,7 @@ def layer_activation_bytes(
         experts = 0.0
         mlp_sharded = e * s * b * hidden_tensors * model.ffn
     tp_sharded = attention + mlp_sharded + scores
-    return replicated / sp_divisor + tp_sharded / tp + experts
+    return replicated / sp_divisor + gathered + tp_sharded / tp + experts
 
 
 def embedding_activation_bytes(
@@ -121,12 +141,18 @@ def head_activation_bytes(
     sequence_parallel: bool = False,
     cp: int = 1,
     activation_bytes: int = 2,
+    logit_bytes: int = 4,
+    sp_saves_gathered_inputs: bool = False,
 ) -> float:
-    """Final norm and output projection inputs, ``2 e sbh`` (``/t`` with SP), and the fp32
-    logits the cross-entropy keeps, ``4 sbV / t`` (Korthikanti et al. 2022, Sec. 4.3)."""
-    s, b = seq_len / cp, micro_batch
-    inputs = 2 * activation_bytes * s * b * model.hidden / (tp if sequence_parallel else 1)
-    return inputs + 4.0 * s * b * model.vocab / tp
+    """Final norm and output projection inputs, ``2 e sbh`` (``/t`` with SP), and the
+    log-probabilities the cross-entropy keeps, ``logit_bytes sbV / t`` (Korthikanti et al. 2022,
+    Sec. 4.3: fp32, 4 bytes; a ``*-true`` run without autocast keeps them in the activation dtype).
+    ``sp_saves_gathered_inputs``: the output projection keeps its all-gathered input (torch's SP)."""
+    s, b, e = seq_len / cp, micro_batch, activation_bytes
+    sp = tp if sequence_parallel else 1
+    norm_input = e * s * b * model.hidden / sp
+    projection_input = e * s * b * model.hidden / (1 if sequence_parallel and sp_saves_gathered_inputs else sp)
+    return norm_input + projection_input + logit_bytes * s * b * model.vocab / tp
 
 
 def zero_state_bytes(

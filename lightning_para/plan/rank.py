@@ -178,24 +178,33 @@ def _memory(
         buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
     kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
     s, b, e = training.seq_len, training.micro_batch, precision.activation
+    torch_code = training.activation_profile == "torch"
+    # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
+    # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
+    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing == "selective")
+    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3}
     per_layer = [
         layer_activation_bytes(
             model, s, b, recompute=layout.activation_checkpointing, flash_attention=training.flash_attention,
-            activation_bytes=e, moe_layer=model.is_moe_layer(i), **kwargs,
+            activation_bytes=e, moe_layer=model.is_moe_layer(i), **layer_kwargs,
         ) for i in part.layers
     ]
     held = sum(per_layer)
     if part.embedding:
         held += embedding_activation_bytes(model, s, b, **kwargs)
     if part.last_stage:
-        held += head_activation_bytes(model, s, b, activation_bytes=e, **kwargs)
+        # Autocast runs the cross-entropy in fp32; without it (``*-true``) torch's keeps the dtype of the logits.
+        logit_bytes = e if torch_code and not precision.autocast else 4
+        held += head_activation_bytes(
+            model, s, b, activation_bytes=e, logit_bytes=logit_bytes, sp_saves_gathered_inputs=torch_code, **kwargs
+        )
     activations = part.in_flight * held
     if layout.activation_checkpointing == "full" and part.layers:
         # Backward recomputes one layer at a time: its full activations are live once more.
         activations += max(
             layer_activation_bytes(
                 model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
-                moe_layer=model.is_moe_layer(i), **kwargs,
+                moe_layer=model.is_moe_layer(i), **layer_kwargs,
             ) for i in part.layers
         )
     return MemoryBreakdown(states[0], states[1], states[2], activations, buffers)

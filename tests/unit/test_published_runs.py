@@ -46,7 +46,11 @@ def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: s
     # Batch: 16M tokens per step, one sequence per microbatch.
     layout = Layout(tp=8, pp=16, cp=cp, dp=dp, zero=1, sequence_parallel=True, schedule="interleaved",
                     virtual_stages=8)
-    training = Training(seq_len=seq, global_batch=16 * 2**20 // seq, micro_batch=1, precision="bf16-true")
+    # Meta's stack is not torch's: its activations are priced with Megatron-LM's saved tensors
+    # (Korthikanti et al. 2022: sequence-sharded projection inputs, fused SwiGLU, fp32 cross-entropy),
+    # not ParaStrategy's (issue 23: `Training.activation_profile`).
+    training = Training(seq_len=seq, global_batch=16 * 2**20 // seq, micro_batch=1, precision="bf16-true",
+                        activation_profile="megatron")
     return Run(name, LLAMA3, "llama3-405b", "h100", gpus, layout, training, published_mfu=mfu, gap=gap)
 
 
