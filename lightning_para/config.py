@@ -165,10 +165,10 @@ class ParallelConfig:
         compile_options(self.compile)  # ValueError naming `compile`
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"`fp8={self.fp8!r}` is unknown. Choose one of {_choices(FP8_RECIPES)}.")
-        if self.fp8 is not None and self.tp != 1:
+        if self.fp8 == "rowwise" and self.tp != 1:
             raise ValueError(
-                f"`fp8={self.fp8!r}` with `tp={self.tp}` is not supported yet: torchao's float8 tensor-parallel styles"
-                " are not wired in. Use fp8 with dp/ZeRO/pp/cp/ep (tp=1), or fp8=None with tp."
+                f"`fp8='rowwise'` with `tp={self.tp}` is not supported: torchao's float8 tensor-parallel styles assume"
+                " tensorwise scales. Use fp8='tensorwise' with tp, or fp8='rowwise' with tp=1."
             )
         if self.pp > 1:
             self._validate_pipeline()

@@ -23,9 +23,13 @@ Order, and why:
    Gradients are averaged over ``dp x cp`` (the cp ranks hold different tokens of the same
    samples): ZeRO shards over ``dp_shard x cp`` and, under hybrid sharding, all-reduces the
    shards over ``dp_replicate``; FSDP2 gets the 2-D HSDP mesh then.
-7. **Precision cast** to bf16 (``bf16-true``) after ZeRO-0/1/2 took their fp32 master
-   copies, so masters start from the exact fp32 initialisation (FSDP2 keeps fp32 shards and
-   gathers in bf16 itself, so ZeRO-3 is not cast).
+7. **Precision cast** to bf16 (``bf16-true``) before any gradient hook is registered: a cast
+   swaps DTensor parameters' tensors and drops their hooks. Without fp32 masters
+   (``master_weights=False``) the model is cast before step 1, so every dimension shards bf16
+   parameters; ZeRO-3 with masters casts weights made in bf16 up to fp32 there (FSDP2's fp32
+   shards are the masters; it gathers in bf16 itself). ZeRO-0/1/2 with masters cast inside step 6,
+   after taking their fp32 master copies (from the exact fp32 initialisation) and before
+   tensor parallelism's and ZeRO's gradient hooks are registered (:class:`_PrecisionCast`).
 
 Before step 1, ``fp8`` converts the chosen linears to torchao float8 training (``parallel/fp8.py``), so
 the tensor-parallel plan and the pipeline split see the new modules. Also before step 1, :func:`~lightning_para.compat.detect_user_parallelism` looks at what the user's
@@ -54,7 +58,12 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.compile import CompileInfo, apply_compile, check_blocks, compile_options
-from lightning_para.parallel.fp8 import Float8Info, apply_float8
+from lightning_para.parallel.fp8 import (
+    Float8Info,
+    apply_float8,
+    float8_collectives_supported,
+    float8_tensor_parallel_styles,
+)
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
 from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
@@ -146,9 +155,14 @@ def parallelize(
     compile_opts = compile_options(config.compile)  # None: no compile
     float8 = None
     if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
-        float8 = apply_float8(module, recipe=config.fp8)
+        # ZeRO-3: FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16).
+        fsdp_float8 = config.zero == 3 and dims.zero_shards > 1
+        float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8)
         if float8.skipped:
             log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
+    cast = _PrecisionCast.choose(param_dtype, master_dtype, config.zero)
+    if cast.first is not None:  # before any dimension: parallel parameters and their hooks are made in it
+        _cast(module, cast.first)
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
     context = None
@@ -181,8 +195,10 @@ def parallelize(
         config=config, dims=dims, parts=parts, pipeline=pipeline, context=context, user=user, float8=float8
     )
 
+    # Tensor parallelism's gradient hooks wait for the last cast (see `_PrecisionCast`).
+    hooked_by_tp: list[nn.Module] = []
     if user.tensor_parallel:
-        hook_grad_layouts(module)  # the user's TP stays as it is; its gradients get their parameters' layouts
+        hooked_by_tp = [module]  # the user's TP stays as it is; its gradients get their parameters' layouts
     elif dims.tp_enabled:
         # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
         # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
@@ -194,14 +210,18 @@ def parallelize(
             config.sp_save_input_shard and config.activation_checkpointing is None
             and compile_opts is None
         )
+        float8_styles = float8_tensor_parallel_styles(
+            config.fp8, float8_collectives=float8_collectives_supported(dims.get_mesh("tp").get_group())
+        )
         result.tensor = [
             apply_tensor_parallel(
                 part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
                 loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
-                pipeline_stage=pipeline is not None,
+                pipeline_stage=pipeline is not None, float8=float8_styles, hook_grads=False,
             )
             for part in parts
         ]
+        hooked_by_tp = parts
         if pipeline is not None and result.loss_parallel:
             pipeline.enable_loss_parallel()
         if pipeline is not None and config.sequence_parallel:
@@ -217,21 +237,53 @@ def parallelize(
         result.compiled = [apply_compile(part, options=compile_opts, require_blocks=pipeline is None) for part in parts]
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
-    if param_dtype is not None and master_dtype is None:
-        # No fp32 masters (`ParaPrecision(master_weights=False)`, Lightning's true half precision): every
-        # stage holds and steps the half-precision weights, FSDP2's shards included.
-        module.to(dtype=param_dtype)
+
+    def before_gradient_hooks() -> None:
+        if cast.after_masters is not None:
+            _cast(module, cast.after_masters)
+        for target in hooked_by_tp:
+            hook_grad_layouts(target)
+
     result.data_parallel = apply_data_parallel(
         module, dims, stage=config.zero, parts=parts, accumulation=config.zero_accumulation,
         bucket_size_mb=config.bucket_size_mb, zero3_units=config.zero3_units, param_dtype=param_dtype,
         master_dtype=master_dtype, is_expert=result.expert_predicate(),
         expert_units=[m for info in result.experts for m in info.expert_modules],
         shard_placement_fn=fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None,
-        psi_dense=result.psi_dense, psi_expert=result.psi_expert,
+        psi_dense=result.psi_dense, psi_expert=result.psi_expert, before_gradient_hooks=before_gradient_hooks,
     )
-    if param_dtype is not None and master_dtype is not None and not result.fully_sharded:
-        module.to(dtype=param_dtype)
     return result
+
+
+@dataclass(frozen=True)
+class _PrecisionCast:
+    """When :func:`parallelize` casts the parameters under ``*-true``, and to what.
+
+    ``first``: before any dimension is applied, so tensor parallelism, ZeRO and FSDP2 make their
+    shards and hooks on parameters of the final dtype. ``after_masters``: ZeRO 0-2 with fp32 masters,
+    between taking the masters (from the exact fp32 initialisation) and registering any gradient
+    hook. Never later: ``module.to(dtype)`` swaps each DTensor parameter's tensor
+    (``torch.utils.swap_tensors``; the Python object stays) and the hooks on the old tensor never
+    fire again, so tensor parallelism's Partial gradients would reach ZeRO unreduced and ZeRO's own
+    hooks on tp shards would be lost.
+    """
+
+    first: Optional[torch.dtype] = None
+    after_masters: Optional[torch.dtype] = None
+
+    @staticmethod
+    def choose(param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype], zero: int) -> "_PrecisionCast":
+        if param_dtype is None:
+            return _PrecisionCast()
+        if master_dtype is None:
+            # No fp32 masters (`ParaPrecision(master_weights=False)`, Lightning's true half precision): every
+            # stage holds and steps the half-precision weights, FSDP2's shards included.
+            return _PrecisionCast(first=param_dtype)
+        if zero == 3:
+            # FSDP2's shards are the masters: fp32, also for weights made in bf16 under `trainer.init_module()`;
+            # FSDP2 gathers them in `param_dtype` itself.
+            return _PrecisionCast(first=master_dtype)
+        return _PrecisionCast(after_masters=param_dtype)
 
 
 def _keep_user_fully_sharded(
@@ -249,6 +301,14 @@ def _keep_user_fully_sharded(
     if param_dtype is not None:
         module.to(dtype=param_dtype)
     return result
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)``, skipped where every floating-point tensor already has it (a no-op ``.to``
+    would still swap DTensor parameters, dropping hooks the user's ``configure_model`` put on them)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+        module.to(dtype=dtype)
 
 
 def _count_params(module: nn.Module, is_expert: Callable[[Tensor], bool]) -> tuple[int, int]:

@@ -166,7 +166,8 @@ class ParaPrecision(Precision):
     # ---------------------------------------------------------------- module and data
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Cast to ``param_dtype``. ParaStrategy does not call this: :func:`~lightning_para.parallelize`
-        casts at the right point of its order (after ZeRO took fp32 masters; never FSDP2's fp32 shards)."""
+        casts at the right point of its order (before any gradient hook, after ZeRO took fp32 masters; never
+        FSDP2's fp32 shards)."""
         return module.to(dtype=self.param_dtype) if self.param_dtype is not None else module
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
+from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -110,7 +111,9 @@ class ParaStrategy(ParallelStrategy):
             graph; a recompile storm warns with dynamo's reasons (``docs/performance.md``).
         fp8: ``"tensorwise"`` or ``"rowwise"``: torchao float8 training of the linears (not the head,
             not widths that are not multiples of 16; ``strategy.parallel_model.float8`` names them);
-            ``pip install lightning-para[fp8]``. Emulated without float8 hardware. Not yet with ``tp > 1``.
+            ``pip install lightning-para[fp8]``. Emulated without float8 hardware. Under tp, torchao's
+            float8 tensor-parallel styles (``"tensorwise"`` only); under ZeRO-3 the weights are
+            all-gathered in float8.
         save_distributed_checkpoint: sharded directory (default) or one consolidated file. With
             ``False``, ``lightning_module_state_dict()`` and ``optimizer_state()`` return full plain
             tensors on rank 0 and ``{}`` elsewhere, as Lightning's FSDP/ModelParallel strategies do.
@@ -466,8 +469,13 @@ class ParaStrategy(ParallelStrategy):
 
     def _attach_optimizers(self) -> None:
         is_expert = self.parallel_model.expert_predicate()
+        float8 = self.parallel_model.float8
         for optimizer in self._raw_optimizers():
             self._data_parallel().attach_optimizer(optimizer, is_expert=is_expert)
+            if float8 is not None and float8.fsdp_float8_all_gather:
+                # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
+                parts = self.parallel_model.parts
+                optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]

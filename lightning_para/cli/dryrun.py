@@ -10,7 +10,8 @@ Each chosen rank runs in a process of its own (:mod:`lightning_para.plan.dryrun`
 process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and ZeRO sharding, one
 training step on meta tensors) and is printed beside the planner's prediction for its pipeline
 rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
-(the first and the last pipeline rank). Models: the planner's dense presets, built as the
+(the first and the last pipeline rank). ``--precision`` (default ``bf16-true``: bf16 weights with fp32
+masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, built as the
 project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied).
 """
 
@@ -25,6 +26,7 @@ import time
 from typing import Any, Optional
 
 from lightning_para.config import ParallelConfig
+from lightning_para.options import PRECISIONS
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
 from lightning_para.plan.model import PRESETS, ModelDesc, preset
@@ -32,6 +34,8 @@ from lightning_para.plan.run import parse_layout
 from lightning_para.recipes.gpt import GPT
 
 PROG = "lightning-para dryrun"
+# Autocast (`*-mixed`) does not act on meta tensors: the dry run runs the true precisions.
+DRY_RUN_PRECISIONS = tuple(p for p in PRECISIONS if p.endswith("-true"))
 GiB = 1024**3
 
 
@@ -44,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--global-batch", type=int, help="sequences per step (default: dp x micro-batch x pp)")
+    p.add_argument("--precision", default="bf16-true", choices=DRY_RUN_PRECISIONS,
+                   help="bf16-true (default: bf16 weights, fp32 masters, as Llama trains), 16-true or 32-true")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--worker-rank", type=int, help=argparse.SUPPRESS)  # one simulated rank (a child process)
     return p
@@ -83,7 +89,7 @@ def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Trainin
     if per_rank * dims.dp * args.micro_batch != global_batch:
         raise ValueError(f"`--global-batch {global_batch}` must be a multiple of dp x micro-batch = {dims.dp * args.micro_batch}.")
     config = ParallelConfig(**{**arguments, "microbatches": per_rank if pp > 1 else None})
-    training = Training(seq_len=args.seq_len, global_batch=global_batch, micro_batch=args.micro_batch, precision="32-true")
+    training = Training(seq_len=args.seq_len, global_batch=global_batch, micro_batch=args.micro_batch, precision=args.precision)
     return model, config, training
 
 

@@ -7,9 +7,10 @@
 2. The real :class:`~lightning_para.mesh.ParallelDims` mesh is built (device type ``meta``),
    and the model (built by the caller on the meta device) goes through the same
    :func:`~lightning_para.parallelize.parallelize` ``ParaStrategy`` calls: the real stage split,
-   tensor/sequence/expert plans, activation checkpointing and ZeRO sharding, in ``32-true``
-   (fp32 weights; the planner is asked for the same precision). Meta tensors have shapes and no memory, so a
-   405B model costs nothing: the pipeline split keeps only this rank's stage before anything else.
+   tensor/sequence/expert plans, activation checkpointing and ZeRO sharding, in the run's precision
+   (``training.precision``: ``bf16-true`` -- bf16 weights, fp32 masters -- ``16-true`` or ``32-true``; the
+   planner is asked for the same one). Meta tensors have shapes and no memory, so a 405B model costs
+   nothing: the pipeline split keeps only this rank's stage before anything else.
 3. One training step: ``in_flight`` microbatches forward through this rank's stage (1F1B keeps
    ``min(pp - r, M)`` in flight on pipeline rank ``r``, GPipe all ``M``), their backward,
    the ZeRO gradient sync and ``optimizer.step()`` (AdamW). Torch's pipeline schedule is not
@@ -49,6 +50,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
+from lightning_para.precision import ParaPrecision
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import estimate
 from lightning_para.plan.model import ModelDesc
@@ -294,9 +296,17 @@ def dry_run_rank(
     """Dry-run ``rank`` of a ``world_size``-rank job of the model ``build_model()`` makes (on the
     meta device, a LightningModule with ``configure_pipeline``/``loss_fn`` under ``pp > 1``).
 
-    ``model``/``training`` describe the same run to the planner (precision ``32-true``).
+    ``model``/``training`` describe the same run to the planner; ``training.precision`` is also the
+    precision the rank runs in: a ``*-true`` one (``*-mixed`` runs under autocast, which does not act on
+    meta tensors, so it would measure fp32 activations).
     Call once per process: it starts the fake process group (and leaves it for the caller).
     """
+    if not training.precision.endswith("-true"):
+        raise ValueError(
+            f"The dry run cannot run `precision={training.precision!r}`: autocast does not act on meta tensors."
+            " Choose 'bf16-true', '16-true' or '32-true'."
+        )
+    precision = ParaPrecision(training.precision)
     clock: dict[str, float] = {}
     t0 = time.perf_counter()
     start_fake_world(world_size, rank)
@@ -306,10 +316,8 @@ def dry_run_rank(
     t = time.perf_counter()
     with torch.device("meta"):
         module = build_model()
-    # fp32 weights (`32-true`): `parallelize(param_dtype=bf16)` casts with `module.to`, which swaps DTensor
-    # parameters and so drops their gradient hooks (found by this dry run; see CHANGELOG), and autocast
-    # does not act on meta tensors, so `32-true` is the precision the dry run can run faithfully.
-    parallel = parallelize(module, dims, config)
+    # As ParaStrategy calls it: `bf16-true` gives bf16 weights and (ZeRO 0-2) fp32 masters taken before the cast.
+    parallel = parallelize(module, dims, config, param_dtype=precision.param_dtype, master_dtype=precision.master_dtype)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     if parallel.data_parallel is not None:
         parallel.data_parallel.attach_optimizer(optimizer, is_expert=parallel.expert_predicate())
@@ -324,7 +332,10 @@ def dry_run_rank(
     run_step = run_step and not parallel.moe_layers
     if run_step:
         with _FusedAttention(), comm, live:
-            activations = _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live)
+            activations = _train_step(
+                module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
+                precision.param_dtype or torch.float32,
+            )
             if parallel.data_parallel is not None:
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
@@ -346,9 +357,10 @@ def dry_run_rank(
 
 def _train_step(
     module: nn.Module, parallel: ParallelModel, dims: ParallelDims, seq_len: int, micro_batch: int, hidden: int,
-    in_flight: int, live: "_LiveBytes",
+    in_flight: int, live: "_LiveBytes", dtype: torch.dtype,
 ) -> float:
-    """Forward ``in_flight`` microbatches, then their backward; returns the bytes held after the forwards."""
+    """Forward ``in_flight`` microbatches, then their backward; returns the bytes held after the forwards.
+    ``dtype``: the activations' (a later pipeline stage receives its input in it)."""
     runner = parallel.pipeline
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if runner is None:
@@ -365,7 +377,7 @@ def _train_step(
             if first:
                 x: Tensor = tokens
             else:
-                x = torch.empty(micro_batch, stream_len, hidden, dtype=torch.float32, device="meta", requires_grad=True)
+                x = torch.empty(micro_batch, stream_len, hidden, dtype=dtype, device="meta", requires_grad=True)
             with loss_parallel_step(parallel.loss_parallel):
                 y = stage(x)
                 if last:

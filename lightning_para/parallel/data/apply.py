@@ -156,6 +156,7 @@ def apply_data_parallel(
     user_fsdp_roots: Optional[Sequence[nn.Module]] = None,
     psi_dense: int = 0,
     psi_expert: int = 0,
+    before_gradient_hooks: Optional[Callable[[], None]] = None,
 ) -> DataParallel:
     """Apply data parallelism (ZeRO ``stage`` 0-3 over ``dims``' ZeRO mesh) to ``module`` in place.
 
@@ -169,20 +170,25 @@ def apply_data_parallel(
         bucket_size_mb: gradient bucket size (ZeRO 0-2).
         zero3_units: FSDP2's unit choice (ZeRO-3; see :func:`~.fsdp.choose_units`).
         param_dtype: the compute dtype (FSDP2 gathers in it); ``master_dtype``: separate optimizer
-            weights (ZeRO 0-2 keep fp32 masters; FSDP2's shards are cast to it and are the masters).
+            weights (ZeRO 0-2 keep fp32 masters; under FSDP2 the parameters, already in this dtype, are
+            the masters).
         is_expert: MoE expert parameters (sharded over the expert mesh).
         expert_units: expert modules, each its own FSDP2 unit on the expert mesh (ZeRO-3).
         shard_placement_fn: FSDP2's placement per parameter (tensor parallelism's strided shards).
         user_fsdp_roots: the user's own ``fully_shard`` units: nothing is applied, they are kept.
         psi_dense, psi_expert: the ZeRO formulas' psi (parameters before data parallelism).
+        before_gradient_hooks: called once, after ZeRO 0-2 took their masters from the parameters as
+            they are and before any gradient hook of data parallelism (ZeRO-3: before ``fully_shard``).
+            :func:`~lightning_para.parallelize` casts to bf16 there and hooks tensor parallelism's
+            gradients: a cast swaps DTensor parameters' tensors and drops hooks registered before it.
     """
     if user_fsdp_roots is not None:
         return UserFullyShardedData(
             module, user_fsdp_roots, dims, stage=stage, accumulation=accumulation, psi_dense=psi_dense
         )
     if stage == 3:
-        if master_dtype is not None and any(p.dtype != master_dtype for p in module.parameters() if p.is_floating_point()):
-            module.to(dtype=master_dtype)  # weights made in bf16 (`trainer.init_module()`): FSDP2's shards are the masters
+        if before_gradient_hooks is not None:
+            before_gradient_hooks()
         for part in parts if parts is not None else [module]:
             apply_fully_shard(
                 part, dims.fsdp_mesh(), param_dtype=param_dtype,
@@ -201,8 +207,11 @@ def apply_data_parallel(
     ]
     engine = ZeroDataParallel(
         named, stage, bucket_size_mb=bucket_size_mb, master_dtype=master_dtype,
-        replicate_mesh=dims.replicate_mesh(), mesh_of=dims.get_mesh,
+        replicate_mesh=dims.replicate_mesh(), mesh_of=dims.get_mesh, hooks=False,
     )
+    if before_gradient_hooks is not None:
+        before_gradient_hooks()
+    engine.register_hooks()
     return ZeroData(engine, dims, accumulation=accumulation, psi_dense=psi_dense, psi_expert=psi_expert)
 
 

@@ -107,6 +107,8 @@ class ZeroDataParallel:
             is replicated; each gradient shard is all-reduced over it after the reduce-scatter.
         mesh_of: slices the joint ``(dp, tp)`` mesh by names (``ParallelDims.get_mesh``), to
             describe the gradient shards of tensor-parallel parameters as DTensors in ``.grad``.
+        hooks: register the gradient hooks now; ``False`` leaves it to :meth:`register_hooks`, called
+            once the model is cast (a cast of DTensor parameters drops hooks already on them).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class ZeroDataParallel:
         master_dtype: Optional[torch.dtype] = None,
         replicate_mesh: Optional[DeviceMesh] = None,
         mesh_of: Optional[Callable[..., DeviceMesh]] = None,
+        hooks: bool = True,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles ZeRO stages 0-2, got {stage}; stage 3 uses FSDP2.")
@@ -155,6 +158,17 @@ class ZeroDataParallel:
         self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
         # Which buckets each optimizer we sharded steps (several optimizers may share one model).
         self._buckets_of_optimizer: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._hooked = False
+        if hooks:
+            self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """Hook every slot's parameter (once). Call it after the model's last dtype cast: ``module.to``
+        replaces a DTensor parameter's tensor (``torch.utils.swap_tensors``) and the hooks on the old
+        one never fire again (plain parameters keep theirs, their ``.data`` is swapped)."""
+        if self._hooked:
+            return
+        self._hooked = True
         for slot in self.slots:
             # Before accumulation: drop the gradient shown to users, so autograd starts afresh.
             slot.param.register_hook(partial(self._before_accumulate, slot))

@@ -83,6 +83,8 @@ def apply_tensor_parallel(
     keep_sequence_shard: bool = True,
     unplanned: str = "error",
     pipeline_stage: bool = False,
+    float8: Optional[Any] = None,
+    hook_grads: bool = True,
 ) -> TensorParallelInfo:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following its plan (see module docstring).
 
@@ -95,6 +97,9 @@ def apply_tensor_parallel(
     (``ParaStrategy(tp_unplanned=...)``) instead of raising.
     ``pipeline_stage``: ``module`` is a pipeline stage; under SP the stream enters and leaves it
     as this rank's plain sequence slice (:func:`~.styles.shard_stage_boundary`).
+    ``float8``: torchao's float8 tensor-parallel styles (``parallel/fp8.py``'s ``Float8ParallelStyles``,
+    ``fp8="tensorwise"``): the converted linears get them, sublayers cast their input to float8 before
+    the sequence all-gather; everything else keeps its style.
     """
     tp = tp_mesh.size()
     sp, lp = bool(sequence_parallel), bool(loss_parallel)
@@ -106,14 +111,17 @@ def apply_tensor_parallel(
     tied = tied_parameter_groups(module)
     for fqn, style in resolved.items():
         if isinstance(style, str):
+            target = module.get_submodule(fqn)
+            is_float8 = float8 is not None and (float8.applies_to(target) or style in ("attention", "mlp"))
             style = make_style(
                 style, sequence_parallel=sp, loss_parallel=lp, head_attributes=heads.get(fqn),
-                keep_shard=sp and keep_sequence_shard,
+                keep_shard=sp and keep_sequence_shard, float8=float8 if is_float8 else None,
             )
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
 
     _retie(module, tied)
-    hook_grad_layouts(module)
+    if hook_grads:
+        hook_grad_layouts(module)
     if sp and pipeline_stage:
         shard_stage_boundary(module, tp_mesh)
     return TensorParallelInfo(resolved, source, tp, sp, lp, heads)
@@ -121,7 +129,10 @@ def apply_tensor_parallel(
 
 def hook_grad_layouts(module: nn.Module) -> None:
     """Give each DTensor parameter's gradient its parameter's layout right after accumulation
-    (also for tensor parallelism the user applied in ``configure_model``)."""
+    (also for tensor parallelism the user applied in ``configure_model``).
+
+    Register after any dtype cast of the parameters (``module.to(torch.bfloat16)`` swaps a DTensor
+    parameter's tensor and drops its hooks: a ``Partial`` gradient would then reach ZeRO unreduced)."""
     for p in module.parameters():
         if isinstance(p, DTensor):
             p.register_post_accumulate_grad_hook(_grad_to_param_layout)

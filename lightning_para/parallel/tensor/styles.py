@@ -29,7 +29,7 @@ above; split apart, each would have to restate it.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -181,12 +181,15 @@ class SublayerInput(ParallelStyle):
     """
 
     def __init__(
-        self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None, keep_shard: bool = False
+        self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None, keep_shard: bool = False,
+        float8: Any = None,
     ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.head_attributes = dict(head_attributes or {})
         self.keep_shard = keep_shard and sequence_parallel
+        self.float8 = float8  # Float8ParallelStyles (fp8="tensorwise"): cast to float8 before the gather
+        self._cast: Optional[Callable[[Any], Any]] = None
         self._active: list[_KeepShardSaveGathered] = []
         self._plain_inputs: list[bool] = []  # per call in flight: was the hidden input a plain tensor?
 
@@ -203,6 +206,8 @@ class SublayerInput(ParallelStyle):
                 return shard
         else:
             return x
+        if self._cast is not None:  # float8 children: gather 1-byte activations (the amax is global)
+            shard = self._cast(shard)
         full = shard.redistribute(mesh, [Replicate()])
         if self.keep_shard and torch.is_grad_enabled():
             hooks = _KeepShardSaveGathered(shard, full)
@@ -234,6 +239,11 @@ class SublayerInput(ParallelStyle):
         tp = device_mesh.size()
         for attr, full in self.head_attributes.items():
             setattr(module, attr, full // tp)
+        if self.float8 is not None and self.sequence_parallel:
+            self._cast = self.float8.gather_cast(module)
+            # The float8 children save their float8 input (1 byte/element, a tensor subclass the shard
+            # re-gather cannot recognise): Megatron-SP's keep-the-shard is off under fp8.
+            self.keep_shard = False
         module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
         # always_call only where a saved-tensor context must be left on an error: torch.compile guards on
         # the ids of always-called hooks, so every block would compile its own graph.
@@ -359,6 +369,25 @@ COVERS_DESCENDANTS = ("replicate", "gather_sequence")
 LINEAR_STYLES = ("colwise", "rowwise", "fused_qkv", "fused_gate_up", "lm_head")
 
 
+def _float8_colwise(base: type, float8_collectives: bool) -> ParallelStyle:
+    """torchao's float8 column-parallel style that, like :class:`Colwise`, also takes a DTensor input in
+    another layout (a sequence shard): it is cast to float8 first, then gathered (1 byte/element);
+    without float8 collectives (gloo) gathered first, then cast (the same float8 values)."""
+
+    class Float8Colwise(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            x = inputs[0]
+            if isinstance(x, DTensor) and tuple(x.placements) != tuple(desired_input_layouts):
+                if not float8_collectives:  # gloo: gather in high precision, torchao's style casts after
+                    inputs = (x.redistribute(placements=desired_input_layouts), *inputs[1:])
+                else:
+                    input_layouts = tuple(x.placements)  # torchao's style redistributes from the declared layout
+            return base._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    return Float8Colwise()
+
+
 def make_style(
     shorthand: str,
     *,
@@ -366,13 +395,26 @@ def make_style(
     loss_parallel: bool,
     head_attributes: Optional[dict[str, int]] = None,
     keep_shard: bool = True,
+    float8: Any = None,
 ) -> ParallelStyle:
     """The ParallelStyle for one shorthand under the given switches.
 
     ``keep_shard`` (SP only): sublayers save their input's sequence shard and all-gather it
     again in backward (Megatron-SP), instead of saving the gathered copy.
+    ``float8``: torchao's float8 styles (``parallel/fp8.py``'s ``Float8ParallelStyles``) for a module
+    converted to float8 training (``fp8="tensorwise"``); for a sublayer, its float8 children's input
+    is cast before the sequence all-gather.
     """
     sp = sequence_parallel
+    if float8 is not None and shorthand in ("colwise", "rowwise"):
+        if shorthand == "colwise":
+            return _float8_colwise(float8.colwise, float8.float8_collectives)
+        return float8.rowwise(output_layouts=Shard(SEQ_DIM), use_local_output=False) if sp else float8.rowwise()
+    if float8 is not None and shorthand in ("fused_qkv", "fused_gate_up", "lm_head"):
+        raise ValueError(
+            f"fp8='tensorwise' with tp: a float8 linear planned {shorthand!r} is not supported (torchao's float8"
+            " styles are column-/row-wise only). Plan q/k/v (gate/up) as separate 'colwise' Linears, or use fp8=None."
+        )
     if shorthand == "colwise":
         return Colwise()
     if shorthand == "rowwise":
@@ -384,7 +426,9 @@ def make_style(
     if shorthand == "fused_gate_up":
         return FusedColwiseParallel(parts=2)
     if shorthand in ("attention", "mlp"):
-        return SublayerInput(sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard)
+        return SublayerInput(
+            sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard, float8=float8
+        )
     if shorthand == "vocab_parallel":
         return VocabParallelEmbedding(sp)
     if shorthand == "lm_head":
