@@ -470,11 +470,17 @@ class ParaStrategy(ParallelStrategy):
     def _attach_optimizers(self) -> None:
         is_expert = self.parallel_model.expert_predicate()
         float8 = self.parallel_model.float8
+        parts = self.parallel_model.parts
+        if float8 is not None and float8.fsdp_float8_all_gather:
+            # Before the first step too: FSDP2's own first cast reduces the weight amax over its dp mesh
+            # only, so a tp-sharded weight would get a per-tp-shard scale (2.7e-3 off one device under
+            # dp2 x tp2 ZeRO-3); the precomputed scale is the amax of the whole DTensor.
+            for part in parts:
+                precompute_float8_scales(part)
         for optimizer in self._raw_optimizers():
             self._data_parallel().attach_optimizer(optimizer, is_expert=is_expert)
             if float8 is not None and float8.fsdp_float8_all_gather:
                 # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
-                parts = self.parallel_model.parts
                 optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
