@@ -32,7 +32,6 @@ STEPS = 3
 SEQ = 16
 AOT = {"backend": "aot_eager"}
 # Cases written but not yet seen passing when this module landed (a 2-core machine under load).
-UNVERIFIED = "not yet verified when landed (issue 25): run and remove this mark"
 # Graphs per block class: a dense block is one graph; an MoE block four (the block up to the MoE call,
 # the MoE layer up to its eager expert dispatch, the MoE layer after it, the rest of the block).
 GRAPHS_PER_BLOCK_TYPE = {"moe_gpt": 4}
@@ -143,7 +142,6 @@ def test_compiled_layouts_two_processes(pools, name, model, kwargs, groups):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=UNVERIFIED)
 def test_inductor_dp2_zero1(pools):
     """compile=True as it is: inductor (C++ code generation on CPU)."""
     results = pools.get(2).run(_compiled_job, gpt, {"dp": 2, "zero": 1, "compile": True})
