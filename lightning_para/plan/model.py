@@ -13,6 +13,10 @@ Conventions (they match PyTorch's ``nn.Linear``/``nn.Embedding`` parameter shape
 * MoE layer: a router ``E x h``, ``E`` routed experts of width ``moe_ffn`` and optional
   always-on shared experts of total width ``shared_expert_ffn`` (DeepSeekMoE);
 * norms: RMSNorm ``h``; LayerNorm ``2h`` with bias, ``h`` without; two per layer, one final.
+
+Why this module is long: the shape, its validation, its parameter counts, the published presets
+and the Hugging Face ``config.json`` reader are one vocabulary (each preset and config key maps
+onto the fields defined here); splitting them would spread one definition over several files.
 """
 
 from __future__ import annotations
