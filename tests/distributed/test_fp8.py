@@ -238,6 +238,33 @@ def test_fp8_dp2_tp2_sp_casts_each_replica_with_its_own_micro_batch_scales(pools
                         rtol=1e-3)
 
 
+def _fp8_compiled_job(kwargs: dict) -> dict:
+    """A fresh dynamo state, then fp8 + compile: the losses and what the strategy compiled."""
+    from lightning_para import ParaStrategy
+
+    torch._dynamo.reset()
+    strategy = ParaStrategy(**kwargs, fp8="tensorwise", compile={"backend": "aot_eager"})
+    L.seed_everything(0, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[recorder],
+                        use_distributed_sampler=False, **trainer_kwargs())
+    trainer.fit(gpt(), datamodule=ShardedData(token_dataset, GLOBAL_BATCH // strategy.config.resolve_dp(dist.get_world_size())))
+    watch = strategy.compile_watch
+    return {"losses": recorder.losses, "blocks": sum(len(info.blocks) for info in strategy.parallel_model.compiled),
+            "graphs": watch.graphs(), "block_types": len(watch.block_types), "recompiles": dict(watch.recompiles())}
+
+
+@pytest.mark.slow
+def test_fp8_composes_with_compile_tp2_sp(pools):
+    """fp8 + compile (aot_eager, as tests/distributed/test_compile.py) under tp2+SP: torchao's float8 TP styles and
+    float8 linears inside each compiled block; same losses as torchao's eager one-device run, one graph per block
+    type, no recompiles."""
+    results = pools.get(2).run(_fp8_compiled_job, {"tp": 2, "sequence_parallel": True}, timeout=600)
+    r = results[0]
+    assert r["blocks"] == 2 and r["graphs"] == r["block_types"] == 1 and not r["recompiles"], r
+    assert_losses_close(r["losses"], fit_reference(torchao_gpt, token_dataset, GLOBAL_BATCH, STEPS)["losses"])
+
+
 # ============================================================================ bytes
 class _StepCounter(Callback):
     """The collectives of one training step (batch 1: scales were precomputed after step 0)."""
