@@ -57,7 +57,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_para.parallel.compile import CompileInfo, apply_compile, compile_options
+from lightning_para.parallel.compile import CompileInfo, apply_compile, check_blocks, compile_options
 from lightning_para.parallel.fp8 import (
     Float8Info,
     apply_float8,
@@ -152,6 +152,7 @@ def parallelize(
     user = detect_user_parallelism(module, dims, config)
     if user.fully_sharded:
         return _keep_user_fully_sharded(module, dims, config, user, param_dtype)
+    compile_opts = compile_options(config.compile)  # None: no compile
     float8 = None
     if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
         # ZeRO-3: FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16).
@@ -182,6 +183,8 @@ def parallelize(
     pipeline = None
     parts = [module]
     if dims.pp_enabled:
+        if compile_opts is not None:
+            check_blocks(module)  # on the whole model: a stage may hold only the embedding or the head
         pipeline = apply_pipeline_parallel(
             module, dims.get_mesh("pp"), schedule=config.schedule, microbatches=config.pipeline_microbatches,
             virtual_stages=config.virtual_stages, pipeline_split=config.pipeline_split,
@@ -200,7 +203,13 @@ def parallelize(
         # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
         # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
         # combined (the recomputed forward would install the hooks a second time).
-        keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None
+        # Under compile the block's saved tensors are the compiled graph's, chosen by AOTAutograd's
+        # partitioner; the shard-keeping saved-tensor hooks (matched by storage pointer) cannot be
+        # traced and would graph-break and recompile at every call, so they are left out too.
+        keep_shard = (
+            config.sp_save_input_shard and config.activation_checkpointing is None
+            and compile_opts is None
+        )
         float8_styles = float8_tensor_parallel_styles(
             config.fp8, float8_collectives=float8_collectives_supported(dims.get_mesh("tp").get_group())
         )
@@ -224,9 +233,8 @@ def parallelize(
     for part in parts:
         # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).
         apply_activation_checkpointing(part, config.activation_checkpointing, context.mode if context else None)
-    options = compile_options(config.compile)
-    if options is not None:  # after TP/SP, CP, EP and recomputation; before data parallelism wraps the blocks
-        result.compiled = [apply_compile(part, options=options) for part in parts]
+    if compile_opts is not None:  # after TP/SP, CP, EP and recomputation; before data parallelism wraps the blocks
+        result.compiled = [apply_compile(part, options=compile_opts, require_blocks=pipeline is None) for part in parts]
 
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
 

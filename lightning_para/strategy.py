@@ -224,6 +224,7 @@ class ParaStrategy(ParallelStrategy):
         self._parallel: Optional[ParallelModel] = None
         self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
         self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles (issue 25)
+        self._compiled_phases: set[str] = set()  # compile=True: step kinds that ran once (compiled) already
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -333,6 +334,16 @@ class ParaStrategy(ParallelStrategy):
         """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
         if self._watchdog is not None:
             self._watchdog.progress(what, exempt)
+
+    def _compiling(self, phase: str) -> bool:
+        """Under compile, the first optimizer step and the first call of each other step kind compile the
+        blocks (minutes with inductor on a large model, at different times on different ranks): exempt
+        from the watchdog, like setup. Later recompilations are not."""
+        if self.compile_watch is None:
+            return False
+        first = phase not in self._compiled_phases
+        self._compiled_phases.add(phase)
+        return first or self._global_step() <= 0
 
     def _global_step(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -501,7 +512,7 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
-        self._report(f"{name} (global step {self._global_step()})")
+        self._report(f"{name} (global step {self._global_step()})", exempt=self._compiling(name))
         cp = self._parallel.context if self._parallel is not None else None
         if cp is None:
             return self._run_parallel_step(name, context, *args, **kwargs)
@@ -580,7 +591,7 @@ class ParaStrategy(ParallelStrategy):
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        self._report(f"backward and gradient sync (global step {self._global_step()})")
+        self._report(f"backward and gradient sync (global step {self._global_step()})", exempt=self._compiling("backward"))
         parallel = self._parallel
         pipeline = parallel.pipeline if parallel is not None else None
         if pipeline is None:
@@ -615,14 +626,14 @@ class ParaStrategy(ParallelStrategy):
 
     def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
         """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
-        self._report(f"finite check (global step {self._global_step()})")
+        self._report(f"finite check (global step {self._global_step()})", exempt=self._compiling("finite check"))
         self._guard.check(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
 
     # ------------------------------------------------------------------ integrity (issue 14)
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
-        self._report(f"train batch {batch_idx} loaded (global step {step})")
+        self._report(f"train batch {batch_idx} loaded (global step {step})", exempt=self._compiling("train batch"))
         if self._integrity is not None and self._integrity.due(step):  # after the last step's ZeRO gather
             self.check_integrity(step)
 

@@ -11,7 +11,9 @@ process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and Z
 training step on meta tensors) and is printed beside the planner's prediction for its pipeline
 rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
 (the first and the last pipeline rank). ``--precision`` (default ``bf16-true``: bf16 weights with fp32
-masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, built as the
+masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, a Hugging Face
+``config.json`` or explicit shapes (``--layers --hidden --heads --kv-heads --ffn --vocab``, alone or replacing a
+preset's; the same arguments as ``lightning-para plan``, :mod:`lightning_para.cli.model_args`), built as the
 project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied).
 """
 
@@ -29,7 +31,8 @@ from lightning_para.config import ParallelConfig
 from lightning_para.options import PRECISIONS
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
-from lightning_para.plan.model import PRESETS, ModelDesc, preset
+from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
+from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import parse_layout
 from lightning_para.recipes.gpt import GPT
 
@@ -41,7 +44,9 @@ GiB = 1024**3
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Dry-run chosen ranks of an N-rank job on the meta device.")
-    p.add_argument("--model", required=True, choices=sorted(PRESETS), help="a published model (dense presets)")
+    p.add_argument("--model", type=model_name,
+                   help="a published model (dense presets: llama3-8b, -70b, -405b) or a Hugging Face config.json path")
+    add_shape_arguments(p)
     p.add_argument("--gpus", type=int, required=True, help="ranks in the job")
     p.add_argument("--layout", default="", help='ParaStrategy degrees, e.g. "tp=8,pp=16,zero=1,sp=true"')
     p.add_argument("--ranks", default="first,last", help="global ranks to run: first, last or numbers (comma-separated)")
@@ -60,7 +65,12 @@ def gpt_arguments(model: ModelDesc, seq_len: int) -> dict[str, Any]:
     if model.is_moe or model.norm != "rmsnorm" or not model.gated_mlp or model.tied_embeddings or model.bias:
         raise ValueError(
             f"`--model {model.name}`: the dry run builds Llama-style dense models (RMSNorm, SwiGLU, untied, no biases)."
-            " Choose llama3-8b, llama3-70b or llama3-405b."
+            " Choose llama3-8b, llama3-70b or llama3-405b, a config.json of that kind, or explicit shapes."
+        )
+    if model.head_dim * model.heads != model.hidden or model.attention_params is not None:
+        raise ValueError(
+            f"`--model {model.name}`: the GPT recipe's head dim is hidden / heads = {model.hidden // model.heads},"
+            f" the model's is {model.head_dim}; the dry run cannot build it."
         )
     return dict(
         n_layer=model.layers, n_embd=model.hidden, n_head=model.heads, n_kv_head=model.kv_heads or model.heads,
@@ -79,7 +89,7 @@ def _ranks(text: str, world: int) -> list[int]:
 
 
 def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Training]:
-    model = preset(args.model)
+    model = resolve_model(args.model, shape_overrides(args))
     arguments = parse_layout(args.layout)
     pp = arguments.get("pp", 1)
     probe = ParallelConfig(**{**arguments, "microbatches": arguments.get("microbatches") or (pp if pp > 1 else None)})
@@ -143,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.worker_rank is not None:
             return _worker(args)
-        _setup(args)  # bad arguments fail here, before any process starts
+        gpt_arguments(_setup(args)[0], args.seq_len)  # bad arguments fail here, before any process starts
         ranks = _ranks(args.ranks, args.gpus)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -6,6 +6,11 @@
     lightning-para plan --model llama3-8b --gpus 8 --gpu h100 --seq-len 8192 --global-batch 64
     lightning-para plan --model llama3-70b --gpus 64 --gpu-memory 80 --peak-tflops 989 --intra-bw 450 \\
         --inter-bw 50 --seq-len 8192 --global-batch 512 --png plan.png
+    # a Hugging Face config.json, explicit shapes, or a preset with some shapes replaced
+    lightning-para plan --model path/to/config.json --gpus 8 --gpu h100 --seq-len 4096 --global-batch 64
+    lightning-para plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 \
+        --gpus 8 --gpu h100 --seq-len 8192 --global-batch 64
+    lightning-para plan --model llama3-8b --layers 16 --gpus 8 --gpu h100 --seq-len 8192 --global-batch 64
     # your LightningCLI config (its model part, on the meta device), on its devices or others
     lightning-para plan --config recipes/gpt-cpu-demo.yaml
     lightning-para plan --config my.yaml --gpus 16 --gpu a100-80gb
@@ -47,26 +52,18 @@ from torch import nn
 
 from lightning_para.config import ParallelConfig
 from lightning_para.cli.fit import ConfigurationError, resolve_config_names, run_cli
+from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.plan.auto import search_space
 from lightning_para.plan.check import PredictionCheck
 from lightning_para.plan.cluster import GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import RECOMPUTE
-from lightning_para.plan.model import PRESETS, ModelDesc, from_hf_config, preset
+from lightning_para.plan.model import PRESETS, ModelDesc
 from lightning_para.plan.run import layout_arguments, local_cluster, parse_layout, strategy_overrides
 from lightning_para.plan.search import SearchSpace, search
 
 PROG = "lightning-para plan"
-
-
-def _model_name(text: str) -> str:
-    """``--model``: a preset name or a Hugging Face ``config.json`` path (argparse exits 2 otherwise)."""
-    if text in PRESETS or text.endswith(".json"):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"invalid choice: {text!r} (choose from {', '.join(map(repr, sorted(PRESETS)))}, or a config.json path)"
-    )
 
 
 class PlanError(ValueError):
@@ -75,9 +72,10 @@ class PlanError(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Rank the parallel layouts of a model on a cluster.")
-    what = p.add_mutually_exclusive_group(required=True)
+    what = p.add_mutually_exclusive_group()
     what.add_argument("--config", "-c", help="a LightningCLI config (or a shipped config's name): its model part")
-    what.add_argument("--model", type=_model_name, help=f"a published model ({', '.join(sorted(PRESETS))}) or a Hugging Face config.json path")
+    what.add_argument("--model", type=model_name, help=f"a published model ({', '.join(sorted(PRESETS))}) or a Hugging Face config.json path")
+    add_shape_arguments(p, " Not with --config (its model is built as the config says).")
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpus", type=int, help="devices in total (default with --config: devices x num_nodes)")
     hw.add_argument("--gpus-per-node", type=int, help="devices per node (default: 8, or --gpus if fewer)")
@@ -269,18 +267,18 @@ def run(argv: list[str]) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name in ("top", "rejected") else 1):
             raise PlanError(f"`--{name.replace('_', '-')} {value}` must be a positive integer.")
+    shapes = shape_overrides(args)
+    if args.config and shapes:
+        raise PlanError(f"`--{next(iter(shapes)).replace('_', '-')}` describes a model shape: give it with `--model` or"
+                        " alone, not with `--config` (whose model is built as the config says).")
     config = load_config(args.config) if args.config else None
     module = model_from_config(config) if config else None
     if module is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = describe_module(module, name=type(module).__name__)
-    elif args.model.endswith(".json"):
-        model = from_hf_config(args.model)
-    elif args.model in PRESETS:
-        model = preset(args.model)
     else:
-        raise PlanError(f"`--model {args.model}` is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path.")
+        model = resolve_model(args.model, shapes)
     devices = _trainer_value(config, "devices") if config else None
     nodes = int(_trainer_value(config, "num_nodes") or 1) if config else 1
     gpus = args.gpus or (int(devices) * nodes if isinstance(devices, int) else None)

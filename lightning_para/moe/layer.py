@@ -237,20 +237,37 @@ class MoE(nn.Module):
         expert_of = indices.reshape(-1)[assignment]
         order = torch.argsort(expert_of, stable=True)
         assignment = assignment[order]
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        # Rows per expert with a static shape ([E]; bincount's length depends on the data and breaks a compiled graph).
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device).index_add_(
+            0, expert_of, torch.ones_like(expert_of)
+        )
         routed = tokens[assignment // k]
 
-        if self.dispatcher is not None and self.dispatcher.size > 1:
-            expert_out = self.dispatcher(self.experts, routed, counts)
-        else:
-            expert_out = self.experts(routed, counts.tolist())
-
+        expert_out = self._run_experts(routed, counts)
         slots = expert_out.new_zeros(num_tokens * k, self.dim).index_copy(0, assignment, expert_out)
         out = (slots.view(num_tokens, k, self.dim) * gates.unsqueeze(-1).to(slots.dtype)).sum(1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
 
         aux = self._aux_losses(logits, probs, indices, shape)
+        return self._attach_aux(out, aux, indices, keep, shape)
+
+    # Eager under torch.compile; the rest of the layer (router, top-k, sort, combine, aux losses) is
+    # compiled around it. The rows per expert are host integers that change every step (a traced
+    # call would recompile for each new set of counts), and torch's fake-tensor kernel of
+    # `_grouped_mm` accepts only bf16, so fp32 grouped experts cannot be traced at all.
+    @torch.compiler.disable(reason="MoE experts: data-dependent rows per expert")
+    def _run_experts(self, routed: Tensor, counts: Tensor) -> Tensor:
+        if self.dispatcher is not None and self.dispatcher.size > 1:
+            return self.dispatcher(self.experts, routed, counts)
+        return self.experts(routed, counts.tolist())
+
+    # Eager under torch.compile: the statistics are Python state (counters a trace would guard on and
+    # recompile for), and the aux loss's gradient scale is read when backward runs, not when traced.
+    @torch.compiler.disable(reason="MoE statistics and aux-loss gradient: Python state")
+    def _attach_aux(
+        self, out: Tensor, aux: tuple[Tensor, Tensor], indices: Tensor, keep: Optional[Tensor], shape: torch.Size
+    ) -> Tensor:
         if self.training:
             self._record(aux, indices, keep)
         total_aux = aux[0] + aux[1]

@@ -14,6 +14,18 @@ reuses the first one's code cache. :class:`CompileWatch` counts the graphs and t
 recompilations from dynamo's compilation metrics and warns, naming dynamo's recompile reasons,
 when a block class recompiles more than a few times (a recompile storm: a changing shape, a
 Python value guarded on, a new grad mode).
+
+What stays outside the graphs, on purpose:
+
+* an MoE layer's expert dispatch and expert GEMMs (``MoE._run_experts``, the expert-parallel
+  all-to-all) and its statistics/aux-loss attachment run eagerly (``torch.compiler.disable``):
+  the rows per expert are host integers that change every step, and torch's fake kernel of
+  ``_grouped_mm`` takes only bf16. The router, top-k, sort, combine and aux losses around them
+  compile, so an MoE block is four graphs (block up to the MoE call, MoE up to the dispatch, MoE
+  after it, rest of the block), each compiled once for all blocks of the class;
+* under TP+SP, Megatron-SP's "keep the input shard, all-gather again in backward"
+  (``sp_save_input_shard``) is not applied: the compiled graph's saved tensors are chosen by
+  AOTAutograd's partitioner, and the storage-pointer-matched saved-tensor hooks cannot be traced.
 """
 
 from __future__ import annotations
@@ -30,8 +42,8 @@ from lightning_para.parallel.activation_checkpoint import find_blocks
 
 # torch.compile's keyword arguments that compile=<dict> may give.
 COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
-# Compilations of one block class beyond which CompileWatch warns: one training graph, one for
-# evaluation (no_grad) and a last batch of another size are expected.
+# Compilations of one compiled frame (a block class, or a piece of one) beyond which CompileWatch
+# warns: one training graph, one for evaluation (no_grad) and a last batch of another size are expected.
 RECOMPILE_WARN = 4
 
 
@@ -68,18 +80,27 @@ class CompileInfo:
         return sorted({type(b).__qualname__ for b in self.blocks})
 
 
-def apply_compile(module: nn.Module, *, options: Mapping[str, Any]) -> CompileInfo:
-    """Compile every block of ``module`` in place with ``torch.compile(**options)``; returns what was compiled.
-
-    Raises ``ValueError`` naming ``compile`` when the module has no blocks (entries of an
-    ``nn.ModuleList``/``nn.Sequential``).
-    """
-    blocks = find_blocks(module)
-    if not blocks:
+def check_blocks(module: nn.Module) -> None:
+    """Raise ``ValueError`` naming ``compile`` when ``module`` has no blocks (entries of an
+    ``nn.ModuleList``/``nn.Sequential``) to compile."""
+    if not find_blocks(module):
         raise ValueError(
             f"`compile=True`: {type(module).__name__} has no blocks (entries of an nn.ModuleList or nn.Sequential)"
             " to compile. Keep the transformer blocks in a ModuleList, or compile the model yourself."
         )
+
+
+def apply_compile(module: nn.Module, *, options: Mapping[str, Any], require_blocks: bool = True) -> CompileInfo:
+    """Compile every block of ``module`` in place with ``torch.compile(**options)``; returns what was compiled.
+
+    Raises ``ValueError`` naming ``compile`` when the module has no blocks (entries of an
+    ``nn.ModuleList``/``nn.Sequential``), unless ``require_blocks=False``: a pipeline stage may
+    hold only the embedding or the head (the whole model is checked with :func:`check_blocks`
+    before the split, on every rank alike).
+    """
+    if require_blocks:
+        check_blocks(module)
+    blocks = find_blocks(module)
     for block in blocks:
         block.compile(**options)
     return CompileInfo(blocks=blocks, options=dict(options))
@@ -122,23 +143,30 @@ class CompileWatch:
         """Dynamo's recompile reason -> how often it caused a recompilation."""
         return collections.Counter(m.recompile_reason for m in self._since() if m.recompile_reason)
 
+    def compilations(self) -> collections.Counter:
+        """``(function, file, first line)`` of each frame dynamo compiled since the watch began -> how
+        often. A block compiles as one frame, or as a few pieces where it breaks the graph on purpose
+        (an MoE layer's eager expert dispatch); each piece compiles once unless it recompiles."""
+        return collections.Counter((m.co_name, m.co_filename, m.co_firstlineno) for m in self._since())
+
     def check(self) -> Optional[str]:
-        """Warn (once) when the blocks compiled more than ``RECOMPILE_WARN`` times per block class; returns the message."""
+        """Warn (once) when one compiled frame (a block, or a piece of one) compiled more than
+        ``RECOMPILE_WARN`` times; returns the message."""
         if self.warned:
             return None
-        limit = RECOMPILE_WARN * max(1, len(self.block_types))
-        count = self.graphs()
-        if count <= limit:
+        worst = max(self.compilations().values(), default=0)
+        if worst <= RECOMPILE_WARN:
             return None
         reasons = "; ".join(f"{n}x {r.strip()[:200]}" for r, n in self.recompiles().most_common(3))
         message = (
-            f"`compile=True`: the blocks ({', '.join(self.block_types)}) compiled {count} times (more than {limit}):"
-            f" a recompile storm. Dynamo's reasons: {reasons or 'none given'}. Keep batch and sequence shapes"
-            " fixed (drop_last=True), or pass compile={'dynamic': True}."
+            f"`compile=True`: a compiled frame of the blocks ({', '.join(self.block_types)}) compiled {worst} times"
+            f" (more than {RECOMPILE_WARN}; {self.graphs()} graphs in all): a recompile storm. Dynamo's reasons:"
+            f" {reasons or 'none given'}. Keep batch and sequence shapes fixed (drop_last=True), or pass"
+            " compile={'dynamic': True}."
         )
         warnings.warn(message)
         self.warned = True
         return message
 
 
-__all__ = ["COMPILE_KEYS", "CompileInfo", "CompileWatch", "apply_compile", "compile_options"]
+__all__ = ["COMPILE_KEYS", "CompileInfo", "CompileWatch", "apply_compile", "check_blocks", "compile_options"]

@@ -8,7 +8,11 @@ budget (``torch.get_num_threads()`` of a rank):
   (``2 n^3`` FLOPs each, after a warm-up);
 * gloo's all-reduce on 2 processes: the median time of each message size, fitted to the
   alpha-beta model the planner uses (Hockney 1994; ring all-reduce on ``p = 2`` ranks:
-  ``t = 2 (p-1) alpha + 2 (p-1)/p n / beta = 2 alpha + n / beta``) by least squares.
+  ``t = 2 (p-1) alpha + 2 (p-1)/p n / beta = 2 alpha + n / beta``) by least squares;
+* the fixed cost of one eager aten operator (dispatcher, autograd, launch): a chain of
+  operators on 8 x 8 tensors (where arithmetic is negligible), forward and backward, timed
+  and divided by the aten operators it dispatched (counted with ``TorchDispatchMode``);
+  :mod:`lightning_para.plan.overhead` multiplies it by the operators of a step.
 
 Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. The result
 is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
@@ -32,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
-           "measure_matmul_flops"]
+           "measure_matmul_flops", "measure_op_seconds"]
 
 
 def cache_path() -> Path:
@@ -68,14 +72,18 @@ class Calibration:
     key: str
     measured_at: float  # time.time()
     load: float  # 1-minute load average when measured
+    op_seconds: Optional[float] = None  # seconds per eager aten operator (None: a cache from before it was measured)
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: the matmul rate is what the model's
         matmuls reach, so ``efficiency`` is 1."""
-        return {
+        figures = {
             "peak_flops": self.matmul_flops, "efficiency": 1.0, "intra_node_bw": self.bandwidth,
             "inter_node_bw": self.bandwidth, "intra_node_latency": self.latency, "inter_node_latency": self.latency,
         }
+        if self.op_seconds is not None:
+            figures["op_seconds"] = self.op_seconds
+        return figures
 
 
 def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats: int = 7) -> float:
@@ -96,6 +104,43 @@ def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats
     finally:
         torch.set_num_threads(before)
     return 2.0 * size**3 / statistics.median(times)
+
+
+def _op_chain(x: torch.Tensor, w: torch.Tensor, links: int) -> torch.Tensor:
+    # The block's kinds of operators: a norm (pow, mean, rsqrt, mul), a matmul, views, an activation.
+    for _ in range(links):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = torch.nn.functional.silu((x @ w).view(-1, 8)) + x.transpose(0, 1)
+    return x.sum()
+
+
+def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: int = 7) -> float:
+    """Median seconds per aten operator of a chain of tiny operators, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+        _op_chain(x, w, links).backward()  # warm-up
+        with _Count() as counter:
+            _op_chain(x, w, links).backward()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _op_chain(x, w, links).backward()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times) / counter.ops
 
 
 def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
@@ -178,10 +223,12 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         if found is not None:
             return found
     flops = measure_matmul_flops(threads)
+    op_seconds = measure_op_seconds(threads)
     bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
     result = Calibration(
         matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
         measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+        op_seconds=op_seconds,
     )
     data = _load(path)
     data[result.key] = asdict(result)

@@ -102,6 +102,10 @@ class Cluster:
         reduce_scatter_is_all_reduce: the processes talk over gloo, which has no reduce-scatter:
             ZeRO-1/2 then all-reduce each gradient bucket in place (``parallel/data/layout.py``),
             2x the bytes of NCCL's reduce-scatter. ``local_cluster`` sets it for CPU runs.
+        op_seconds: fixed seconds per eager aten operator (dispatcher, autograd, launch), added
+            to the step per operator (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets
+            (launches overlap the device's queue); ``local_cluster`` sets it on CPU from the
+            calibration.
     """
 
     nodes: int
@@ -115,6 +119,7 @@ class Cluster:
     inter_node_latency: float = 8e-6
     reserved_bytes: float = 0.0
     reduce_scatter_is_all_reduce: bool = False
+    op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -123,7 +128,7 @@ class Cluster:
             _check_positive(name, getattr(self, name))
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
-        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes"):
+        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")

@@ -29,7 +29,9 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
 ``compile`` (and ``fp8`` with it) divide the compute time by torchtitan's measured speedups
 (:data:`COMPILE_SPEEDUP`, :data:`COMPILE_FP8_SPEEDUP`; sources in :mod:`~lightning_para.plan.rank`).
 
-Not modelled: the optimizer step itself, kernel launch overheads, stragglers, network
+Per-operator overhead (``Cluster.op_seconds``, 0 on the GPU presets, calibrated on CPU) adds
+``ops x op_seconds`` to each microbatch and to the optimizer step (:mod:`lightning_para.plan.overhead`).
+Not modelled: the optimizer step's arithmetic, stragglers, network
 contention between dimensions, dropped or imbalanced MoE tokens.
 """
 
@@ -308,7 +310,7 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
     bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
-    step = pipeline_seconds + max(r.dp_exposed_seconds for r in ranks)
+    step = pipeline_seconds + max(r.dp_exposed_seconds + r.optimizer_seconds for r in ranks)
     return Estimate(
         model=model, cluster=cluster, training=training, layout=layout, microbatches=flush,
         accumulation=flushes, ranks=tuple(ranks), bubble=bubble, step_seconds=step,

@@ -13,6 +13,10 @@ Conventions (they match PyTorch's ``nn.Linear``/``nn.Embedding`` parameter shape
 * MoE layer: a router ``E x h``, ``E`` routed experts of width ``moe_ffn`` and optional
   always-on shared experts of total width ``shared_expert_ffn`` (DeepSeekMoE);
 * norms: RMSNorm ``h``; LayerNorm ``2h`` with bias, ``h`` without; two per layer, one final.
+
+Why this module is long: the shape, its validation, its parameter counts, the published presets
+and the Hugging Face ``config.json`` reader are one vocabulary (each preset and config key maps
+onto the fields defined here); splitting them would spread one definition over several files.
 """
 
 from __future__ import annotations
@@ -299,14 +303,19 @@ def _count(n: int) -> str:
 
 
 def mla_attention_params(
-    hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_dim: int, qk_rope_dim: int, v_dim: int
+    hidden: int, heads: int, q_lora_rank: Optional[int], kv_lora_rank: int, qk_nope_dim: int, qk_rope_dim: int,
+    v_dim: int,
 ) -> int:
     """Parameters of one Multi-head Latent Attention block (DeepSeek-V2 report, Sec. 2.1.2).
 
     Down-projections of queries and keys/values to low ranks (with their RMSNorms), the
-    decoupled RoPE key, the up-projections, and the output projection.
+    decoupled RoPE key, the up-projections, and the output projection. ``q_lora_rank`` ``None``
+    (or 0): the queries are projected directly (DeepSeek-V2-Lite).
     """
-    q = hidden * q_lora_rank + q_lora_rank + q_lora_rank * heads * (qk_nope_dim + qk_rope_dim)
+    if q_lora_rank:
+        q = hidden * q_lora_rank + q_lora_rank + q_lora_rank * heads * (qk_nope_dim + qk_rope_dim)
+    else:
+        q = hidden * heads * (qk_nope_dim + qk_rope_dim)
     kv = hidden * (kv_lora_rank + qk_rope_dim) + kv_lora_rank + kv_lora_rank * heads * (qk_nope_dim + v_dim)
     return q + kv + heads * v_dim * hidden
 
@@ -358,11 +367,19 @@ PRESETS: dict[str, ModelDesc] = {
 
 
 def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
-    """A :class:`ModelDesc` from a Hugging Face ``config.json`` (a path or its dict), for the
-    Llama/Mistral/Qwen2/Mixtral-style keys: ``num_hidden_layers``, ``hidden_size``,
+    """A :class:`ModelDesc` from a Hugging Face ``config.json`` (a path or its dict).
+
+    Dense keys (Llama/Mistral/Qwen2): ``num_hidden_layers``, ``hidden_size``,
     ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
-    ``head_dim``, ``tie_word_embeddings``, ``num_local_experts`` and ``num_experts_per_tok``.
-    These architectures use SwiGLU, RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults)."""
+    ``head_dim``, ``tie_word_embeddings``. MoE keys: the routed experts ``num_local_experts``
+    (Mixtral), ``num_experts`` (Qwen-MoE) or ``n_routed_experts`` (DeepSeek);
+    ``num_experts_per_tok``; the expert width ``moe_intermediate_size`` (else
+    ``intermediate_size``); shared experts ``n_shared_experts`` x ``moe_intermediate_size``
+    (DeepSeek) or ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first layers
+    ``first_k_dense_replace``; MoE every ``decoder_sparse_step`` / ``moe_layer_freq`` layers.
+    DeepSeek's MLA (``kv_lora_rank``) is counted by :func:`mla_attention_params`, with the value
+    head dim as the head dim (as the ``deepseek-v3`` preset). These architectures use SwiGLU,
+    RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults)."""
     import json
     import os
 
@@ -375,13 +392,33 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
     missing = [key for key in required if key not in config]
     if missing:
         raise ValueError(f"The Hugging Face config lacks {missing}: give a decoder-only (Llama-style) config.json.")
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0)
+    moe: dict[str, Any] = {}
+    if experts:
+        expert_ffn = config.get("moe_intermediate_size")
+        shared = int(config.get("shared_expert_intermediate_size") or 0)
+        if not shared and config.get("n_shared_experts") and expert_ffn:
+            shared = int(config["n_shared_experts"]) * int(expert_ffn)
+        moe = dict(
+            num_experts=experts, top_k=int(config.get("num_experts_per_tok") or 0),
+            moe_ffn=int(expert_ffn) if expert_ffn else None, shared_expert_ffn=shared,
+            first_k_dense=int(config.get("first_k_dense_replace") or 0),
+            moe_every=int(config.get("decoder_sparse_step") or config.get("moe_layer_freq") or 1),
+        )
+    head_dim = config.get("head_dim")
+    attention: dict[str, Any] = {}
+    if config.get("kv_lora_rank"):  # DeepSeek MLA
+        head_dim = int(config["v_head_dim"])
+        attention["attention_params"] = mla_attention_params(
+            hidden, heads, config.get("q_lora_rank"), int(config["kv_lora_rank"]), int(config["qk_nope_head_dim"]),
+            int(config["qk_rope_head_dim"]), head_dim,
+        )
     return ModelDesc(
-        layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
-        heads=int(config["num_attention_heads"]), kv_heads=config.get("num_key_value_heads"),
-        head_dim=config.get("head_dim"), ffn=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), num_experts=experts,
-        top_k=int(config.get("num_experts_per_tok") or 0) if experts else 0, name=name or "hf-model",
+        layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
+        kv_heads=config.get("num_key_value_heads"), head_dim=head_dim, ffn=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        name=name or "hf-model", **moe, **attention,
     )
 
 

@@ -24,6 +24,7 @@ from lightning_para.plan.memory import (
     zero_state_bytes,
 )
 from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.overhead import microbatch_ops, optimizer_ops
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.tensors import (
     ParamTensor,
@@ -78,6 +79,7 @@ class RankEstimate:
     compute_seconds: float  # per microbatch
     microbatch_seconds: float  # compute plus exposed tp/ep/cp/pp communication, per microbatch
     dp_exposed_seconds: float  # per step
+    optimizer_seconds: float = 0.0  # per step: the optimizer step's per-operator overhead (CPU)
 
 
 def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
@@ -428,6 +430,8 @@ def price_rank(
     flops, score_flops = _compute_flops(model, training, layout, part)
     speed = cluster.peak_flops * cluster.efficiency
     compute = flops / speed / compute_speedup(layout)
+    # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
+    compute += microbatch_ops(model, layout, part) * cluster.op_seconds
     critical = 0.0
     collectives: list[Collective] = []
     cp_seconds = 0.0
@@ -453,4 +457,5 @@ def price_rank(
         in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
         resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
+        optimizer_seconds=optimizer_ops(model, part) * cluster.op_seconds,
     )

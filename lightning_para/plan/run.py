@@ -35,11 +35,14 @@ from lightning_para.plan.cluster import GPU_SPECS, Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
+from lightning_para.threads import available_cores, thread_budget, user_chose_threads
 
 # One CPU process talking gloo over the loopback device: rough figures (dense fp32 matmul FLOP/s of
 # one core, memcpy-bound socket bandwidth, per-message latency). Only step-time estimates use them.
+# op_seconds: ~10 us per eager aten operator, forward and backward (measured by `calibrate` on the
+# development VM, AMD EPYC, 1 thread); a calibration replaces all of these.
 CPU_PROCESS = {"peak_flops": 5e10, "intra_node_bw": 2e9, "inter_node_bw": 1e9,
-               "intra_node_latency": 5e-5, "inter_node_latency": 2e-4}
+               "intra_node_latency": 5e-5, "inter_node_latency": 2e-4, "op_seconds": 1e-5}
 # A GPU not in GPU_SPECS: PCIe-class links.
 UNKNOWN_GPU_LINKS = {"intra_node_bw": 5e10, "inter_node_bw": 1.25e10}
 
@@ -78,10 +81,19 @@ def local_cluster(
     memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
     if device.type == "cpu":
         figures: dict[str, Any] = dict(CPU_PROCESS)
+        # A rank's intra-op threads: this process's inside a run (the launcher gave it its budget);
+        # outside one (the `plan` CLI), the budget `apply_thread_budget` will give each rank.
+        inside = torch.distributed.is_available() and torch.distributed.is_initialized()
+        threads = torch.get_num_threads() if inside or user_chose_threads() else thread_budget(per_node)
         # This machine's measured figures, when `calibrate()` has cached them for this thread budget.
-        calibration = cached_calibration()
+        calibration = cached_calibration(threads)
         if calibration is not None:
             figures.update(calibration.cluster_figures())
+        # More rank threads than cores (the README demo: 4 one-thread ranks on 2 cores): the cores
+        # are time-shared, so each rank computes at cores / threads of its calibrated (alone) rate.
+        share = min(1.0, available_cores() / (per_node * threads))
+        figures["peak_flops"] *= share
+        figures["op_seconds"] /= share
         # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
         figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE
     else:

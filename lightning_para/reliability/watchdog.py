@@ -252,8 +252,38 @@ class Watchdog:
         try:  # peers waiting for this rank in a collective exit after FAILURE_GRACE intervals, naming it
             notice = f"rank {self.rank} stopped after {text} while doing {what!r}"
             self.store.compare_set("failure", "", notice)
+            if self.hosts_store:
+                self._linger_for_peers()
         except Exception:  # noqa: BLE001 - the store may be gone
             pass
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this process serves the process group's TCPStore: rank 0, except under torchrun (its
+        agent hosts the store and says so in ``TORCHELASTIC_USE_AGENT_STORE``)."""
+        return self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+    def _linger_for_peers(self) -> None:
+        """This rank raised and hosts the store, which dies with it: stay until the peers have read the
+        failure notice (one of them posts the verdict after FAILURE_GRACE intervals) or have stopped too,
+        at most ``FAILURE_GRACE + 2`` intervals. Exiting at once would leave the peers a vanished store
+        and no root cause ("rank 0 is gone"), a race a loaded node loses."""
+        deadline = time.monotonic() + (FAILURE_GRACE + 2) * self.interval
+        while time.monotonic() < deadline:
+            if self.store.check(["verdict"]) or self._every_peer_stopped():
+                return
+            time.sleep(min(LOCAL_CHECK_SECONDS, self.interval))
+
+    def _every_peer_stopped(self) -> bool:
+        if self.world_size > 256:  # one read per rank per check: only wait for the verdict at scale
+            return False
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            record = self._get(rank)
+            if record is None or record["state"] == "running":
+                return False
+        return True
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:

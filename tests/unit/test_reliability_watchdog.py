@@ -193,6 +193,36 @@ def test_a_rank_that_raised_releases_its_waiting_peers_after_a_short_grace(store
            " 'training_step (global step 0)'" in out.getvalue()
 
 
+def test_the_rank_hosting_the_store_stays_until_its_peers_read_its_failure(store):
+    """The store dies with rank 0. Exiting right after posting its failure notice left loaded peers a vanished
+    store and the verdict "rank 0 is gone" without the root cause; rank 0 now stays until a peer posts the
+    verdict (after FAILURE_GRACE intervals), or every peer has stopped, bounded by FAILURE_GRACE + 2 intervals."""
+    with Peers(store, "i") as peers:
+        peers.add(2)
+        host, host_exits, _ = _watchdog(store, "i")  # rank 0: hosts the store
+        host.start().progress("training_step (global step 0)")
+        waiting, exits, out = _watchdog(store, "i")
+        waiting.rank = 1
+        waiting.start().progress("backward and gradient sync (global step 0)")
+        started = time.monotonic()
+        try:
+            raise IndexError("Token ids must lie in [0, 256)")
+        except IndexError as error:
+            host.failed(error)  # returns once rank 1 has posted the verdict
+        stayed = time.monotonic() - started
+        assert exits == [WATCHDOG_EXIT_CODE] and host_exits == []
+        assert FAILURE_GRACE * 0.1 <= stayed < (FAILURE_GRACE + 2) * 0.1 + 0.5, stayed
+        assert "rank 0 stopped after IndexError: Token ids must lie in [0, 256)" in out.getvalue()
+    with Peers(store, "j") as peers:  # every peer stopped already (they raised too): no wait
+        peers.add(1, state="failed", error="IndexError: ...")
+        peers.add(2, state="done")
+        host, _, _ = _watchdog(store, "j")
+        host.start()
+        started = time.monotonic()
+        host.failed(IndexError("Token ids must lie in [0, 256)"))
+        assert time.monotonic() - started < FAILURE_GRACE * 0.1, "waited for peers that had stopped"
+
+
 def test_bad_timeouts_raise_before_any_process_starts():
     from lightning_para import ParaStrategy
 

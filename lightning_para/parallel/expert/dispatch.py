@@ -82,10 +82,14 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
+    # Eager under torch.compile (compile=True compiles the rest of the block around it): the split
+    # sizes are host integers read from this step's routing, so a traced exchange would graph-break at
+    # each `.tolist()` and recompile for every new set of counts.
+    @torch.compiler.disable(reason="expert dispatch: data-dependent all-to-all split sizes")
     def __call__(self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor) -> Tensor:
         """Send ``routed`` (rows sorted by global expert id, ``counts[e]`` each) to the experts' ranks,
         run the local ``experts(rows, rows_per_local_expert)``, and bring each row's output back in
-        the same order."""
+        the same order. Runs eagerly under ``torch.compile``."""
         recv_counts = self.exchange_counts(counts)  # [source rank, local expert]
         input_splits = counts.view(self.size, -1).sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()

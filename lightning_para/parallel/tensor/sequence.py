@@ -85,7 +85,9 @@ class SequenceShardedNorm(ParallelStyle):
             replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
             module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
         module.register_forward_pre_hook(partial(self._prepare, device_mesh))
-        module.register_forward_hook(self._finish, always_call=True)
+        # Not always_call: torch.compile guards on the ids of always-called hooks (one graph per block);
+        # a call that raised leaves one entry at the bottom of the stack, which later pairs never reach.
+        module.register_forward_hook(self._finish)
         return module
 
 
@@ -178,7 +180,7 @@ class GatherSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(partial(self._gather, device_mesh), with_kwargs=True)
-        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True, always_call=True)
+        module.register_forward_hook(partial(self._slice, device_mesh), with_kwargs=True)  # not always_call: as above
         return module
 
 

@@ -245,7 +245,9 @@ class SublayerInput(ParallelStyle):
             # re-gather cannot recognise): Megatron-SP's keep-the-shard is off under fp8.
             self.keep_shard = False
         module.register_forward_pre_hook(partial(self._prepare, device_mesh), with_kwargs=True)
-        module.register_forward_hook(self._finish, always_call=True)
+        # always_call only where a saved-tensor context must be left on an error: torch.compile guards on
+        # the ids of always-called hooks, so every block would compile its own graph.
+        module.register_forward_hook(self._finish, always_call=self.keep_shard)
         return module
 
     def __repr__(self) -> str:

@@ -1,0 +1,78 @@
+"""The planner's per-operator overhead (``lightning_para.plan.overhead``, issue 23 item 3): the
+operator counts match the GPT recipe, and the cost model's arithmetic (no timing is asserted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_para.plan import Cluster, Layout, Training, estimate, preset
+from lightning_para.plan.overhead import (
+    HEAD_OPS, LAYER_BACKWARD_OPS, LAYER_FORWARD_OPS, OPTIMIZER_OPS_PER_TENSOR, microbatch_ops, optimizer_ops,
+    parameter_tensors,
+)
+from lightning_para.plan.pipeline import RankLayers, pipeline_ranks
+from lightning_para.recipes import GPT
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_operator_counts_match_the_gpt_recipe():
+    model = GPT(preset="tiny", sample_tokens=0)
+    block = model.blocks[0]
+    x = torch.randn(2, 16, model.blocks[0].ln_1.weight.numel(), requires_grad=True)
+    with _Count() as forward:
+        y = block(x)
+    grad = torch.ones_like(y)
+    with _Count() as backward:
+        y.backward(grad)
+    assert (forward.ops, backward.ops) == (LAYER_FORWARD_OPS, LAYER_BACKWARD_OPS)
+    # the optimizer: one AdamW step per parameter tensor (less the profiler's record_function pair)
+    params = list(block.parameters())
+    one_layer = RankLayers(rank=0, layers=(0,), embedding=False, head=False, sends_forward=0, sends_backward=0,
+                           in_flight=1.0)
+    assert len(params) == parameter_tensors(preset("llama3-8b"), one_layer) == 9
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with _Count() as step:
+        opt.step()
+    assert step.ops - 2 == OPTIMIZER_OPS_PER_TENSOR * len(params)
+
+
+def test_overhead_is_ops_times_op_seconds_and_zero_on_gpu_presets():
+    model = preset("llama3-8b").with_changes(layers=4)
+    training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
+    layout = Layout(dp=1, tp=1, pp=2)
+    gpu = Cluster.of("h100", nodes=1, gpus_per_node=2)
+    assert gpu.op_seconds == 0.0
+    slow = dataclasses.replace(gpu, op_seconds=1e-4)
+    base, priced = estimate(model, gpu, training, layout), estimate(model, slow, training, layout)
+    parts = pipeline_ranks(model, layout.schedule, 2, 1, base.microbatches)
+    for r0, r1, part in zip(base.ranks, priced.ranks, parts):
+        ops = microbatch_ops(model, layout, part)
+        assert ops == 2 * (LAYER_FORWARD_OPS + LAYER_BACKWARD_OPS) + (HEAD_OPS if part.head else 3)
+        assert r1.compute_seconds - r0.compute_seconds == pytest.approx(ops * 1e-4)
+        assert r1.optimizer_seconds == pytest.approx(optimizer_ops(model, part) * 1e-4) and r0.optimizer_seconds == 0
+    # full recomputation replays each layer's forward once more
+    full = dataclasses.replace(layout, activation_checkpointing="full")
+    assert microbatch_ops(model, full, parts[0]) - microbatch_ops(model, layout, parts[0]) == 2 * LAYER_FORWARD_OPS
+    # the step: microbatches x the slowest rank's microbatch / (1 - bubble), plus the optimizer step
+    slowest = max(r.microbatch_seconds for r in priced.ranks)
+    steps = base.microbatches * base.accumulation
+    expected = steps * slowest / (1 - priced.bubble) + max(r.dp_exposed_seconds + r.optimizer_seconds for r in priced.ranks)
+    assert priced.step_seconds == pytest.approx(expected)
+    with pytest.raises(ValueError, match="op_seconds"):
+        dataclasses.replace(gpu, op_seconds=-1.0)
