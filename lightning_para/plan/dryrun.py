@@ -27,6 +27,10 @@ The planner's prediction for the same pipeline rank sits beside each figure
 Limits: MoE layers route tokens by their values (all-to-all split sizes), which meta tensors do
 not have, so for MoE models the step is skipped and only the states are measured
 (``step_ran=False``).
+
+Why this module is long: a meta-device run has to stand in for the GPU kernels' memory, so beside the
+driver it carries the two fused kernels' saved-tensor profiles (flash attention, RMSNorm) and the
+live-bytes and collective counters (issue 23: each of them is what made the measured activations right).
 """
 
 from __future__ import annotations
