@@ -12,7 +12,6 @@ from lightning_para.cli.dryrun import _parser as dryrun_parser
 from lightning_para.cli.dryrun import _setup as dryrun_setup
 from lightning_para.cli.model_args import resolve_model, shape_overrides
 from lightning_para.plan import Cluster, Training, preset
-from lightning_para.plan.model import from_hf_config
 from lightning_para.plan.search import search
 
 LLAMA3_8B_SHAPE = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
