@@ -112,3 +112,23 @@ def nccl_reduce_scatter_path(job: Any, *args: Any, **kwargs: Any) -> Any:
         return job(*args, **kwargs)
     finally:
         layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = True
+
+
+def batches_counter(first: int, last: Optional[int] = None) -> Any:
+    """A Lightning callback whose ``.counter`` (a :class:`CollectiveCounter`) sees every collective of
+    training batches ``first`` to ``last`` (default: ``first`` only), forward, backward and optimizer step."""
+    from lightning.pytorch.callbacks import Callback
+
+    class BatchesCounter(Callback):
+        def __init__(self) -> None:
+            self.counter = CollectiveCounter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == first:
+                self.counter.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == (first if last is None else last):
+                self.counter.__exit__(None, None, None)
+
+    return BatchesCounter()

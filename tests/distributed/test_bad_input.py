@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from tests.distributed.test_reliability import nan_able_gpt
 from tests.parity import trainer_kwargs
 
 NAN_STEP = 3
@@ -44,17 +45,10 @@ class PlantNaN(Callback):
 def nan_job(strategy_kwargs: dict[str, Any], ranks: tuple[int, ...], where: str = "loss", max_steps: int = 5) -> dict:
     """The GPT recipe with a NaN planted at step 3; returns what training left behind (if it ends)."""
     from lightning_para import ParaStrategy
-    from lightning_para.recipes import GPT, TextDataModule
-
-    class NaNableGPT(GPT):
-        nan_loss = False
-
-        def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss * torch.nan if self.nan_loss else loss
+    from lightning_para.recipes import TextDataModule
 
     L.seed_everything(0, verbose=False)
-    model = NaNableGPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, sample_tokens=0)
+    model = nan_able_gpt(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, sample_tokens=0)
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=max_steps,
                         callbacks=[PlantNaN(ranks, where)], **trainer_kwargs(limit_val_batches=0))
     trainer.fit(model, datamodule=TextDataModule(seq_len=32, global_batch_size=8, max_bytes=40_000))

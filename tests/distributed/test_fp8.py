@@ -31,11 +31,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import Subset
 
 from lightning_para.recipes.gpt import GPT
-from tests.comm_counter import CollectiveCounter
+from tests.comm_counter import batches_counter
 from tests.parity import (
     LossRecorder,
     ShardedData,
@@ -266,25 +265,10 @@ def test_fp8_composes_with_compile_tp2_sp(pools):
 
 
 # ============================================================================ bytes
-class _StepCounter(Callback):
-    """The collectives of one training step (batch 1: scales were precomputed after step 0)."""
-
-    def __init__(self) -> None:
-        self.counter = CollectiveCounter()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 1:
-            self.counter.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 1:
-            self.counter.__exit__(None, None, None)
-
-
 def _gather_bytes_job(fp8) -> dict:
     from lightning_para import ParaStrategy
 
-    step = _StepCounter()
+    step = batches_counter(1)  # batch 1: the scales were precomputed after step 0
     strategy = ParaStrategy(dp=2, zero=3, fp8=fp8)
     L.seed_everything(0, verbose=False)
     module = gpt()

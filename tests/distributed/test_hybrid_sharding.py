@@ -11,9 +11,8 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 
-from tests.comm_counter import CollectiveCounter, nccl_reduce_scatter_path
+from tests.comm_counter import batches_counter, nccl_reduce_scatter_path
 from tests.distributed.test_context_parallel_training import (
     CLIP,
     GLOBAL_BATCH,
@@ -61,25 +60,10 @@ def test_hsdp_with_expert_parallel_parity(pools, zero):
 
 
 # ----------------------------------------------------------------------------- bytes per rank
-class _StepCounter(Callback):
-    """Collectives of one whole training step (forward, backward, optimizer step with ZeRO's gather)."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch, self.counter = batch, CollectiveCounter()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.batch:
-            self.counter.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.batch:
-            self.counter.__exit__(None, None, None)
-
-
 def _hsdp_bytes_job(strategy_kwargs: dict) -> dict:
     from lightning_para import ParaStrategy
 
-    step = _StepCounter(batch=2)
+    step = batches_counter(2)  # one whole training step, ZeRO's gather included
     strategy = ParaStrategy(**strategy_kwargs)
     L.seed_everything(0, verbose=False)
     module = gpt_constant_lr()  # the recipe's AdamW (two fp32 states), not gpt()'s SGD (one)

@@ -17,6 +17,22 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from tests.parity import FP32_RTOL, assert_losses_close, trainer_kwargs
 
+
+def nan_able_gpt(**kwargs: Any) -> L.LightningModule:
+    """The GPT recipe whose training step returns a NaN loss once ``model.nan_loss`` is set (a planted NaN)."""
+    import torch
+
+    from lightning_para.recipes import GPT
+
+    class NaNableGPT(GPT):
+        nan_loss = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * torch.nan if self.nan_loss else loss
+
+    return NaNableGPT(**kwargs)
+
 STEPS, SAVE_EVERY = 8, 3
 
 
@@ -170,19 +186,11 @@ class Corrupt(Callback):
 
 def corruption_job(strategy_kwargs: dict[str, Any], corrupt: dict[str, Any], max_steps: int = 6) -> list[str]:
     """Train the GPT recipe with integrity checks every 2 steps; return the checker's reports."""
-    import torch
     from lightning_para import ParaStrategy
-    from lightning_para.recipes import GPT, TextDataModule
-
-    class NaNableGPT(GPT):
-        nan_loss = False
-
-        def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss * torch.nan if self.nan_loss else loss
+    from lightning_para.recipes import TextDataModule
 
     L.seed_everything(0, verbose=False)
-    model = NaNableGPT(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, sample_tokens=0)
+    model = nan_able_gpt(preset="tiny", n_layer=2, n_embd=32, n_head=2, block_size=32, sample_tokens=0)
     strategy = ParaStrategy(integrity_check_every_n_steps=2, **strategy_kwargs)
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
                         callbacks=[Corrupt(**corrupt)], **trainer_kwargs(limit_val_batches=0))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_para import consolidate_checkpoint
-from tests.comm_counter import CollectiveCounter
+from tests.comm_counter import CollectiveCounter, batches_counter
 from tests.harness import WorkerError
 from tests.parity import (
     ShardedData,
@@ -91,23 +91,9 @@ def test_tp2_parity_nanogpt_names_and_memory_breakdown(pools):
 
 def _size_one_dp_job() -> dict:
     """tp=2 over the whole world, so dp=1: count every collective of a few steps, by group."""
-    from lightning.pytorch.callbacks import Callback
-
     from lightning_para import ParaStrategy
 
-    class CountAll(Callback):
-        def __init__(self) -> None:
-            self.counter = CollectiveCounter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == 1:
-                self.counter.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 3:
-                self.counter.__exit__(None, None, None)
-
-    strategy, count = ParaStrategy(tp=2), CountAll()
+    strategy, count = ParaStrategy(tp=2), batches_counter(1, 3)
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=4, callbacks=[count],
                         use_distributed_sampler=False, **trainer_kwargs(**CLIP))
