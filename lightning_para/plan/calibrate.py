@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -149,7 +149,7 @@ def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        medians = []
+        fastest = []
         for nbytes in sizes:
             x = torch.zeros(max(1, nbytes // 4))
             dist.all_reduce(x)  # warm-up
@@ -159,9 +159,11 @@ def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out
                 start = time.perf_counter()
                 dist.all_reduce(x)
                 times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times))
+            # The fastest repeat, not the median: on a shared machine preemption only ever adds time, and a
+            # median of a few repeats under load can make a 4 KiB all-reduce slower than a 1 MiB one.
+            fastest.append(min(times))
         if rank == 0:
-            out.put(medians)
+            out.put(fastest)
     finally:
         dist.destroy_process_group()
 
@@ -184,17 +186,31 @@ def measure_gloo(sizes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20), repea
     for p in procs:
         p.start()
     try:
-        medians = out.get(timeout=timeout)
+        seconds = out.get(timeout=timeout)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    # Least squares t = a + n b, a = 2 alpha, b = 1 / beta.
-    n_mean, t_mean = statistics.fmean(sizes), statistics.fmean(medians)
-    cov = sum((n - n_mean) * (t - t_mean) for n, t in zip(sizes, medians))
+    return fit_alpha_beta(sizes, seconds)
+
+
+def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` from all-reduce times of 2 ranks: least squares ``t = 2 alpha + n / beta``.
+
+    When noise makes the fitted slope non-positive (a small message timed slower than a large one), the
+    slope says nothing about bandwidth; the largest message's bytes over its time is then used instead,
+    a lower bound on the bandwidth (it includes the latency), and the latency is the smallest time / 2.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least 2 (size, seconds) pairs, got {len(sizes)} and {len(seconds)}")
+    n_mean, t_mean = statistics.fmean(sizes), statistics.fmean(seconds)
+    cov = sum((n - n_mean) * (t - t_mean) for n, t in zip(sizes, seconds))
     var = sum((n - n_mean) ** 2 for n in sizes)
-    slope = max(cov / var, 1e-15)
+    slope = cov / var if var > 0 else 0.0
+    if slope <= 0:
+        largest = max(range(len(sizes)), key=lambda i: sizes[i])
+        return sizes[largest] / max(seconds[largest], 1e-12), min(seconds) / 2.0
     intercept = max(t_mean - slope * n_mean, 0.0)
     return 1.0 / slope, intercept / 2.0
 

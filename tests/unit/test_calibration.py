@@ -29,3 +29,16 @@ def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_p
 def test_gloo_sweep_fits_alpha_beta():
     bandwidth, latency = cal.measure_gloo(sizes=(4096, 1 << 20), repeats=3)
     assert 1e6 < bandwidth < 1e12 and 0 <= latency < 0.1
+
+
+def test_alpha_beta_fit_recovers_a_clean_line_and_survives_noise_that_inverts_it():
+    sizes = (4096, 65536, 1 << 20)
+    alpha, beta = 2e-5, 3e9
+    bandwidth, latency = cal.fit_alpha_beta(sizes, [2 * alpha + n / beta for n in sizes])
+    assert bandwidth == pytest.approx(beta, rel=1e-9) and latency == pytest.approx(alpha, rel=1e-9)
+    # CI once timed a 4 KiB all-reduce slower than a 1 MiB one under load: the slope went negative and the
+    # fit claimed 1e15 bytes/s. Now the largest message's rate is used, a lower bound on bandwidth.
+    bandwidth, latency = cal.fit_alpha_beta((4096, 1 << 20), [9e-4, 5e-4])
+    assert bandwidth == pytest.approx((1 << 20) / 5e-4) and latency == pytest.approx(2.5e-4)
+    with pytest.raises(ValueError, match="at least 2"):
+        cal.fit_alpha_beta((4096,), [1e-4])
