@@ -14,7 +14,13 @@ rank, with the difference in %. ``--ranks first,last`` means global rank 0 and `
 masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, a Hugging Face
 ``config.json`` or explicit shapes (``--layers --hidden --heads --kv-heads --ffn --vocab``, alone or replacing a
 preset's; the same arguments as ``lightning-para plan``, :mod:`lightning_para.cli.model_args`), built as the
-project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied).
+project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied), MoE models (``mixtral-8x7b``,
+``deepseek-v3``, ``--experts``) as its MoE recipe, routed with the dry run's balanced assignment
+(:func:`lightning_para.moe.balanced_routing`); DeepSeek's MLA is built as multi-head attention of about
+its parameter count (:func:`gpt_arguments`)::
+
+    lightning-para dryrun --model deepseek-v3 --gpus 2048 \\
+        --layout "pp=16,ep=64,zero=1,activation_checkpointing=full" --seq-len 4096 --global-batch 15360
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from lightning_para.cli.model_args import add_shape_arguments, model_name, resol
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import parse_layout
 from lightning_para.recipes.gpt import GPT
+from lightning_para.recipes.moe import MoEGPT
 
 PROG = "lightning-para dryrun"
 # Autocast (`*-mixed`) does not act on meta tensors: the dry run runs the true precisions.
@@ -45,7 +52,7 @@ GiB = 1024**3
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Dry-run chosen ranks of an N-rank job on the meta device.")
     p.add_argument("--model", type=model_name,
-                   help="a published model (dense presets: llama3-8b, -70b, -405b) or a Hugging Face config.json path")
+                   help="a published model (llama3-8b, -70b, -405b, mixtral-8x7b, deepseek-v3) or a Hugging Face config.json path")
     add_shape_arguments(p)
     p.add_argument("--gpus", type=int, required=True, help="ranks in the job")
     p.add_argument("--layout", default="", help='ParaStrategy degrees, e.g. "tp=8,pp=16,zero=1,sp=true"')
@@ -61,20 +68,62 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def gpt_arguments(model: ModelDesc, seq_len: int) -> dict[str, Any]:
-    """The GPT recipe's arguments for a planner preset of the Llama kind (RMSNorm, RoPE, SwiGLU, untied)."""
-    if model.is_moe or model.norm != "rmsnorm" or not model.gated_mlp or model.tied_embeddings or model.bias:
+    """The GPT recipe's arguments for a planner model of the Llama kind (RMSNorm, RoPE, SwiGLU, untied);
+    for an MoE model also :class:`~lightning_para.recipes.moe.MoEGPT`'s (routed experts, shared expert,
+    dense first layers).
+
+    Attention the recipe cannot build exactly (DeepSeek's MLA: ``attention_params`` set, or a head dim
+    other than hidden / heads) becomes standard attention with the model's head dim,
+    ``hidden / head_dim`` query heads and the divisor of them as key/value heads whose parameter count
+    is nearest the model's (DeepSeek-V3: 56 x 128 multi-head, 205.5M parameters per layer against MLA's
+    187.1M, +9.8%); :func:`attention_note` says what was built."""
+    if model.norm != "rmsnorm" or not model.gated_mlp or model.tied_embeddings or model.bias:
         raise ValueError(
-            f"`--model {model.name}`: the dry run builds Llama-style dense models (RMSNorm, SwiGLU, untied, no biases)."
-            " Choose llama3-8b, llama3-70b or llama3-405b, a config.json of that kind, or explicit shapes."
+            f"`--model {model.name}`: the dry run builds Llama-style models (RMSNorm, SwiGLU, untied, no biases)."
+            " Choose llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b or deepseek-v3, a config.json of that kind,"
+            " or explicit shapes."
         )
-    if model.head_dim * model.heads != model.hidden or model.attention_params is not None:
-        raise ValueError(
-            f"`--model {model.name}`: the GPT recipe's head dim is hidden / heads = {model.hidden // model.heads},"
-            f" the model's is {model.head_dim}; the dry run cannot build it."
-        )
-    return dict(
-        n_layer=model.layers, n_embd=model.hidden, n_head=model.heads, n_kv_head=model.kv_heads or model.heads,
+    heads, kv_heads = _attention_heads(model)
+    out: dict[str, Any] = dict(
+        n_layer=model.layers, n_embd=model.hidden, n_head=heads, n_kv_head=kv_heads,
         mlp_hidden=model.ffn, vocab_size=model.vocab, block_size=seq_len,
+    )
+    if model.is_moe:
+        out.update(
+            num_experts=model.num_experts, top_k=model.top_k, capacity_factor=model.capacity_factor,
+            moe_every=model.moe_every, first_k_dense=model.first_k_dense, expert_hidden=model.moe_ffn,
+            shared_expert_hidden=model.shared_expert_ffn or None,
+        )
+    return out
+
+
+def _attention_heads(model: ModelDesc) -> tuple[int, int]:
+    """``(query heads, kv heads)`` of the recipe's attention for ``model`` (see :func:`gpt_arguments`)."""
+    if model.attention_params is None and model.head_dim * model.heads == model.hidden:
+        return model.heads, model.kv_heads or model.heads
+    if model.hidden % model.head_dim:
+        raise ValueError(
+            f"`--model {model.name}`: the GPT recipe's head dim is hidden / heads; hidden={model.hidden} is not a"
+            f" multiple of the model's head dim {model.head_dim}, so the dry run cannot build its attention."
+        )
+    heads = model.hidden // model.head_dim
+    target = model.attention_params if model.attention_params is not None else \
+        2 * model.hidden * (model.q_dim + model.kv_dim)
+    kv = min((k for k in range(1, heads + 1) if heads % k == 0),
+             key=lambda k: abs(2 * model.hidden * (model.hidden + k * model.head_dim) - target))
+    return heads, kv
+
+
+def attention_note(model: ModelDesc) -> str:
+    """What :func:`gpt_arguments` built for ``model``'s attention, when it is not the model's own ("" if it is)."""
+    heads, kv = _attention_heads(model)
+    if (heads, kv) == (model.heads, model.kv_heads or model.heads) and model.attention_params is None:
+        return ""
+    built = 2 * model.hidden * (model.hidden + kv * model.hidden // heads)
+    target = model.attention_params if model.attention_params is not None else 2 * model.hidden * (model.q_dim + model.kv_dim)
+    return (
+        f"attention built as {heads} query / {kv} kv heads of {model.hidden // heads}: {built / 1e6:.1f}M parameters"
+        f" per layer against the model's {target / 1e6:.1f}M ({100 * (built - target) / target:+.1f}%)"
     )
 
 
@@ -106,8 +155,9 @@ def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Trainin
 def _worker(args: argparse.Namespace) -> int:
     model, config, training = _setup(args)
     kwargs = gpt_arguments(model, args.seq_len)
+    cls = MoEGPT if model.is_moe else GPT
     result = dry_run_rank(
-        lambda: GPT(**kwargs), config, args.gpus, args.worker_rank, seq_len=args.seq_len,
+        lambda: cls(**kwargs), config, args.gpus, args.worker_rank, seq_len=args.seq_len,
         micro_batch=args.micro_batch, hidden=model.hidden, model=model, training=training,
     )
     print("DRYRUN-RESULT " + json.dumps(result.to_dict()), flush=True)
@@ -174,7 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
-        print(render(results))
+        note = attention_note(_setup(args)[0])
+        print((f"note: {note}\n\n" if note else "") + render(results))
     return 0
 
 

@@ -27,23 +27,26 @@ from lightning_para.moe.helpers import (
     MoEAuxLossScale,
     MoEMetrics,
     aux_loss,
+    balanced_routing,
     moe_layers,
     aux_loss_grad_scale,
     moe_stats_paused,
     set_aux_loss_grad_scale,
 )
-from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, MoEStats, TopKRouter
+from lightning_para.moe.layer import MoE, balanced_assignment, FeedForward, GroupedExperts, MoEStats, TopKRouter
 from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
 __all__ = [
     "MoE",
     "MoEStats",
+    "balanced_assignment",
     "MoEMetrics",
     "MoEAuxLossScale",
     "TopKRouter",
     "GroupedExperts",
     "FeedForward",
     "aux_loss",
+    "balanced_routing",
     "moe_layers",
     "aux_loss_grad_scale",
     "moe_stats_paused",

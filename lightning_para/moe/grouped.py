@@ -59,7 +59,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _autocast(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # The dry run's meta tensors have no autocast (asking raises).
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         return x.to(dtype), weight.to(dtype)
     return x, weight
@@ -101,7 +102,8 @@ def _padded_bmm(x: Tensor, weight: Tensor, counts: Sequence[int]) -> Tensor:
         # all-to-all behind `x` runs on every rank, whether or not it received tokens.
         return x @ weight[0]
     count = torch.tensor(counts, device=x.device)
-    expert = torch.repeat_interleave(torch.arange(experts, device=x.device), count)
+    # output_size: the rows are known (no device sync; and the dry run's meta tensors have no values to sum).
+    expert = torch.repeat_interleave(torch.arange(experts, device=x.device), count, output_size=x.shape[0])
     start = torch.cumsum(count, 0) - count
     slot = torch.arange(x.shape[0], device=x.device) - start[expert]  # row's place within its expert
     padded = x.new_zeros(experts, most, x.shape[-1]).index_put((expert, slot), x)

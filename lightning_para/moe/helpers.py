@@ -55,6 +55,30 @@ def moe_stats_paused(module: nn.Module) -> Iterator[None]:
             layer.set_recording(value)
 
 
+@contextlib.contextmanager
+def balanced_routing(*modules: nn.Module) -> Iterator[None]:
+    """Inside, every MoE layer of ``modules`` (e.g. a rank's pipeline stages) routes with a fixed, perfectly balanced assignment.
+
+    For the dry run (``lightning_para.plan.dryrun``) only: on the meta device the router's top-k and
+    expert parallelism's all-to-all split sizes would read tensor values, which meta tensors do not
+    have. Here token ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod E``
+    (:func:`~lightning_para.moe.layer.balanced_assignment`), the gates are the router's probabilities
+    of those experts, and the rows per expert are host integers: every expert gets ``T k / E`` rows
+    (to one), which is the load the planner prices. The real dispatch and combine, with their
+    collectives, then run on those sizes. Routing statistics are not recorded. Training never enters
+    this: it is an explicit, per-layer switch, restored on exit.
+    """
+    layers = list({id(layer): layer for module in modules for _, layer in moe_layers(module)}.values())
+    previous = [layer.balanced_routing for layer in layers]
+    for layer in layers:
+        layer.balanced_routing = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer.balanced_routing = value
+
+
 def aux_loss_grad_scale(*, loss_scale: float = 1.0, accumulate: int = 1, microbatches: int = 1) -> float:
     """``d(loss that backward starts from) / d(task loss)``: the one formula for the aux-gradient scale.
 

@@ -47,7 +47,23 @@ class ExpertDispatcher(Protocol):
 
     size: int  # ranks the experts are spread over
 
-    def __call__(self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor) -> Tensor: ...
+    def __call__(
+        self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor,
+        balanced_counts: Optional[list[int]] = None,
+    ) -> Tensor: ...
+
+
+def balanced_assignment(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, list[int]]:
+    """The dry run's routing: token ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod E``.
+
+    Returns the ``[T, k]`` expert indices and the rows per expert as host integers
+    (``ceil`` or ``floor`` of ``T k / E``: perfectly balanced, the load the planner prices).
+    Computed from shapes only, so it works on the meta device, where routing cannot read values.
+    """
+    rows = num_tokens * top_k
+    indices = (torch.arange(rows, device=device) % num_experts).view(num_tokens, top_k)
+    base, extra = divmod(rows, num_experts)
+    return indices, [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
 class TopKRouter(nn.Module):
@@ -64,6 +80,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         # Selective precision (Switch Transformer Sec. 2.4): routing in fp32 even under autocast.
+        if not torch.amp.is_autocast_available(tokens.device.type):  # the dry run's meta tensors
+            return F.linear(tokens.float(), self.weight.float())
         with torch.autocast(device_type=tokens.device.type, enabled=False):
             return F.linear(tokens.float(), self.weight.float())
 
@@ -202,6 +220,8 @@ class MoE(nn.Module):
         # d(training loss)/d(aux loss) in backward; ParaStrategy sets it (loss scale / accumulation).
         self.aux_loss_grad_scale = 1.0
         self.dispatcher: Optional[ExpertDispatcher] = None  # see `set_dispatcher`
+        # The dry run's balanced routing (`lightning_para.moe.balanced_routing`); never set in training.
+        self.balanced_routing = False
         self._recording = True  # see `moe_stats_paused`
         self._reset_stats()
 
@@ -222,11 +242,24 @@ class MoE(nn.Module):
         num_tokens, k = tokens.shape[0], self.top_k
         logits = self.router(tokens)
         probs = logits.softmax(dim=-1)
-        top_probs, indices = probs.topk(k, dim=-1)
+        balanced_counts: Optional[list[int]] = None
+        if self.balanced_routing:
+            # Dry run on meta tensors (no values): a fixed, perfectly balanced assignment whose rows
+            # per expert are host integers; the gates stay the router's probabilities of those experts.
+            indices, balanced_counts = balanced_assignment(num_tokens, k, self.num_experts, tokens.device)
+            top_probs = probs.gather(-1, indices)
+        else:
+            top_probs, indices = probs.topk(k, dim=-1)
         gates = top_probs / top_probs.sum(-1, keepdim=True) if self.normalize_top_k else top_probs
 
         keep = None
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and balanced_counts is not None:
+            if max(balanced_counts) > expert_capacity(num_tokens, self.num_experts, self.capacity_factor, k):
+                raise ValueError(
+                    f"`capacity_factor={self.capacity_factor}` drops tokens even under balanced routing; the dry run"
+                    " runs capacity factors >= 1 (nothing dropped) or dropless routing (None)."
+                )
+        elif self.capacity_factor is not None:
             capacity = expert_capacity(num_tokens, self.num_experts, self.capacity_factor, k)
             keep = capacity_keep_mask(indices, self.num_experts, capacity)
             gates = gates * keep
@@ -243,7 +276,7 @@ class MoE(nn.Module):
         )
         routed = tokens[assignment // k]
 
-        expert_out = self._run_experts(routed, counts)
+        expert_out = self._run_experts(routed, counts, balanced_counts)
         slots = expert_out.new_zeros(num_tokens * k, self.dim).index_copy(0, assignment, expert_out)
         out = (slots.view(num_tokens, k, self.dim) * gates.unsqueeze(-1).to(slots.dtype)).sum(1)
         if self.shared_expert is not None:
@@ -257,10 +290,12 @@ class MoE(nn.Module):
     # call would recompile for each new set of counts), and torch's fake-tensor kernel of
     # `_grouped_mm` accepts only bf16, so fp32 grouped experts cannot be traced at all.
     @torch.compiler.disable(reason="MoE experts: data-dependent rows per expert")
-    def _run_experts(self, routed: Tensor, counts: Tensor) -> Tensor:
+    def _run_experts(self, routed: Tensor, counts: Tensor, balanced_counts: Optional[list[int]] = None) -> Tensor:
         if self.dispatcher is not None and self.dispatcher.size > 1:
+            if balanced_counts is not None:
+                return self.dispatcher(self.experts, routed, counts, balanced_counts=balanced_counts)
             return self.dispatcher(self.experts, routed, counts)
-        return self.experts(routed, counts.tolist())
+        return self.experts(routed, balanced_counts if balanced_counts is not None else counts.tolist())
 
     # Eager under torch.compile: the statistics are Python state (counters a trace would guard on and
     # recompile for), and the aux loss's gradient scale is read when backward runs, not when traced.
@@ -268,7 +303,7 @@ class MoE(nn.Module):
     def _attach_aux(
         self, out: Tensor, aux: tuple[Tensor, Tensor], indices: Tensor, keep: Optional[Tensor], shape: torch.Size
     ) -> Tensor:
-        if self.training:
+        if self.training and not self.balanced_routing:  # a dry run's fixed routing is no statistic
             self._record(aux, indices, keep)
         total_aux = aux[0] + aux[1]
         if torch.is_grad_enabled() and total_aux.requires_grad:
@@ -369,4 +404,4 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-__all__ = ["ExpertDispatcher", "MoE", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]
+__all__ = ["ExpertDispatcher", "MoE", "balanced_assignment", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

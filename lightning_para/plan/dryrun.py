@@ -24,9 +24,13 @@
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
 
-Limits: MoE layers route tokens by their values (all-to-all split sizes), which meta tensors do
-not have, so for MoE models the step is skipped and only the states are measured
-(``step_ran=False``).
+MoE models (issue 23): a router picks experts by their values, and expert parallelism's all-to-all
+split sizes are those picks counted, which meta tensors do not have. During the step every MoE layer
+routes with :func:`~lightning_para.moe.balanced_routing`: token ``t``'s ``j``-th choice is expert
+``(t * top_k + j) mod E``, so each expert gets ``T k / E`` rows (to one), the perfectly balanced
+load the planner assumes; the rows per expert are host integers and the real dispatch, grouped
+experts and combine run with their real all-to-alls (counts, tokens, outputs, and their backward)
+on the fake process group. A real run's imbalance (and capacity drops) are not modelled.
 
 Why this module is long: a meta-device run has to stand in for the GPU kernels' memory, so beside the
 driver it carries the two fused kernels' saved-tensor profiles (flash attention, RMSNorm) and the
@@ -52,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
+from lightning_para.moe import balanced_routing
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -339,7 +344,9 @@ class _CommCounter(TorchDispatchMode):
                     tensors = tensors[:1]
                 else:
                     group = next((a for a in flat if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))), None)
-                    tensors = tensors[-1:] if op in ("reduce_scatter",) else tensors[:1]
+                    # The tensor a rank passes in: reduce-scatter's input is its last tensor argument,
+                    # alltoall_base_'s its second (after the output); the others' first.
+                    tensors = tensors[-1:] if op == "reduce_scatter" else tensors[1:2] if op == "all_to_all" else tensors[:1]
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 entry = self.counts.setdefault((self._dim(group), op), [0, 0.0])
                 entry[0] += 1
@@ -373,15 +380,26 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: i
     raise ValueError(f"The dry run runs `schedule='1f1b'` or `'gpipe'`, not {schedule!r}; set schedule to one of them.")
 
 
+# Collectives the planner prices per microbatch (the rest, dp/edp/dp_replicate, once per step).
+_PER_MICROBATCH_DIMS = ("tp", "cp", "ep")
+
+
 def _predicted(
-    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int
+    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, in_flight: int
 ) -> tuple[MemoryFigures, list[CommFigure], int]:
+    """The planner's figures for this pipeline rank. Its per-microbatch collectives (tp, cp, ep) are
+    scaled from the step's microbatches to the ``in_flight`` ones the dry run runs, so both sides count
+    the same microbatches; the data-parallel ones are per step on both sides."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
     est = estimate(model, cluster, training, layout_from_config(config, dims))
     rank = est.ranks[pp_rank]
     res, mem = rank.resident, rank.memory
     figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations, mem.total)
-    comm = [CommFigure(c.dim, c.op, int(round(c.calls)), c.payload * c.calls) for c in rank.collectives]
+    microbatches = training.global_batch // (training.micro_batch * dims.dp)
+    comm = []
+    for c in rank.collectives:
+        calls = c.calls * in_flight / microbatches if c.dim in _PER_MICROBATCH_DIMS else c.calls
+        comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
     return figures, comm, rank.layers
 
 
@@ -436,9 +454,9 @@ def dry_run_rank(
     before = sum(measure_states(module, optimizer))  # weights and fp32 masters, made before the step
     t = time.perf_counter()
     activations = 0.0
-    run_step = run_step and not parallel.moe_layers
     if run_step:
-        with _FusedAttention(), comm, live:
+        # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
+        with _FusedAttention(), comm, live, balanced_routing(*parallel.parts):
             activations = _train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
                 precision.param_dtype or torch.float32,
@@ -452,7 +470,7 @@ def dry_run_rank(
     # The peak: what existed before the step (weights, masters) plus the step's own live peak.
     peak = before + live.peak if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
-    predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank)
+    predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0
     return RankDryRun(

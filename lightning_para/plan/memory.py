@@ -54,6 +54,7 @@ def layer_activation_bytes(
     moe_layer: bool = False,
     sp_saves_gathered_inputs: bool = False,
     swiglu_tensors: int = 4,
+    expert_parallel: bool = False,
 ) -> float:
     """Activation bytes one layer keeps for backward, for one microbatch, on one rank.
 
@@ -76,10 +77,16 @@ def layer_activation_bytes(
     * attention scores: softmax output ``e as^2b``, its dropout mask ``as^2b`` and output
       ``e as^2b`` -> ``5 as^2b`` (only the softmax without dropout; none with FlashAttention,
       which keeps the fp32 row log-sum-exp ``4 asb`` instead);
-    * MoE layer (replacing the MLP): fp32 router probabilities ``4 sbE``; per routed token copy
-      (``top_k`` copies, times the capacity factor) the expert's input and output ``2 e h`` and
-      its hidden activations; the shared experts' hidden activations. Experts are not tensor
-      parallel: they see ``1/t`` of the tokens with SP and all of them without.
+    * MoE layer (replacing the MLP; :class:`lightning_para.moe.MoE`): the router's fp32 copy of its
+      input ``4 sbh`` (routing in fp32, Switch Sec. 2.4; none when activations are fp32 already) and
+      its fp32 probabilities ``4 sbE``; per routed token copy (``top_k`` copies, times the capacity
+      factor) the expert's input, its output twice (the combine's scatter keeps it, and the
+      gate multiply keeps the scattered copy) ``3 e h`` and its hidden activations; the shared
+      experts' hidden activations. Experts are not tensor parallel: they see ``1/t`` of the tokens
+      with SP and all of them without. ``expert_parallel`` (``ep > 1``): the dispatcher's own
+      combine keeps the local experts' output once more, ``4 e h`` per copy. (Issue 23: the dry
+      run's saved tensors of the MoE layer; before, the planner counted ``2 e h`` per copy and no
+      router input.)
 
     Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
     """
@@ -112,9 +119,10 @@ def layer_activation_bytes(
     if moe_layer:
         moe_ffn = model.moe_ffn or model.ffn
         copies = s * b * model.top_k * (model.capacity_factor or 1.0)
-        routed = copies * e * (2 * h + hidden_tensors * moe_ffn)
+        routed = copies * e * ((4 if expert_parallel else 3) * h + hidden_tensors * moe_ffn)
         shared = e * s * b * hidden_tensors * model.shared_expert_ffn
-        experts = (4.0 * s * b * model.num_experts + routed + shared) / sp_divisor
+        router = 4.0 * s * b * (model.num_experts + (h if e < 4 else 0))
+        experts = (router + routed + shared) / sp_divisor
         mlp_sharded = 0.0
     else:
         experts = 0.0

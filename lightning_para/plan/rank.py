@@ -184,7 +184,8 @@ def _memory(
     # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
     # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
     gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing == "selective")
-    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3}
+    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3,
+                    "expert_parallel": layout.ep > 1}
     per_layer = [
         layer_activation_bytes(
             model, s, b, recompute=layout.activation_checkpointing, flash_attention=training.flash_attention,

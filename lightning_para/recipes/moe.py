@@ -32,6 +32,7 @@ class MoEOptions:
     top_k: int = 2
     capacity_factor: Optional[float] = None
     moe_every: int = 1
+    first_k_dense: int = 0  # the first blocks keep the dense MLP (DeepSeek-V3: 3)
     expert_hidden: Optional[int] = None  # default: the dense MLP width
     shared_expert_hidden: Optional[int] = None
     balance_loss_weight: float = 0.01
@@ -40,6 +41,8 @@ class MoEOptions:
     def __post_init__(self) -> None:
         if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or self.moe_every < 1:
             raise ValueError(f"`moe_every={self.moe_every!r}` must be a positive integer (1: every block, 2: every other).")
+        if isinstance(self.first_k_dense, bool) or not isinstance(self.first_k_dense, int) or self.first_k_dense < 0:
+            raise ValueError(f"`first_k_dense={self.first_k_dense!r}` must be an integer >= 0 (dense blocks before the first MoE one).")
 
 
 class MoEGPT(GPT):
@@ -48,6 +51,8 @@ class MoEGPT(GPT):
     Args:
         num_experts, top_k, capacity_factor: routing (see :class:`lightning_para.moe.MoE`).
         moe_every: put an MoE layer in every n-th block (the others keep the dense MLP).
+        first_k_dense: the first blocks keep the dense MLP; ``moe_every`` counts from the next one
+            (DeepSeek-V3: 3; the planner's ``ModelDesc.first_k_dense``).
         expert_hidden: hidden width of each expert (default: the dense MLP's).
         shared_expert_hidden: width of an always-on shared expert (``None``: none).
         balance_loss_weight, z_loss_weight: auxiliary loss weights (Switch 0.01; ST-MoE 0.001).
@@ -64,19 +69,20 @@ class MoEGPT(GPT):
         shared_expert_hidden: Optional[int] = None,
         balance_loss_weight: float = 0.01,
         z_loss_weight: float = 0.001,
+        first_k_dense: int = 0,
         **kwargs: Any,
     ) -> None:
         # Read by `make_mlp`, which GPT.__init__ calls while building the blocks.
         self.moe_options = MoEOptions(
             num_experts=num_experts, top_k=top_k, capacity_factor=capacity_factor, moe_every=moe_every,
-            expert_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden,
+            first_k_dense=first_k_dense, expert_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden,
             balance_loss_weight=balance_loss_weight, z_loss_weight=z_loss_weight,
         )
         super().__init__(**kwargs)
 
     def is_moe_block(self, layer_index: int) -> bool:
-        every = self.moe_options.moe_every
-        return layer_index % every == every - 1
+        every, dense = self.moe_options.moe_every, self.moe_options.first_k_dense
+        return layer_index >= dense and (layer_index - dense) % every == every - 1
 
     def make_mlp(self, layer_index: int) -> Optional[nn.Module]:
         if not self.is_moe_block(layer_index):

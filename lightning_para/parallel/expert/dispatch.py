@@ -29,7 +29,7 @@ experts locally.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,21 +86,37 @@ class AllToAllDispatcher:
     # sizes are host integers read from this step's routing, so a traced exchange would graph-break at
     # each `.tolist()` and recompile for every new set of counts.
     @torch.compiler.disable(reason="expert dispatch: data-dependent all-to-all split sizes")
-    def __call__(self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor) -> Tensor:
+    def __call__(
+        self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor,
+        balanced_counts: Optional[list[int]] = None,
+    ) -> Tensor:
         """Send ``routed`` (rows sorted by global expert id, ``counts[e]`` each) to the experts' ranks,
         run the local ``experts(rows, rows_per_local_expert)``, and bring each row's output back in
-        the same order. Runs eagerly under ``torch.compile``."""
+        the same order. Runs eagerly under ``torch.compile``.
+
+        ``balanced_counts``: the dry run's balanced routing (:func:`lightning_para.moe.balanced_routing`):
+        ``counts`` as host integers, the same on every rank of the group. The split sizes are then
+        derived from them instead of read from tensors (meta tensors have no values); the same
+        collectives run, the count exchange included."""
         recv_counts = self.exchange_counts(counts)  # [source rank, local expert]
-        input_splits = counts.view(self.size, -1).sum(1).tolist()
-        output_splits = recv_counts.sum(1).tolist()
+        num_local = recv_counts.shape[1]
+        if balanced_counts is None:
+            input_splits = counts.view(self.size, -1).sum(1).tolist()
+            output_splits = recv_counts.sum(1).tolist()
+            recv_rows, local_counts, rows = recv_counts.reshape(-1), recv_counts.sum(0).tolist(), None
+        else:
+            mine = balanced_counts[self.rank * num_local:(self.rank + 1) * num_local]  # what each source sends me
+            input_splits = [sum(balanced_counts[r * num_local:(r + 1) * num_local]) for r in range(self.size)]
+            output_splits = [sum(mine)] * self.size
+            recv_rows = torch.tensor(mine * self.size, device=counts.device)
+            local_counts, rows = [c * self.size for c in mine], sum(output_splits)
         received = all_to_all(routed, output_splits, input_splits, self.group)
         # Received rows are grouped (source, local expert); the experts want (local expert, source).
-        num_local = recv_counts.shape[1]
         expert_of_row = torch.repeat_interleave(
-            torch.arange(num_local, device=counts.device).repeat(self.size), recv_counts.reshape(-1)
+            torch.arange(num_local, device=counts.device).repeat(self.size), recv_rows, output_size=rows
         )
         by_expert = torch.argsort(expert_of_row, stable=True)
-        local_out = experts(received[by_expert], recv_counts.sum(0).tolist())
+        local_out = experts(received[by_expert], local_counts)
         back = local_out.new_empty(local_out.shape).index_copy(0, by_expert, local_out)
         return all_to_all(back, input_splits, output_splits, self.group)
 
