@@ -44,9 +44,12 @@ dimension, for the strategy and the tools that read it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +139,15 @@ class ParallelModel:
         return lambda t: id(t) in ids
 
 
+@contextlib.contextmanager
+def _entered(contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]]) -> Iterator[None]:
+    """Enter each ``contexts[i]()`` in turn (the recomputation contexts of :func:`parallelize`)."""
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            stack.enter_context(make())
+        yield
+
+
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
@@ -143,11 +155,15 @@ def parallelize(
     *,
     param_dtype: Optional[torch.dtype] = None,
     master_dtype: Optional[torch.dtype] = None,
+    recompute_context: Optional[Callable[[], contextlib.AbstractContextManager[Any]]] = None,
 ) -> ParallelModel:
     """Apply pp, tp, ep, activation checkpointing, ZeRO and the precision cast to ``module`` in place.
 
     ``param_dtype`` is the dtype parameters compute in (bf16 under ``bf16-true``; ``None``: as they
     are); ``master_dtype`` the dtype of separate optimizer copies of the weights (fp32 then).
+    ``recompute_context``: a context entered around each activation recomputation (besides context
+    parallelism's): torch-function modes active in the forward are not active in backward (the dry
+    run's fused-kernel mode, :mod:`lightning_para.plan.dryrun`).
     """
     user = detect_user_parallelism(module, dims, config)
     if user.fully_sharded:
@@ -230,9 +246,10 @@ def parallelize(
     ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
     result.experts = [apply_expert_parallel(part, ep_mesh, dims.get_mesh("dp")) for part in parts]
 
+    recompute = [c for c in (context.mode if context else None, recompute_context) if c is not None]
     for part in parts:
         # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).
-        apply_activation_checkpointing(part, config.activation_checkpointing, context.mode if context else None)
+        apply_activation_checkpointing(part, config.activation_checkpointing, partial(_entered, recompute) if recompute else None)
     if compile_opts is not None:  # after TP/SP, CP, EP and recomputation; before data parallelism wraps the blocks
         result.compiled = [apply_compile(part, options=compile_opts, require_blocks=pipeline is None) for part in parts]
 

@@ -27,6 +27,10 @@ IMPLEMENTATIONS = ("auto", "grouped_mm", "bmm", "loop")
 _SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
 
 
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` runs forward and backward for ``device``/``dtype`` (probed once, cached)."""
     key = (device.type, dtype)
@@ -34,11 +38,16 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         fn = getattr(F, "grouped_mm", None)
         ok = fn is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
         if ok:
+            # The first call may come inside a checkpointed block (whose saved-tensor hooks would turn the
+            # probe's backward into a recomputation of the block: torch's composable checkpoint then fails
+            # with a bare AssertionError) or under no_grad (a validation pass first: the probe's backward
+            # would fail and mark grouped_mm unsupported for good). Probe with plain saving, with grad.
             try:
-                a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
-                b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                out = fn(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
-                out.backward(torch.ones_like(out))
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+                    b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    out = fn(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+                    out.backward(torch.ones_like(out))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _SUPPORT[key] = ok

@@ -394,7 +394,9 @@ def _predicted(
     est = estimate(model, cluster, training, layout_from_config(config, dims))
     rank = est.ranks[pp_rank]
     res, mem = rank.resident, rank.memory
-    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations, mem.total)
+    # The dry run's activations are what the forwards leave held; the layer that full recomputation
+    # rebuilds in backward comes later (it is in both peaks).
+    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.recomputed, mem.total)
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
     for c in rank.collectives:
@@ -440,7 +442,11 @@ def dry_run_rank(
     with torch.device("meta"):
         module = build_model()
     # As ParaStrategy calls it: `bf16-true` gives bf16 weights and (ZeRO 0-2) fp32 masters taken before the cast.
-    parallel = parallelize(module, dims, config, param_dtype=precision.param_dtype, master_dtype=precision.master_dtype)
+    # Activation recomputation runs the forward again in backward, where the fused-kernel mode is not active.
+    parallel = parallelize(
+        module, dims, config, param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
+        recompute_context=_FusedAttention,
+    )
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     if parallel.data_parallel is not None:
         parallel.data_parallel.attach_optimizer(optimizer, is_expert=parallel.expert_predicate())

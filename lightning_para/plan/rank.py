@@ -51,6 +51,9 @@ class MemoryBreakdown:
     optimizer: float  # fp32 masters and optimizer state
     activations: float
     buffers: float  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
+    # Of `activations`: the one layer full recomputation rebuilds in backward (0 without it); the rest is
+    # what the in-flight microbatches hold when their forwards are done (what the dry run measures).
+    recomputed: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -193,6 +196,12 @@ def _memory(
         ) for i in part.layers
     ]
     held = sum(per_layer)
+    if torch_code and part.sends_forward:
+        # torch.distributed.pipelining keeps each chunk's output until its backward (the stage's
+        # `fwd_cache`); no layer of the chunk saves it (issue 23: the dry run's held bytes). Megatron-LM
+        # frees the sent output's data (`deallocate_pipeline_outputs`), so its profile does not count it.
+        sp = layout.tp if layout.sequence_parallel else 1
+        held += part.sends_forward * e * s / layout.cp * b * model.hidden / sp
     if part.embedding:
         held += embedding_activation_bytes(model, s, b, **kwargs)
     if part.last_stage:
@@ -201,16 +210,16 @@ def _memory(
         held += head_activation_bytes(
             model, s, b, activation_bytes=e, logit_bytes=logit_bytes, sp_saves_gathered_inputs=torch_code, **kwargs
         )
-    activations = part.in_flight * held
+    activations, recomputed = part.in_flight * held, 0.0
     if layout.activation_checkpointing == "full" and part.layers:
         # Backward recomputes one layer at a time: its full activations are live once more.
-        activations += max(
+        recomputed = max(
             layer_activation_bytes(
                 model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
                 moe_layer=model.is_moe_layer(i), **layer_kwargs,
             ) for i in part.layers
         )
-    return MemoryBreakdown(states[0], states[1], states[2], activations, buffers)
+    return MemoryBreakdown(states[0], states[1], states[2], activations + recomputed, buffers, recomputed)
 
 
 def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:

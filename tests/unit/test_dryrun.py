@@ -128,3 +128,50 @@ def test_meta_block_saves_what_fused_kernels_save():
                                      s, 1, flash_attention=True)
     small = 4 * 4 * s * (h // heads // 2) + 2 * 4 * s  # RoPE's fp32 cos and sin (for q and k), the norms' rstd
     assert sum(saved.values()) == planned + small
+
+
+MOE_CHILD = r"""
+import json, sys
+from lightning_para.config import ParallelConfig
+from lightning_para.plan.cluster import Training
+from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.plan.model import ModelDesc
+from lightning_para.recipes.moe import MoEGPT
+
+rank = int(sys.argv[1])
+config = ParallelConfig(pp=2, ep=4, zero=1, microbatches=4)
+desc = ModelDesc(layers=4, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, num_experts=8, top_k=2, moe_ffn=64,
+                 shared_expert_ffn=64, first_k_dense=1, name="tiny-moe")
+result = dry_run_rank(
+    lambda: MoEGPT(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, vocab_size=512, block_size=64, mlp_hidden=256,
+                   num_experts=8, top_k=2, expert_hidden=64, shared_expert_hidden=64, first_k_dense=1),
+    config, 16, rank, seq_len=64, micro_batch=1, hidden=128, model=desc,
+    training=Training(seq_len=64, global_batch=32, micro_batch=1, precision="bf16-true"),
+)
+print("RESULT " + json.dumps(result.to_dict()))
+"""
+
+
+def test_moe_dry_run_runs_the_step_with_balanced_routing():
+    """Issue 23: an MoE model's dry run runs the training step (it was skipped: routing reads tensor values)
+    under the balanced-routing hook, so the real expert-parallel dispatch issues its all-to-alls. World 16:
+    pp=2 x dp=8 with ep=4, ZeRO-1; blocks 0 (dense) and 1 (MoE: 8 experts, top-2, shared expert) on pipeline rank 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", MOE_CHILD, "0"], capture_output=True, text=True, env=env, timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    r = json.loads(line[len("RESULT "):])
+    assert r["step_ran"] and r["layers"] == 2 and r["in_flight"] == 2
+    # By hand, per MoE layer and microbatch: the rows-per-expert exchange (E int64) and four token all-to-alls
+    # (dispatch, combine and their backward), each of the T k rows this rank routes, h wide, in bf16.
+    tokens, k, h, experts, moe_layers = 64, 2, 128, 8, 1
+    per_microbatch = moe_layers * (8 * experts + 4 * tokens * k * h * 2)
+    ep = {(c["op"]): (c["calls"], c["bytes"]) for c in r["comm"] if c["dim"] == "ep"}
+    assert ep == {"all_to_all": (2 * 5 * moe_layers, 2 * per_microbatch)}
+    # The planner's ep all-to-alls for the same two microbatches: the same bytes.
+    predicted = sum(c["bytes"] for c in r["predicted_comm"] if c["dim"] == "ep")
+    assert predicted == 2 * per_microbatch
+    measured = r["measured"]
+    for key in ("params", "optimizer"):
+        assert measured[key] == pytest.approx(r["predicted"][key], rel=1e-9), key
+    assert measured["activations"] == pytest.approx(r["predicted"]["activations"], rel=0.2)
