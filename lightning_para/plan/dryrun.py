@@ -18,8 +18,9 @@
    have; the stage modules, hooks and loss are the real ones.
 4. Measured: parameters, gradients and optimizer state this rank holds after the step (bytes of
    distinct storages), the activations held when all in-flight microbatches have run forward
-   (what the schedule's peak keeps), the peak of all live bytes during the step, and every
-   collective with its bytes per mesh dimension.
+   (what the schedule's peak keeps), the peak of all live bytes during the step (a steady-state
+   step's: the optimizer moments this first step creates count as held through forward and
+   backward), and every collective with its bytes per mesh dimension.
 
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
@@ -457,9 +458,10 @@ def dry_run_rank(
     live, comm = _LiveBytes(), _CommCounter(dims)
     live.exclude = {_storage_key(_local(p)) for p in module.parameters()}
     live.exclude |= {_storage_key(_local(q)) for g in optimizer.param_groups for q in g["params"]}
-    before = sum(measure_states(module, optimizer))  # weights and fp32 masters, made before the step
+    states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
+    before = sum(states_before)
     t = time.perf_counter()
-    activations = 0.0
+    activations, backward_peak = 0.0, 0
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
         with _FusedAttention(), comm, live, balanced_routing(*parallel.parts):
@@ -470,11 +472,15 @@ def dry_run_rank(
             if parallel.data_parallel is not None:
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
+            backward_peak = live.peak
             optimizer.step()
     clock["step"] = time.perf_counter() - t
     params, grads, opt = measure_states(module, optimizer)
-    # The peak: what existed before the step (weights, masters) plus the step's own live peak.
-    peak = before + live.peak if run_step else params + grads + opt
+    # The peak: what existed before the step (weights, masters) plus the step's own live peak. The
+    # optimizer's moments appear in this first step's `optimizer.step()`; from the second step on they
+    # exist through forward and backward too, so the steady-state peak adds them to backward's peak.
+    moments = opt - states_before[2]
+    peak = before + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}

@@ -319,3 +319,54 @@ def test_grouped_mm_is_used_where_it_runs():
     if hasattr(torch.nn.functional, "grouped_mm"):  # torch >= 2.13 runs it on CPU in fp32
         assert grouped_mm_supported(torch.device("cpu"), torch.float32)
     assert not grouped_mm_supported(torch.device("cpu"), torch.float64)
+
+
+@pytest.mark.parametrize("first_call", ["checkpointed", "no_grad"])
+def test_grouped_mm_probe_inside_checkpoint_or_no_grad(monkeypatch, first_call):
+    """The one-time grouped_mm probe runs a tiny backward. Its first call inside a block under torch's
+    composable activation checkpoint (`activation_checkpointing="full"`) turned that backward into a
+    recomputation of the block (a bare AssertionError); under no_grad (validation first) it failed and
+    marked grouped_mm unsupported for good. Issue 23 (the DeepSeek-V3 dry run with full recomputation)."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    from lightning_para.moe import grouped
+
+    monkeypatch.setattr(grouped, "_SUPPORT", {})
+    torch.manual_seed(0)
+    block = nn.Sequential(MoE(16, 32, 4, 2))
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    if first_call == "no_grad":
+        with torch.no_grad():
+            block(x)
+    else:
+        composable_checkpoint(block[0])
+        block(x).sum().backward()
+        assert x.grad is not None
+    if hasattr(F, "grouped_mm"):
+        assert grouped._SUPPORT[("cpu", torch.float32)]
+
+
+def test_balanced_routing_is_a_scoped_switch():
+    """The dry run's balanced routing (issue 23): token t's j-th choice is expert (t k + j) mod E, every expert
+    gets T k / E rows, the real experts run on those rows, and the switch is off again outside the context."""
+    from lightning_para.moe import balanced_assignment, balanced_routing
+
+    indices, counts = balanced_assignment(5, 2, 4, torch.device("cpu"))
+    assert indices.tolist() == [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1]] and counts == [3, 3, 2, 2]
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 4, 2)
+    x = torch.randn(1, 5, 8)
+    with balanced_routing(layer):
+        assert layer.balanced_routing
+        out = layer(x)
+    assert not layer.balanced_routing and layer.pop_stats() is None  # fixed routing records no statistics
+    # The definition: gate-weighted experts (t k + j) mod E, the gates the router's renormalized probabilities.
+    tokens = x.reshape(-1, 8)
+    probs = layer.router(tokens).softmax(-1).gather(-1, indices)
+    gates = probs / probs.sum(-1, keepdim=True)
+    w1, w2, w3 = layer.experts.w1, layer.experts.w2, layer.experts.w3
+    expected = torch.stack([
+        sum(gates[t, j] * ((F.silu(tokens[t] @ w1[e]) * (tokens[t] @ w3[e])) @ w2[e]) for j, e in enumerate(indices[t].tolist()))
+        for t in range(5)
+    ])
+    torch.testing.assert_close(out.reshape(5, 8), expected, rtol=1e-5, atol=1e-6)
