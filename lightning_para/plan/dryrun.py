@@ -20,7 +20,9 @@
    distinct storages), the activations held when all in-flight microbatches have run forward
    (what the schedule's peak keeps), the peak of all live bytes during the step (a steady-state
    step's: the optimizer moments this first step creates count as held through forward and
-   backward), and every collective with its bytes per mesh dimension.
+   backward, and with more microbatches than in flight the in-flight microbatches run once
+   untracked first, so the measured ones find the accumulated gradients), and every collective
+   with its bytes per mesh dimension.
 
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
@@ -461,9 +463,17 @@ def dry_run_rank(
     states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
     before = sum(states_before)
     t = time.perf_counter()
-    activations, backward_peak = 0.0, 0
+    activations, backward_peak, accumulated = 0.0, 0, 0
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
+        if microbatches > in_flight:
+            # With more microbatches than in flight, a later microbatch runs while the earlier ones'
+            # gradients are held (accumulated unsharded until the step's sync): run the in-flight
+            # microbatches once untracked first, so the measured pass finds those gradients.
+            with _FusedAttention(), balanced_routing(*parallel.parts):
+                _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, _LiveBytes(),
+                            precision.param_dtype or torch.float32)
+            accumulated = measure_states(module, optimizer)[1] - states_before[1]  # bf16-true: on the fp32 masters
         with _FusedAttention(), comm, live, balanced_routing(*parallel.parts):
             activations = _train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
@@ -476,11 +486,12 @@ def dry_run_rank(
             optimizer.step()
     clock["step"] = time.perf_counter() - t
     params, grads, opt = measure_states(module, optimizer)
-    # The peak: what existed before the step (weights, masters) plus the step's own live peak. The
-    # optimizer's moments appear in this first step's `optimizer.step()`; from the second step on they
-    # exist through forward and backward too, so the steady-state peak adds them to backward's peak.
+    # The peak: what existed before the step (weights, masters, the accumulated gradients) plus the
+    # step's own live peak. The optimizer's moments appear in this first step's `optimizer.step()`;
+    # from the second step on they exist through forward and backward too, so the steady-state peak
+    # adds them to backward's peak.
     moments = opt - states_before[2]
-    peak = before + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
+    peak = before + accumulated + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
