@@ -11,7 +11,7 @@ process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and Z
 training step on meta tensors) and is printed beside the planner's prediction for its pipeline
 rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
 (the first and the last pipeline rank). ``--precision`` (default ``bf16-true``: bf16 weights with fp32
-masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, a Hugging Face
+masters) is the precision both the ranks and the planner use. Models: the planner's Llama-style presets, a Hugging Face
 ``config.json`` or explicit shapes (``--layers --hidden --heads --kv-heads --ffn --vocab``, alone or replacing a
 preset's; the same arguments as ``lightning-para plan``, :mod:`lightning_para.cli.model_args`), built as the
 project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied), MoE models (``mixtral-8x7b``,

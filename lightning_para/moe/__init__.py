@@ -33,8 +33,8 @@ from lightning_para.moe.helpers import (
     moe_stats_paused,
     set_aux_loss_grad_scale,
 )
-from lightning_para.moe.layer import MoE, balanced_assignment, FeedForward, GroupedExperts, MoEStats, TopKRouter
-from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
+from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, MoEStats, TopKRouter
+from lightning_para.moe.routing import balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
 
 __all__ = [
     "MoE",

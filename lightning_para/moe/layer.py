@@ -13,7 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
 from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
-from lightning_para.moe.routing import capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
+from lightning_para.moe.routing import (
+    balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss,
+)
 
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_SCOPES = ("sequence", "batch")
@@ -51,19 +53,6 @@ class ExpertDispatcher(Protocol):
         self, experts: Callable[[Tensor, list[int]], Tensor], routed: Tensor, counts: Tensor,
         balanced_counts: Optional[list[int]] = None,
     ) -> Tensor: ...
-
-
-def balanced_assignment(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, list[int]]:
-    """The dry run's routing: token ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod E``.
-
-    Returns the ``[T, k]`` expert indices and the rows per expert as host integers
-    (``ceil`` or ``floor`` of ``T k / E``: perfectly balanced, the load the planner prices).
-    Computed from shapes only, so it works on the meta device, where routing cannot read values.
-    """
-    rows = num_tokens * top_k
-    indices = (torch.arange(rows, device=device) % num_experts).view(num_tokens, top_k)
-    base, extra = divmod(rows, num_experts)
-    return indices, [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
 class TopKRouter(nn.Module):
@@ -404,4 +393,4 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-__all__ = ["ExpertDispatcher", "MoE", "balanced_assignment", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]
+__all__ = ["ExpertDispatcher", "MoE", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

@@ -1,4 +1,4 @@
-"""Routing math of the MoE layer (no modules, no communication): capacity and auxiliary losses."""
+"""Routing math of the MoE layer (no modules, no communication): capacity, auxiliary losses, the dry run's balanced assignment."""
 
 from __future__ import annotations
 
@@ -37,9 +37,22 @@ def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int, groups
     return num_experts * (f * p).sum(-1).mean()
 
 
+def balanced_assignment(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, list[int]]:
+    """The dry run's routing: token ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod E``.
+
+    Returns the ``[T, k]`` expert indices and the rows per expert as host integers
+    (``ceil`` or ``floor`` of ``T k / E``: perfectly balanced, the load the planner prices).
+    Computed from shapes only, so it works on the meta device, where routing cannot read values.
+    """
+    rows = num_tokens * top_k
+    indices = (torch.arange(rows, device=device) % num_experts).view(num_tokens, top_k)
+    base, extra = divmod(rows, num_experts)
+    return indices, [base + (1 if e < extra else 0) for e in range(num_experts)]
+
+
 def router_z_loss(logits: Tensor) -> Tensor:
     """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-__all__ = ["expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss"]
+__all__ = ["balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss"]
