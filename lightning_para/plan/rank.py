@@ -124,8 +124,13 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
 
     * ZeRO-1 and 2 keep only the reduced gradient *shard* (the full gradients are freed into the
       reduce-scatter buckets), in the dtype of the optimizer's tensor: fp32;
-    * a separate fp32 master (``bf16-true``) holds the fp32 gradient; without one (``32-true``,
-      ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own rows (no extra bytes);
+    * a separate fp32 master (``bf16-true``, ``16-true``) holds the fp32 gradient, and the model's
+      ``p.grad`` shows the reduced 16-bit gradient beside it until the next backward
+      (``ZeroDataParallel._finish``: the bucket's reduced shard under ZeRO-1/2, the whole reduced
+      bucket under ZeRO-0), so such a rank holds ``4 + 2`` gradient bytes per element it steps
+      (issue 23: the dry run measured +50% on gradients before this was priced); without a
+      separate master (``32-true``, ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own
+      rows and its gradient is the one shown (no extra bytes);
     * ZeRO-3 (FSDP2) keeps its sharded parameters in fp32 (they are the master), gradients too;
     * shards are ``ceil(rows / N)`` rows of each tensor, padding included (:mod:`.tensors`);
     * Adam keeps a 4-byte ``step`` tensor per parameter tensor next to its two moments.
@@ -147,7 +152,10 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
             grads += fp32 * shard
         else:
             params += precision.weight * full
-            grads += (fp32 if separate_master or layout.zero >= 1 else precision.grad) * held
+            if separate_master:  # the master's fp32 gradient and the 16-bit one `p.grad` shows
+                grads += (fp32 + precision.grad) * held
+            else:
+                grads += (fp32 if layout.zero >= 1 else precision.grad) * held
         optimizer += state * held + (precision.master * held if separate_master else 0)
     return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
 
