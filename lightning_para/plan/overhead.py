@@ -36,7 +36,7 @@ def microbatch_ops(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
     """aten operators one rank dispatches for one microbatch, forward and backward (a full
     recomputation replays each layer's forward once more)."""
     layer = LAYER_FORWARD_OPS + LAYER_BACKWARD_OPS
-    if layout.activation_checkpointing == "full":
+    if layout.activation_checkpointing in ("full", "selective_op"):
         layer += LAYER_FORWARD_OPS
     ops = float(layer * len(part.layers))
     if part.embedding:

@@ -169,6 +169,6 @@ def test_model_from_hugging_face_config(tmp_path, capsys) -> None:
             "--top", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("llama-3.1-8b: 8.03B params") and "141.0 GB usable each" in out
+    assert out.startswith("llama-3.1-8b: 8.03B params") and "149.5 GB usable each" in out
     with pytest.raises(ValueError, match="lacks"):
         from_hf_config({"hidden_size": 8})
