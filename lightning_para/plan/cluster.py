@@ -114,6 +114,9 @@ class Cluster:
             to the step per operator (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets
             (launches overlap the device's queue); ``local_cluster`` sets it on CPU from the
             calibration.
+        dtensor_op_seconds: fixed seconds per operator that goes through DTensor's dispatch (sharding
+            propagation, redistribution, wrapping) under tensor parallelism, counted separately from
+            ``op_seconds`` (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets; calibrated on CPU.
     """
 
     nodes: int
@@ -128,6 +131,7 @@ class Cluster:
     reserved_bytes: float = 0.0
     reduce_scatter_is_all_reduce: bool = False
     op_seconds: float = 0.0
+    dtensor_op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -136,7 +140,7 @@ class Cluster:
             _check_positive(name, getattr(self, name))
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
-        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds"):
+        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")

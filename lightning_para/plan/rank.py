@@ -25,7 +25,7 @@ from lightning_para.plan.memory import (
     zero_state_bytes,
 )
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.overhead import microbatch_ops, optimizer_ops
+from lightning_para.plan.overhead import microbatch_dtensor_ops, microbatch_ops, optimizer_dtensor_ops, optimizer_ops
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.tensors import (
     ParamTensor,
@@ -450,6 +450,7 @@ def price_rank(
     compute = flops / speed / compute_speedup(layout)
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds
+    compute += microbatch_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds
     critical = 0.0
     collectives: list[Collective] = []
     cp_seconds = 0.0
@@ -475,5 +476,6 @@ def price_rank(
         in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
         resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
-        optimizer_seconds=optimizer_ops(model, part) * cluster.op_seconds,
+        optimizer_seconds=(optimizer_ops(model, part, layout) * cluster.op_seconds
+                           + optimizer_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds),
     )
