@@ -236,6 +236,10 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
             if value % (lay.cp * lay.tp):
                 problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
+    if lay.cp > 1 and lay.activation_checkpointing in ("selective", "selective_op"):
+        # ParaStrategy's rule (config.py): selective recomputation would replay ring attention's receives.
+        problems.append(f"activation_checkpointing='{lay.activation_checkpointing}' with cp>1 is not supported by"
+                        " ParaStrategy (use 'full' or None)")
     if lay.dp_shard % lay.ep:  # type: ignore[operator]
         dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
         problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")

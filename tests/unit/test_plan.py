@@ -498,3 +498,9 @@ def test_selective_op_prices_torchtitans_policy():
     # "selective" has the same count, but its extra one is the saved shards' re-gather, overlapped in backward.
     assert gathers("selective_op")[0] == gathers("full")[0] == gathers("selective")[0]
     assert gathers("selective_op")[1] == pytest.approx(gathers("full")[1]) and gathers("selective_op")[1] > gathers("selective")[1]
+    # ParaStrategy rejects selective recomputation under cp; so does the planner.
+    from lightning_para.plan.cost import layout_problems
+
+    for mode in ("selective", "selective_op"):
+        problems = layout_problems(model, cluster, training, Layout(dp=4, cp=2, zero=3, activation_checkpointing=mode))
+        assert any(f"'{mode}' with cp>1 is not supported" in p for p in problems), problems
