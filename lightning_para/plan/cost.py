@@ -8,7 +8,9 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
   layers, output head and experts rank ``r`` holds, divided by tp (experts: by tp only with SP,
   otherwise every tp rank runs them), times 4/3 with full recomputation (one more forward;
   Korthikanti et al. 2022, Sec. 5) and plus the attention-score forward with selective
-  recomputation (none with FlashAttention, which already recomputes them), at
+  recomputation (none with FlashAttention, which already recomputes them), plus the forward of
+  the matmuls torchtitan's per-op policy recomputes (``"selective_op"``: k, o and one ``h x f``
+  matrix per layer, :func:`~lightning_para.plan.memory.selective_op_recompute_params`), at
   ``peak_flops * efficiency``;
 * **tp and ep** collectives are on the critical path (not overlapped: the next matmul needs
   their result), except SP's backward re-gather of saved inputs, which Megatron overlaps with
