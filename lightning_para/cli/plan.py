@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     space.add_argument("--pp", help="pipeline degrees to try")
     space.add_argument("--ep", help="expert-parallel degrees to try")
     space.add_argument("--zero", help="ZeRO stages to try (default 0,1,2,3)")
-    space.add_argument("--recompute", default="none,full", help="recomputation to try: none, full, selective")
+    space.add_argument("--recompute", default="none,full", help="recomputation to try: none, full, selective, selective_op")
     space.add_argument("--all-variants", action="store_true", help="list every variant, not the fastest per degrees")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="ranked layouts to print")
@@ -174,7 +174,7 @@ def _space(args: argparse.Namespace, module: Optional[nn.Module], model: ModelDe
     for item in args.recompute.split(","):
         value = None if item.strip().lower() in ("none", "null", "") else item.strip()
         if value not in RECOMPUTE:
-            raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective.")
+            raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective, selective_op.")
         recompute.append(value)
     capable = search_space(ParallelConfig(), module, model, world) if module is not None else None
     tp = _ints(args.tp, "tp") or (capable.tp if capable is not None else None)

@@ -66,7 +66,8 @@ def _layer_ops(layout: Layout, which: int) -> tuple[float, float]:
         if which == 2:
             return tuple(map(float, TP_LAYER_OPTIMIZER[sp]))  # type: ignore[return-value]
         forward, backward = TP_LAYER_FORWARD[sp], TP_LAYER_BACKWARD[sp]
-    replays = 2 if layout.activation_checkpointing == "full" else 1  # full recomputation replays the forward
+    # Full recomputation, and torchtitan's per-op policy ("selective_op"), replay the forward.
+    replays = 2 if layout.activation_checkpointing in ("full", "selective_op") else 1
     return (float(replays * forward[0] + backward[0]), float(replays * forward[1] + backward[1]))
 
 

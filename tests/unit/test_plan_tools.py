@@ -40,7 +40,7 @@ def test_plan_cli_on_a_published_model(capsys):
             "--top", "3", "--rejected", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("llama3-8b: 8.03B params") and "8 devices (1 x 8), 80.0 GB usable each" in out
+    assert out.startswith("llama3-8b: 8.03B params") and "8 devices (1 x 8), 84.4 GB usable each" in out
     assert "memory GB (p/g/o/act/buf)" in out and "Excluded layouts:" in out and "why not" in out
     assert "class_path: lightning_para.ParaStrategy" in out and "precision: bf16-mixed" in out
 
