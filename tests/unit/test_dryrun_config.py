@@ -70,6 +70,7 @@ def test_shape_arguments_are_refused_with_config(capsys):
     assert "--layers" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~60 s on 2 cores (two rank processes import torch and Lightning); the default tier stays short
 def test_dryrun_config_prints_per_rank_figures(capsys, monkeypatch):
     """The command itself: gpt-cpu-demo on 8 ranks, its first and last rank (one process each, at once),
     each with its states, activations and peak beside the planner's."""
