@@ -186,9 +186,9 @@ class ParallelConfig:
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if self.cp > 1 and self.activation_checkpointing == "selective":
+        if self.cp > 1 and self.activation_checkpointing in ("selective", "selective_op"):
             raise ValueError(
-                "`activation_checkpointing='selective'` with `cp>1` is not supported: selective recomputation caches"
+                f"`activation_checkpointing={self.activation_checkpointing!r}` with `cp>1` is not supported: selective recomputation caches"
                 " the outputs of collectives, which would replay ring attention's point-to-point receives without"
                 " their sends. Use activation_checkpointing='full' (recomputes attention across the cp group) or None."
             )

@@ -3,11 +3,13 @@
 ``config.py`` validates ParaStrategy's arguments against these lists and the planner
 (``plan/``) prices the same names, so a precision, schedule or recomputation mode added here is
 known to both. A leaf: it imports only the dimension registries that own their names
-(``parallel/pipeline/schedules.py``, ``parallel/context/attention.py``, ``parallel/data/fsdp.py``).
+(``parallel/pipeline/schedules.py``, ``parallel/context/attention.py``, ``parallel/data/fsdp.py``,
+``parallel/activation_checkpoint.py``).
 """
 
 from __future__ import annotations
 
+from lightning_para.parallel.activation_checkpoint import MODES as _AC_MODES
 from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
 from lightning_para.parallel.data.fsdp import ZERO3_UNITS
 from lightning_para.parallel.fp8 import FP8_RECIPES as _FP8
@@ -15,8 +17,10 @@ from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES
 
 # Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-# ``activation_checkpointing`` (the planner's "recomputation"): none, per-op selective, whole blocks.
-ACTIVATION_CHECKPOINTING = (None, "selective", "full")
+# ``activation_checkpointing`` (the planner's "recomputation"): none, per-op selective (save every matmul,
+# attention and collective output), torchtitan's per-op selective (``"selective_op"``: every second matmul
+# recomputed, see ``parallel/activation_checkpoint.py``), whole blocks.
+ACTIVATION_CHECKPOINTING = (None, *_AC_MODES)
 # Every pipeline schedule ParaStrategy runs (``parallel/pipeline/schedules.py`` is the registry).
 SCHEDULES = PIPELINE_SCHEDULES
 # The schedules whose bubble and in-flight activations the planner prices (``plan/pipeline.py``);

@@ -90,7 +90,8 @@ class ParaStrategy(ParallelStrategy):
         tp_unplanned: ``"error"`` (default) for an ``nn.Linear`` no plan covers, or ``"replicate"``
             to keep such Linears whole on every tp rank.
         loss_parallel: vocab-parallel cross-entropy under ``tp`` (full logits never gathered).
-        activation_checkpointing: ``None``, ``"full"`` or ``"selective"`` per block.
+        activation_checkpointing: ``None``, ``"full"``, ``"selective"`` or ``"selective_op"`` (torchtitan's
+            per-op policy: every second matmul recomputed) per block; see ``parallel/activation_checkpoint.py``.
         schedule: pipeline schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...).
         microbatches: microbatches per pipeline step (default: ``pp * virtual_stages``, one per stage).
         virtual_stages: stages per pipeline rank for interleaved schedules.

@@ -8,6 +8,7 @@
     lightning-para plan --config recipes/gpt-cpu-demo.yaml --validate
     lightning-para parity --config recipes/gpt-cpu-demo.yaml --layout "tp=2,pp=2" --steps 20
     lightning-para dryrun --model llama3-405b --gpus 16384 --layout "tp=8,pp=16,zero=1,sp=true" --ranks first,last
+    lightning-para dryrun --config recipes/gpt-cpu-demo.yaml --gpus 8 --ranks first,last
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI's subcommands with ParaStrategy, the
 text data module and the profiler as defaults (:mod:`lightning_para.cli.fit`); ``plan`` is

@@ -11,7 +11,7 @@ process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and Z
 training step on meta tensors) and is printed beside the planner's prediction for its pipeline
 rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
 (the first and the last pipeline rank). ``--precision`` (default ``bf16-true``: bf16 weights with fp32
-masters) is the precision both the ranks and the planner use. Models: the planner's Llama-style presets, a Hugging Face
+masters) is the precision both the ranks and the planner use. Models: the planner's dense presets, a Hugging Face
 ``config.json`` or explicit shapes (``--layers --hidden --heads --kv-heads --ffn --vocab``, alone or replacing a
 preset's; the same arguments as ``lightning-para plan``, :mod:`lightning_para.cli.model_args`), built as the
 project's GPT recipe (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied), MoE models (``mixtral-8x7b``,
@@ -21,6 +21,20 @@ its parameter count (:func:`gpt_arguments`)::
 
     lightning-para dryrun --model deepseek-v3 --gpus 2048 \\
         --layout "pp=16,ep=64,zero=1,activation_checkpointing=full" --seq-len 4096 --global-batch 15360
+
+``--config CFG.yaml`` dry-runs a LightningCLI config instead (``recipes/*.yaml``, read as
+``lightning-para plan --config`` reads it: :mod:`lightning_para.cli.run_config`)::
+
+    lightning-para dryrun --config recipes/gpt-cpu-demo.yaml --gpus 8 --ranks first,last
+
+Its LightningModule is built as the config says (on the meta device) and described for the planner
+from that module; the layout is the strategy's (``trainer.strategy.init_args``: tp, pp, ep, cp,
+zero, schedule, microbatches, sequence_parallel, ...) with ``dp`` derived from ``--gpus`` (default:
+the config's devices x num_nodes), and ``--layout`` replaces single arguments; the sequence length and
+global batch are the data section's (``seq_len``, ``global_batch_size``), each data-parallel rank
+taking ``global_batch_size / dp`` sequences split into the pipeline's microbatches, as the run loads
+them. The precision is the config's, which must be a ``*-true`` one (or give ``--precision``). A config
+key the dry run cannot use exits with status 2 and a message naming it.
 """
 
 from __future__ import annotations
@@ -31,13 +45,27 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import nn
 
 from lightning_para.config import ParallelConfig
 from lightning_para.options import PRECISIONS
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
+from lightning_para.cli.run_config import (
+    RunConfigError,
+    config_precision,
+    data_value,
+    describe_config_model,
+    load_config,
+    model_from_config,
+    strategy_layout_arguments,
+    trainer_value,
+)
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import parse_layout
 from lightning_para.recipes.gpt import GPT
@@ -51,17 +79,24 @@ GiB = 1024**3
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Dry-run chosen ranks of an N-rank job on the meta device.")
-    p.add_argument("--model", type=model_name,
-                   help="a published model (llama3-8b, -70b, -405b, mixtral-8x7b, deepseek-v3) or a Hugging Face config.json path")
-    add_shape_arguments(p)
-    p.add_argument("--gpus", type=int, required=True, help="ranks in the job")
-    p.add_argument("--layout", default="", help='ParaStrategy degrees, e.g. "tp=8,pp=16,zero=1,sp=true"')
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--config", "-c", help="a LightningCLI config (or a shipped config's name): its model, layout and data")
+    what.add_argument("--model", type=model_name,
+                      help="a published model (llama3-8b, -70b, -405b, mixtral-8x7b, deepseek-v3) or a Hugging Face"
+                      " config.json path")
+    add_shape_arguments(p, " Not with --config (its model is built as the config says).")
+    p.add_argument("--gpus", type=int, help="ranks in the job (default with --config: devices x num_nodes)")
+    p.add_argument("--layout", default="", help='ParaStrategy degrees, e.g. "tp=8,pp=16,zero=1,sp=true"'
+                   " (with --config: replaces those of the config's strategy)")
     p.add_argument("--ranks", default="first,last", help="global ranks to run: first, last or numbers (comma-separated)")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--global-batch", type=int, help="sequences per step (default: dp x micro-batch x pp)")
-    p.add_argument("--precision", default="bf16-true", choices=DRY_RUN_PRECISIONS,
-                   help="bf16-true (default: bf16 weights, fp32 masters, as Llama trains), 16-true or 32-true")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 8192; with --config: data.init_args.seq_len)")
+    p.add_argument("--micro-batch", type=int,
+                   help="sequences per forward (default: 1; with --config: global batch / dp / pipeline microbatches)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: dp x micro-batch x pp;"
+                   " with --config: data.init_args.global_batch_size)")
+    p.add_argument("--precision", choices=DRY_RUN_PRECISIONS,
+                   help="bf16-true (default: bf16 weights, fp32 masters, as Llama trains), 16-true or 32-true"
+                   " (with --config: the config's, if it is one of these)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--worker-rank", type=int, help=argparse.SUPPRESS)  # one simulated rank (a child process)
     return p
@@ -137,28 +172,119 @@ def _ranks(text: str, world: int) -> list[int]:
     return sorted(set(out))
 
 
-def _setup(args: argparse.Namespace) -> tuple[ModelDesc, ParallelConfig, Training]:
+@dataclass
+class DryRunJob:
+    """What the chosen ranks run: the model (``build`` makes it, on the meta device, as the planner's
+    ``model`` describes it), the layout, the run, and the job's size."""
+
+    model: ModelDesc
+    config: ParallelConfig
+    training: Training
+    gpus: int
+    build: Callable[[], nn.Module]
+
+
+def _setup(args: argparse.Namespace) -> DryRunJob:
+    job = _config_setup(args) if args.config else _args_setup(args)
+    if job.config.cp > 1:
+        # The step would need the strategy's context-parallel batch split and hooks, which it does not run.
+        source = "`trainer.strategy.init_args.cp`" if args.config and "cp=" not in args.layout else "`--layout cp=...`"
+        raise ValueError(f"cp={job.config.cp} ({source}): the dry run does not run context parallelism yet;"
+                         " give `--layout cp=1` (`lightning-para plan` prices cp).")
+    return job
+
+
+def _args_setup(args: argparse.Namespace) -> DryRunJob:
+    if not args.gpus:
+        raise ValueError("Give `--gpus N` (the ranks in the job).")
     model = resolve_model(args.model, shape_overrides(args))
+    seq_len, micro_batch = args.seq_len or 8192, args.micro_batch or 1
     arguments = parse_layout(args.layout)
     pp = arguments.get("pp", 1)
     probe = ParallelConfig(**{**arguments, "microbatches": arguments.get("microbatches") or (pp if pp > 1 else None)})
     dims = probe.resolve_dims(args.gpus)
-    global_batch = args.global_batch or dims.dp * args.micro_batch * max(pp, 1)
-    per_rank = global_batch // (dims.dp * args.micro_batch)
-    if per_rank * dims.dp * args.micro_batch != global_batch:
-        raise ValueError(f"`--global-batch {global_batch}` must be a multiple of dp x micro-batch = {dims.dp * args.micro_batch}.")
+    global_batch = args.global_batch or dims.dp * micro_batch * max(pp, 1)
+    per_rank = global_batch // (dims.dp * micro_batch)
+    if per_rank * dims.dp * micro_batch != global_batch:
+        raise ValueError(f"`--global-batch {global_batch}` must be a multiple of dp x micro-batch = {dims.dp * micro_batch}.")
     config = ParallelConfig(**{**arguments, "microbatches": per_rank if pp > 1 else None})
-    training = Training(seq_len=args.seq_len, global_batch=global_batch, micro_batch=args.micro_batch, precision=args.precision)
-    return model, config, training
+    training = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
+                        precision=args.precision or "bf16-true")
+    kwargs = gpt_arguments(model, seq_len)
+    cls = MoEGPT if model.is_moe else GPT
+    return DryRunJob(model, config, training, args.gpus, lambda: cls(**kwargs))
+
+
+def _config_setup(args: argparse.Namespace) -> DryRunJob:
+    """The job a LightningCLI config describes, scaled to ``--gpus`` (see the module docstring)."""
+    shapes = shape_overrides(args)
+    if shapes:
+        raise RunConfigError(f"`--{next(iter(shapes)).replace('_', '-')}` describes a model shape: give it with"
+                             " `--model` or alone, not with `--config` (whose model is built as the config says).")
+    cfg = load_config(args.config)
+    where = f"(in {args.config})"
+    devices, nodes = trainer_value(cfg, "devices"), trainer_value(cfg, "num_nodes") or 1
+    gpus = args.gpus or (devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None)
+    if not gpus:
+        raise RunConfigError(f"`trainer.devices: {devices}` {where} is not a number of devices: give `--gpus N`.")
+    arguments = strategy_layout_arguments(cfg)
+    # --gpus sizes the job: data parallelism takes what the other degrees leave (dp_replicate is kept).
+    for key in ("dp", "dp_shard", "layout_memory_gb"):
+        arguments.pop(key, None)
+    if arguments.pop("layout", None) is not None and not args.layout:
+        raise RunConfigError(f"`trainer.strategy.init_args.layout` {where}: the dry run runs the degrees the config"
+                             " gives; remove `layout` or give them with `--layout`.")
+    arguments.update(parse_layout(args.layout))
+    precision = args.precision or config_precision(cfg) or "32-true"
+    if precision not in DRY_RUN_PRECISIONS:
+        raise RunConfigError(
+            f"`trainer.precision: {precision}` {where}: the dry run cannot run autocast, which does not act on meta"
+            f" tensors; give `--precision` ({', '.join(DRY_RUN_PRECISIONS)})."
+        )
+    seq_len = args.seq_len or data_value(cfg, "seq_len")
+    global_batch = args.global_batch or data_value(cfg, "global_batch_size")
+    for value, key, flag in ((seq_len, "seq_len", "--seq-len"), (global_batch, "global_batch_size", "--global-batch")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RunConfigError(f"`data.init_args.{key}: {value}` {where} is not a positive integer; give `{flag}`.")
+    try:
+        probe = ParallelConfig(**arguments)
+        dims = probe.resolve_dims(gpus)
+    except (TypeError, ValueError) as err:
+        raise RunConfigError(f"`trainer.strategy.init_args` {where} with `--gpus {gpus}`: {err}") from None
+    batch_key = "--global-batch" if args.global_batch else "data.init_args.global_batch_size"
+    if global_batch % dims.dp:
+        raise RunConfigError(f"`{batch_key}: {global_batch}` is not divisible by dp={dims.dp} (`--gpus {gpus}`"
+                             f" over the config's other degrees); give `--global-batch` or another `--gpus`.")
+    per_rank = global_batch // dims.dp  # what each data-parallel rank loads per batch (TextDataModule)
+    micro_batch = args.micro_batch
+    if dims.pp > 1:
+        microbatches = per_rank // micro_batch if micro_batch else probe.pipeline_microbatches
+        if not microbatches or per_rank % microbatches or (micro_batch and microbatches * micro_batch != per_rank):
+            raise RunConfigError(f"`{batch_key}: {global_batch}` gives {per_rank} sequences per dp rank (dp={dims.dp}),"
+                                 f" which {microbatches} pipeline microbatches do not split evenly; give"
+                                 " `--global-batch`, `--micro-batch` or `--layout microbatches=M`.")
+        micro_batch = per_rank // microbatches
+        arguments["microbatches"] = microbatches
+    micro_batch = micro_batch or per_rank
+    config = ParallelConfig(**arguments)
+    training = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision)
+    module = model_from_config(cfg)
+    if not callable(getattr(module, "loss_fn", None)):
+        # The step calls the module (or its pipeline stage) on token ids and `loss_fn(logits, targets)`.
+        raise RunConfigError(
+            f"`model.class_path: {cfg['model'].get('class_path')}` {where}: the dry run runs models with a"
+            " `loss_fn(logits, targets)` method that take token ids (lightning_para.recipes.GPT, MoEGPT);"
+            " this one has none."
+        )
+    return DryRunJob(describe_config_model(module), config, training, gpus, lambda: model_from_config(cfg))
 
 
 def _worker(args: argparse.Namespace) -> int:
-    model, config, training = _setup(args)
-    kwargs = gpt_arguments(model, args.seq_len)
-    cls = MoEGPT if model.is_moe else GPT
+    job = _setup(args)
+    training = job.training
     result = dry_run_rank(
-        lambda: cls(**kwargs), config, args.gpus, args.worker_rank, seq_len=args.seq_len,
-        micro_batch=args.micro_batch, hidden=model.hidden, model=model, training=training,
+        job.build, job.config, job.gpus, args.worker_rank, seq_len=training.seq_len,
+        micro_batch=training.micro_batch, hidden=job.model.hidden, model=job.model, training=training,
     )
     print("DRYRUN-RESULT " + json.dumps(result.to_dict()), flush=True)
     return 0
@@ -171,8 +297,11 @@ def _pct(measured: float, predicted: float) -> str:
 
 
 def render(results: list[RankDryRun]) -> str:
-    """The per-rank table: measured, planner and difference, memory in GiB, collectives in GiB per step."""
+    """The per-rank table: measured, planner and difference, memory in GiB, collectives in GiB per step
+    (MiB both, for a job whose peaks stay under 1 GiB: a CPU recipe's)."""
     lines = []
+    largest = max((max(r.measured.peak, r.predicted.peak) for r in results), default=0.0)
+    unit, size = ("GiB", GiB) if largest >= GiB else ("MiB", 1024**2)
     for r in results:
         coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
         lines.append(
@@ -180,11 +309,11 @@ def render(results: list[RankDryRun]) -> str:
             f" {r.in_flight} microbatch(es) in flight)  wall: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items())
         )
-        lines.append(f"  {'memory (GiB)':<14}{'dry run':>10}{'planner':>10}{'diff':>9}")
+        lines.append(f"  {'memory (' + unit + ')':<14}{'dry run':>10}{'planner':>10}{'diff':>9}")
         for name in ("params", "grads", "optimizer", "activations", "peak"):
             m, p = getattr(r.measured, name), getattr(r.predicted, name)
-            lines.append(f"  {name:<14}{m / GiB:>10.2f}{p / GiB:>10.2f}{_pct(m, p):>9}")
-        lines.append(f"  {'collectives':<28}{'calls':>7}{'GiB':>10}   planner: calls, GiB")
+            lines.append(f"  {name:<14}{m / size:>10.2f}{p / size:>10.2f}{_pct(m, p):>9}")
+        lines.append(f"  {'collectives':<28}{'calls':>7}{unit:>10}   planner: calls, {unit}")
         predicted = {}
         for c in r.predicted_comm:
             entry = predicted.setdefault((c.dim, c.op), [0, 0.0])
@@ -192,8 +321,8 @@ def render(results: list[RankDryRun]) -> str:
             entry[1] += c.bytes
         for c in r.comm:
             pc = predicted.get((c.dim, c.op))
-            other = f"{pc[0]}, {pc[1] / GiB:.3f}" if pc else "-"
-            lines.append(f"  {c.dim + ' ' + c.op:<28}{c.calls:>7}{c.bytes / GiB:>10.3f}   {other}")
+            other = f"{pc[0]}, {pc[1] / size:.3f}" if pc else "-"
+            lines.append(f"  {c.dim + ' ' + c.op:<28}{c.calls:>7}{c.bytes / size:>10.3f}   {other}")
         lines.append("")
     return "\n".join(lines)
 
@@ -203,28 +332,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.worker_rank is not None:
             return _worker(args)
-        gpt_arguments(_setup(args)[0], args.seq_len)  # bad arguments fail here, before any process starts
-        ranks = _ranks(args.ranks, args.gpus)
+        job = _setup(args)  # bad arguments (and a bad config) fail here, before any process starts
+        ranks = _ranks(args.ranks, job.gpus)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    results = []
-    for rank in ranks:
+    argv_child = [sys.executable, "-m", "lightning_para.cli", "dryrun", *(argv if argv is not None else sys.argv[2:])]
+
+    def run_rank(rank: int) -> tuple[int, subprocess.CompletedProcess, float]:
         start = time.perf_counter()
-        argv_child = [sys.executable, "-m", "lightning_para.cli", "dryrun", *(argv if argv is not None else sys.argv[2:])]
-        argv_child += ["--worker-rank", str(rank)]
-        proc = subprocess.run(argv_child, capture_output=True, text=True, env=os.environ.copy())
+        proc = subprocess.run([*argv_child, "--worker-rank", str(rank)], capture_output=True, text=True,
+                              env=os.environ.copy())
+        return rank, proc, time.perf_counter() - start
+
+    # One process per rank (the fake process group is process-wide), as many at once as there are cores.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ranks), os.cpu_count() or 1))) as pool:
+        done = list(pool.map(run_rank, ranks))
+    results = []
+    for rank, proc, seconds in done:
         line = next((l for l in proc.stdout.splitlines() if l.startswith("DRYRUN-RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(f"{PROG}: rank {rank} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
             return 1
         result = RankDryRun.from_dict(json.loads(line[len("DRYRUN-RESULT "):]))
-        result.seconds["process"] = time.perf_counter() - start
+        result.seconds["process"] = seconds
         results.append(result)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
-        note = attention_note(_setup(args)[0])
+        note = "" if args.config else attention_note(job.model)
         print((f"note: {note}\n\n" if note else "") + render(results))
     return 0
 

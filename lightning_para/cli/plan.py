@@ -36,28 +36,32 @@ Bad arguments exit with status 2 and a message naming the argument.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.cli.fit import ConfigurationError, resolve_config_names, run_cli
+from lightning_para.cli.fit import ConfigurationError, run_cli
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
+from lightning_para.cli.run_config import (
+    config_precision,
+    data_value,
+    describe_config_model,
+    load_config,
+    model_from_config,
+    trainer_value,
+)
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.plan.auto import search_space
 from lightning_para.plan.check import PredictionCheck
 from lightning_para.plan.cluster import GPU_SPECS, PRECISIONS, Cluster, Training
-from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import RECOMPUTE
 from lightning_para.plan.model import PRESETS, ModelDesc
 from lightning_para.plan.run import layout_arguments, local_cluster, parse_layout, strategy_overrides
@@ -97,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     space.add_argument("--pp", help="pipeline degrees to try")
     space.add_argument("--ep", help="expert-parallel degrees to try")
     space.add_argument("--zero", help="ZeRO stages to try (default 0,1,2,3)")
-    space.add_argument("--recompute", default="none,full", help="recomputation to try: none, full, selective")
+    space.add_argument("--recompute", default="none,full", help="recomputation to try: none, full, selective, selective_op")
     space.add_argument("--all-variants", action="store_true", help="list every variant, not the fastest per degrees")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="ranked layouts to print")
@@ -120,54 +124,6 @@ def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
     if not values or any(v < (0 if name == "zero" else 1) for v in values):
         raise PlanError(f"`--{name} {text}` must list {'ZeRO stages 0-3' if name == 'zero' else 'positive integers'}.")
     return values
-
-
-def load_config(path: str) -> dict[str, Any]:
-    """A LightningCLI YAML (or a shipped config's short name) as a dict."""
-    resolved = resolve_config_names(["--config", path])[1]
-    try:
-        data = yaml.safe_load(Path(resolved).read_text())
-    except OSError as err:
-        raise PlanError(f"`--config {path}`: cannot read it ({err}).") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        raise PlanError(f"`--config {path}` has no `model:` section with a class_path.")
-    return data
-
-
-def model_from_config(config: dict[str, Any]) -> nn.Module:
-    """The config's LightningModule, instantiated on the meta device (no memory, no initialization cost)."""
-    spec = config["model"]
-    class_path, init_args = spec.get("class_path"), dict(spec.get("init_args") or {})
-    if not isinstance(class_path, str):
-        raise PlanError("The config's `model:` needs a `class_path` (e.g. lightning_para.recipes.GPT).")
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name or "lightning_para.recipes"), name)
-    except (ImportError, AttributeError) as err:
-        raise PlanError(f"`model.class_path: {class_path}` cannot be imported ({err}).") from None
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return cls(**init_args)
-    except (TypeError, ValueError) as err:
-        raise PlanError(f"`model: {class_path}` could not be built from its init_args: {err}") from None
-
-
-def _trainer_value(config: dict[str, Any], key: str) -> Any:
-    return (config.get("trainer") or {}).get(key)
-
-
-def _data_value(config: dict[str, Any], key: str) -> Any:
-    data = config.get("data") or {}
-    return (data.get("init_args") or {}).get(key, data.get(key))
-
-
-def _config_precision(config: dict[str, Any]) -> Optional[str]:
-    strategy = _trainer_value(config, "strategy")
-    if isinstance(strategy, dict) and (strategy.get("init_args") or {}).get("precision"):
-        return str(strategy["init_args"]["precision"])
-    value = _trainer_value(config, "precision")
-    return str(value) if value is not None else None
 
 
 def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
@@ -196,15 +152,15 @@ def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
 
 
 def _training(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> Training:
-    seq_len = args.seq_len or (_data_value(config, "seq_len") if config else None)
-    batch = args.global_batch or (_data_value(config, "global_batch_size") if config else None)
+    seq_len = args.seq_len or (data_value(config, "seq_len") if config else None)
+    batch = args.global_batch or (data_value(config, "global_batch_size") if config else None)
     if not seq_len or not batch:
         missing = "--seq-len" if not seq_len else "--global-batch"
         raise PlanError(f"Give `{missing}`" + (" (the config's data section does not say it)." if config else "."))
-    precision = args.precision or (_config_precision(config) if config else None) or "bf16-mixed"
+    precision = args.precision or (config_precision(config) if config else None) or "bf16-mixed"
     if precision not in PRECISIONS:
         raise PlanError(f"The config's precision {precision!r} is not one the planner models: {', '.join(PRECISIONS)}.")
-    accumulation = int(_trainer_value(config, "accumulate_grad_batches") or 1) if config else 1
+    accumulation = int(trainer_value(config, "accumulate_grad_batches") or 1) if config else 1
     if args.micro_batch is not None or config is None:
         return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=args.micro_batch or 1,
                         precision=precision, optimizer=args.optimizer)
@@ -218,7 +174,7 @@ def _space(args: argparse.Namespace, module: Optional[nn.Module], model: ModelDe
     for item in args.recompute.split(","):
         value = None if item.strip().lower() in ("none", "null", "") else item.strip()
         if value not in RECOMPUTE:
-            raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective.")
+            raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective, selective_op.")
         recompute.append(value)
     capable = search_space(ParallelConfig(), module, model, world) if module is not None else None
     tp = _ints(args.tp, "tp") or (capable.tp if capable is not None else None)
@@ -274,17 +230,15 @@ def run(argv: list[str]) -> int:
     config = load_config(args.config) if args.config else None
     module = model_from_config(config) if config else None
     if module is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = describe_module(module, name=type(module).__name__)
+        model = describe_config_model(module)
     else:
         model = resolve_model(args.model, shapes)
-    devices = _trainer_value(config, "devices") if config else None
-    nodes = int(_trainer_value(config, "num_nodes") or 1) if config else 1
+    devices = trainer_value(config, "devices") if config else None
+    nodes = int(trainer_value(config, "num_nodes") or 1) if config else 1
     gpus = args.gpus or (int(devices) * nodes if isinstance(devices, int) else None)
     if not gpus:
         raise PlanError("Give `--gpus N` (the config's trainer.devices is not a number).")
-    cpu_config = bool(config) and _trainer_value(config, "accelerator") == "cpu"
+    cpu_config = bool(config) and trainer_value(config, "accelerator") == "cpu"
     cluster = _cluster(args, gpus, cpu_config)
     training = _training(args, config)
     result = search(model, cluster, training, _space(args, module, model, gpus))

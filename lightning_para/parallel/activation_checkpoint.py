@@ -1,4 +1,4 @@
-"""Activation recomputation per block: ``activation_checkpointing="full"`` or ``"selective"``.
+"""Activation recomputation per block: ``activation_checkpointing="full"``, ``"selective"`` or ``"selective_op"``.
 
 Megatron's activation memory per layer (Korthikanti et al. 2022, Sec. 4; s sequence, b batch,
 h hidden, a heads, t tensor-parallel size; 16-bit activations) is ``sbh(34 + 5as/h)``; with
@@ -12,6 +12,15 @@ TP ``sbh(10 + 24/t + 5as/(ht))``; with TP+SP ``sbh(34/t + 5as/(ht))``.
   attention term; with fused attention kernels that term is already gone, so here the
   elementwise terms go instead). Recomputing collectives would add communication, so they
   are always saved.
+* ``"selective_op"``: torchtitan's per-op policy (``selective_ac_option="op"``,
+  ``torchtitan/distributed/activation_checkpoint.py``, its ``_save_list`` at the commit of its
+  published Llama 3.1 benchmarks, 9dec370): like ``"selective"``, but every second matmul of a
+  block's forward is recomputed (a counter per block forward: the 2nd, 4th, ... ``mm``/``addmm``/
+  ``linear``; in a Llama block with separate q, k, v projections, k, the attention output
+  projection and the SwiGLU up projection), and of the collectives only reduce-scatter outputs are
+  saved (a sequence-parallel all-gather or a tensor-parallel all-reduce runs again in the
+  recomputation). It keeps less than ``"selective"`` for about a third of a block's matmul
+  forward more.
 
 Blocks are the entries of the outermost ``nn.ModuleList``/``nn.Sequential`` containers found
 from the root (``nn.ModuleDict`` is searched through, as in nanoGPT's ``transformer``). Checkpointing uses
@@ -34,7 +43,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 # Containers whose entries are blocks; an nn.ModuleDict is a namespace (nanoGPT's `transformer`).
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
-MODES = ("full", "selective")
+# The modes, in the order the planner lists them (``lightning_para.options.ACTIVATION_CHECKPOINTING``).
+MODES = ("selective", "selective_op", "full")
 
 
 def find_blocks(root: nn.Module) -> list[nn.Module]:
@@ -73,6 +83,41 @@ def _policy(keep, ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _matmuls() -> set:
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten.linear.default}
+
+
+def _reduce_scatters() -> set:
+    ops = set()
+    for namespace in ("_c10d_functional", "c10d_functional"):
+        packet = getattr(getattr(torch.ops, namespace, None), "reduce_scatter_tensor", None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
+def _alternating_policy(keep: set, matmuls: set) -> Callable[..., CheckpointPolicy]:
+    """torchtitan's per-op policy for one block forward: save ``keep`` (matmuls, attention,
+    reduce-scatter) but every second matmul. The forward and the recomputation count separately,
+    so both see the same matmuls saved."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _alternating_contexts(keep: set, matmuls: set):
+    # A fresh counter for each checkpointed call (torch calls `context_fn` once per block forward).
+    return create_selective_checkpoint_contexts(_alternating_policy(keep, matmuls))
+
+
 def apply_activation_checkpointing(
     module: nn.Module,
     mode: Optional[str],
@@ -80,7 +125,7 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Recompute the activations of every block of ``module`` in backward; returns the blocks.
 
-    ``mode`` is ``"full"``, ``"selective"`` or ``None`` (nothing). ``recompute_context`` (full
+    ``mode`` is ``"full"``, ``"selective"``, ``"selective_op"`` or ``None`` (nothing). ``recompute_context`` (full
     mode) makes a context entered around each recomputation: torch-function modes active in the
     forward (context parallel's attention) are not active in backward, where the block's forward
     runs again. Raises ``ValueError`` for another value or when the module has no blocks to checkpoint.
@@ -88,7 +133,9 @@ def apply_activation_checkpointing(
     if mode is None:
         return []
     if mode not in MODES:
-        raise ValueError(f"`activation_checkpointing={mode!r}` is unknown. Choose 'full', 'selective' or None.")
+        raise ValueError(
+            f"`activation_checkpointing={mode!r}` is unknown. Choose one of {', '.join(map(repr, MODES))} or None."
+        )
     blocks = find_blocks(module)
     if not blocks:
         raise ValueError(
@@ -98,6 +145,8 @@ def apply_activation_checkpointing(
     kwargs: dict[str, Any] = {}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_policy, _save_policy()))
+    elif mode == "selective_op":
+        kwargs["context_fn"] = partial(_alternating_contexts, _save_policy() | _reduce_scatters(), _matmuls())
     elif recompute_context is not None:
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
     for block in blocks:
@@ -105,4 +154,4 @@ def apply_activation_checkpointing(
     return blocks
 
 
-__all__ = ["apply_activation_checkpointing", "find_blocks"]
+__all__ = ["MODES", "apply_activation_checkpointing", "find_blocks"]

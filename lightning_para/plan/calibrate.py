@@ -12,7 +12,12 @@ budget (``torch.get_num_threads()`` of a rank):
 * the fixed cost of one eager aten operator (dispatcher, autograd, launch): a chain of
   operators on 8 x 8 tensors (where arithmetic is negligible), forward and backward, timed
   and divided by the aten operators it dispatched (counted with ``TorchDispatchMode``);
-  :mod:`lightning_para.plan.overhead` multiplies it by the operators of a step.
+  :mod:`lightning_para.plan.overhead` multiplies it by the operators of a step;
+* the fixed cost of one operator through DTensor's dispatch (tensor parallelism): blocks of a
+  sequence-parallel norm, a column- and a row-parallel linear (torch's own TP styles) on a 2-rank
+  mesh of torch's fake process group (collectives return at once, so only the CPU-side cost is
+  timed; the planner prices the bytes separately), forward, backward and an AdamW step, less the
+  plain operators at the figure above, divided by the operators DTensor dispatched.
 
 Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. The result
 is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
@@ -36,7 +41,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
-           "measure_matmul_flops", "measure_op_seconds"]
+           "measure_dtensor_op_seconds", "measure_matmul_flops", "measure_op_seconds"]
 
 
 def cache_path() -> Path:
@@ -73,6 +78,7 @@ class Calibration:
     measured_at: float  # time.time()
     load: float  # 1-minute load average when measured
     op_seconds: Optional[float] = None  # seconds per eager aten operator (None: a cache from before it was measured)
+    dtensor_op_seconds: Optional[float] = None  # seconds per operator through DTensor's dispatch (None: not measured)
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: the matmul rate is what the model's
@@ -83,6 +89,8 @@ class Calibration:
         }
         if self.op_seconds is not None:
             figures["op_seconds"] = self.op_seconds
+        if self.dtensor_op_seconds is not None:
+            figures["dtensor_op_seconds"] = self.dtensor_op_seconds
         return figures
 
 
@@ -141,6 +149,92 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
     finally:
         torch.set_num_threads(before)
     return statistics.median(times) / counter.ops
+
+
+class _SequenceParallelBlock(torch.nn.Module):
+    """``x + down(silu(up(norm(x))))``: a transformer MLP's kinds of DTensor operators under TP + SP."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width, bias=False)
+        self.down = torch.nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+def _dtensor_worker(threads: int, blocks: int, repeats: int, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _SplitCount(TorchDispatchMode):
+        dtensor = plain = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(isinstance(v, DTensor) for v in tree_flatten((args, kwargs))[0]):
+                self.dtensor += 1
+            else:
+                self.plain += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # the fake collectives leave their outputs uninitialised
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = torch.nn.Sequential(*[_SequenceParallelBlock() for _ in range(blocks)])
+        for block in model:
+            parallelize_module(block, mesh, {
+                "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            })
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = DTensor.from_local(torch.randn(2, 8, 8), mesh, [Shard(1)]).requires_grad_()
+
+        def step() -> None:
+            model(x).to_local().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # warm-up: sharding propagation caches
+        with _SplitCount() as counter:
+            step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        plain_seconds = measure_op_seconds(threads)
+        out.put(max(0.0, statistics.median(times) - counter.plain * plain_seconds) / counter.dtensor)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_dtensor_op_seconds(threads: Optional[int] = None, blocks: int = 8, repeats: int = 9,
+                               timeout: float = 120.0) -> float:
+    """Median seconds per operator through DTensor's dispatch (tensor + sequence parallel blocks on a
+    2-rank fake process group, in a process of its own: the fake group is process-wide)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_dtensor_worker, args=(threads or torch.get_num_threads(), blocks, repeats, out),
+                       daemon=True)
+    proc.start()
+    try:
+        return float(out.get(timeout=timeout))
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
@@ -230,8 +324,11 @@ def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = Non
 
 
 def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
-              measure_comm: bool = True) -> Calibration:
-    """Measure this machine (see the module docstring) unless cached, cache it and return it."""
+              measure_comm: bool = True, measure_dtensor: bool = True) -> Calibration:
+    """Measure this machine (see the module docstring) unless cached, cache it and return it.
+
+    ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
+    of their own (gloo's sweep: nominal figures instead; DTensor's dispatch: not calibrated)."""
     threads = threads or torch.get_num_threads()
     path = path or cache_path()
     if not refresh:
@@ -240,11 +337,12 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
             return found
     flops = measure_matmul_flops(threads)
     op_seconds = measure_op_seconds(threads)
+    dtensor_op_seconds = measure_dtensor_op_seconds(threads) if measure_dtensor else None
     bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
     result = Calibration(
         matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
         measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
-        op_seconds=op_seconds,
+        op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds,
     )
     data = _load(path)
     data[result.key] = asdict(result)

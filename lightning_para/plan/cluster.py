@@ -63,8 +63,16 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
         raise ValueError(f"`{name}={value!r}` must be {kind}.")
 
 
-# Per-GPU figures: dense bf16 peak FLOP/s, and one direction of NVLink (intra) and of the
-# GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM):
+# Per-GPU figures: memory one process can allocate, dense bf16 peak FLOP/s, and one direction of
+# NVLink (intra) and of the GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
+# Memory: a "80 GB" H100 is not 80e9 usable bytes. Measured (issue 23, on the lent H100 80GB HBM3
+# SXM and H200, driver 580, torch CUDA): nvidia-smi totals 81,559 MiB (H100) and 143,771 MiB
+# (H200), the same NVML totals Modal publishes (thundergolfer.com/blog/nvidia-gpu-memory-capacity);
+# the driver reserves 480 / 616 MiB of them, so CUDA's total (`torch.cuda.mem_get_info`) is
+# 85,017,493,504 / 150,109,880,320 bytes, and after the CUDA context (651 MB) a process has
+# 84,366,524,416 / 149,458,911,232 bytes free: the presets' `memory_bytes`. (A process filled
+# 84.29e9 bytes in 256 MiB blocks on the H100.) The other presets keep their datasheet figures
+# (not measured here); `reserved_bytes` (`--reserved-memory`) is what a framework keeps beyond that.
 # * h100: H100 SXM5 80 GB, 989 TFLOP/s dense BF16, NVLink 4 900 GB/s bidirectional (450 one
 #   way), one 400 Gb/s ConnectX-7 (50 GB/s) per GPU (NVIDIA H100 datasheet; DGX H100).
 # * h100-96gb: the 96 GB HBM2e H100 of Meta's Grand Teton hosts that torchtitan benchmarks on
@@ -74,9 +82,9 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 # * b200: B200 192 GB HBM3e (HGX B200), 2.25 PFLOP/s dense BF16 (4.5 with sparsity), NVLink 5
 #   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
 GPU_SPECS: dict[str, dict[str, float]] = {
-    "h100": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h100": {"memory_bytes": 84.37e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
     "h100-96gb": {"memory_bytes": 96e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
-    "h200": {"memory_bytes": 141e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
+    "h200": {"memory_bytes": 149.46e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
     "b200": {"memory_bytes": 192e9, "peak_flops": 2250e12, "intra_node_bw": 900e9, "inter_node_bw": 50e9},
     "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9},
     "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
@@ -106,6 +114,9 @@ class Cluster:
             to the step per operator (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets
             (launches overlap the device's queue); ``local_cluster`` sets it on CPU from the
             calibration.
+        dtensor_op_seconds: fixed seconds per operator that goes through DTensor's dispatch (sharding
+            propagation, redistribution, wrapping) under tensor parallelism, counted separately from
+            ``op_seconds`` (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets; calibrated on CPU.
     """
 
     nodes: int
@@ -120,6 +131,7 @@ class Cluster:
     reserved_bytes: float = 0.0
     reduce_scatter_is_all_reduce: bool = False
     op_seconds: float = 0.0
+    dtensor_op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -128,7 +140,7 @@ class Cluster:
             _check_positive(name, getattr(self, name))
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
-        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds"):
+        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")
@@ -178,6 +190,10 @@ class Training:
             all-gathered, an unfused SwiGLU keeps 4 ``f``-wide tensors, a ``*-true`` run's
             cross-entropy keeps 16-bit log-probabilities; ``"megatron"`` -- Megatron-LM's
             (Korthikanti et al. 2022): sharded inputs, fused SwiGLU (3), fp32 cross-entropy.
+        fp32_grad_accumulation: gradients accumulate over the microbatches, and are reduced, in
+            fp32 whatever the weights' dtype (the Llama 3 paper, Sec. 3.3.2, "Numerical stability":
+            FP32 gradient accumulation and FP32 reduce-scatter; Megatron-LM's ``main_grad``).
+            Planner-only: ParaStrategy accumulates in the gradients' dtype of ``precision``.
 
     Each data-parallel rank runs ``global_batch / (dp * micro_batch)`` microbatches per step
     (:meth:`microbatches_per_step`): the pipeline's microbatches times gradient accumulation.
@@ -192,6 +208,7 @@ class Training:
     accumulation: int = 1
     activation_profile: str = "torch"
     batch_per_rank: Optional[int] = None
+    fp32_grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         if (self.global_batch is None) == (self.batch_per_rank is None):
@@ -222,6 +239,11 @@ class Training:
     def bytes(self) -> PrecisionBytes:
         """Bytes per weight, gradient, master and activation element."""
         return _PRECISION_BYTES[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element while accumulating and reducing (``fp32_grad_accumulation``: 4)."""
+        return 4 if self.fp32_grad_accumulation else self.bytes.grad
 
     @property
     def optimizer_state_bytes(self) -> int:

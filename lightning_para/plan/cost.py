@@ -8,7 +8,9 @@ Roofline step time, per pipeline rank ``r`` (every assumption written down; sour
   layers, output head and experts rank ``r`` holds, divided by tp (experts: by tp only with SP,
   otherwise every tp rank runs them), times 4/3 with full recomputation (one more forward;
   Korthikanti et al. 2022, Sec. 5) and plus the attention-score forward with selective
-  recomputation (none with FlashAttention, which already recomputes them), at
+  recomputation (none with FlashAttention, which already recomputes them), plus the forward of
+  the matmuls torchtitan's per-op policy recomputes (``"selective_op"``: k, o and one ``h x f``
+  matrix per layer, :func:`~lightning_para.plan.memory.selective_op_recompute_params`), at
   ``peak_flops * efficiency``;
 * **tp and ep** collectives are on the critical path (not overlapped: the next matmul needs
   their result), except SP's backward re-gather of saved inputs, which Megatron overlaps with
@@ -236,6 +238,10 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
             if value % (lay.cp * lay.tp):
                 problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
+    if lay.cp > 1 and lay.activation_checkpointing in ("selective", "selective_op"):
+        # ParaStrategy's rule (config.py): selective recomputation would replay ring attention's receives.
+        problems.append(f"activation_checkpointing='{lay.activation_checkpointing}' with cp>1 is not supported by"
+                        " ParaStrategy (use 'full' or None)")
     if lay.dp_shard % lay.ep:  # type: ignore[operator]
         dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
         problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")

@@ -100,7 +100,7 @@ class Layout:
         sp_save_input_shard: under SP, backward all-gathers each sublayer's saved input shard
             again (ParaStrategy's default). Priced as ``True`` (the planner's SP activations).
         loss_parallel: cross-entropy on vocabulary-sharded logits. Priced as ``True``.
-        activation_checkpointing: activation recomputation, ``None``, ``"selective"`` or ``"full"``
+        activation_checkpointing: activation recomputation, ``None``, ``"selective"``, ``"selective_op"`` or ``"full"``
             (also readable as :attr:`recompute`).
         schedule: a pipeline schedule of ParaStrategy (:data:`~lightning_para.options.SCHEDULES`);
             the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.

@@ -26,7 +26,9 @@ sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``t`` tensor parallel):
 * tensor + sequence parallel: ``sbh (34/t + 5 a s / (h t))`` (Eq. 4);
 * selective recomputation drops the ``5 a s / h`` term (Sec. 5, Eq. 6);
 * full recomputation keeps the layer input, ``2 sbh`` (Table 2; ``2 sbh / t`` with SP, whose
-  input is sequence-sharded).
+  input is sequence-sharded);
+* torchtitan's per-op selective recomputation (``"selective_op"``) keeps what its policy saves
+  (:func:`selective_op_layer_bytes`).
 
 :func:`layer_activation_bytes` derives those coefficients term by term, so they also follow
 GQA, gated MLPs, MoE layers, models without dropout and FlashAttention (see its docstring).
@@ -91,11 +93,18 @@ def layer_activation_bytes(
     Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
     """
     if recompute not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(f"`recompute={recompute!r}` is unknown. Choose one of None, 'selective', 'full'.")
+        raise ValueError(
+            f"`recompute={recompute!r}` is unknown. Choose one of {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}."
+        )
     s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
     sp_divisor = tp if sequence_parallel else 1
     if recompute == "full":
         return e * s * b * h / sp_divisor
+    if recompute == "selective_op" and not moe_layer:
+        return selective_op_layer_bytes(
+            model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
+            flash_attention=flash_attention, activation_bytes=activation_bytes,
+        )
     dropout_masks = 2 * s * b * h if model.dropout else 0
     # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
     # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
@@ -116,6 +125,16 @@ def layer_activation_bytes(
     # silu), silu's output and fc's output (for the product), the product (for c_proj); GELU two
     # (issue 23: the dry run's saved tensors of the recipe block).
     hidden_tensors = (swiglu_tensors if recompute is None else 3) if model.gated_mlp else 2
+    if recompute == "selective_op":  # an MoE layer: its experts priced as under "selective" (see above)
+        attention_part = selective_op_layer_bytes(
+            model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
+            flash_attention=flash_attention, activation_bytes=activation_bytes, mlp=False,
+        )
+        moe_ffn = model.moe_ffn or model.ffn
+        copies = s * b * model.top_k * (model.capacity_factor or 1.0)
+        routed = copies * e * (2 * h + hidden_tensors * moe_ffn)
+        shared = e * s * b * hidden_tensors * model.shared_expert_ffn
+        return attention_part + (4.0 * s * b * model.num_experts + routed + shared) / sp_divisor
     if moe_layer:
         moe_ffn = model.moe_ffn or model.ffn
         copies = s * b * model.top_k * (model.capacity_factor or 1.0)
@@ -129,6 +148,58 @@ def layer_activation_bytes(
         mlp_sharded = e * s * b * hidden_tensors * model.ffn
     tp_sharded = attention + mlp_sharded + scores
     return replicated / sp_divisor + gathered + tp_sharded / tp + experts
+
+
+def selective_op_layer_bytes(
+    model: ModelDesc,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    flash_attention: bool = True,
+    activation_bytes: int = 2,
+    mlp: bool = True,
+) -> float:
+    """Bytes one layer keeps under torchtitan's per-op selective recomputation (``"selective_op"``,
+    ``parallel/activation_checkpoint.py``; torchtitan ``selective_ac_option="op"``): the outputs of
+    the matmuls but every second one, of the attention kernel and of the reduce-scatters, plus
+    the block's input (the checkpoint's argument). In a Llama block (separate q, k, v projections,
+    ``c_proj(silu(gate(x)) * up(x))``) the matmuls run q, k, v, o, gate, up, down: q, v, gate and
+    down are kept, k, o and up recomputed (GPT's MLP: q, v and fc kept; k, o, proj recomputed):
+
+    * the block input, ``e sbh`` (``/t`` under SP: the sequence shard);
+    * q, v and the attention output ``e sb (2 a d + kv d) / t``; FlashAttention's fp32 log-sum-exp
+      ``4 asb / t`` (without a fused kernel the scores are recomputed, as under ``"selective"``);
+    * the gate (GPT: fc) output ``e sbf / t``; a gated MLP's down projection output ``e sbh``,
+      whole under tp (a row-parallel matmul's partial sum, before its reduction);
+    * under SP with ``t > 1``: the two reduce-scatter outputs, ``2 e sbh / t``. A tensor-parallel
+      all-reduce or SP all-gather is not kept: the recomputation runs it again.
+
+    ``mlp=False``: the attention half only (an MoE layer's experts are priced apart).
+    """
+    s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
+    sp = tp if sequence_parallel else 1
+    kept = e * s * b * h / sp  # the block input
+    kept += e * s * b * (2 * model.q_dim + model.kv_dim) / tp
+    if flash_attention:
+        kept += 4.0 * model.heads * s * b / tp
+    if mlp:
+        kept += e * s * b * model.ffn / tp
+        if model.gated_mlp:
+            kept += e * s * b * h
+    if sequence_parallel and tp > 1:
+        kept += (2 if mlp else 1) * e * s * b * h / tp
+    return kept
+
+
+def selective_op_recompute_params(model: ModelDesc, moe_layer: bool = False) -> float:
+    """Weights whose matmuls ``"selective_op"`` runs again in backward, per layer: k, o and one
+    ``h x f`` MLP matrix (a gated MLP's up projection, GPT's output projection); their forward is
+    ``2 x tokens x`` this many FLOPs (an MoE layer: k and o only; its experts are not counted)."""
+    attention = model.hidden * model.kv_dim + model.q_dim * model.hidden
+    return float(attention + (0 if moe_layer else model.hidden * model.ffn))
 
 
 def embedding_activation_bytes(

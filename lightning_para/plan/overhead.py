@@ -12,9 +12,20 @@ and backward, divided by the aten operators it dispatched), and the operator cou
 counted with ``TorchDispatchMode`` on the project's GPT recipe (``tests/unit/test_plan_overhead.py``
 recounts them, so a change to the recipe that moves them fails a test instead of silently
 mis-pricing).
+
+Under tensor parallelism many of those operators go through DTensor's dispatch instead (sharding
+propagation, redistribution, re-wrapping its local result), which costs ~15x a plain operator's
+fixed cost on CPU; with sequence parallelism the whole block between the norms runs on DTensors.
+The planner prices those separately, ``dtensor_ops x dtensor_op_seconds``
+(:func:`lightning_para.plan.calibrate.measure_dtensor_op_seconds`). Their counts (the ``TP_*``
+tables, ``(DTensor operators, plain operators)``) were counted on the GPT recipe at tp=2 under
+torch's fake process group (``tests/unit/tp_op_counts.py``; ``tests/unit/test_plan_overhead.py``
+recounts them). They do not depend on the tp degree: each rank runs the same operators on its shard.
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
@@ -31,19 +42,57 @@ EMBEDDING_OPS = 1 + 2
 # torch.optim.AdamW's per-tensor (for-loop) step on CPU: lerp_, mul_, addcmul_, sqrt, div, addcdiv_, ...
 OPTIMIZER_OPS_PER_TENSOR = 10
 
+# Under tp > 1, keyed by sequence parallelism: (operators through DTensor's dispatch, plain operators).
+TP_LAYER_FORWARD: Mapping[bool, tuple[int, int]] = {False: (28, 91), True: (46, 84)}
+TP_LAYER_BACKWARD: Mapping[bool, tuple[int, int]] = {False: (66, 90), True: (123, 80)}
+# AdamW's step on a layer's 9 tensors (the TP-sharded ones are DTensors; under SP the norms' too).
+TP_LAYER_OPTIMIZER: Mapping[bool, tuple[int, int]] = {False: (56, 34), True: (72, 18)}
+# The vocab-parallel embedding, forward + backward.
+TP_EMBEDDING: Mapping[bool, tuple[int, int]] = {False: (1, 21), True: (1, 26)}
+# The final norm, the vocab-parallel output projection and the vocab-parallel loss, forward + backward.
+TP_HEAD: Mapping[bool, tuple[int, int]] = {False: (21, 42), True: (46, 23)}
+# AdamW on the embedding and head tensors (3 tensors, 32 operators with the profiler's pair).
+TP_REST_OPTIMIZER: Mapping[bool, tuple[int, int]] = {False: (16, 16), True: (24, 8)}
+
+
+def _layer_ops(layout: Layout, which: int) -> tuple[float, float]:
+    """(DTensor, plain) operators of one layer's microbatch (which=0) or optimizer step (which=2)."""
+    if layout.tp <= 1:
+        if which == 2:
+            return 0.0, 0.0  # priced per tensor by optimizer_ops
+        forward, backward = (0, LAYER_FORWARD_OPS), (0, LAYER_BACKWARD_OPS)
+    else:
+        sp = layout.sequence_parallel
+        if which == 2:
+            return tuple(map(float, TP_LAYER_OPTIMIZER[sp]))  # type: ignore[return-value]
+        forward, backward = TP_LAYER_FORWARD[sp], TP_LAYER_BACKWARD[sp]
+    # Full recomputation, and torchtitan's per-op policy ("selective_op"), replay the forward.
+    replays = 2 if layout.activation_checkpointing in ("full", "selective_op") else 1
+    return (float(replays * forward[0] + backward[0]), float(replays * forward[1] + backward[1]))
+
+
+def _microbatch_counts(layout: Layout, part: RankLayers) -> tuple[float, float]:
+    dtensor, plain = _layer_ops(layout, 0)
+    dtensor, plain = dtensor * len(part.layers), plain * len(part.layers)
+    tp = layout.tp > 1
+    if part.embedding:
+        extra = TP_EMBEDDING[layout.sequence_parallel] if tp else (0, EMBEDDING_OPS)
+        dtensor, plain = dtensor + extra[0], plain + extra[1]
+    if part.head:
+        extra = TP_HEAD[layout.sequence_parallel] if tp else (0, HEAD_OPS)
+        dtensor, plain = dtensor + extra[0], plain + extra[1]
+    return dtensor, plain
+
 
 def microbatch_ops(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
-    """aten operators one rank dispatches for one microbatch, forward and backward (a full
-    recomputation replays each layer's forward once more)."""
-    layer = LAYER_FORWARD_OPS + LAYER_BACKWARD_OPS
-    if layout.activation_checkpointing == "full":
-        layer += LAYER_FORWARD_OPS
-    ops = float(layer * len(part.layers))
-    if part.embedding:
-        ops += EMBEDDING_OPS
-    if part.head:
-        ops += HEAD_OPS
-    return ops
+    """Plain aten operators one rank dispatches for one microbatch, forward and backward (a full
+    recomputation replays each layer's forward once more); under tp > 1 those outside DTensor's dispatch."""
+    return _microbatch_counts(layout, part)[1]
+
+
+def microbatch_dtensor_ops(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
+    """Operators through DTensor's dispatch one rank runs for one microbatch (0 without tensor parallelism)."""
+    return _microbatch_counts(layout, part)[0]
 
 
 def parameter_tensors(model: ModelDesc, part: RankLayers) -> int:
@@ -61,10 +110,34 @@ def parameter_tensors(model: ModelDesc, part: RankLayers) -> int:
     return tensors
 
 
-def optimizer_ops(model: ModelDesc, part: RankLayers) -> float:
-    """aten operators of one optimizer step on one rank."""
-    return float(OPTIMIZER_OPS_PER_TENSOR * parameter_tensors(model, part))
+def _optimizer_counts(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float]:
+    total = float(OPTIMIZER_OPS_PER_TENSOR * parameter_tensors(model, part))
+    if layout.tp <= 1:
+        return 0.0, total
+    sp = layout.sequence_parallel
+    dtensor = TP_LAYER_OPTIMIZER[sp][0] * len(part.layers)
+    rest = TP_REST_OPTIMIZER[sp]
+    non_layer = parameter_tensors(model, RankLayers(
+        rank=part.rank, layers=(), embedding=part.embedding, head=part.head, sends_forward=0, sends_backward=0,
+        in_flight=part.in_flight))
+    dtensor += non_layer * OPTIMIZER_OPS_PER_TENSOR * rest[0] / (rest[0] + rest[1] - 2)  # less the profiler's pair
+    dtensor = min(dtensor, total)
+    return dtensor, total - dtensor
+
+
+def optimizer_ops(model: ModelDesc, part: RankLayers, layout: Layout | None = None) -> float:
+    """Plain aten operators of one optimizer step on one rank (under tp > 1, those outside DTensor's dispatch)."""
+    if layout is None:
+        return float(OPTIMIZER_OPS_PER_TENSOR * parameter_tensors(model, part))
+    return _optimizer_counts(model, layout, part)[1]
+
+
+def optimizer_dtensor_ops(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
+    """Operators through DTensor's dispatch in one optimizer step on one rank (0 without tensor parallelism)."""
+    return _optimizer_counts(model, layout, part)[0]
 
 
 __all__ = ["EMBEDDING_OPS", "HEAD_OPS", "LAYER_BACKWARD_OPS", "LAYER_FORWARD_OPS", "OPTIMIZER_OPS_PER_TENSOR",
-           "microbatch_ops", "optimizer_ops", "parameter_tensors"]
+           "TP_EMBEDDING", "TP_HEAD", "TP_LAYER_BACKWARD", "TP_LAYER_FORWARD", "TP_LAYER_OPTIMIZER",
+           "TP_REST_OPTIMIZER", "microbatch_dtensor_ops", "microbatch_ops", "optimizer_dtensor_ops", "optimizer_ops",
+           "parameter_tensors"]

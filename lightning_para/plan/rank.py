@@ -21,10 +21,11 @@ from lightning_para.plan.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    selective_op_recompute_params,
     zero_state_bytes,
 )
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.overhead import microbatch_ops, optimizer_ops
+from lightning_para.plan.overhead import microbatch_dtensor_ops, microbatch_ops, optimizer_dtensor_ops, optimizer_ops
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.tensors import (
     ParamTensor,
@@ -51,7 +52,7 @@ class MemoryBreakdown:
     optimizer: float  # fp32 masters and optimizer state
     activations: float
     buffers: float  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
-    # Of `activations`: the one layer full recomputation rebuilds in backward (0 without it); the rest is
+    # Of `activations`: what recomputing one layer in backward brings back ("full", "selective_op"; else 0); the rest is
     # what the in-flight microbatches hold when their forwards are done (what the dry run measures).
     recomputed: float = 0.0
 
@@ -127,8 +128,13 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
 
     * ZeRO-1 and 2 keep only the reduced gradient *shard* (the full gradients are freed into the
       reduce-scatter buckets), in the dtype of the optimizer's tensor: fp32;
-    * a separate fp32 master (``bf16-true``) holds the fp32 gradient; without one (``32-true``,
-      ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own rows (no extra bytes);
+    * a separate fp32 master (``bf16-true``, ``16-true``) holds the fp32 gradient, and the model's
+      ``p.grad`` shows the reduced 16-bit gradient beside it until the next backward
+      (``ZeroDataParallel._finish``: the bucket's reduced shard under ZeRO-1/2, the whole reduced
+      bucket under ZeRO-0), so such a rank holds ``4 + 2`` gradient bytes per element it steps
+      (issue 23: the dry run measured +50% on gradients before this was priced); without a
+      separate master (``32-true``, ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own
+      rows and its gradient is the one shown (no extra bytes);
     * ZeRO-3 (FSDP2) keeps its sharded parameters in fp32 (they are the master), gradients too;
     * shards are ``ceil(rows / N)`` rows of each tensor, padding included (:mod:`.tensors`);
     * Adam keeps a 4-byte ``step`` tensor per parameter tensor next to its two moments.
@@ -150,7 +156,10 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
             grads += fp32 * shard
         else:
             params += precision.weight * full
-            grads += (fp32 if separate_master or layout.zero >= 1 else precision.grad) * held
+            if separate_master:  # the master's fp32 gradient and the 16-bit one `p.grad` shows
+                grads += (fp32 + precision.grad) * held
+            else:
+                grads += (fp32 if layout.zero >= 1 else precision.grad) * held
         optimizer += state * held + (precision.master * held if separate_master else 0)
     return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
 
@@ -168,7 +177,7 @@ def _memory(
     states = [0.0, 0.0, 0.0]
     for params, n in ((dense, shards["dense"]), (expert, shards["expert"])):
         parts = zero_state_bytes(
-            params, zero=layout.zero, shards=n, weight_bytes=precision.weight, grad_bytes=precision.grad,
+            params, zero=layout.zero, shards=n, weight_bytes=precision.weight, grad_bytes=training.grad_bytes,
             optimizer_bytes=k_bytes, full_grads=full_grads,
         )
         states = [a + b for a, b in zip(states, parts, strict=True)]
@@ -178,7 +187,7 @@ def _memory(
         # the prefetched layer and the units kept gathered for backward (the head, or the grouped
         # embedding, norm and head), plus one layer's unsharded gradients before its reduce-scatter.
         gathered = (dense + expert) if full_grads else 2 * largest + _zero3_kept_ends(model, layout, part)
-        buffers = gathered * precision.activation + (0 if full_grads else largest * precision.grad)
+        buffers = gathered * precision.activation + (0 if full_grads else largest * training.grad_bytes)
     elif precision.autocast:
         buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
     kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
@@ -186,7 +195,7 @@ def _memory(
     torch_code = training.activation_profile == "torch"
     # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
     # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
-    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing == "selective")
+    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing in ("selective", "selective_op"))
     layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3,
                     "expert_parallel": layout.ep > 1}
     per_layer = [
@@ -219,6 +228,15 @@ def _memory(
                 moe_layer=model.is_moe_layer(i), **layer_kwargs,
             ) for i in part.layers
         )
+    elif layout.activation_checkpointing == "selective_op" and part.layers:
+        # The recomputation of one layer brings back what its policy dropped, until that layer's
+        # backward is done: its activations without recomputation, less what stayed kept.
+        recomputed = max(
+            layer_activation_bytes(
+                model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
+                moe_layer=model.is_moe_layer(i), **layer_kwargs,
+            ) - per_layer[k] for k, i in enumerate(part.layers)
+        )
     return MemoryBreakdown(states[0], states[1], states[2], activations + recomputed, buffers, recomputed)
 
 
@@ -239,8 +257,13 @@ def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: R
             flops += 6.0 * replicated * tokens / tp  # norms: negligible, counted as in 6N
     if layout.activation_checkpointing == "full":
         flops *= 4.0 / 3.0
-    elif layout.activation_checkpointing == "selective" and not training.flash_attention:
+    elif layout.activation_checkpointing in ("selective", "selective_op") and not training.flash_attention:
         flops += scores / 3.0  # the score forward, once more
+    if layout.activation_checkpointing == "selective_op":
+        # The matmuls its policy recomputes (k, o, one h x f matrix), forward once more.
+        for i in part.layers:
+            moe = model.is_moe_layer(i)
+            flops += 2.0 * selective_op_recompute_params(model, moe) * tokens / tp
     if part.head:
         flops += 6.0 * model.vocab * model.hidden * tokens / tp
     return flops, scores
@@ -254,6 +277,9 @@ def _microbatch_collectives(
     tokens = training.micro_batch * training.seq_len / layout.cp
     activation = tokens * model.hidden * e
     full = layout.activation_checkpointing == "full"
+    # torchtitan's per-op policy keeps reduce-scatter outputs only: the recomputation runs SP's
+    # all-gathers (no SP: the all-reduces) and the MoE all-to-alls again, as full recomputation does.
+    op_sac = layout.activation_checkpointing == "selective_op"
     n_moe = sum(model.is_moe_layer(i) for i in part.layers)
     found: list[tuple[Collective, bool]] = []
 
@@ -267,18 +293,18 @@ def _microbatch_collectives(
     ends = int(part.embedding) + int(part.head)
     forward = blocks * (2 if full else 1)
     if layout.sequence_parallel:
-        add("tp", "all_gather", "layer activations", activation, forward + blocks + ends)
+        add("tp", "all_gather", "layer activations", activation, forward + blocks + ends + (blocks if op_sac else 0))
         add("tp", "reduce_scatter", "layer activations", activation, forward + blocks + ends)
-        if not full:
+        if not (full or op_sac):
             add("tp", "all_gather", "saved input shards (backward)", activation, blocks, critical=False)
     else:
-        add("tp", "all_reduce", "layer activations", activation, forward + blocks + ends)
+        add("tp", "all_reduce", "layer activations", activation, forward + blocks + ends + (blocks if op_sac else 0))
     tp_tokens = tokens / (layout.tp if layout.sequence_parallel else 1)
     routed = tp_tokens * model.top_k * (model.capacity_factor or 1.0) * model.hidden * e
-    add("ep", "all_to_all", "routed tokens", routed, n_moe * (6 if full else 4))
+    add("ep", "all_to_all", "routed tokens", routed, n_moe * (6 if full or op_sac else 4))
     # Dropless dispatch first tells every rank how many rows it will receive: one int64 per expert
     # (lightning_para's AllToAllDispatcher), in each forward.
-    add("ep", "all_to_all", "rows per expert", 8 * model.num_experts, n_moe * (2 if full else 1))
+    add("ep", "all_to_all", "rows per expert", 8 * model.num_experts, n_moe * (2 if full or op_sac else 1))
     layers = len(part.layers)
     if layout.cp_method == "all_to_all":
         # Ulysses (lightning_para.parallel.context.ulysses): q, k, v to heads and the output back,
@@ -314,7 +340,7 @@ def _dp_collectives(
     flushes (accumulation steps) per optimizer step; ``reduce_each_step`` reduces after each.
     """
     tensors = rank_tensors(model, layout, part)
-    g, w = training.bytes.grad, training.bytes.weight
+    g, w = training.grad_bytes, training.bytes.weight
     each_step = layout.zero_accumulation == "reduce_each_step" and layout.zero >= 2
     reductions = flushes if each_step else 1
     grad_sync: list[Collective] = []
@@ -442,6 +468,7 @@ def price_rank(
     compute = flops / speed / compute_speedup(layout)
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds
+    compute += microbatch_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds
     critical = 0.0
     collectives: list[Collective] = []
     cp_seconds = 0.0
@@ -467,5 +494,6 @@ def price_rank(
         in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
         resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
-        optimizer_seconds=optimizer_ops(model, part) * cluster.op_seconds,
+        optimizer_seconds=(optimizer_ops(model, part, layout) * cluster.op_seconds
+                           + optimizer_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds),
     )

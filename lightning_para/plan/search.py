@@ -83,7 +83,7 @@ class SearchSpace:
         for schedule in self.schedules:
             check_schedule(schedule)
         if any(r not in RECOMPUTE for r in self.recompute):
-            raise ValueError(f"`recompute={self.recompute!r}` must list choices from None, 'selective', 'full'.")
+            raise ValueError(f"`recompute={self.recompute!r}` must list choices from {', '.join(map(repr, RECOMPUTE))}.")
         if any(z not in ZERO_ACCUMULATION for z in self.zero_accumulation):
             raise ValueError(f"`zero_accumulation={self.zero_accumulation!r}` must list 'no_sync' and/or 'reduce_each_step'.")
         if any(m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1) for m in self.microbatches):

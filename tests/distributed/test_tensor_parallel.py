@@ -149,7 +149,7 @@ NANOGPT_PLAN = {
 }
 
 
-@pytest.mark.parametrize("mode, sequence_parallel", [("full", False), ("selective", True)])
+@pytest.mark.parametrize("mode, sequence_parallel", [("full", False), ("selective", True), ("selective_op", True)])
 def test_tp2_activation_recomputation_parity(pools, mode, sequence_parallel):
     kwargs = {"tp": 2, "sequence_parallel": sequence_parallel, "activation_checkpointing": mode}
     if mode == "full":

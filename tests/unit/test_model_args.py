@@ -120,10 +120,10 @@ def test_plan_cli_shape_errors_exit_2(capsys):
 def test_dryrun_reads_the_same_model_arguments(tmp_path, capsys):
     args = dryrun_parser().parse_args([*LLAMA3_8B_ARGV, "--layers", "4", "--gpus", "8", "--layout", "tp=2"])
     assert shape_overrides(args)["layers"] == 4
-    model, config, training = dryrun_setup(args)
+    model = dryrun_setup(args).model
     assert model.layers == 4 and model.total_params() == preset("llama3-8b", layers=4).total_params()
     path = _write(tmp_path, "llama", LLAMA3_8B_JSON)
-    model, _, _ = dryrun_setup(dryrun_parser().parse_args(["--model", path, "--layers", "2", "--gpus", "2"]))
+    model = dryrun_setup(dryrun_parser().parse_args(["--model", path, "--layers", "2", "--gpus", "2"])).model
     assert model.name == "llama[layers=2]" and model.total_params() == preset("llama3-8b", layers=2).total_params()
     # MoE models run since issue 23 (balanced routing); GPT-3's LayerNorm, tied, biased shape is still refused.
     assert main(["dryrun", "--model", "gpt-125m", "--gpus", "8"]) == 2

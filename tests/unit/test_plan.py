@@ -468,3 +468,39 @@ def test_flops_per_token_is_6n_plus_attention():
         chosen.model_flops_per_step / (chosen.step_seconds * 8 * chosen.cluster.peak_flops))
     assert 0 < chosen.mfu < chosen.cluster.efficiency
     assert math.isclose(chosen.model_flops_per_step, expected * 8 * seq)
+
+
+def test_selective_op_prices_torchtitans_policy():
+    """``"selective_op"`` (torchtitan's per-op recomputation) sits between ``"selective"`` and
+    ``"full"`` in memory, and costs the forward of the matmuls it recomputes (k, o, up: ``2 x
+    tokens x (h kv d + a d h + h f)`` per layer) plus, under SP, one more all-gather per block."""
+    from lightning_para.plan.memory import selective_op_recompute_params
+
+    model, cluster = preset("llama3-8b"), Cluster.of("h100-96gb", nodes=1)
+    training = Training(seq_len=8192, global_batch=16, micro_batch=2)
+    est = {m: estimate(model, cluster, training, Layout(dp=8, zero=3, activation_checkpointing=m))
+           for m in (None, "selective", "selective_op", "full")}
+    assert est["full"].memory.activations < est["selective_op"].memory.activations < est["selective"].memory.activations
+    tokens = training.micro_batch * training.seq_len
+    extra = 2 * selective_op_recompute_params(model) * tokens * model.layers / (cluster.peak_flops * cluster.efficiency)
+    assert extra == pytest.approx(2 * tokens * model.layers * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)
+                                  / (cluster.peak_flops * cluster.efficiency))
+    rank = {m: e.ranks[0].compute_seconds for m, e in est.items()}
+    assert rank["selective_op"] - rank["selective"] == pytest.approx(extra)
+    assert rank["selective_op"] < rank["full"]
+
+    def gathers(mode):
+        e = estimate(model, cluster, training, Layout(dp=4, tp=2, zero=1, sequence_parallel=True, activation_checkpointing=mode))
+        found = [c for c in e.collectives if c.dim == "tp" and c.op == "all_gather"]
+        return sum(c.calls for c in found), sum(c.exposed_seconds for c in found)
+
+    # As many all-gathers as "full" (its recomputation gathers the inputs again), all on the critical path;
+    # "selective" has the same count, but its extra one is the saved shards' re-gather, overlapped in backward.
+    assert gathers("selective_op")[0] == gathers("full")[0] == gathers("selective")[0]
+    assert gathers("selective_op")[1] == pytest.approx(gathers("full")[1]) and gathers("selective_op")[1] > gathers("selective")[1]
+    # ParaStrategy rejects selective recomputation under cp; so does the planner.
+    from lightning_para.plan.cost import layout_problems
+
+    for mode in ("selective", "selective_op"):
+        problems = layout_problems(model, cluster, training, Layout(dp=4, cp=2, zero=3, activation_checkpointing=mode))
+        assert any(f"'{mode}' with cp>1 is not supported" in p for p in problems), problems

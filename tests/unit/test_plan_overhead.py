@@ -76,3 +76,54 @@ def test_overhead_is_ops_times_op_seconds_and_zero_on_gpu_presets():
     assert priced.step_seconds == pytest.approx(expected)
     with pytest.raises(ValueError, match="op_seconds"):
         dataclasses.replace(gpu, op_seconds=-1.0)
+
+
+@pytest.mark.slow  # a process of its own per case (the fake process group is process-wide)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_operator_counts_match_the_gpt_recipe(sequence_parallel):
+    """The TP tables of plan/overhead.py, recounted on GPT(tiny) at tp=2 (fake process group, own process)."""
+    import multiprocessing as mp
+
+    from lightning_para.plan import overhead
+
+    from tests.unit.tp_op_counts import count_gpt_tensor_parallel
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        counts = pool.apply(count_gpt_tensor_parallel, (sequence_parallel,))
+    sp = sequence_parallel
+    assert counts["layer_forward"] == overhead.TP_LAYER_FORWARD[sp]
+    assert counts["layer_backward"] == overhead.TP_LAYER_BACKWARD[sp]
+    assert counts["layer_optimizer"] == overhead.TP_LAYER_OPTIMIZER[sp]
+    embedding = tuple(a + b for a, b in zip(counts["embedding_forward"], counts["embedding_backward"]))
+    head = tuple(a + b for a, b in zip(counts["head_forward"], counts["head_backward"]))
+    assert embedding == overhead.TP_EMBEDDING[sp] and head == overhead.TP_HEAD[sp]
+    assert counts["rest_optimizer"] == overhead.TP_REST_OPTIMIZER[sp]
+
+
+def test_dtensor_dispatch_is_priced_under_tensor_parallelism_only():
+    from lightning_para.plan.overhead import (
+        TP_HEAD, TP_LAYER_BACKWARD, TP_LAYER_FORWARD, TP_LAYER_OPTIMIZER, microbatch_dtensor_ops, optimizer_dtensor_ops,
+    )
+
+    model = preset("llama3-8b").with_changes(layers=4)
+    training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
+    cpu = dataclasses.replace(Cluster.of("h100", nodes=1, gpus_per_node=4), op_seconds=1e-5)
+    priced = dataclasses.replace(cpu, dtensor_op_seconds=1e-4)
+    for sp in (False, True):
+        layout = Layout(dp=1, tp=2, pp=2, sequence_parallel=sp)
+        base, with_dtensor = estimate(model, cpu, training, layout), estimate(model, priced, training, layout)
+        parts = pipeline_ranks(model, layout.schedule, 2, 1, base.microbatches)
+        for r0, r1, part in zip(base.ranks, with_dtensor.ranks, parts):
+            dtensor = microbatch_dtensor_ops(model, layout, part)
+            layers = len(part.layers)
+            expected = layers * (TP_LAYER_FORWARD[sp][0] + TP_LAYER_BACKWARD[sp][0]) + (TP_HEAD[sp][0] if part.head else 1)
+            assert dtensor == expected
+            assert r1.compute_seconds - r0.compute_seconds == pytest.approx(dtensor * 1e-4)
+            assert optimizer_dtensor_ops(model, layout, part) >= layers * TP_LAYER_OPTIMIZER[sp][0]
+            assert r1.optimizer_seconds - r0.optimizer_seconds == pytest.approx(
+                optimizer_dtensor_ops(model, layout, part) * 1e-4)
+    # no tensor parallelism: nothing goes through DTensor's dispatch
+    plain = Layout(dp=2, tp=1, pp=2)
+    assert estimate(model, cpu, training, plain).step_seconds == estimate(model, priced, training, plain).step_seconds
+    with pytest.raises(ValueError, match="dtensor_op_seconds"):
+        dataclasses.replace(cpu, dtensor_op_seconds=-1.0)

@@ -19,7 +19,7 @@ from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 
 GIB = 2**30
 LLAMA3 = "Llama 3 paper (Dubey et al. 2024), Table 4"
-TITAN = "torchtitan docs/performance.md (Llama 3.1, H100 96 GB)"
+TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1, H100 96 GB)"
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,15 @@ def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: s
     # mixed-precision Adam = bf16-true), interleaved 1F1B schedule, sequence-parallel TP, ZeRO-1
     # (their FSDP shards optimizer state and gradients, not weights, as ZeRO-1/2). The number of
     # virtual stages is not printed; we take v = 8 (one unit per chunk: 128 units / (16 x 8)).
-    # Batch: 16M tokens per step, one sequence per microbatch.
+    # Batch: 16M tokens per step, one sequence per microbatch. Sec. 3.3.2 "Numerical stability": FP32
+    # gradient accumulation over the microbatches and FP32 reduce-scatter (`fp32_grad_accumulation`).
     layout = Layout(tp=8, pp=16, cp=cp, dp=dp, zero=1, sequence_parallel=True, schedule="interleaved",
                     virtual_stages=8)
     # Meta's stack is not torch's: its activations are priced with Megatron-LM's saved tensors
     # (Korthikanti et al. 2022: sequence-sharded projection inputs, fused SwiGLU, fp32 cross-entropy),
     # not ParaStrategy's (issue 23: `Training.activation_profile`).
     training = Training(seq_len=seq, global_batch=16 * 2**20 // seq, micro_batch=1, precision="bf16-true",
-                        activation_profile="megatron")
+                        activation_profile="megatron", fp32_grad_accumulation=True)
     return Run(name, LLAMA3, "llama3-405b", "h100", gpus, layout, training, published_mfu=mfu, gap=gap)
 
 
@@ -63,22 +64,24 @@ def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_ba
                published_tps=tps, published_gib=gib, features_match=features_match, gap=gap)
 
 
-_OP_SAC = ("the planner has no model of torchtitan's per-op selective recomputation (it keeps every "
-           "matmul output but every second one); its 'selective' with fused attention keeps all, so "
-           "memory is over; throughput: torchtitan's 8B FSDP runs reach 33-39% MFU on power-capped "
-           "(500 W) H100s, the planner's global efficiency 0.5 gives ~50%")
-_FIT_GAP = ("interleaved schedule with v=8 holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks "
-            "(Narayanan et al. 2021): with the Llama formula e sbh(4 + 2q/h + 2kv/h + 3f/h)/t per layer "
-            "this exceeds 80 GB; Meta's memory-saving details beyond Sec. 3.3.2 are not modelled")
+_OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op'): memory is under by 29-34%: torchtitan "
+           "reads the allocator's peak reserved memory, and the cross-entropy backward's fp32 transients "
+           "(grad of the log-probabilities and of the logits, 2 x 4 sbV = 15.6 GiB here) are not priced; "
+           "throughput is over by 36-39%: torchtitan reports 33% MFU (eager) on power-capped (500 W) HBM2e "
+           "H100s whose peak is unpublished, the planner's global efficiency 0.5 of the SXM peak gives 46%")
+_FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: Megatron-LM's interleaved schedule "
+            "holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks (Narayanan et al. 2021), each with "
+            "Korthikanti's Llama terms, beside fp32 gradients (Sec. 3.3.2); Meta's schedule makes the number of "
+            "consecutive microbatches per stage (N) tunable (Fig. 6) and the value used for 405B is not published")
 
 RUNS = [
     _llama3("405B, 8,192 GPUs, TP8 PP16 DP64, seq 8K", 8192, 8192, 1, 64, 0.43, gap=_FIT_GAP),
     _llama3("405B, 16,384 GPUs, TP8 PP16 DP128, seq 8K", 16384, 8192, 1, 128, 0.41, gap=_FIT_GAP),
     # Printed DP=4; 16,384 / (8 x 16 x 16) = 8.
     _llama3("405B, 16,384 GPUs, TP8 CP16 PP16 DP8, seq 131K", 16384, 131072, 16, 8, 0.38, gap=_FIT_GAP),
-    _titan("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, Layout(dp=8, zero=3), 8192, 16, 2, "selective",
+    _titan("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, Layout(dp=8, zero=3), 8192, 16, 2, "selective_op",
            5762, 82.4, True, gap=_OP_SAC),
-    _titan("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, Layout(dp=128, zero=3), 8192, 256, 2, "selective",
+    _titan("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, Layout(dp=128, zero=3), 8192, 256, 2, "selective_op",
            5605, 67.0, True, gap=_OP_SAC),
     *(
         _titan(f"8B FSDP{8 // cp} CP{cp}, seq {seq // 1024}K (Table 2)", "llama3-8b", 8, Layout(dp=8 // cp, cp=cp, zero=3),
@@ -114,10 +117,11 @@ def predict(run: Run) -> dict:
 def test_llama3_table4(run: Run) -> None:
     got = predict(run)
     assert abs(got["mfu"] / run.published_mfu - 1) <= 0.15, got  # the issue's tolerance: 15% relative
+    usable = Cluster.of(run.gpu, nodes=1).usable_memory
     if not run.gap:
         assert got["fits"], got
-    else:  # documented gap: pinned as measured (does not fit, by less than 12%)
-        assert not got["fits"] and got["gb"] < 1.12 * 80, got
+    else:  # documented gap (`_FIT_GAP`): pinned as measured, over the allocatable memory by 3-13%
+        assert 1.03 < got["gb"] * 1e9 / usable < 1.13, got
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.source == TITAN], ids=lambda r: r.name)
@@ -126,8 +130,8 @@ def test_torchtitan_benchmarks(run: Run) -> None:
     mem_err, tps_err = got["gib"] / run.published_gib - 1, got["tps"] / run.published_tps - 1
     if run.features_match and not run.gap:
         assert abs(mem_err) <= 0.10 and abs(tps_err) <= 0.20, got
-    elif run.features_match:  # documented gap (see `_OP_SAC`): pinned as measured
-        assert 0.10 < mem_err < 0.25 and 0.20 < tps_err < 0.60, got
+    elif run.features_match:  # documented gap (see `_OP_SAC`): pinned as measured (-29%/-34%, +36%/+39%)
+        assert -0.40 < mem_err < -0.20 and 0.30 < tps_err < 0.45, got
     else:  # compile/Float8/async TP runs: shown in the table, not gated; still a sane prediction
         assert 0.3 < got["tps"] / run.published_tps < 3 and got["gib"] < 96e9 / GIB, got
 
@@ -140,7 +144,7 @@ def test_table() -> None:
         if run.published_mfu is not None:
             pub = f"MFU {run.published_mfu:.0%}"
             pred = f"MFU {got['mfu']:.1%} ({got['mfu'] / run.published_mfu - 1:+.0%}), {got['gb']:.1f} GB"
-            ok = "MFU yes; " + ("fits 80 GB" if got["fits"] else "does not fit 80 GB")
+            ok = "MFU yes; " + ("fits" if got["fits"] else "does not fit") + " 84.4 GB"
         else:
             pub = f"{run.published_tps:,.0f} tok/s/GPU, {run.published_gib} GiB"
             pred = (f"{got['tps']:,.0f} ({got['tps'] / run.published_tps - 1:+.0%}),"
@@ -169,6 +173,6 @@ def test_model_from_hugging_face_config(tmp_path, capsys) -> None:
             "--top", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("llama-3.1-8b: 8.03B params") and "141.0 GB usable each" in out
+    assert out.startswith("llama-3.1-8b: 8.03B params") and "149.5 GB usable each" in out
     with pytest.raises(ValueError, match="lacks"):
         from_hf_config({"hidden_size": 8})

@@ -236,7 +236,7 @@ def _loss_and_grads(model: nn.Module, idx: torch.Tensor, y: torch.Tensor):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_op"])
 def test_activation_checkpointing_keeps_names_and_gradients(mode):
     torch.manual_seed(0)
     plain = NanoGPT()
@@ -260,3 +260,58 @@ def test_activation_checkpointing_needs_blocks():
     with pytest.raises(ValueError, match=r"has no blocks"):
         apply_activation_checkpointing(nn.Linear(2, 2), "full")
     assert apply_activation_checkpointing(nn.Linear(2, 2), None) == []
+
+
+def test_selective_op_keeps_what_the_planner_prices(monkeypatch):
+    """``"selective_op"`` (torchtitan's per-op policy) on a Llama block: the matmuls run q, k, v, o,
+    gate, up, down and every second one is recomputed, so the cache holds q, v, gate and down, the
+    attention kernel's outputs (its output and fp32 log-sum-exp) and nothing else; with the block
+    input that is exactly the planner's ``selective_op_layer_bytes``. Gradients match the plain run."""
+    from lightning_para.parallel import activation_checkpoint as ac
+    from lightning_para.plan.memory import selective_op_layer_bytes
+    from lightning_para.plan.model import ModelDesc
+
+    caches = []
+    make = ac.create_selective_checkpoint_contexts
+
+    def recording(policy):
+        contexts = make(policy)
+        caches.append(contexts[0].storage)
+        return contexts
+
+    monkeypatch.setattr(ac, "create_selective_checkpoint_contexts", recording)
+    torch.manual_seed(0)
+    plain = LlamaLike(num_layers=2)
+    recomputed = LlamaLike(num_layers=2)
+    recomputed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(recomputed.model, "selective_op")
+    idx = torch.randint(0, 64, (2, 16))
+    loss_a, grads_a, _ = _loss_and_grads(plain, idx, idx)
+
+    def kept(storage) -> tuple[list[str], int]:
+        names, nbytes = [], 0
+        for key, outputs in storage.items():
+            for value in outputs.values():
+                if value is torch.utils.checkpoint._RECOMPUTE:
+                    continue
+                names.append(str(key))
+                for leaf in torch.utils._pytree.tree_leaves(value):
+                    tensor = getattr(leaf, "val", leaf)
+                    if isinstance(tensor, torch.Tensor):
+                        nbytes += tensor.numel() * tensor.element_size()
+        return names, nbytes
+
+    loss_b = F.cross_entropy(recomputed(idx).flatten(0, 1), idx.flatten())
+    assert len(caches) == 2  # one per block forward (its recomputation reads the same cache)
+    desc = ModelDesc(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=64)
+    block_input = 2 * 16 * 64 * 4
+    expected = selective_op_layer_bytes(desc, 16, 2, flash_attention=True, activation_bytes=4) - block_input
+    for storage in caches:
+        names, nbytes = kept(storage)
+        assert sum("mm" in n for n in names) == 4, names  # q, v, gate, down of the 7 matmuls
+        assert sum("scaled_dot_product" in n for n in names) == 1, names
+        assert nbytes == expected
+    loss_b.backward()
+    assert loss_a == loss_b.item()
+    for n, p in recomputed.named_parameters():
+        torch.testing.assert_close(p.grad, grads_a[n], rtol=0, atol=0)
