@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -160,6 +161,7 @@ class ParaProfiler(Callback):
         self._batches = 0
         self._window: list[tuple[float, int]] = []  # (seconds, global tokens) of untraced batches
         self._all_steps: list[tuple[float, int]] = []
+        self._untraced_seconds: list[float] = []  # steps without the collective tracer (what the planner prices)
         self._tracer: Optional[CommTracer] = None
         self._labels: dict[str, str] = {}
         self._torch_profiler: Optional[Any] = None
@@ -237,6 +239,8 @@ class ParaProfiler(Callback):
         self._all_steps.append((seconds, tokens))
         if not self._traced:
             self._window.append((seconds, tokens))
+            if len(self._all_steps) > 1:  # the first batch warms up
+                self._untraced_seconds.append(seconds)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every > 0 and self._batches % every == 0:
             self._log_throughput(trainer, pl_module, tokens_tensor)
@@ -389,9 +393,11 @@ class ParaProfiler(Callback):
 
     def _check_predictions(self, trainer: L.Trainer) -> None:
         """Predicted against measured for this run (every rank measures; all ranks get the result)."""
-        warm = [seconds for seconds, _ in self._all_steps[1:]] or [self._all_steps[-1][0]]
+        # The median untraced step: the collective tracer's steps time every collective (profiling cost the
+        # planner does not price), and a median keeps one preempted step on a shared machine from moving it.
+        warm = self._untraced_seconds or [seconds for seconds, _ in self._all_steps[1:]] or [self._all_steps[-1][0]]
         mine = measure_rank(
-            trainer.strategy, trainer.global_rank, self._last_comm, sum(warm) / len(warm), self._pipeline_steps,
+            trainer.strategy, trainer.global_rank, self._last_comm, statistics.median(warm), self._pipeline_steps,
             memory=self._memory_between_steps,
         )
         measured = gather_objects(mine)  # a world collective: every rank is here

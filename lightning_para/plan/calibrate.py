@@ -36,12 +36,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 __all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
-           "measure_dtensor_op_seconds", "measure_matmul_flops", "measure_op_seconds"]
+           "measure_dtensor_op_seconds", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
 
 def cache_path() -> Path:
@@ -79,6 +79,7 @@ class Calibration:
     load: float  # 1-minute load average when measured
     op_seconds: Optional[float] = None  # seconds per eager aten operator (None: a cache from before it was measured)
     dtensor_op_seconds: Optional[float] = None  # seconds per operator through DTensor's dispatch (None: not measured)
+    step_overhead_seconds: Optional[float] = None  # the training loop's fixed seconds per step (None: not measured)
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: the matmul rate is what the model's
@@ -91,6 +92,8 @@ class Calibration:
             figures["op_seconds"] = self.op_seconds
         if self.dtensor_op_seconds is not None:
             figures["dtensor_op_seconds"] = self.dtensor_op_seconds
+        if self.step_overhead_seconds is not None:
+            figures["step_overhead_seconds"] = self.step_overhead_seconds
         return figures
 
 
@@ -164,13 +167,38 @@ class _SequenceParallelBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
-def _dtensor_worker(threads: int, blocks: int, repeats: int, out: Any) -> None:
-    import torch.distributed as dist
+def synthetic_tp_workload() -> Callable[[], None]:
+    """A step of blocks of a sequence-parallel RMSNorm, a column- and a row-parallel linear (torch's own TP
+    styles) on a 2-rank mesh; called once the (fake) process group exists. Its DTensor operators are cheap
+    ones (cached sharding propagation, no views or attention): ``lightning-para calibrate`` measures the
+    GPT recipe's block instead, whose operator counts the planner uses."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
     )
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Sequential(*[_SequenceParallelBlock() for _ in range(8)])
+    for block in model:
+        parallelize_module(block, mesh, {
+            "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = DTensor.from_local(torch.randn(2, 8, 8), mesh, [Shard(1)]).requires_grad_()
+
+    def step() -> None:
+        model(x).to_local().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], repeats: int, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -189,21 +217,7 @@ def _dtensor_worker(threads: int, blocks: int, repeats: int, out: Any) -> None:
     torch.set_flush_denormal(True)  # the fake collectives leave their outputs uninitialised
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        model = torch.nn.Sequential(*[_SequenceParallelBlock() for _ in range(blocks)])
-        for block in model:
-            parallelize_module(block, mesh, {
-                "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            })
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = DTensor.from_local(torch.randn(2, 8, 8), mesh, [Shard(1)]).requires_grad_()
-
-        def step() -> None:
-            model(x).to_local().sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
+        step = workload()
         step()  # warm-up: sharding propagation caches
         with _SplitCount() as counter:
             step()
@@ -213,21 +227,24 @@ def _dtensor_worker(threads: int, blocks: int, repeats: int, out: Any) -> None:
             step()
             times.append(time.perf_counter() - start)
         plain_seconds = measure_op_seconds(threads)
-        out.put(max(0.0, statistics.median(times) - counter.plain * plain_seconds) / counter.dtensor)
+        out.put(max(0.0, statistics.median(times) - counter.plain * plain_seconds) / max(1, counter.dtensor))
     finally:
         dist.destroy_process_group()
 
 
-def measure_dtensor_op_seconds(threads: Optional[int] = None, blocks: int = 8, repeats: int = 9,
-                               timeout: float = 120.0) -> float:
-    """Median seconds per operator through DTensor's dispatch (tensor + sequence parallel blocks on a
-    2-rank fake process group, in a process of its own: the fake group is process-wide)."""
+def measure_dtensor_op_seconds(threads: Optional[int] = None, repeats: int = 9, timeout: float = 180.0,
+                               workload: Optional[Callable[[], Callable[[], None]]] = None) -> float:
+    """Median seconds per operator through DTensor's dispatch: ``workload()`` (default
+    :func:`synthetic_tp_workload`; a picklable module-level function that builds a tensor-parallel model
+    on a 2-rank mesh and returns its training step) timed on torch's fake process group, in a process of
+    its own (the fake group is process-wide), less its plain operators at :func:`measure_op_seconds`,
+    divided by the operators DTensor dispatched."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_dtensor_worker, args=(threads or torch.get_num_threads(), blocks, repeats, out),
-                       daemon=True)
+    proc = ctx.Process(target=_dtensor_worker, daemon=True,
+                       args=(threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, out))
     proc.start()
     try:
         return float(out.get(timeout=timeout))
@@ -324,11 +341,17 @@ def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = Non
 
 
 def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
-              measure_comm: bool = True, measure_dtensor: bool = True) -> Calibration:
+              measure_comm: bool = True, measure_dtensor: bool = True,
+              dtensor_workload: Optional[Callable[[], Callable[[], None]]] = None,
+              step_overhead: Optional[Callable[[int], float]] = None) -> Calibration:
     """Measure this machine (see the module docstring) unless cached, cache it and return it.
 
     ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
-    of their own (gloo's sweep: nominal figures instead; DTensor's dispatch: not calibrated)."""
+    of their own (gloo's sweep: nominal figures instead; DTensor's dispatch: not calibrated).
+    ``dtensor_workload``: the tensor-parallel step DTensor's dispatch is timed on (see
+    :func:`measure_dtensor_op_seconds`; ``lightning-para calibrate`` passes the GPT recipe's).
+    ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
+    the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it."""
     threads = threads or torch.get_num_threads()
     path = path or cache_path()
     if not refresh:
@@ -337,12 +360,13 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
             return found
     flops = measure_matmul_flops(threads)
     op_seconds = measure_op_seconds(threads)
-    dtensor_op_seconds = measure_dtensor_op_seconds(threads) if measure_dtensor else None
+    dtensor_op_seconds = measure_dtensor_op_seconds(threads, workload=dtensor_workload) if measure_dtensor else None
+    step_overhead_seconds = step_overhead(threads) if step_overhead is not None else None
     bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
     result = Calibration(
         matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
         measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
-        op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds,
+        op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
     )
     data = _load(path)
     data[result.key] = asdict(result)

@@ -117,6 +117,9 @@ class Cluster:
         dtensor_op_seconds: fixed seconds per operator that goes through DTensor's dispatch (sharding
             propagation, redistribution, wrapping) under tensor parallelism, counted separately from
             ``op_seconds`` (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets; calibrated on CPU.
+        step_overhead_seconds: fixed seconds per optimizer step outside the model's operators (Lightning's
+            loop, hooks, callbacks and logging, the strategy's step). 0 for the GPU presets, where it overlaps
+            the device's queue; calibrated on CPU (``lightning-para calibrate``).
     """
 
     nodes: int
@@ -132,6 +135,7 @@ class Cluster:
     reduce_scatter_is_all_reduce: bool = False
     op_seconds: float = 0.0
     dtensor_op_seconds: float = 0.0
+    step_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -140,7 +144,8 @@ class Cluster:
             _check_positive(name, getattr(self, name))
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
-        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds"):
+        for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds",
+                     "step_overhead_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")

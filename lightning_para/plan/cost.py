@@ -317,6 +317,7 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
     bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
     step = pipeline_seconds + max(r.dp_exposed_seconds + r.optimizer_seconds for r in ranks)
+    step += cluster.step_overhead_seconds  # the framework's fixed cost per step (0 on the GPU presets)
     return Estimate(
         model=model, cluster=cluster, training=training, layout=layout, microbatches=flush,
         accumulation=flushes, ranks=tuple(ranks), bubble=bubble, step_seconds=step,

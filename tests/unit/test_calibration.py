@@ -46,7 +46,7 @@ def test_alpha_beta_fit_recovers_a_clean_line_and_survives_noise_that_inverts_it
 
 @pytest.mark.slow
 def test_dtensor_dispatch_is_measured_and_used_by_local_cluster(tmp_path, monkeypatch):
-    seconds = cal.measure_dtensor_op_seconds(1, blocks=2, repeats=3)
+    seconds = cal.measure_dtensor_op_seconds(1, repeats=3)  # the synthetic TP + SP block
     plain = cal.measure_op_seconds(1)
     # DTensor's dispatch costs more than a plain operator's (sharding propagation, wrapping), and far
     # less than a second: a sanity range, not a timing assertion.
@@ -55,3 +55,19 @@ def test_dtensor_dispatch_is_measured_and_used_by_local_cluster(tmp_path, monkey
     figures = cal.Calibration(matmul_flops=1e10, bandwidth=1e9, latency=1e-4, threads=1, key=cal.machine_key(1),
                               measured_at=0.0, load=0.0, op_seconds=plain, dtensor_op_seconds=seconds)
     assert figures.cluster_figures()["dtensor_op_seconds"] == seconds
+
+
+@pytest.mark.slow
+def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_overhead(tmp_path, monkeypatch):
+    from lightning_para.cli import main
+
+    monkeypatch.setenv("LIGHTNING_PARA_CACHE", str(tmp_path))
+    assert main(["calibrate", "1", "--no-comm"]) == 0
+    found = cal.cached_calibration(1)
+    assert found is not None and found.threads == 1
+    assert found.op_seconds < found.dtensor_op_seconds < 0.1  # DTensor's dispatch costs more than a plain op
+    assert 0 < found.step_overhead_seconds < 1.0
+    figures = found.cluster_figures()
+    assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
+    assert figures["step_overhead_seconds"] == found.step_overhead_seconds
+    assert main(["calibrate", "0"]) == 2  # a thread budget below 1 is refused

@@ -127,3 +127,16 @@ def test_dtensor_dispatch_is_priced_under_tensor_parallelism_only():
     assert estimate(model, cpu, training, plain).step_seconds == estimate(model, priced, training, plain).step_seconds
     with pytest.raises(ValueError, match="dtensor_op_seconds"):
         dataclasses.replace(cpu, dtensor_op_seconds=-1.0)
+
+
+def test_step_overhead_is_added_once_per_step():
+    model = preset("llama3-8b").with_changes(layers=4)
+    training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
+    layout = Layout(dp=1, tp=2, pp=2)
+    gpu = Cluster.of("h100", nodes=1, gpus_per_node=4)
+    assert gpu.step_overhead_seconds == 0.0
+    slow = dataclasses.replace(gpu, step_overhead_seconds=0.25)
+    assert estimate(model, slow, training, layout).step_seconds == pytest.approx(
+        estimate(model, gpu, training, layout).step_seconds + 0.25)
+    with pytest.raises(ValueError, match="step_overhead_seconds"):
+        dataclasses.replace(gpu, step_overhead_seconds=-1.0)
