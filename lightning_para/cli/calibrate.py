@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import parallelize
-from lightning_para.plan.calibrate import cache_path, calibrate
+from lightning_para.plan.calibrate import cache_path, calibrate, run_measurement
 from lightning_para.recipes import GPT
 from lightning_para.strategy import ParaStrategy
 
@@ -91,7 +92,16 @@ class _StepClock(L.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
+# Set by an enclosing launcher (torchrun, Lightning's DDP launcher, SLURM): the measurement is a run of
+# one process, which must not join, or wait for, the enclosing job's ranks.
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
+
+
 def _step_overhead_worker(threads: int, steps: int, out: Any) -> None:
+    for name in list(os.environ):
+        if name in _LAUNCHER_VARIABLES or name.startswith(("SLURM_", "PMI_", "OMPI_")):
+            del os.environ[name]
     torch.set_num_threads(threads)
     clock = _StepClock()
     with tempfile.TemporaryDirectory() as logs:
@@ -107,18 +117,7 @@ def _step_overhead_worker(threads: int, steps: int, out: Any) -> None:
 def measure_step_overhead(threads: int, steps: int = 60, timeout: float = 300.0) -> float:
     """Median seconds of a training step of a one-weight model under ``lightning-para fit``'s machinery
     (ParaStrategy, the ParaProfiler callback, a TensorBoard logger, the progress bar), in a process of its own."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_step_overhead_worker, args=(threads, steps, out), daemon=True)
-    proc.start()
-    try:
-        return float(out.get(timeout=timeout))
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+    return float(run_measurement(_step_overhead_worker, [(threads, steps)], timeout, "the step overhead"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
-           "measure_dtensor_op_seconds", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
+           "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
 
 def cache_path() -> Path:
@@ -167,6 +167,44 @@ class _SequenceParallelBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
+def run_measurement(target: Callable[..., None], args_per_process: Sequence[tuple[Any, ...]], timeout: float,
+                    what: str) -> Any:
+    """Start one spawned process per ``args_per_process`` entry running ``target(*args, queue)``, and return
+    the first thing one of them puts on the queue. Never waits on a dead process: if every process has
+    exited without a result, or ``timeout`` seconds pass, it raises :class:`RuntimeError` naming ``what``
+    (the children's own error is on stderr)."""
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, out), daemon=True) for args in args_per_process]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return out.get(timeout=0.5)
+            except queue_module.Empty:
+                pass
+            if all(not proc.is_alive() for proc in procs):
+                try:  # a result put just before the process exited
+                    return out.get(timeout=1.0)
+                except queue_module.Empty:
+                    codes = [proc.exitcode for proc in procs]
+                    raise RuntimeError(f"Calibrating {what} failed: its process exited with {codes} without a"
+                                       " result (its error is printed above).") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Calibrating {what} took more than {timeout:.0f} s; is the machine overloaded?")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def synthetic_tp_workload() -> Callable[[], None]:
     """A step of blocks of a sequence-parallel RMSNorm, a column- and a row-parallel linear (torch's own TP
     styles) on a 2-rank mesh; called once the (fake) process group exists. Its DTensor operators are cheap
@@ -239,19 +277,8 @@ def measure_dtensor_op_seconds(threads: Optional[int] = None, repeats: int = 9, 
     on a 2-rank mesh and returns its training step) timed on torch's fake process group, in a process of
     its own (the fake group is process-wide), less its plain operators at :func:`measure_op_seconds`,
     divided by the operators DTensor dispatched."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_dtensor_worker, daemon=True,
-                       args=(threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, out))
-    proc.start()
-    try:
-        return float(out.get(timeout=timeout))
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+    args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats)
+    return float(run_measurement(_dtensor_worker, [args], timeout, "DTensor's dispatch"))
 
 
 def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
@@ -288,21 +315,9 @@ def _free_port() -> int:
 def measure_gloo(sizes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20), repeats: int = 9,
                  timeout: float = 120.0) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of gloo's all-reduce between 2 local processes."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, sizes, repeats, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        seconds = out.get(timeout=timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    seconds = run_measurement(_gloo_worker, [(r, port, sizes, repeats) for r in range(2)], timeout,
+                              "gloo's all-reduce")
     return fit_alpha_beta(sizes, seconds)
 
 

@@ -71,3 +71,16 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
     assert figures["step_overhead_seconds"] == found.step_overhead_seconds
     assert main(["calibrate", "0"]) == 2  # a thread budget below 1 is refused
+
+
+def _exits_without_a_result(out) -> None:  # a measurement process that dies (module level: spawn pickles it)
+    raise SystemExit(3)
+
+
+def test_a_measurement_process_that_dies_is_an_error_not_a_hang():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Calibrating the test probe failed: its process exited with \[3\]"):
+        cal.run_measurement(_exits_without_a_result, [()], timeout=120.0, what="the test probe")
+    assert time.monotonic() - start < 60  # not the timeout: the dead process is noticed
