@@ -24,6 +24,10 @@ is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CAC
 keyed by host, CPU model, torch version and thread count; :func:`cached_calibration` only reads
 it, so ``local_cluster`` never measures inside a training run. Run
 ``python -m lightning_para.plan.calibrate`` once per machine (or ``calibrate()``).
+
+Why this module is long: it holds five measurements (matmul, operator, DTensor dispatch, gloo, and the
+alpha-beta fit), three of which run in processes of their own (the fake process group and gloo are
+process-wide), plus the one runner that keeps a dying measurement process from hanging the caller.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
+__all__ = ["Calibration", "DTensorOpCounter", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
            "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
 
@@ -234,22 +241,30 @@ def synthetic_tp_workload() -> Callable[[], None]:
     return step
 
 
+class DTensorOpCounter(TorchDispatchMode):
+    """Counts top-level aten operators, split into those with a DTensor argument (they go through DTensor's
+    dispatch) and plain ones. Also used by the tests that recount ``plan/overhead.py``'s TP tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtensor = 0
+        self.plain = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(isinstance(v, DTensor) for v in tree_flatten((args, kwargs))[0]):
+            self.dtensor += 1
+        else:
+            self.plain += 1
+        return func(*args, **(kwargs or {}))
+
+    def pair(self) -> tuple[int, int]:
+        """``(DTensor operators, plain operators)``."""
+        return self.dtensor, self.plain
+
+
 def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], repeats: int, out: Any) -> None:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class _SplitCount(TorchDispatchMode):
-        dtensor = plain = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if any(isinstance(v, DTensor) for v in tree_flatten((args, kwargs))[0]):
-                self.dtensor += 1
-            else:
-                self.plain += 1
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # the fake collectives leave their outputs uninitialised
@@ -257,7 +272,7 @@ def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], re
     try:
         step = workload()
         step()  # warm-up: sharding propagation caches
-        with _SplitCount() as counter:
+        with DTensorOpCounter() as counter:
             step()
         times = []
         for _ in range(repeats):

@@ -11,27 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-
-class SplitCount(TorchDispatchMode):
-    """Top-level aten operators, split into those with a DTensor argument (DTensor's dispatch) and plain."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtensor = 0
-        self.plain = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if any(isinstance(v, DTensor) for v in tree_flatten((args, kwargs))[0]):
-            self.dtensor += 1
-        else:
-            self.plain += 1
-        return func(*args, **(kwargs or {}))
-
-    def pair(self) -> tuple[int, int]:
-        return self.dtensor, self.plain
+from lightning_para.plan.calibrate import DTensorOpCounter
 
 
 def count_gpt_tensor_parallel(sequence_parallel: bool, tp: int = 2) -> dict[str, Any]:
@@ -65,19 +46,19 @@ def count_gpt_tensor_parallel(sequence_parallel: bool, tp: int = 2) -> dict[str,
         with loss_parallel_backward(True):
             forward().backward()
         optimizer.step()
-        with SplitCount() as fwd:
+        with DTensorOpCounter() as fwd:
             loss = forward()
-        with SplitCount() as bwd, loss_parallel_backward(True):
+        with DTensorOpCounter() as bwd, loss_parallel_backward(True):
             loss.backward()
-        with SplitCount() as opt:
+        with DTensorOpCounter() as opt:
             optimizer.step()
         totals[layers] = (fwd.pair(), bwd.pair(), opt.pair())
         if layers == 1:
             out = model.embed(idx)
-            with SplitCount() as efwd:
+            with DTensorOpCounter() as efwd:
                 out = model.embed(idx)
             grad = out.detach() * 0 + 1 if not isinstance(out, DTensor) else out.detach().clone()
-            with SplitCount() as ebwd:
+            with DTensorOpCounter() as ebwd:
                 out.backward(grad)
             embedding = {"forward": efwd.pair(), "backward": ebwd.pair()}
     one, two = totals[1], totals[2]
