@@ -1,7 +1,8 @@
 """``lightning-para calibrate [THREADS]``: measure this machine for the planner's CPU step time, once, and cache it.
 
-It runs :func:`lightning_para.plan.calibrate.calibrate` (matmul FLOP/s, one eager operator's fixed cost,
-gloo's alpha-beta) with DTensor's per-operator cost timed on the GPT recipe's own tensor- and
+It runs :func:`lightning_para.plan.calibrate.calibrate` (matmul FLOP/s, one eager operator's fixed cost, the
+non-matmul operators' bandwidth, gloo's alpha-beta; the per-rank figures with the machine's cores all busy), with
+the matmul efficiency taken on two plain blocks of the GPT recipe (:func:`gpt_compute_workload`) and with DTensor's per-operator cost timed on the GPT recipe's own tensor- and
 sequence-parallel block (:func:`gpt_tensor_parallel_workload`): the planner multiplies that cost by the
 recipe's DTensor operator counts (``plan/overhead.py``), so both come from the same block. A synthetic
 block of cheap DTensor operators measured a third of it (``docs/planner.md``). It also times the training
@@ -57,6 +58,24 @@ def gpt_tensor_parallel_workload() -> Callable[[], None]:
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+
+    return step
+
+
+def gpt_compute_workload() -> Callable[[], None]:
+    """Forward and backward of two plain blocks of ``GPT(preset="tiny")`` on 4 x 64 tokens: the reference whose
+    matmuls set the calibration's matmul efficiency (``plan.calibrate.measure_matmul_efficiency``)."""
+    torch.manual_seed(0)
+    model = GPT(preset="tiny", sample_tokens=0)
+    blocks = list(model.blocks)[:2]
+    tokens = torch.randint(0, model.config.vocab_size, (4, 64))
+
+    def step() -> None:
+        hidden = model.embed(tokens)
+        for block in blocks:
+            hidden = block(hidden)
+        hidden.sum().backward()
+        model.zero_grad(set_to_none=True)
 
     return step
 
@@ -131,10 +150,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"lightning-para calibrate: threads={args.threads} must be >= 1", file=sys.stderr)
         return 2
     result = calibrate(args.threads, refresh=True, measure_comm=not args.no_comm,
-                       dtensor_workload=gpt_tensor_parallel_workload, step_overhead=measure_step_overhead)
+                       dtensor_workload=gpt_tensor_parallel_workload, step_overhead=measure_step_overhead,
+                       compute_workload=gpt_compute_workload)
     print(json.dumps(asdict(result), indent=2))
     print(f"cached in {cache_path()}")
     return 0
 
 
-__all__ = ["gpt_tensor_parallel_workload", "main", "measure_step_overhead"]
+__all__ = ["gpt_compute_workload", "gpt_tensor_parallel_workload", "main", "measure_step_overhead"]

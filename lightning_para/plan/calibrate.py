@@ -13,11 +13,26 @@ budget (``torch.get_num_threads()`` of a rank):
   operators on 8 x 8 tensors (where arithmetic is negligible), forward and backward, timed
   and divided by the aten operators it dispatched (counted with ``TorchDispatchMode``);
   :mod:`lightning_para.plan.overhead` multiplies it by the operators of a step;
+* the bandwidth of the non-matmul operators (norms, activations, residual adds, the optimizer's
+  element-wise arithmetic): a chain of those on activation-sized tensors (a norm on 1,024 x 128, a
+  gated activation on 1,024 x 384: the README demo's sizes), forward and backward, its bytes read
+  and written (counted with :class:`TrafficCounter`) over its time less its operators' fixed cost;
+  freshly allocated outputs, as in a step, so page faults and cache misses are in the figure;
+  :mod:`lightning_para.plan.overhead` multiplies it by a step's traffic;
+* the matmul efficiency: the fraction of that FLOP/s a real model's matmuls and attention reach, from
+  one training step of a plain model (``lightning-para calibrate``: two blocks of the GPT recipe at
+  4 x 64 tokens) less its operators' fixed cost and its element-wise bytes; what a square matmul does
+  not show (smaller and skinnier shapes, CPU attention kernels, caches shared with other ranks) is in it;
 * the fixed cost of one operator through DTensor's dispatch (tensor parallelism): blocks of a
   sequence-parallel norm, a column- and a row-parallel linear (torch's own TP styles) on a 2-rank
   mesh of torch's fake process group (collectives return at once, so only the CPU-side cost is
   timed; the planner prices the bytes separately), forward, backward and an AdamW step, less the
   plain operators at the figure above, divided by the operators DTensor dispatched.
+
+**Under load.** A run's ranks fill the machine's cores, and cores share caches, memory bandwidth and
+(on a VM) physical cores: on the development VM one rank's transformer block ran 1.37x slower while a
+second process ran beside it. So the per-rank figures (matmul, operator, bandwidth, DTensor's dispatch)
+are measured in ``cores // threads`` processes at once, started together, and their medians kept.
 
 Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. The result
 is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
@@ -25,8 +40,8 @@ keyed by host, CPU model, torch version and thread count; :func:`cached_calibrat
 it, so ``local_cluster`` never measures inside a training run. Run
 ``python -m lightning_para.plan.calibrate`` once per machine (or ``calibrate()``).
 
-Why this module is long: it holds five measurements (matmul, operator, DTensor dispatch, gloo, and the
-alpha-beta fit), three of which run in processes of their own (the fake process group and gloo are
+Why this module is long: it holds seven measurements (matmul, operator, bandwidth, efficiency, DTensor
+dispatch, gloo, and the alpha-beta fit), all but the last run in processes of their own (the fake process group and gloo are
 process-wide), plus the one runner that keeps a dying measurement process from hanging the caller.
 """
 
@@ -47,7 +62,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Calibration", "DTensorOpCounter", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
+from lightning_para.threads import available_cores
+
+__all__ = ["Calibration", "DTensorOpCounter", "TrafficCounter", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
+           "measure_rank_rates", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
            "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
 
@@ -87,12 +105,15 @@ class Calibration:
     op_seconds: Optional[float] = None  # seconds per eager aten operator (None: a cache from before it was measured)
     dtensor_op_seconds: Optional[float] = None  # seconds per operator through DTensor's dispatch (None: not measured)
     step_overhead_seconds: Optional[float] = None  # the training loop's fixed seconds per step (None: not measured)
+    elementwise_bandwidth: Optional[float] = None  # bytes/s the non-matmul operators move (None: not measured)
+    processes: int = 1  # processes measured at once (cores // threads: the machine as loaded as in a run)
+    matmul_efficiency: Optional[float] = None  # fraction of matmul_flops a real model's matmuls reach (None: 1)
 
     def cluster_figures(self) -> dict[str, float]:
-        """:class:`~lightning_para.plan.cluster.Cluster` fields: the matmul rate is what the model's
-        matmuls reach, so ``efficiency`` is 1."""
+        """:class:`~lightning_para.plan.cluster.Cluster` fields: ``peak_flops`` is the square matmuls' rate and
+        ``efficiency`` the fraction of it a real model's matmuls reached (1 when not measured)."""
         figures = {
-            "peak_flops": self.matmul_flops, "efficiency": 1.0, "intra_node_bw": self.bandwidth,
+            "peak_flops": self.matmul_flops, "efficiency": self.matmul_efficiency or 1.0, "intra_node_bw": self.bandwidth,
             "inter_node_bw": self.bandwidth, "intra_node_latency": self.latency, "inter_node_latency": self.latency,
         }
         if self.op_seconds is not None:
@@ -101,6 +122,8 @@ class Calibration:
             figures["dtensor_op_seconds"] = self.dtensor_op_seconds
         if self.step_overhead_seconds is not None:
             figures["step_overhead_seconds"] = self.step_overhead_seconds
+        if self.elementwise_bandwidth is not None:
+            figures["elementwise_bandwidth"] = self.elementwise_bandwidth
         return figures
 
 
@@ -161,6 +184,122 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
     return statistics.median(times) / counter.ops
 
 
+# Operators whose cost is priced elsewhere (matmuls and attention by their FLOPs), and those that move no
+# data (views are caught by their schema; these create or alias without reading).
+_PRICED_BY_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                              "_scaled_dot_product_flash_attention_for_cpu_backward"})
+_NO_TRAFFIC = frozenset({"detach", "alias", "_unsafe_view", "_reshape_alias", "empty", "empty_like", "empty_strided",
+                         "new_empty", "new_empty_strided", "lift_fresh"})
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Bytes read and written by the non-matmul aten operators (inputs plus outputs of each; views,
+    allocations and the operators priced by FLOPs excluded), and how many there were. Used by
+    :func:`measure_elementwise_bandwidth` and by the tests that recount ``plan/overhead.py``'s traffic
+    coefficients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if func.is_view or name in _NO_TRAFFIC or name in _PRICED_BY_FLOPS:
+            return out
+        self.ops += 1
+        for value in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(value, torch.Tensor):
+                self.bytes += value.numel() * value.element_size()
+        return out
+
+
+def _elementwise_chain(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # A layer's kinds of non-matmul operators: an RMS norm, a gated activation, a residual add.
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    return (normed + x).sum() + (torch.nn.functional.silu(gate) * up).sum()
+
+
+def measure_elementwise_bandwidth(threads: Optional[int] = None, tokens: int = 1024, width: int = 128,
+                                  repeats: int = 9, op_seconds: Optional[float] = None) -> float:
+    """Bytes/s of the non-matmul operators: :func:`_elementwise_chain` forward and backward on ``tokens x width``
+    and ``tokens x 3 width`` fp32 tensors, its bytes (:class:`TrafficCounter`) over its median time less its
+    operators' fixed cost (``op_seconds``, measured when not given)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        leaves = [torch.randn(tokens, width), torch.randn(width), torch.randn(tokens, 3 * width),
+                  torch.randn(tokens, 3 * width)]
+        leaves = [t.requires_grad_() for t in leaves]
+
+        def run() -> None:
+            _elementwise_chain(*leaves).backward()
+            for t in leaves:
+                t.grad = None  # fresh gradients every time, as a step allocates them
+
+        run()  # warm-up
+        with TrafficCounter() as counter:
+            run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        fixed = counter.ops * (op_seconds if op_seconds is not None else measure_op_seconds(threads))
+    finally:
+        torch.set_num_threads(before)
+    return counter.bytes / max(statistics.median(times) - fixed, 1e-9)
+
+
+def measure_matmul_efficiency(workload: Callable[[], Callable[[], None]], flops: float, op_seconds: float,
+                              bandwidth: float, repeats: int = 9) -> float:
+    """The fraction of the ``flops`` rate a real model's matmuls reach: ``workload()`` returns a training step
+    (forward and backward) of a plain model; its matmul and attention FLOPs (``FlopCounterMode``), operators and
+    element-wise bytes (:class:`TrafficCounter`) are counted, and what its median time leaves after the
+    operators' fixed cost and the bytes at ``bandwidth`` is the matmuls' time. Clamped to [0.05, 1]."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = workload()
+    step()  # warm-up
+    with FlopCounterMode(display=False) as flop_counter, TrafficCounter() as traffic:
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    matmul_seconds = statistics.median(times) - traffic.ops * op_seconds - traffic.bytes / bandwidth
+    efficiency = flop_counter.get_total_flops() / max(matmul_seconds, 1e-9) / flops
+    return min(1.0, max(0.05, efficiency))
+
+
+def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[], Callable[[], None]]],
+                       out: Any) -> None:
+    torch.set_num_threads(threads)
+    start_together.wait()  # every process measures while the others do: the machine as loaded as in a run
+    op_seconds = measure_op_seconds(threads)
+    flops = measure_matmul_flops(threads)
+    bandwidth = measure_elementwise_bandwidth(threads, op_seconds=op_seconds)
+    efficiency = measure_matmul_efficiency(workload, flops, op_seconds, bandwidth) if workload is not None else 1.0
+    out.put((flops, op_seconds, bandwidth, efficiency))
+
+
+def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
+                       workload: Optional[Callable[[], Callable[[], None]]] = None) -> tuple[float, float, float, float]:
+    """``(matmul FLOP/s, seconds per operator, element-wise bytes/s, matmul efficiency)`` of one rank with
+    ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a spawned
+    process; medians across them). The efficiency is :func:`measure_matmul_efficiency` on ``workload`` (a
+    picklable module-level function; 1 without one)."""
+    import torch.multiprocessing as mp
+
+    start_together = mp.get_context("spawn").Barrier(processes)
+    results = run_measurement(_rank_rates_worker, [(threads, start_together, workload)] * processes, timeout,
+                              "one rank's matmul, operator and bandwidth figures", results=processes)
+    return tuple(statistics.median(r[i] for r in results) for i in range(4))  # type: ignore[return-value]
+
+
 class _SequenceParallelBlock(torch.nn.Module):
     """``x + down(silu(up(norm(x))))``: a transformer MLP's kinds of DTensor operators under TP + SP."""
 
@@ -175,11 +314,11 @@ class _SequenceParallelBlock(torch.nn.Module):
 
 
 def run_measurement(target: Callable[..., None], args_per_process: Sequence[tuple[Any, ...]], timeout: float,
-                    what: str) -> Any:
+                    what: str, results: Optional[int] = None) -> Any:
     """Start one spawned process per ``args_per_process`` entry running ``target(*args, queue)``, and return
-    the first thing one of them puts on the queue. Never waits on a dead process: if every process has
-    exited without a result, or ``timeout`` seconds pass, it raises :class:`RuntimeError` naming ``what``
-    (the children's own error is on stderr)."""
+    the first thing one of them puts on the queue (``results=k``: a list of the first ``k`` things). Never
+    waits on a dead process: if every process has exited without the results, or ``timeout`` seconds pass,
+    it raises :class:`RuntimeError` naming ``what`` (the children's own error is on stderr)."""
     import queue as queue_module
 
     import torch.multiprocessing as mp
@@ -190,21 +329,26 @@ def run_measurement(target: Callable[..., None], args_per_process: Sequence[tupl
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
+    wanted, got = results or 1, []
     try:
-        while True:
+        while len(got) < wanted:
             try:
-                return out.get(timeout=0.5)
+                got.append(out.get(timeout=0.5))
+                continue
             except queue_module.Empty:
                 pass
             if all(not proc.is_alive() for proc in procs):
-                try:  # a result put just before the process exited
-                    return out.get(timeout=1.0)
+                try:  # results put just before the processes exited
+                    while len(got) < wanted:
+                        got.append(out.get(timeout=1.0))
+                    break
                 except queue_module.Empty:
                     codes = [proc.exitcode for proc in procs]
                     raise RuntimeError(f"Calibrating {what} failed: its process exited with {codes} without a"
                                        " result (its error is printed above).") from None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Calibrating {what} took more than {timeout:.0f} s; is the machine overloaded?")
+        return got if results is not None else got[0]
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -262,7 +406,8 @@ class DTensorOpCounter(TorchDispatchMode):
         return self.dtensor, self.plain
 
 
-def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], repeats: int, out: Any) -> None:
+def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], repeats: int, start_together: Any,
+                    out: Any) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
 
@@ -272,6 +417,7 @@ def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], re
     try:
         step = workload()
         step()  # warm-up: sharding propagation caches
+        start_together.wait()
         with DTensorOpCounter() as counter:
             step()
         times = []
@@ -286,14 +432,20 @@ def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], re
 
 
 def measure_dtensor_op_seconds(threads: Optional[int] = None, repeats: int = 9, timeout: float = 180.0,
-                               workload: Optional[Callable[[], Callable[[], None]]] = None) -> float:
+                               workload: Optional[Callable[[], Callable[[], None]]] = None,
+                               processes: int = 1) -> float:
     """Median seconds per operator through DTensor's dispatch: ``workload()`` (default
     :func:`synthetic_tp_workload`; a picklable module-level function that builds a tensor-parallel model
     on a 2-rank mesh and returns its training step) timed on torch's fake process group, in a process of
     its own (the fake group is process-wide), less its plain operators at :func:`measure_op_seconds`,
-    divided by the operators DTensor dispatched."""
-    args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats)
-    return float(run_measurement(_dtensor_worker, [args], timeout, "DTensor's dispatch"))
+    divided by the operators DTensor dispatched. ``processes`` copies run at once (a loaded machine, see
+    the module docstring); the median of theirs is returned."""
+    import torch.multiprocessing as mp
+
+    start_together = mp.get_context("spawn").Barrier(processes)
+    args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, start_together)
+    found = run_measurement(_dtensor_worker, [args] * processes, timeout, "DTensor's dispatch", results=processes)
+    return float(statistics.median(found))
 
 
 def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
@@ -373,7 +525,8 @@ def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = Non
 def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
               measure_comm: bool = True, measure_dtensor: bool = True,
               dtensor_workload: Optional[Callable[[], Callable[[], None]]] = None,
-              step_overhead: Optional[Callable[[int], float]] = None) -> Calibration:
+              step_overhead: Optional[Callable[[int], float]] = None,
+              compute_workload: Optional[Callable[[], Callable[[], None]]] = None) -> Calibration:
     """Measure this machine (see the module docstring) unless cached, cache it and return it.
 
     ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
@@ -381,22 +534,27 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
     ``dtensor_workload``: the tensor-parallel step DTensor's dispatch is timed on (see
     :func:`measure_dtensor_op_seconds`; ``lightning-para calibrate`` passes the GPT recipe's).
     ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
-    the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it."""
+    the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it.
+    ``compute_workload``: a plain model's training step whose matmuls set ``matmul_efficiency``
+    (:func:`measure_matmul_efficiency`; ``lightning-para calibrate`` passes the GPT recipe's); 1 without it."""
     threads = threads or torch.get_num_threads()
     path = path or cache_path()
     if not refresh:
         found = cached_calibration(threads, path)
         if found is not None:
             return found
-    flops = measure_matmul_flops(threads)
-    op_seconds = measure_op_seconds(threads)
-    dtensor_op_seconds = measure_dtensor_op_seconds(threads, workload=dtensor_workload) if measure_dtensor else None
+    processes = max(1, available_cores() // threads)  # the ranks of a run that fills this machine
+    flops, op_seconds, bandwidth_elementwise, efficiency = measure_rank_rates(threads, processes, workload=compute_workload)
+    dtensor_op_seconds = (measure_dtensor_op_seconds(threads, workload=dtensor_workload, processes=processes)
+                          if measure_dtensor else None)
     step_overhead_seconds = step_overhead(threads) if step_overhead is not None else None
     bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
     result = Calibration(
         matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
         measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
         op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
+        elementwise_bandwidth=bandwidth_elementwise, processes=processes,
+        matmul_efficiency=efficiency if compute_workload is not None else None,
     )
     data = _load(path)
     data[result.key] = asdict(result)

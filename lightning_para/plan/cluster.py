@@ -120,6 +120,10 @@ class Cluster:
         step_overhead_seconds: fixed seconds per optimizer step outside the model's operators (Lightning's
             loop, hooks, callbacks and logging, the strategy's step). 0 for the GPU presets, where it overlaps
             the device's queue; calibrated on CPU (``lightning-para calibrate``).
+        elementwise_bandwidth: bytes/s the non-matmul operators (norms, activations, residual adds,
+            the optimizer's arithmetic) read and write; their traffic (:mod:`lightning_para.plan.overhead`)
+            over it is added to the step. 0 (the GPU presets): not priced; calibrated on CPU, where it
+            was a third of a step's compute on the README demo's block.
     """
 
     nodes: int
@@ -136,6 +140,7 @@ class Cluster:
     op_seconds: float = 0.0
     dtensor_op_seconds: float = 0.0
     step_overhead_seconds: float = 0.0
+    elementwise_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -145,7 +150,7 @@ class Cluster:
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
         for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds",
-                     "step_overhead_seconds"):
+                     "step_overhead_seconds", "elementwise_bandwidth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")

@@ -1,4 +1,4 @@
-"""Per-operator overhead: what a step costs beyond its FLOPs and bytes (issue 23, item 3).
+"""Per-operator overhead and element-wise traffic: what a step costs beyond its matmul FLOPs (issue 23, item 3).
 
 Every eager operator pays a fixed cost however small its tensors: the dispatcher, autograd's
 graph bookkeeping, the kernel launch. On a GPU that cost hides behind the device's queue (the
@@ -41,6 +41,23 @@ HEAD_OPS = 11 + 28 + 5 + 6
 EMBEDDING_OPS = 1 + 2
 # torch.optim.AdamW's per-tensor (for-loop) step on CPU: lerp_, mul_, addcmul_, sqrt, div, addcdiv_, ...
 OPTIMIZER_OPS_PER_TENSOR = 10
+
+# Bytes the non-matmul operators move (each one's inputs plus outputs, forward and backward; views and the
+# matmuls and attention, priced by their FLOPs, left out), counted with
+# `lightning_para.plan.calibrate.TrafficCounter` on `GPT(preset="tiny")` at 8 x 64 and 4 x 32 tokens and
+# fitted as `a x (activation bytes the layer keeps, plan.memory.layer_activation_bytes) + c x (its parameter
+# bytes)`: activations are written once and read several times (norms, RoPE, SwiGLU, residuals), and the
+# weight gradients are written and accumulated. Wider recipes (h=256, f=1024; GQA) fit a = 6.4-8.0.
+# The planner divides the traffic by `Cluster.elementwise_bandwidth` (0 on the GPU presets: not priced).
+LAYER_TRAFFIC_PER_ACTIVATION_BYTE = 7.96
+LAYER_TRAFFIC_PER_PARAM_BYTE = 4.05
+# The final norm, the output projection's non-matmul work and the cross-entropy, per byte of
+# `plan.memory.head_activation_bytes`; the output projection's (and embedding's) weight gradients per byte.
+HEAD_TRAFFIC_PER_ACTIVATION_BYTE = 12.0
+EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE = 4.0
+# torch.optim.AdamW's per-tensor step on fp32 parameters: 84 bytes read and written per element stepped
+# (parameter, gradient, both moments, and the temporaries of its 10 operators).
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 84.0
 
 # Under tp > 1, keyed by sequence parallelism: (operators through DTensor's dispatch, plain operators).
 TP_LAYER_FORWARD: Mapping[bool, tuple[int, int]] = {False: (28, 91), True: (46, 84)}
@@ -137,7 +154,8 @@ def optimizer_dtensor_ops(model: ModelDesc, layout: Layout, part: RankLayers) ->
     return _optimizer_counts(model, layout, part)[0]
 
 
-__all__ = ["EMBEDDING_OPS", "HEAD_OPS", "LAYER_BACKWARD_OPS", "LAYER_FORWARD_OPS", "OPTIMIZER_OPS_PER_TENSOR",
+__all__ = ["EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE", "EMBEDDING_OPS", "HEAD_OPS", "HEAD_TRAFFIC_PER_ACTIVATION_BYTE",
+           "LAYER_TRAFFIC_PER_ACTIVATION_BYTE", "LAYER_TRAFFIC_PER_PARAM_BYTE", "OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "LAYER_BACKWARD_OPS", "LAYER_FORWARD_OPS", "OPTIMIZER_OPS_PER_TENSOR",
            "TP_EMBEDDING", "TP_HEAD", "TP_LAYER_BACKWARD", "TP_LAYER_FORWARD", "TP_LAYER_OPTIMIZER",
            "TP_REST_OPTIMIZER", "microbatch_dtensor_ops", "microbatch_ops", "optimizer_dtensor_ops", "optimizer_ops",
            "parameter_tensors"]

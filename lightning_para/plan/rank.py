@@ -25,7 +25,17 @@ from lightning_para.plan.memory import (
     zero_state_bytes,
 )
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.overhead import microbatch_dtensor_ops, microbatch_ops, optimizer_dtensor_ops, optimizer_ops
+from lightning_para.plan.overhead import (
+    EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE,
+    HEAD_TRAFFIC_PER_ACTIVATION_BYTE,
+    LAYER_TRAFFIC_PER_ACTIVATION_BYTE,
+    LAYER_TRAFFIC_PER_PARAM_BYTE,
+    OPTIMIZER_TRAFFIC_BYTES_PER_PARAM,
+    microbatch_dtensor_ops,
+    microbatch_ops,
+    optimizer_dtensor_ops,
+    optimizer_ops,
+)
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.tensors import (
     ParamTensor,
@@ -164,6 +174,55 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
     return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
 
 
+def _activation_kwargs(training: Training, layout: Layout) -> tuple[dict, dict]:
+    """Keyword arguments of the activation formulas for this layout: ``(every term's, a layer's)``."""
+    kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
+    torch_code = training.activation_profile == "torch"
+    # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
+    # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
+    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing in ("selective", "selective_op"))
+    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3,
+                    "expert_parallel": layout.ep > 1}
+    return kwargs, layer_kwargs
+
+
+def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
+    """Bytes the non-matmul operators of one rank read and write for one microbatch, forward and backward
+    (coefficients and their counting in :mod:`lightning_para.plan.overhead`): each layer's activations as
+    they would be kept without recomputation (a recomputed forward moves its share, a third, once more),
+    the head's, and the weight gradients written."""
+    kwargs, layer_kwargs = _activation_kwargs(training, layout)
+    s, b, e = training.seq_len, training.micro_batch, training.bytes.activation
+    layers = sum(
+        layer_activation_bytes(model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
+                               moe_layer=model.is_moe_layer(i), **layer_kwargs)
+        for i in part.layers
+    )
+    if layout.activation_checkpointing in ("full", "selective_op"):
+        layers *= 4.0 / 3.0  # the forward, replayed
+    traffic = LAYER_TRAFFIC_PER_ACTIVATION_BYTE * layers
+    layer_params = sum(total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers)
+    dense, expert, _ = _rank_params(model, layout, part)
+    weight = training.bytes.weight
+    traffic += LAYER_TRAFFIC_PER_PARAM_BYTE * layer_params * weight
+    traffic += EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE * max(0.0, dense + expert - layer_params) * weight
+    if part.last_stage:
+        logit_bytes = e if training.activation_profile == "torch" and not training.bytes.autocast else 4
+        traffic += HEAD_TRAFFIC_PER_ACTIVATION_BYTE * head_activation_bytes(
+            model, s, b, activation_bytes=e, logit_bytes=logit_bytes,
+            sp_saves_gathered_inputs=training.activation_profile == "torch", **kwargs)
+    return traffic
+
+
+def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
+    """Bytes one rank's AdamW step reads and writes: :data:`OPTIMIZER_TRAFFIC_BYTES_PER_PARAM` per element it
+    steps (its 1/N shard under ZeRO; SGD counted alike, an upper bound)."""
+    dense, expert, _ = _rank_params(model, layout, part)
+    if layout.zero >= 1:
+        dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
+    return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * (dense + expert)
+
+
 def _memory(
     model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int
 ) -> MemoryBreakdown:
@@ -190,14 +249,9 @@ def _memory(
         buffers = gathered * precision.activation + (0 if full_grads else largest * training.grad_bytes)
     elif precision.autocast:
         buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
-    kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
+    kwargs, layer_kwargs = _activation_kwargs(training, layout)
     s, b, e = training.seq_len, training.micro_batch, precision.activation
     torch_code = training.activation_profile == "torch"
-    # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
-    # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
-    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing in ("selective", "selective_op"))
-    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3,
-                    "expert_parallel": layout.ep > 1}
     per_layer = [
         layer_activation_bytes(
             model, s, b, recompute=layout.activation_checkpointing, flash_attention=training.flash_attention,
@@ -469,6 +523,11 @@ def price_rank(
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds
     compute += microbatch_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds
+    optimizer_seconds = (optimizer_ops(model, part, layout) * cluster.op_seconds
+                         + optimizer_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds)
+    if cluster.elementwise_bandwidth > 0:  # the non-matmul operators' bytes (0 on the GPU presets: not priced)
+        compute += microbatch_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
+        optimizer_seconds += optimizer_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
     critical = 0.0
     collectives: list[Collective] = []
     cp_seconds = 0.0
@@ -494,6 +553,5 @@ def price_rank(
         in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
         resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
-        optimizer_seconds=(optimizer_ops(model, part, layout) * cluster.op_seconds
-                           + optimizer_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds),
+        optimizer_seconds=optimizer_seconds,
     )

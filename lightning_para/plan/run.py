@@ -41,10 +41,11 @@ from lightning_para.threads import available_cores, thread_budget, user_chose_th
 # one core, memcpy-bound socket bandwidth, per-message latency). Only step-time estimates use them.
 # op_seconds: ~10 us per eager aten operator, forward and backward (measured by `calibrate` on the
 # development VM, AMD EPYC, 1 thread); dtensor_op_seconds: ~150 us per operator through DTensor's
-# dispatch (`measure_dtensor_op_seconds`, same VM); a calibration replaces all of these.
+# dispatch (`measure_dtensor_op_seconds`, same VM); elementwise_bandwidth: ~10 GB/s moved by the non-matmul
+# operators on activation-sized tensors (`measure_elementwise_bandwidth`, same VM); a calibration replaces all of these.
 CPU_PROCESS = {"peak_flops": 5e10, "intra_node_bw": 2e9, "inter_node_bw": 1e9,
                "intra_node_latency": 5e-5, "inter_node_latency": 2e-4, "op_seconds": 1e-5,
-               "dtensor_op_seconds": 1.5e-4, "step_overhead_seconds": 0.0}
+               "dtensor_op_seconds": 1.5e-4, "step_overhead_seconds": 0.0, "elementwise_bandwidth": 1e10}
 # A GPU not in GPU_SPECS: PCIe-class links.
 UNKNOWN_GPU_LINKS = {"intra_node_bw": 5e10, "inter_node_bw": 1.25e10}
 
@@ -95,6 +96,7 @@ def local_cluster(
         # are time-shared, so each rank computes at cores / threads of its calibrated (alone) rate.
         share = min(1.0, available_cores() / (per_node * threads))
         figures["peak_flops"] *= share
+        figures["elementwise_bandwidth"] *= share
         figures["op_seconds"] /= share
         figures["dtensor_op_seconds"] /= share
         figures["step_overhead_seconds"] /= share

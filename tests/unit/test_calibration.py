@@ -21,8 +21,26 @@ def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_p
     again = cal.calibrate(threads, measure_comm=False, measure_dtensor=False)
     assert again == first  # served from the cache, not measured again
     assert cal.cached_calibration(threads + 1) is None  # keyed by the thread budget
+    # Measured with the machine's cores all busy, as in a run: cores // threads processes at once.
+    from lightning_para.threads import available_cores
+
+    assert first.processes == max(1, available_cores() // threads)
+    assert 1e6 < first.elementwise_bandwidth < 1e13 and first.matmul_efficiency is None  # no workload given
     cluster = local_cluster(2, 2, torch.device("cpu"))
-    assert cluster.peak_flops == first.matmul_flops and cluster.efficiency == 1.0
+    share = min(1.0, available_cores() / (2 * threads))
+    assert cluster.peak_flops == pytest.approx(first.matmul_flops * share) and cluster.efficiency == 1.0
+    assert cluster.elementwise_bandwidth == pytest.approx(first.elementwise_bandwidth * share)
+
+
+def test_elementwise_bandwidth_counts_bytes_read_and_written():
+    x = torch.randn(1000, requires_grad=True)
+    with cal.TrafficCounter() as counter:
+        y = x * 2.0  # reads 4,000 bytes, writes 4,000 (the scalar is not a tensor)
+        y.view(10, 100).transpose(0, 1)  # views move nothing
+        torch.mm(torch.randn(4, 4), torch.randn(4, 4))  # matmuls are priced by their FLOPs
+    assert (counter.ops, counter.bytes) == (3, 8000 + 2 * 64)  # the two randn outputs
+    bandwidth = cal.measure_elementwise_bandwidth(1, tokens=256, width=64, repeats=3)
+    assert 1e6 < bandwidth < 1e13  # a sanity range, not a timing assertion
 
 
 @pytest.mark.slow
@@ -67,7 +85,9 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     assert found is not None and found.threads == 1
     assert found.op_seconds < found.dtensor_op_seconds < 0.1  # DTensor's dispatch costs more than a plain op
     assert 0 < found.step_overhead_seconds < 1.0
+    assert 0.05 <= found.matmul_efficiency <= 1.0  # the recipe's blocks against square matmuls
     figures = found.cluster_figures()
+    assert figures["efficiency"] == found.matmul_efficiency
     assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
     assert figures["step_overhead_seconds"] == found.step_overhead_seconds
     assert main(["calibrate", "0"]) == 2  # a thread budget below 1 is refused

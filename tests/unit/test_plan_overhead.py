@@ -140,3 +140,79 @@ def test_step_overhead_is_added_once_per_step():
         estimate(model, gpu, training, layout).step_seconds + 0.25)
     with pytest.raises(ValueError, match="step_overhead_seconds"):
         dataclasses.replace(gpu, step_overhead_seconds=-1.0)
+
+
+def _traffic(fn) -> float:
+    from lightning_para.plan.calibrate import TrafficCounter
+
+    with TrafficCounter() as counter:
+        fn()
+    return float(counter.bytes)
+
+
+def test_elementwise_traffic_coefficients_match_the_gpt_recipe():
+    """plan/overhead.py's traffic coefficients, refitted from the recipe's block and head at two batch shapes:
+    traffic = a x activation bytes + c x parameter bytes (the fit the constants come from)."""
+    from lightning_para.observe.prediction import describe_for_prediction
+    from lightning_para.plan import overhead
+    from lightning_para.plan.memory import head_activation_bytes, layer_activation_bytes
+
+    torch.manual_seed(0)
+    model = GPT(preset="tiny", sample_tokens=0)
+    desc, _ = describe_for_prediction(model)
+    block, width = model.blocks[0], model.config.n_embd
+    layer, head = [], []
+    for batch, seq in ((8, 64), (4, 32)):
+        hidden = torch.randn(batch, seq, width, requires_grad=True)
+        layer.append((_traffic(lambda: block(hidden).sum().backward()),
+                      layer_activation_bytes(desc, seq, batch, activation_bytes=4, flash_attention=True)))
+        tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
+        head.append((_traffic(lambda: model.loss_fn(model.head(hidden), tokens).backward()),
+                     head_activation_bytes(desc, seq, batch, activation_bytes=4, logit_bytes=4)))
+    block_params = 4.0 * sum(p.numel() for p in block.parameters())
+    slope = (layer[0][0] - layer[1][0]) / (layer[0][1] - layer[1][1])
+    assert slope == pytest.approx(overhead.LAYER_TRAFFIC_PER_ACTIVATION_BYTE, rel=0.01)
+    assert (layer[0][0] - slope * layer[0][1]) / block_params == pytest.approx(overhead.LAYER_TRAFFIC_PER_PARAM_BYTE, rel=0.01)
+    head_slope = (head[0][0] - head[1][0]) / (head[0][1] - head[1][1])
+    assert head_slope == pytest.approx(overhead.HEAD_TRAFFIC_PER_ACTIVATION_BYTE, rel=0.01)
+    head_params = 4.0 * sum(p.numel() for p in model.head.parameters())
+    assert (head[0][0] - head_slope * head[0][1]) / head_params == pytest.approx(
+        overhead.EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE, rel=0.05)
+    # AdamW's step on fp32 parameters
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    per_element = _traffic(opt.step) / sum(p.numel() for p in params)
+    assert per_element == pytest.approx(overhead.OPTIMIZER_TRAFFIC_BYTES_PER_PARAM, rel=0.01)
+
+
+def test_elementwise_traffic_is_bytes_over_bandwidth_and_zero_on_gpu_presets():
+    from lightning_para.plan.rank import microbatch_traffic_bytes, optimizer_traffic_bytes
+
+    model = preset("llama3-8b").with_changes(layers=4)
+    training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
+    layout = Layout(dp=2, tp=2, pp=2, zero=1)
+    gpu = Cluster.of("h100", nodes=1, gpus_per_node=8)
+    assert gpu.elementwise_bandwidth == 0.0  # not priced on the GPU presets
+    cpu = dataclasses.replace(gpu, elementwise_bandwidth=1e10)
+    base, priced = estimate(model, gpu, training, layout), estimate(model, cpu, training, layout)
+    parts = pipeline_ranks(model, layout.schedule, 2, 1, base.microbatches)
+    for r0, r1, part in zip(base.ranks, priced.ranks, parts):
+        traffic = microbatch_traffic_bytes(model, training, layout, part)
+        assert traffic > 0
+        assert r1.compute_seconds - r0.compute_seconds == pytest.approx(traffic / 1e10)
+        assert r1.optimizer_seconds - r0.optimizer_seconds == pytest.approx(
+            optimizer_traffic_bytes(model, training, layout, part) / 1e10)
+    # tensor parallelism with SP divides every layer's activations by tp: half the traffic per rank, or less
+    one = Layout(dp=1, tp=1, pp=2)
+    sp = Layout(dp=1, tp=2, pp=2, sequence_parallel=True)
+    part = pipeline_ranks(model, one.schedule, 2, 1, 2)[0]
+    assert microbatch_traffic_bytes(model, training, sp, part) <= 0.5 * microbatch_traffic_bytes(model, training, one, part) * 1.001
+    # ZeRO-1 steps a 1/dp shard of the parameters
+    z0 = dataclasses.replace(layout, zero=0)
+    assert optimizer_traffic_bytes(model, training, layout, parts[0]) == pytest.approx(
+        optimizer_traffic_bytes(model, training, z0, parts[0]) / 2)
+    with pytest.raises(ValueError, match="elementwise_bandwidth"):
+        dataclasses.replace(gpu, elementwise_bandwidth=-1.0)
