@@ -21,8 +21,9 @@ budget (``torch.get_num_threads()`` of a rank):
   :mod:`lightning_para.plan.overhead` multiplies it by a step's traffic;
 * the matmul efficiency: the fraction of that FLOP/s a real model's matmuls and attention reach, from
   one training step of a plain model (``lightning-para calibrate``: two blocks of the GPT recipe at
-  4 x 64 tokens) less its operators' fixed cost and its element-wise bytes; what a square matmul does
-  not show (smaller and skinnier shapes, CPU attention kernels, caches shared with other ranks) is in it;
+  4 x 64 and 16 x 64 tokens) less its operators' fixed cost and its element-wise bytes; what a square
+  matmul does not show (smaller and skinnier shapes, CPU attention kernels, caches shared with other
+  ranks) is in it, and the planner interpolates between the two sizes;
 * the fixed cost of one operator through DTensor's dispatch (tensor parallelism): blocks of a
   sequence-parallel norm, a column- and a row-parallel linear (torch's own TP styles) on a 2-rank
   mesh of torch's fake process group (collectives return at once, so only the CPU-side cost is
@@ -107,13 +108,15 @@ class Calibration:
     step_overhead_seconds: Optional[float] = None  # the training loop's fixed seconds per step (None: not measured)
     elementwise_bandwidth: Optional[float] = None  # bytes/s the non-matmul operators move (None: not measured)
     processes: int = 1  # processes measured at once (cores // threads: the machine as loaded as in a run)
-    matmul_efficiency: Optional[float] = None  # fraction of matmul_flops a real model's matmuls reach (None: 1)
+    # [[tokens, fraction of matmul_flops a real model's matmuls reach at that microbatch], ...] (None: 1)
+    matmul_efficiency: Optional[list[list[float]]] = None
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: ``peak_flops`` is the square matmuls' rate and
-        ``efficiency`` the fraction of it a real model's matmuls reached (1 when not measured)."""
-        figures = {
-            "peak_flops": self.matmul_flops, "efficiency": self.matmul_efficiency or 1.0, "intra_node_bw": self.bandwidth,
+        ``efficiency_by_tokens`` the fraction of it a real model's matmuls reached per microbatch size
+        (``efficiency`` 1 when not measured)."""
+        figures: dict[str, Any] = {
+            "peak_flops": self.matmul_flops, "efficiency": 1.0, "intra_node_bw": self.bandwidth,
             "inter_node_bw": self.bandwidth, "intra_node_latency": self.latency, "inter_node_latency": self.latency,
         }
         if self.op_seconds is not None:
@@ -124,6 +127,9 @@ class Calibration:
             figures["step_overhead_seconds"] = self.step_overhead_seconds
         if self.elementwise_bandwidth is not None:
             figures["elementwise_bandwidth"] = self.elementwise_bandwidth
+        if isinstance(self.matmul_efficiency, list) and self.matmul_efficiency:
+            figures["efficiency_by_tokens"] = tuple((float(t), float(e)) for t, e in self.matmul_efficiency)
+            figures["efficiency"] = min(e for _, e in figures["efficiency_by_tokens"])
         return figures
 
 
@@ -253,15 +259,22 @@ def measure_elementwise_bandwidth(threads: Optional[int] = None, tokens: int = 1
     return counter.bytes / max(statistics.median(times) - fixed, 1e-9)
 
 
-def measure_matmul_efficiency(workload: Callable[[], Callable[[], None]], flops: float, op_seconds: float,
-                              bandwidth: float, repeats: int = 9) -> float:
-    """The fraction of the ``flops`` rate a real model's matmuls reach: ``workload()`` returns a training step
-    (forward and backward) of a plain model; its matmul and attention FLOPs (``FlopCounterMode``), operators and
-    element-wise bytes (:class:`TrafficCounter`) are counted, and what its median time leaves after the
-    operators' fixed cost and the bytes at ``bandwidth`` is the matmuls' time. Clamped to [0.05, 1]."""
+# Microbatch sizes (sequences of 64 tokens) the matmul efficiency is measured at: the rows of a small CPU
+# run's matmuls, from a pipeline's or tensor-parallel rank's microbatch to a whole batch on one process.
+EFFICIENCY_BATCHES = (4, 16)
+EFFICIENCY_SEQ_LEN = 64
+
+
+def measure_matmul_efficiency(workload: Callable[[int], Callable[[], None]], batch: int, flops: float,
+                              op_seconds: float, bandwidth: float, repeats: int = 9) -> float:
+    """The fraction of the ``flops`` rate a real model's matmuls reach: ``workload(batch)`` returns a training
+    step (forward and backward) of a plain model on ``batch`` sequences; its matmul and attention FLOPs
+    (``FlopCounterMode``), operators and element-wise bytes (:class:`TrafficCounter`) are counted, and what its
+    median time leaves after the operators' fixed cost and the bytes at ``bandwidth`` is the matmuls' time.
+    Clamped to [0.05, 1]."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    step = workload()
+    step = workload(batch)
     step()  # warm-up
     with FlopCounterMode(display=False) as flop_counter, TrafficCounter() as traffic:
         step()
@@ -275,29 +288,35 @@ def measure_matmul_efficiency(workload: Callable[[], Callable[[], None]], flops:
     return min(1.0, max(0.05, efficiency))
 
 
-def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[], Callable[[], None]]],
+def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[int], Callable[[], None]]],
                        out: Any) -> None:
     torch.set_num_threads(threads)
     start_together.wait()  # every process measures while the others do: the machine as loaded as in a run
     op_seconds = measure_op_seconds(threads)
     flops = measure_matmul_flops(threads)
     bandwidth = measure_elementwise_bandwidth(threads, op_seconds=op_seconds)
-    efficiency = measure_matmul_efficiency(workload, flops, op_seconds, bandwidth) if workload is not None else 1.0
-    out.put((flops, op_seconds, bandwidth, efficiency))
+    efficiencies = tuple(measure_matmul_efficiency(workload, batch, flops, op_seconds, bandwidth)
+                         for batch in EFFICIENCY_BATCHES) if workload is not None else ()
+    out.put((flops, op_seconds, bandwidth, efficiencies))
 
 
 def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
-                       workload: Optional[Callable[[], Callable[[], None]]] = None) -> tuple[float, float, float, float]:
-    """``(matmul FLOP/s, seconds per operator, element-wise bytes/s, matmul efficiency)`` of one rank with
-    ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a spawned
-    process; medians across them). The efficiency is :func:`measure_matmul_efficiency` on ``workload`` (a
-    picklable module-level function; 1 without one)."""
+                       workload: Optional[Callable[[int], Callable[[], None]]] = None,
+                       ) -> tuple[float, float, float, tuple[tuple[float, float], ...]]:
+    """``(matmul FLOP/s, seconds per operator, element-wise bytes/s, ((tokens, matmul efficiency), ...))`` of one
+    rank with ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a
+    spawned process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
+    ``workload`` (a picklable module-level function of the batch) at :data:`EFFICIENCY_BATCHES` sequences of
+    :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload."""
     import torch.multiprocessing as mp
 
     start_together = mp.get_context("spawn").Barrier(processes)
     results = run_measurement(_rank_rates_worker, [(threads, start_together, workload)] * processes, timeout,
                               "one rank's matmul, operator and bandwidth figures", results=processes)
-    return tuple(statistics.median(r[i] for r in results) for i in range(4))  # type: ignore[return-value]
+    flops, op_seconds, bandwidth = (statistics.median(r[i] for r in results) for i in range(3))
+    curve = tuple((float(batch * EFFICIENCY_SEQ_LEN), statistics.median(r[3][k] for r in results))
+                  for k, batch in enumerate(EFFICIENCY_BATCHES)) if workload is not None else ()
+    return flops, op_seconds, bandwidth, curve
 
 
 class _SequenceParallelBlock(torch.nn.Module):
@@ -526,7 +545,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
               measure_comm: bool = True, measure_dtensor: bool = True,
               dtensor_workload: Optional[Callable[[], Callable[[], None]]] = None,
               step_overhead: Optional[Callable[[int], float]] = None,
-              compute_workload: Optional[Callable[[], Callable[[], None]]] = None) -> Calibration:
+              compute_workload: Optional[Callable[[int], Callable[[], None]]] = None) -> Calibration:
     """Measure this machine (see the module docstring) unless cached, cache it and return it.
 
     ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
@@ -535,8 +554,9 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
     :func:`measure_dtensor_op_seconds`; ``lightning-para calibrate`` passes the GPT recipe's).
     ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
     the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it.
-    ``compute_workload``: a plain model's training step whose matmuls set ``matmul_efficiency``
-    (:func:`measure_matmul_efficiency`; ``lightning-para calibrate`` passes the GPT recipe's); 1 without it."""
+    ``compute_workload(batch)``: a plain model's training step whose matmuls set ``matmul_efficiency`` at
+    :data:`EFFICIENCY_BATCHES` (:func:`measure_matmul_efficiency`; ``lightning-para calibrate`` passes the GPT
+    recipe's); 1 without it."""
     threads = threads or torch.get_num_threads()
     path = path or cache_path()
     if not refresh:
@@ -544,7 +564,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         if found is not None:
             return found
     processes = max(1, available_cores() // threads)  # the ranks of a run that fills this machine
-    flops, op_seconds, bandwidth_elementwise, efficiency = measure_rank_rates(threads, processes, workload=compute_workload)
+    flops, op_seconds, bandwidth_elementwise, curve = measure_rank_rates(threads, processes, workload=compute_workload)
     dtensor_op_seconds = (measure_dtensor_op_seconds(threads, workload=dtensor_workload, processes=processes)
                           if measure_dtensor else None)
     step_overhead_seconds = step_overhead(threads) if step_overhead is not None else None
@@ -554,7 +574,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
         op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
         elementwise_bandwidth=bandwidth_elementwise, processes=processes,
-        matmul_efficiency=efficiency if compute_workload is not None else None,
+        matmul_efficiency=[list(point) for point in curve] if curve else None,
     )
     data = _load(path)
     data[result.key] = asdict(result)

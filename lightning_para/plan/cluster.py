@@ -18,6 +18,7 @@ Optimizer state per parameter, fp32: Adam 8 bytes (two moments), SGD 4 (momentum
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -124,6 +125,11 @@ class Cluster:
             the optimizer's arithmetic) read and write; their traffic (:mod:`lightning_para.plan.overhead`)
             over it is added to the step. 0 (the GPU presets): not priced; calibrated on CPU, where it
             was a third of a step's compute on the README demo's block.
+        efficiency_by_tokens: ``((tokens, efficiency), ...)`` measured at several microbatch sizes (rows of
+            the matmuls): the efficiency at a rank's tokens per microbatch is interpolated in ``log(tokens)``
+            between them and held at the ends (:meth:`matmul_efficiency`). Empty (the GPU presets):
+            ``efficiency`` at every size. Calibrated on CPU, where two threads speed up 1,024-token matmuls
+            and barely 256-token ones.
     """
 
     nodes: int
@@ -141,6 +147,7 @@ class Cluster:
     dtensor_op_seconds: float = 0.0
     step_overhead_seconds: float = 0.0
     elementwise_bandwidth: float = 0.0
+    efficiency_by_tokens: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive("nodes", self.nodes, integer=True)
@@ -154,12 +161,28 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")
+        for tokens, efficiency in self.efficiency_by_tokens:
+            if not (tokens > 0 and 0 < efficiency <= 1):
+                raise ValueError(f"`efficiency_by_tokens` has ({tokens}, {efficiency}): tokens must be > 0 and the"
+                                 " efficiency in (0, 1].")
         if self.reserved_bytes >= self.memory_bytes:
             raise ValueError(f"`reserved_bytes={self.reserved_bytes}` leaves no memory of {self.memory_bytes}.")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def matmul_efficiency(self, tokens: float) -> float:
+        """The fraction of ``peak_flops`` matmuls over ``tokens`` rows reach (see ``efficiency_by_tokens``)."""
+        points = sorted(self.efficiency_by_tokens)
+        if not points:
+            return self.efficiency
+        if tokens <= points[0][0]:
+            return points[0][1]
+        for (t0, e0), (t1, e1) in zip(points, points[1:]):
+            if tokens <= t1:
+                return e0 + (e1 - e0) * math.log(tokens / t0) / math.log(t1 / t0)
+        return points[-1][1]
 
     @property
     def usable_memory(self) -> float:

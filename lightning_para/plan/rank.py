@@ -518,7 +518,7 @@ def price_rank(
     ``per_step`` microbatches in ``flushes`` pipeline flushes (accumulation steps; overlap rules in
     :mod:`lightning_para.plan.cost`). ``training.micro_batch`` must be resolved (an int)."""
     flops, score_flops = _compute_flops(model, training, layout, part)
-    speed = cluster.peak_flops * cluster.efficiency
+    speed = cluster.peak_flops * cluster.matmul_efficiency(training.micro_batch * training.seq_len / layout.cp)
     compute = flops / speed / compute_speedup(layout)
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds

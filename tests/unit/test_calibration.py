@@ -32,6 +32,20 @@ def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_p
     assert cluster.elementwise_bandwidth == pytest.approx(first.elementwise_bandwidth * share)
 
 
+def test_matmul_efficiency_is_interpolated_in_log_tokens_and_held_at_the_ends():
+    from lightning_para.plan import Cluster
+
+    cluster = Cluster(nodes=1, gpus_per_node=1, memory_bytes=1e9, peak_flops=1e10, intra_node_bw=1e9,
+                      inter_node_bw=1e9, efficiency_by_tokens=((256.0, 0.3), (1024.0, 0.5)))
+    assert cluster.matmul_efficiency(100) == 0.3 and cluster.matmul_efficiency(4096) == 0.5
+    assert cluster.matmul_efficiency(512) == pytest.approx(0.4)  # halfway in log2: 8 -> 9 -> 10
+    gpu = Cluster.of("h100", nodes=1)
+    assert gpu.matmul_efficiency(512) == gpu.efficiency  # presets: one figure
+    with pytest.raises(ValueError, match="efficiency_by_tokens"):
+        Cluster(nodes=1, gpus_per_node=1, memory_bytes=1e9, peak_flops=1e10, intra_node_bw=1e9, inter_node_bw=1e9,
+                efficiency_by_tokens=((256.0, 1.5),))
+
+
 def test_elementwise_bandwidth_counts_bytes_read_and_written():
     x = torch.randn(1000, requires_grad=True)
     with cal.TrafficCounter() as counter:
@@ -85,9 +99,11 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     assert found is not None and found.threads == 1
     assert found.op_seconds < found.dtensor_op_seconds < 0.1  # DTensor's dispatch costs more than a plain op
     assert 0 < found.step_overhead_seconds < 1.0
-    assert 0.05 <= found.matmul_efficiency <= 1.0  # the recipe's blocks against square matmuls
+    # the recipe's blocks against square matmuls, at 256 and 1,024 tokens
+    assert [t for t, _ in found.matmul_efficiency] == [256.0, 1024.0]
+    assert all(0.05 <= e <= 1.0 for _, e in found.matmul_efficiency)
     figures = found.cluster_figures()
-    assert figures["efficiency"] == found.matmul_efficiency
+    assert figures["efficiency_by_tokens"] == tuple(map(tuple, found.matmul_efficiency))
     assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
     assert figures["step_overhead_seconds"] == found.step_overhead_seconds
     assert main(["calibrate", "0"]) == 2  # a thread budget below 1 is refused
