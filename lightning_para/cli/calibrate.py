@@ -37,8 +37,8 @@ from lightning_para.recipes import GPT
 from lightning_para.strategy import ParaStrategy
 
 
-def gpt_tensor_parallel_workload() -> Callable[[], None]:
-    """One training step of a 2-layer ``GPT(preset="tiny")`` at tp=2 with sequence parallelism (built
+def gpt_tensor_parallel_workload() -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(forward and backward, optimizer step)`` of a 2-layer ``GPT(preset="tiny")`` at tp=2 with sequence parallelism (built
     once the 2-rank process group exists): forward, vocab-parallel loss, backward, AdamW. A small batch
     (2 x 16 tokens), so the operators' fixed costs dominate, not their arithmetic."""
     config = ParallelConfig(tp=2, sequence_parallel=True)
@@ -51,15 +51,17 @@ def gpt_tensor_parallel_workload() -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, model.config.vocab_size, (2, 16))
 
-    def step() -> None:
+    def forward_backward() -> None:
         with loss_parallel_step(True):
             loss = model.loss_fn(model(tokens), tokens)
         with loss_parallel_backward(True):
             loss.backward()
+
+    def optimizer_step() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    return step
+    return forward_backward, optimizer_step
 
 
 def gpt_compute_workload(batch: int) -> Callable[[], None]:

@@ -24,7 +24,8 @@ budget (``torch.get_num_threads()`` of a rank):
   4 x 64 and 16 x 64 tokens) less its operators' fixed cost and its element-wise bytes; what a square
   matmul does not show (smaller and skinnier shapes, CPU attention kernels, caches shared with other
   ranks) is in it, and the planner interpolates between the two sizes;
-* the fixed cost of one operator through DTensor's dispatch (tensor parallelism): blocks of a
+* the fixed cost of one operator through DTensor's dispatch, apart for forward + backward and for the
+  optimizer step (on this VM ~240 and ~64 us: one average mispriced both) (tensor parallelism): blocks of a
   sequence-parallel norm, a column- and a row-parallel linear (torch's own TP styles) on a 2-rank
   mesh of torch's fake process group (collectives return at once, so only the CPU-side cost is
   timed; the planner prices the bytes separately), forward, backward and an AdamW step, less the
@@ -65,7 +66,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_para.threads import available_cores
 
-__all__ = ["Calibration", "DTensorOpCounter", "TrafficCounter", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
+__all__ = ["Calibration", "DTensorOpCounter", "measure_dtensor_op_costs", "TrafficCounter", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
            "measure_rank_rates", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
            "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
@@ -110,6 +111,7 @@ class Calibration:
     processes: int = 1  # processes measured at once (cores // threads: the machine as loaded as in a run)
     # [[tokens, fraction of matmul_flops a real model's matmuls reach at that microbatch], ...] (None: 1)
     matmul_efficiency: Optional[list[list[float]]] = None
+    dtensor_optimizer_op_seconds: Optional[float] = None  # per DTensor operator of the optimizer step (None: not apart)
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: ``peak_flops`` is the square matmuls' rate and
@@ -123,6 +125,8 @@ class Calibration:
             figures["op_seconds"] = self.op_seconds
         if self.dtensor_op_seconds is not None:
             figures["dtensor_op_seconds"] = self.dtensor_op_seconds
+        if self.dtensor_optimizer_op_seconds is not None:
+            figures["dtensor_optimizer_op_seconds"] = self.dtensor_optimizer_op_seconds
         if self.step_overhead_seconds is not None:
             figures["step_overhead_seconds"] = self.step_overhead_seconds
         if self.elementwise_bandwidth is not None:
@@ -375,8 +379,8 @@ def run_measurement(target: Callable[..., None], args_per_process: Sequence[tupl
                 proc.kill()
 
 
-def synthetic_tp_workload() -> Callable[[], None]:
-    """A step of blocks of a sequence-parallel RMSNorm, a column- and a row-parallel linear (torch's own TP
+def synthetic_tp_workload() -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(forward and backward, optimizer step)`` of blocks of a sequence-parallel RMSNorm, a column- and a row-parallel linear (torch's own TP
     styles) on a 2-rank mesh; called once the (fake) process group exists. Its DTensor operators are cheap
     ones (cached sharding propagation, no views or attention): ``lightning-para calibrate`` measures the
     GPT recipe's block instead, whose operator counts the planner uses."""
@@ -396,12 +400,14 @@ def synthetic_tp_workload() -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = DTensor.from_local(torch.randn(2, 8, 8), mesh, [Shard(1)]).requires_grad_()
 
-    def step() -> None:
+    def forward_backward() -> None:
         model(x).to_local().sum().backward()
+
+    def optimizer_step() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    return step
+    return forward_backward, optimizer_step
 
 
 class DTensorOpCounter(TorchDispatchMode):
@@ -425,8 +431,8 @@ class DTensorOpCounter(TorchDispatchMode):
         return self.dtensor, self.plain
 
 
-def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], repeats: int, start_together: Any,
-                    out: Any) -> None:
+def _dtensor_worker(threads: int, workload: Callable[[], tuple[Callable[[], None], Callable[[], None]]],
+                    repeats: int, start_together: Any, out: Any) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
 
@@ -434,37 +440,52 @@ def _dtensor_worker(threads: int, workload: Callable[[], Callable[[], None]], re
     torch.set_flush_denormal(True)  # the fake collectives leave their outputs uninitialised
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        step = workload()
-        step()  # warm-up: sharding propagation caches
+        phases = workload()  # (forward and backward, optimizer step)
+        for phase in phases:
+            phase()  # warm-up: sharding propagation caches
         start_together.wait()
-        with DTensorOpCounter() as counter:
-            step()
-        times = []
+        counters = []
+        for phase in phases:
+            with DTensorOpCounter() as counter:
+                phase()
+            counters.append(counter)
+        times: list[list[float]] = [[], []]
         for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+            for k, phase in enumerate(phases):
+                start = time.perf_counter()
+                phase()
+                times[k].append(time.perf_counter() - start)
         plain_seconds = measure_op_seconds(threads)
-        out.put(max(0.0, statistics.median(times) - counter.plain * plain_seconds) / max(1, counter.dtensor))
+        # Per phase: its DTensor operators cost apart (a block's views and redistributions ~4x an optimizer's
+        # elementwise update on this VM), so one average would misprice both.
+        out.put(tuple(max(0.0, statistics.median(t) - c.plain * plain_seconds) / max(1, c.dtensor)
+                      for t, c in zip(times, counters)))
     finally:
         dist.destroy_process_group()
 
 
-def measure_dtensor_op_seconds(threads: Optional[int] = None, repeats: int = 9, timeout: float = 180.0,
-                               workload: Optional[Callable[[], Callable[[], None]]] = None,
-                               processes: int = 1) -> float:
-    """Median seconds per operator through DTensor's dispatch: ``workload()`` (default
-    :func:`synthetic_tp_workload`; a picklable module-level function that builds a tensor-parallel model
-    on a 2-rank mesh and returns its training step) timed on torch's fake process group, in a process of
-    its own (the fake group is process-wide), less its plain operators at :func:`measure_op_seconds`,
-    divided by the operators DTensor dispatched. ``processes`` copies run at once (a loaded machine, see
-    the module docstring); the median of theirs is returned."""
+def measure_dtensor_op_costs(threads: Optional[int] = None, repeats: int = 9, timeout: float = 180.0,
+                             workload: Optional[Callable[[], tuple[Callable[[], None], Callable[[], None]]]] = None,
+                             processes: int = 1) -> tuple[float, float]:
+    """``(seconds per DTensor operator in forward and backward, in the optimizer step)``: ``workload()`` (default
+    :func:`synthetic_tp_workload`; a picklable module-level function that builds a tensor-parallel model on a
+    2-rank mesh and returns its ``(forward and backward, optimizer step)``) timed phase by phase on torch's fake
+    process group, in a process of its own (the fake group is process-wide), each phase less its plain
+    operators at :func:`measure_op_seconds`, divided by the operators DTensor dispatched in it. ``processes``
+    copies run at once (a loaded machine, see the module docstring); the medians of theirs are returned."""
     import torch.multiprocessing as mp
 
     start_together = mp.get_context("spawn").Barrier(processes)
     args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, start_together)
     found = run_measurement(_dtensor_worker, [args] * processes, timeout, "DTensor's dispatch", results=processes)
-    return float(statistics.median(found))
+    return float(statistics.median(f[0] for f in found)), float(statistics.median(f[1] for f in found))
+
+
+def measure_dtensor_op_seconds(threads: Optional[int] = None, repeats: int = 9, timeout: float = 180.0,
+                               workload: Optional[Callable[[], tuple[Callable[[], None], Callable[[], None]]]] = None,
+                               processes: int = 1) -> float:
+    """Median seconds per DTensor operator in forward and backward (:func:`measure_dtensor_op_costs`)."""
+    return measure_dtensor_op_costs(threads, repeats, timeout, workload, processes)[0]
 
 
 def _gloo_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
@@ -565,8 +586,9 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
             return found
     processes = max(1, available_cores() // threads)  # the ranks of a run that fills this machine
     flops, op_seconds, bandwidth_elementwise, curve = measure_rank_rates(threads, processes, workload=compute_workload)
-    dtensor_op_seconds = (measure_dtensor_op_seconds(threads, workload=dtensor_workload, processes=processes)
-                          if measure_dtensor else None)
+    dtensor_op_seconds, dtensor_optimizer_op_seconds = (
+        measure_dtensor_op_costs(threads, workload=dtensor_workload, processes=processes)
+        if measure_dtensor else (None, None))
     step_overhead_seconds = step_overhead(threads) if step_overhead is not None else None
     bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
     result = Calibration(
@@ -575,6 +597,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
         elementwise_bandwidth=bandwidth_elementwise, processes=processes,
         matmul_efficiency=[list(point) for point in curve] if curve else None,
+        dtensor_optimizer_op_seconds=dtensor_optimizer_op_seconds,
     )
     data = _load(path)
     data[result.key] = asdict(result)

@@ -125,6 +125,8 @@ class Cluster:
             the optimizer's arithmetic) read and write; their traffic (:mod:`lightning_para.plan.overhead`)
             over it is added to the step. 0 (the GPU presets): not priced; calibrated on CPU, where it
             was a third of a step's compute on the README demo's block.
+        dtensor_optimizer_op_seconds: fixed seconds per DTensor operator of the optimizer step (elementwise
+            updates with cached sharding, a quarter of a block's on CPU); 0: ``dtensor_op_seconds`` is used.
         efficiency_by_tokens: ``((tokens, efficiency), ...)`` measured at several microbatch sizes (rows of
             the matmuls): the efficiency at a rank's tokens per microbatch is interpolated in ``log(tokens)``
             between them and held at the ends (:meth:`matmul_efficiency`). Empty (the GPU presets):
@@ -147,6 +149,7 @@ class Cluster:
     dtensor_op_seconds: float = 0.0
     step_overhead_seconds: float = 0.0
     elementwise_bandwidth: float = 0.0
+    dtensor_optimizer_op_seconds: float = 0.0
     efficiency_by_tokens: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -157,7 +160,7 @@ class Cluster:
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"`efficiency={self.efficiency!r}` must be in (0, 1].")
         for name in ("intra_node_latency", "inter_node_latency", "reserved_bytes", "op_seconds", "dtensor_op_seconds",
-                     "step_overhead_seconds", "elementwise_bandwidth"):
+                     "step_overhead_seconds", "elementwise_bandwidth", "dtensor_optimizer_op_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={value!r}` must be a number >= 0.")

@@ -523,8 +523,9 @@ def price_rank(
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds
     compute += microbatch_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds
+    optimizer_dtensor_seconds = cluster.dtensor_optimizer_op_seconds or cluster.dtensor_op_seconds
     optimizer_seconds = (optimizer_ops(model, part, layout) * cluster.op_seconds
-                         + optimizer_dtensor_ops(model, layout, part) * cluster.dtensor_op_seconds)
+                         + optimizer_dtensor_ops(model, layout, part) * optimizer_dtensor_seconds)
     if cluster.elementwise_bandwidth > 0:  # the non-matmul operators' bytes (0 on the GPU presets: not priced)
         compute += microbatch_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
         optimizer_seconds += optimizer_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth

@@ -99,6 +99,8 @@ def local_cluster(
         figures["elementwise_bandwidth"] *= share
         figures["op_seconds"] /= share
         figures["dtensor_op_seconds"] /= share
+        if "dtensor_optimizer_op_seconds" in figures:
+            figures["dtensor_optimizer_op_seconds"] /= share
         figures["step_overhead_seconds"] /= share
         # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
         figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE

@@ -98,6 +98,8 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     found = cal.cached_calibration(1)
     assert found is not None and found.threads == 1
     assert found.op_seconds < found.dtensor_op_seconds < 0.1  # DTensor's dispatch costs more than a plain op
+    # the optimizer step's DTensor operators are timed apart: cheap elementwise updates, below a block's
+    assert 0 < found.dtensor_optimizer_op_seconds < found.dtensor_op_seconds
     assert 0 < found.step_overhead_seconds < 1.0
     # the recipe's blocks against square matmuls, at 256 and 1,024 tokens
     assert [t for t, _ in found.matmul_efficiency] == [256.0, 1024.0]
@@ -105,6 +107,7 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     figures = found.cluster_figures()
     assert figures["efficiency_by_tokens"] == tuple(map(tuple, found.matmul_efficiency))
     assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
+    assert figures["dtensor_optimizer_op_seconds"] == found.dtensor_optimizer_op_seconds
     assert figures["step_overhead_seconds"] == found.step_overhead_seconds
     assert main(["calibrate", "0"]) == 2  # a thread budget below 1 is refused
 

@@ -122,6 +122,15 @@ def test_dtensor_dispatch_is_priced_under_tensor_parallelism_only():
             assert optimizer_dtensor_ops(model, layout, part) >= layers * TP_LAYER_OPTIMIZER[sp][0]
             assert r1.optimizer_seconds - r0.optimizer_seconds == pytest.approx(
                 optimizer_dtensor_ops(model, layout, part) * 1e-4)
+    # the optimizer step's DTensor operators at their own figure when calibrated apart
+    layout = Layout(dp=1, tp=2, pp=2, sequence_parallel=True)
+    apart = dataclasses.replace(priced, dtensor_optimizer_op_seconds=2.5e-5)
+    with_dtensor, split = estimate(model, priced, training, layout), estimate(model, apart, training, layout)
+    parts = pipeline_ranks(model, layout.schedule, 2, 1, with_dtensor.microbatches)
+    for r1, r2, part in zip(with_dtensor.ranks, split.ranks, parts):
+        assert r2.compute_seconds == r1.compute_seconds
+        assert r1.optimizer_seconds - r2.optimizer_seconds == pytest.approx(
+            optimizer_dtensor_ops(model, layout, part) * (1e-4 - 2.5e-5))
     # no tensor parallelism: nothing goes through DTensor's dispatch
     plain = Layout(dp=2, tp=1, pp=2)
     assert estimate(model, cpu, training, plain).step_seconds == estimate(model, priced, training, plain).step_seconds
