@@ -64,13 +64,13 @@ def gpt_tensor_parallel_workload() -> tuple[Callable[[], None], Callable[[], Non
     return forward_backward, optimizer_step
 
 
-def gpt_compute_workload(batch: int) -> Callable[[], None]:
-    """Forward and backward of two plain blocks of ``GPT(preset="tiny")`` on ``batch`` x 64 tokens: the reference
-    whose matmuls set the calibration's matmul efficiency (``plan.calibrate.measure_matmul_efficiency``)."""
+def gpt_compute_workload(batch: int, seq_len: int) -> Callable[[], None]:
+    """Forward and backward of two plain blocks of ``GPT(preset="tiny")`` on ``batch x seq_len`` tokens: the
+    reference whose matmuls set the calibration's matmul efficiency (``plan.calibrate.measure_matmul_efficiency``)."""
     torch.manual_seed(0)
     model = GPT(preset="tiny", sample_tokens=0)
     blocks = list(model.blocks)[:2]
-    tokens = torch.randint(0, model.config.vocab_size, (batch, 64))
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len))
 
     def step() -> None:
         hidden = model.embed(tokens)

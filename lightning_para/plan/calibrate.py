@@ -24,12 +24,12 @@ budget (``torch.get_num_threads()`` of a rank):
   4 x 64 and 16 x 64 tokens) less its operators' fixed cost and its element-wise bytes; what a square
   matmul does not show (smaller and skinnier shapes, CPU attention kernels, caches shared with other
   ranks) is in it, and the planner interpolates between the two sizes;
-* the fixed cost of one operator through DTensor's dispatch, apart for forward + backward and for the
-  optimizer step (on this VM ~240 and ~64 us: one average mispriced both) (tensor parallelism): blocks of a
+* the fixed cost of one operator through DTensor's dispatch (tensor parallelism): blocks of a
   sequence-parallel norm, a column- and a row-parallel linear (torch's own TP styles) on a 2-rank
   mesh of torch's fake process group (collectives return at once, so only the CPU-side cost is
-  timed; the planner prices the bytes separately), forward, backward and an AdamW step, less the
-  plain operators at the figure above, divided by the operators DTensor dispatched.
+  timed; the planner prices the bytes separately); forward + backward and the AdamW step are timed
+  apart (on this VM ~240 and ~64 us per operator: one average mispriced both), each less its plain
+  operators at the figure above, divided by the operators DTensor dispatched in it.
 
 **Under load.** A run's ranks fill the machine's cores, and cores share caches, memory bandwidth and
 (on a VM) physical cores: on the development VM one rank's transformer block ran 1.37x slower while a
@@ -131,7 +131,7 @@ class Calibration:
             figures["step_overhead_seconds"] = self.step_overhead_seconds
         if self.elementwise_bandwidth is not None:
             figures["elementwise_bandwidth"] = self.elementwise_bandwidth
-        if isinstance(self.matmul_efficiency, list) and self.matmul_efficiency:
+        if self.matmul_efficiency:
             figures["efficiency_by_tokens"] = tuple((float(t), float(e)) for t, e in self.matmul_efficiency)
             figures["efficiency"] = min(e for _, e in figures["efficiency_by_tokens"])
         return figures
@@ -155,6 +155,16 @@ def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats
     finally:
         torch.set_num_threads(before)
     return 2.0 * size**3 / statistics.median(times)
+
+
+def _median_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``run`` (a preempted call skews a median less than a mean)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _op_chain(x: torch.Tensor, w: torch.Tensor, links: int) -> torch.Tensor:
@@ -184,14 +194,10 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
         _op_chain(x, w, links).backward()  # warm-up
         with _Count() as counter:
             _op_chain(x, w, links).backward()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            _op_chain(x, w, links).backward()
-            times.append(time.perf_counter() - start)
+        seconds = _median_seconds(lambda: _op_chain(x, w, links).backward(), repeats)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times) / counter.ops
+    return seconds / counter.ops
 
 
 # Operators whose cost is priced elsewhere (matmuls and attention by their FLOPs), and those that move no
@@ -252,15 +258,11 @@ def measure_elementwise_bandwidth(threads: Optional[int] = None, tokens: int = 1
         run()  # warm-up
         with TrafficCounter() as counter:
             run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
+        seconds = _median_seconds(run, repeats)
         fixed = counter.ops * (op_seconds if op_seconds is not None else measure_op_seconds(threads))
     finally:
         torch.set_num_threads(before)
-    return counter.bytes / max(statistics.median(times) - fixed, 1e-9)
+    return counter.bytes / max(seconds - fixed, 1e-9)
 
 
 # Microbatch sizes (sequences of 64 tokens) the matmul efficiency is measured at: the rows of a small CPU
@@ -269,30 +271,26 @@ EFFICIENCY_BATCHES = (4, 16)
 EFFICIENCY_SEQ_LEN = 64
 
 
-def measure_matmul_efficiency(workload: Callable[[int], Callable[[], None]], batch: int, flops: float,
+def measure_matmul_efficiency(workload: Callable[[int, int], Callable[[], None]], batch: int, flops: float,
                               op_seconds: float, bandwidth: float, repeats: int = 9) -> float:
-    """The fraction of the ``flops`` rate a real model's matmuls reach: ``workload(batch)`` returns a training
-    step (forward and backward) of a plain model on ``batch`` sequences; its matmul and attention FLOPs
+    """The fraction of the ``flops`` rate a real model's matmuls reach: ``workload(batch, seq_len)`` returns a
+    training step (forward and backward) of a plain model on ``batch`` sequences of :data:`EFFICIENCY_SEQ_LEN`
+    tokens; its matmul and attention FLOPs
     (``FlopCounterMode``), operators and element-wise bytes (:class:`TrafficCounter`) are counted, and what its
     median time leaves after the operators' fixed cost and the bytes at ``bandwidth`` is the matmuls' time.
     Clamped to [0.05, 1]."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    step = workload(batch)
+    step = workload(batch, EFFICIENCY_SEQ_LEN)
     step()  # warm-up
     with FlopCounterMode(display=False) as flop_counter, TrafficCounter() as traffic:
         step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    matmul_seconds = statistics.median(times) - traffic.ops * op_seconds - traffic.bytes / bandwidth
+    matmul_seconds = _median_seconds(step, repeats) - traffic.ops * op_seconds - traffic.bytes / bandwidth
     efficiency = flop_counter.get_total_flops() / max(matmul_seconds, 1e-9) / flops
     return min(1.0, max(0.05, efficiency))
 
 
-def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[int], Callable[[], None]]],
+def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[int, int], Callable[[], None]]],
                        out: Any) -> None:
     torch.set_num_threads(threads)
     start_together.wait()  # every process measures while the others do: the machine as loaded as in a run
@@ -305,12 +303,12 @@ def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Cal
 
 
 def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
-                       workload: Optional[Callable[[int], Callable[[], None]]] = None,
+                       workload: Optional[Callable[[int, int], Callable[[], None]]] = None,
                        ) -> tuple[float, float, float, tuple[tuple[float, float], ...]]:
     """``(matmul FLOP/s, seconds per operator, element-wise bytes/s, ((tokens, matmul efficiency), ...))`` of one
     rank with ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a
     spawned process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
-    ``workload`` (a picklable module-level function of the batch) at :data:`EFFICIENCY_BATCHES` sequences of
+    ``workload`` (a picklable module-level function of the batch and sequence length) at :data:`EFFICIENCY_BATCHES` sequences of
     :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload."""
     import torch.multiprocessing as mp
 
@@ -449,17 +447,19 @@ def _dtensor_worker(threads: int, workload: Callable[[], tuple[Callable[[], None
             with DTensorOpCounter() as counter:
                 phase()
             counters.append(counter)
+        # Alternately, as in training: the optimizer step needs the gradients of a backward (its zero_grad
+        # drops them, and AdamW skips parameters without one).
         times: list[list[float]] = [[], []]
         for _ in range(repeats):
             for k, phase in enumerate(phases):
                 start = time.perf_counter()
                 phase()
                 times[k].append(time.perf_counter() - start)
+        seconds = [statistics.median(t) for t in times]
         plain_seconds = measure_op_seconds(threads)
-        # Per phase: its DTensor operators cost apart (a block's views and redistributions ~4x an optimizer's
+        # Per phase: its DTensor operators cost apart (a block's views and redistributions 2-4x an optimizer's
         # elementwise update on this VM), so one average would misprice both.
-        out.put(tuple(max(0.0, statistics.median(t) - c.plain * plain_seconds) / max(1, c.dtensor)
-                      for t, c in zip(times, counters)))
+        out.put(tuple(max(0.0, t - c.plain * plain_seconds) / max(1, c.dtensor) for t, c in zip(seconds, counters)))
     finally:
         dist.destroy_process_group()
 
@@ -566,7 +566,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
               measure_comm: bool = True, measure_dtensor: bool = True,
               dtensor_workload: Optional[Callable[[], Callable[[], None]]] = None,
               step_overhead: Optional[Callable[[int], float]] = None,
-              compute_workload: Optional[Callable[[int], Callable[[], None]]] = None) -> Calibration:
+              compute_workload: Optional[Callable[[int, int], Callable[[], None]]] = None) -> Calibration:
     """Measure this machine (see the module docstring) unless cached, cache it and return it.
 
     ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
@@ -575,7 +575,7 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
     :func:`measure_dtensor_op_seconds`; ``lightning-para calibrate`` passes the GPT recipe's).
     ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
     the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it.
-    ``compute_workload(batch)``: a plain model's training step whose matmuls set ``matmul_efficiency`` at
+    ``compute_workload(batch, seq_len)``: a plain model's training step whose matmuls set ``matmul_efficiency`` at
     :data:`EFFICIENCY_BATCHES` (:func:`measure_matmul_efficiency`; ``lightning-para calibrate`` passes the GPT
     recipe's); 1 without it."""
     threads = threads or torch.get_num_threads()

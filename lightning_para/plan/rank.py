@@ -186,12 +186,23 @@ def _activation_kwargs(training: Training, layout: Layout) -> tuple[dict, dict]:
     return kwargs, layer_kwargs
 
 
+def _head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
+    """The head's (final norm, output projection, loss) activation bytes for one microbatch on one rank."""
+    e, torch_code = training.bytes.activation, training.activation_profile == "torch"
+    # Autocast runs the cross-entropy in fp32; without it (``*-true``) torch's keeps the dtype of the logits.
+    logit_bytes = e if torch_code and not training.bytes.autocast else 4
+    return head_activation_bytes(
+        model, training.seq_len, training.micro_batch, activation_bytes=e, logit_bytes=logit_bytes,
+        sp_saves_gathered_inputs=torch_code, **_activation_kwargs(training, layout)[0],
+    )
+
+
 def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
     """Bytes the non-matmul operators of one rank read and write for one microbatch, forward and backward
     (coefficients and their counting in :mod:`lightning_para.plan.overhead`): each layer's activations as
     they would be kept without recomputation (a recomputed forward moves its share, a third, once more),
     the head's, and the weight gradients written."""
-    kwargs, layer_kwargs = _activation_kwargs(training, layout)
+    layer_kwargs = _activation_kwargs(training, layout)[1]
     s, b, e = training.seq_len, training.micro_batch, training.bytes.activation
     layers = sum(
         layer_activation_bytes(model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
@@ -207,10 +218,7 @@ def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layou
     traffic += LAYER_TRAFFIC_PER_PARAM_BYTE * layer_params * weight
     traffic += EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE * max(0.0, dense + expert - layer_params) * weight
     if part.last_stage:
-        logit_bytes = e if training.activation_profile == "torch" and not training.bytes.autocast else 4
-        traffic += HEAD_TRAFFIC_PER_ACTIVATION_BYTE * head_activation_bytes(
-            model, s, b, activation_bytes=e, logit_bytes=logit_bytes,
-            sp_saves_gathered_inputs=training.activation_profile == "torch", **kwargs)
+        traffic += HEAD_TRAFFIC_PER_ACTIVATION_BYTE * _head_bytes(model, training, layout)
     return traffic
 
 
@@ -268,11 +276,7 @@ def _memory(
     if part.embedding:
         held += embedding_activation_bytes(model, s, b, **kwargs)
     if part.last_stage:
-        # Autocast runs the cross-entropy in fp32; without it (``*-true``) torch's keeps the dtype of the logits.
-        logit_bytes = e if torch_code and not precision.autocast else 4
-        held += head_activation_bytes(
-            model, s, b, activation_bytes=e, logit_bytes=logit_bytes, sp_saves_gathered_inputs=torch_code, **kwargs
-        )
+        held += _head_bytes(model, training, layout)
     activations, recomputed = part.in_flight * held, 0.0
     if layout.activation_checkpointing == "full" and part.layers:
         # Backward recomputes one layer at a time: its full activations are live once more.
