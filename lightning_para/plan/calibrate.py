@@ -202,8 +202,13 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
 
 # Operators whose cost is priced elsewhere (matmuls and attention by their FLOPs), and those that move no
 # data (views are caught by their schema; these create or alias without reading).
+# Matmuls and fused attention (CPU's and CUDA's kernels): priced by their FLOPs, not their bytes.
 _PRICED_BY_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-                              "_scaled_dot_product_flash_attention_for_cpu_backward"})
+                              "_scaled_dot_product_flash_attention_for_cpu_backward",
+                              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+                              "_scaled_dot_product_efficient_attention",
+                              "_scaled_dot_product_efficient_attention_backward",
+                              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"})
 _NO_TRAFFIC = frozenset({"detach", "alias", "_unsafe_view", "_reshape_alias", "empty", "empty_like", "empty_strided",
                          "new_empty", "new_empty_strided", "lift_fresh"})
 

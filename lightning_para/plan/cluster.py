@@ -82,14 +82,30 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 # * h200: H200 SXM 141 GB HBM3e, same compute and NVLink as H100 SXM (NVIDIA H200 datasheet).
 # * b200: B200 192 GB HBM3e (HGX B200), 2.25 PFLOP/s dense BF16 (4.5 with sparsity), NVLink 5
 #   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
+#
+# Element-wise bandwidth (`elementwise_bandwidth`, eager torch code's norms, casts, SwiGLU products, residual adds
+# and AdamW): measured on the lent H100 80GB HBM3 SXM (issue 23, benchmarks/gpu_step_model.py): an RMS norm, a
+# SwiGLU product and a residual add on 16,384 x 4,096 bf16 tensors, forward and backward, moved 2.545-2.559e12
+# bytes/s in three runs (76% of the 3.35 TB/s datasheet HBM3 bandwidth). The other presets keep that fraction of
+# their datasheet bandwidth: H200 4.8 TB/s, B200 8 TB/s, H800 3.35, A100 80 GB 2.04, A100 40 GB 1.56. The 96 GB
+# HBM2e H100's bandwidth is unpublished: it keeps the SXM's figure.
+_H100_ELEMENTWISE = 2.55e12
+_HBM_FRACTION = _H100_ELEMENTWISE / 3.35e12
 GPU_SPECS: dict[str, dict[str, float]] = {
-    "h100": {"memory_bytes": 84.37e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
-    "h100-96gb": {"memory_bytes": 96e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
-    "h200": {"memory_bytes": 149.46e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9},
-    "b200": {"memory_bytes": 192e9, "peak_flops": 2250e12, "intra_node_bw": 900e9, "inter_node_bw": 50e9},
-    "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9},
-    "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
-    "a100-40gb": {"memory_bytes": 40e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9},
+    "h100": {"memory_bytes": 84.37e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
+             "elementwise_bandwidth": _H100_ELEMENTWISE},
+    "h100-96gb": {"memory_bytes": 96e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
+                  "elementwise_bandwidth": _H100_ELEMENTWISE},
+    "h200": {"memory_bytes": 149.46e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
+             "elementwise_bandwidth": 4.8e12 * _HBM_FRACTION},
+    "b200": {"memory_bytes": 192e9, "peak_flops": 2250e12, "intra_node_bw": 900e9, "inter_node_bw": 50e9,
+             "elementwise_bandwidth": 8.0e12 * _HBM_FRACTION},
+    "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9,
+             "elementwise_bandwidth": 3.35e12 * _HBM_FRACTION},
+    "a100-80gb": {"memory_bytes": 80e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9,
+                  "elementwise_bandwidth": 2.039e12 * _HBM_FRACTION},
+    "a100-40gb": {"memory_bytes": 40e9, "peak_flops": 312e12, "intra_node_bw": 300e9, "inter_node_bw": 25e9,
+                  "elementwise_bandwidth": 1.555e12 * _HBM_FRACTION},
 }
 
 
@@ -121,10 +137,11 @@ class Cluster:
         step_overhead_seconds: fixed seconds per optimizer step outside the model's operators (Lightning's
             loop, hooks, callbacks and logging, the strategy's step). 0 for the GPU presets, where it overlaps
             the device's queue; calibrated on CPU (``lightning-para calibrate``).
-        elementwise_bandwidth: bytes/s the non-matmul operators (norms, activations, residual adds,
+        elementwise_bandwidth: bytes/s the non-matmul operators (norms, activations, residual adds, casts,
             the optimizer's arithmetic) read and write; their traffic (:mod:`lightning_para.plan.overhead`)
-            over it is added to the step. 0 (the GPU presets): not priced; calibrated on CPU, where it
-            was a third of a step's compute on the README demo's block.
+            over it is added to the step of eager torch code (``activation_profile="torch"``). 0: not priced.
+            Measured on an H100 for the GPU presets (see :data:`GPU_SPECS`), where it was 28% of a step of
+            Llama 3 8B's layers; calibrated on CPU, where it was a third of a step's compute on the README demo.
         dtensor_optimizer_op_seconds: fixed seconds per DTensor operator of the optimizer step (elementwise
             updates with cached sharding, a quarter of a block's on CPU); 0: ``dtensor_op_seconds`` is used.
         efficiency_by_tokens: ``((tokens, efficiency), ...)`` measured at several microbatch sizes (rows of

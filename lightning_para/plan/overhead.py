@@ -25,6 +25,7 @@ recounts them). They do not depend on the tp degree: each rank runs the same ope
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 from lightning_para.plan.layout import Layout
@@ -42,22 +43,46 @@ EMBEDDING_OPS = 1 + 2
 # torch.optim.AdamW's per-tensor (for-loop) step on CPU: lerp_, mul_, addcmul_, sqrt, div, addcdiv_, ...
 OPTIMIZER_OPS_PER_TENSOR = 10
 
-# Bytes the non-matmul operators move (each one's inputs plus outputs, forward and backward; views and the
-# matmuls and attention, priced by their FLOPs, left out), counted with
-# `lightning_para.plan.calibrate.TrafficCounter` on `GPT(preset="tiny")` at 8 x 64 and 4 x 32 tokens and
-# fitted as `a x (activation bytes the layer keeps, plan.memory.layer_activation_bytes) + c x (its parameter
-# bytes)`: activations are written once and read several times (norms, RoPE, SwiGLU, residuals), and the
-# weight gradients are written and accumulated. Wider recipes (h=256, f=1024; GQA) fit a = 6.4-8.0.
-# The planner divides the traffic by `Cluster.elementwise_bandwidth` (0 on the GPU presets: not priced).
-LAYER_TRAFFIC_PER_ACTIVATION_BYTE = 7.96
-LAYER_TRAFFIC_PER_PARAM_BYTE = 4.05
-# The final norm, the output projection's non-matmul work and the cross-entropy, per byte of
-# `plan.memory.head_activation_bytes`; the output projection's (and embedding's) weight gradients per byte.
-HEAD_TRAFFIC_PER_ACTIVATION_BYTE = 12.0
-EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE = 4.0
-# torch.optim.AdamW's per-tensor step on fp32 parameters: 84 bytes read and written per element stepped
-# (parameter, gradient, both moments, and the temporaries of its 10 operators).
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 84.0
+@dataclass(frozen=True)
+class TrafficCoefficients:
+    """Bytes the non-matmul operators move (each one's inputs plus outputs, forward and backward; views, the
+    matmuls and fused attention, priced by their FLOPs, left out), as multiples of what the planner already
+    computes: ``layer_per_activation_byte x`` the activation bytes a layer keeps (``plan.memory``) ``+
+    layer_per_param_byte x`` its parameter bytes (activations are written once and read several times; the
+    weight gradients are written and accumulated; autocast casts the weights), the same for the head (final
+    norm, output projection, loss) and the embedding and head weights, and AdamW's bytes per element stepped.
+    Counted with :func:`lightning_para.plan.traffic.count_traffic_coefficients`."""
+
+    layer_per_activation_byte: float
+    layer_per_param_byte: float
+    head_per_activation_byte: float
+    embedding_head_per_param_byte: float
+    optimizer_bytes_per_param: float
+    accumulate_per_grad_byte: float  # a later microbatch adds each weight gradient into the one held
+
+
+# Counted on `GPT(preset="tiny")` on CPU at 8 x 64 and 4 x 32 tokens (tests/unit/test_plan_overhead.py recounts
+# them); wider recipes (h=256, f=1024; GQA) fit 7.5 per activation byte. The weight gradients come out of the
+# matmuls (priced by FLOPs), so a first microbatch moves almost no bytes per parameter; a later one adds each
+# gradient into the one held (read both, write the sum: 3 bytes per gradient byte). AdamW is torch's
+# per-tensor loop (CPU's default): parameter, gradient, both moments and the temporaries of its 10 operators.
+FP32_CPU_TRAFFIC = TrafficCoefficients(8.61, 0.05, 11.79, 0.01, 84.0, 3.0)
+# Counted on an H100 (torch 2.11+cu130, benchmarks/gpu_step_model.py, benchmarks/results/gpu_step_model_h100.md)
+# at Llama 3 8B's widths (h=4096, 32/8 heads, f=14,336) and 70B's (h=8192, 64/8, f=28,672), V=128,256, at
+# 2 x 8,192 and 1 x 2,048 tokens; the two widths agree within 3%, the means are kept. bf16-mixed: autocast casts
+# every fp32 weight to bf16 and every bf16 weight gradient back (3 bytes per fp32 parameter byte), and RoPE and
+# the loss run in fp32. AdamW is CUDA's foreach implementation, as ParaStrategy's step ran it on the recipe
+# (bytes per element counted there: 54.9, and 62.9 under bf16-true, which also copies each fp32 master into
+# the bf16 weight).
+BF16_MIXED_CUDA_TRAFFIC = TrafficCoefficients(10.77, 3.01, 8.48, 3.0, 54.9, 3.0)
+BF16_TRUE_CUDA_TRAFFIC = TrafficCoefficients(7.54, 0.01, 7.52, 0.0, 62.9, 3.0)
+# Per precision, where that precision runs: fp32 on the CPU demos, 16-bit on GPUs (fp16 moves what bf16 does).
+TRAFFIC_BY_PRECISION: Mapping[str, TrafficCoefficients] = {
+    "32-true": FP32_CPU_TRAFFIC, "bf16-mixed": BF16_MIXED_CUDA_TRAFFIC, "16-mixed": BF16_MIXED_CUDA_TRAFFIC,
+    "bf16-true": BF16_TRUE_CUDA_TRAFFIC, "16-true": BF16_TRUE_CUDA_TRAFFIC,
+}
+# The planner divides the traffic by `Cluster.elementwise_bandwidth`.
+
 
 # Under tp > 1, keyed by sequence parallelism: (operators through DTensor's dispatch, plain operators).
 TP_LAYER_FORWARD: Mapping[bool, tuple[int, int]] = {False: (28, 91), True: (46, 84)}
@@ -154,8 +179,8 @@ def optimizer_dtensor_ops(model: ModelDesc, layout: Layout, part: RankLayers) ->
     return _optimizer_counts(model, layout, part)[0]
 
 
-__all__ = ["EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE", "EMBEDDING_OPS", "HEAD_OPS", "HEAD_TRAFFIC_PER_ACTIVATION_BYTE",
-           "LAYER_TRAFFIC_PER_ACTIVATION_BYTE", "LAYER_TRAFFIC_PER_PARAM_BYTE", "OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "LAYER_BACKWARD_OPS", "LAYER_FORWARD_OPS", "OPTIMIZER_OPS_PER_TENSOR",
+__all__ = ["BF16_MIXED_CUDA_TRAFFIC", "BF16_TRUE_CUDA_TRAFFIC", "EMBEDDING_OPS", "FP32_CPU_TRAFFIC", "HEAD_OPS",
+           "TRAFFIC_BY_PRECISION", "TrafficCoefficients", "LAYER_BACKWARD_OPS", "LAYER_FORWARD_OPS", "OPTIMIZER_OPS_PER_TENSOR",
            "TP_EMBEDDING", "TP_HEAD", "TP_LAYER_BACKWARD", "TP_LAYER_FORWARD", "TP_LAYER_OPTIMIZER",
            "TP_REST_OPTIMIZER", "microbatch_dtensor_ops", "microbatch_ops", "optimizer_dtensor_ops", "optimizer_ops",
            "parameter_tensors"]

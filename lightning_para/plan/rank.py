@@ -26,11 +26,7 @@ from lightning_para.plan.memory import (
 )
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.overhead import (
-    EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE,
-    HEAD_TRAFFIC_PER_ACTIVATION_BYTE,
-    LAYER_TRAFFIC_PER_ACTIVATION_BYTE,
-    LAYER_TRAFFIC_PER_PARAM_BYTE,
-    OPTIMIZER_TRAFFIC_BYTES_PER_PARAM,
+    TRAFFIC_BY_PRECISION,
     microbatch_dtensor_ops,
     microbatch_ops,
     optimizer_dtensor_ops,
@@ -197,38 +193,54 @@ def _head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
     )
 
 
-def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
-    """Bytes the non-matmul operators of one rank read and write for one microbatch, forward and backward
-    (coefficients and their counting in :mod:`lightning_para.plan.overhead`): each layer's activations as
-    they would be kept without recomputation (a recomputed forward moves its share, a third, once more),
-    the head's, and the weight gradients written."""
-    layer_kwargs = _activation_kwargs(training, layout)[1]
-    s, b, e = training.seq_len, training.micro_batch, training.bytes.activation
-    layers = sum(
-        layer_activation_bytes(model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
-                               moe_layer=model.is_moe_layer(i), **layer_kwargs)
-        for i in part.layers
+def layer_traffic_basis(model: ModelDesc, training: Training, layout: Layout, index: int) -> float:
+    """The activation bytes layer ``index`` keeps for one microbatch without recomputation: what its
+    non-matmul traffic is priced per (``TrafficCoefficients.layer_per_activation_byte``)."""
+    return layer_activation_bytes(
+        model, training.seq_len, training.micro_batch, flash_attention=training.flash_attention,
+        activation_bytes=training.bytes.activation, moe_layer=model.is_moe_layer(index),
+        **_activation_kwargs(training, layout)[1],
     )
+
+
+def head_traffic_basis(model: ModelDesc, training: Training, layout: Layout) -> float:
+    """The head's activation bytes for one microbatch: what its traffic is priced per."""
+    return _head_bytes(model, training, layout)
+
+
+def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers,
+                             accumulating: float = 0.0) -> float:
+    """Bytes the non-matmul operators of one rank read and write for one microbatch, forward and backward
+    (coefficients per precision and their counting in :mod:`lightning_para.plan.overhead`): each layer's
+    activations as they would be kept without recomputation (a recomputed forward moves its share, a third,
+    once more), the head's, the weight casts, and, for the ``accumulating`` fraction of microbatches that are
+    not a step's first (``(m - 1) / m``), the weight gradients added into those held (ZeRO-3: their shards)."""
+    rates = TRAFFIC_BY_PRECISION[training.precision]
+    layers = sum(layer_traffic_basis(model, training, layout, i) for i in part.layers)
     if layout.activation_checkpointing in ("full", "selective_op"):
         layers *= 4.0 / 3.0  # the forward, replayed
-    traffic = LAYER_TRAFFIC_PER_ACTIVATION_BYTE * layers
+    traffic = rates.layer_per_activation_byte * layers
     layer_params = sum(total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers)
     dense, expert, _ = _rank_params(model, layout, part)
     weight = training.bytes.weight
-    traffic += LAYER_TRAFFIC_PER_PARAM_BYTE * layer_params * weight
-    traffic += EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE * max(0.0, dense + expert - layer_params) * weight
+    traffic += rates.layer_per_param_byte * layer_params * weight
+    traffic += rates.embedding_head_per_param_byte * max(0.0, dense + expert - layer_params) * weight
     if part.last_stage:
-        traffic += HEAD_TRAFFIC_PER_ACTIVATION_BYTE * _head_bytes(model, training, layout)
+        traffic += rates.head_per_activation_byte * _head_bytes(model, training, layout)
+    if accumulating:
+        if layout.zero == 3:
+            dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
+        traffic += accumulating * rates.accumulate_per_grad_byte * (dense + expert) * training.bytes.grad
     return traffic
 
 
 def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
-    """Bytes one rank's AdamW step reads and writes: :data:`OPTIMIZER_TRAFFIC_BYTES_PER_PARAM` per element it
-    steps (its 1/N shard under ZeRO; SGD counted alike, an upper bound)."""
+    """Bytes one rank's AdamW step reads and writes: ``optimizer_bytes_per_param`` per element it steps (its
+    1/N shard under ZeRO; SGD counted alike, an upper bound)."""
     dense, expert, _ = _rank_params(model, layout, part)
     if layout.zero >= 1:
         dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
-    return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * (dense + expert)
+    return TRAFFIC_BY_PRECISION[training.precision].optimizer_bytes_per_param * (dense + expert)
 
 
 def _memory(
@@ -530,8 +542,12 @@ def price_rank(
     optimizer_dtensor_seconds = cluster.dtensor_optimizer_op_seconds or cluster.dtensor_op_seconds
     optimizer_seconds = (optimizer_ops(model, part, layout) * cluster.op_seconds
                          + optimizer_dtensor_ops(model, layout, part) * optimizer_dtensor_seconds)
-    if cluster.elementwise_bandwidth > 0:  # the non-matmul operators' bytes (0 on the GPU presets: not priced)
-        compute += microbatch_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
+    if cluster.elementwise_bandwidth > 0 and training.activation_profile == "torch":
+        # The non-matmul operators' bytes (plan/overhead.py). Eager torch code only: Megatron-LM's fused kernels
+        # (norm + linear, SwiGLU, RoPE, cross-entropy) move a fraction of them, which is left in `efficiency`.
+        accumulating = (per_step - 1) / per_step
+        traffic = microbatch_traffic_bytes(model, training, layout, part, accumulating)
+        compute += traffic / cluster.elementwise_bandwidth / compute_speedup(layout)
         optimizer_seconds += optimizer_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
     critical = 0.0
     collectives: list[Collective] = []

@@ -476,7 +476,8 @@ def test_selective_op_prices_torchtitans_policy():
     tokens x (h kv d + a d h + h f)`` per layer) plus, under SP, one more all-gather per block."""
     from lightning_para.plan.memory import selective_op_recompute_params
 
-    model, cluster = preset("llama3-8b"), Cluster.of("h100-96gb", nodes=1)
+    # matmul FLOPs alone (the replayed forward's element-wise bytes are priced too, on the preset)
+    model, cluster = preset("llama3-8b"), Cluster.of("h100-96gb", nodes=1, elementwise_bandwidth=0.0)
     training = Training(seq_len=8192, global_batch=16, micro_batch=2)
     est = {m: estimate(model, cluster, training, Layout(dp=8, zero=3, activation_checkpointing=m))
            for m in (None, "selective", "selective_op", "full")}

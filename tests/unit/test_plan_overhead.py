@@ -56,7 +56,7 @@ def test_overhead_is_ops_times_op_seconds_and_zero_on_gpu_presets():
     model = preset("llama3-8b").with_changes(layers=4)
     training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
     layout = Layout(dp=1, tp=1, pp=2)
-    gpu = Cluster.of("h100", nodes=1, gpus_per_node=2)
+    gpu = Cluster.of("h100", nodes=1, gpus_per_node=2, elementwise_bandwidth=0.0)  # operators alone
     assert gpu.op_seconds == 0.0
     slow = dataclasses.replace(gpu, op_seconds=1e-4)
     base, priced = estimate(model, gpu, training, layout), estimate(model, slow, training, layout)
@@ -160,60 +160,56 @@ def _traffic(fn) -> float:
 
 
 def test_elementwise_traffic_coefficients_match_the_gpt_recipe():
-    """plan/overhead.py's traffic coefficients, refitted from the recipe's block and head at two batch shapes:
-    traffic = a x activation bytes + c x parameter bytes (the fit the constants come from)."""
-    from lightning_para.observe.prediction import describe_for_prediction
+    """plan/overhead.py's fp32 traffic coefficients, recounted on the recipe's block and head at two batch shapes
+    (traffic = a x activation bytes + c x parameter bytes), its accumulation and AdamW's bytes per element."""
     from lightning_para.plan import overhead
-    from lightning_para.plan.memory import head_activation_bytes, layer_activation_bytes
+    from lightning_para.plan.traffic import count_traffic_coefficients
 
     torch.manual_seed(0)
-    model = GPT(preset="tiny", sample_tokens=0)
-    desc, _ = describe_for_prediction(model)
-    block, width = model.blocks[0], model.config.n_embd
-    layer, head = [], []
-    for batch, seq in ((8, 64), (4, 32)):
-        hidden = torch.randn(batch, seq, width, requires_grad=True)
-        layer.append((_traffic(lambda: block(hidden).sum().backward()),
-                      layer_activation_bytes(desc, seq, batch, activation_bytes=4, flash_attention=True)))
-        tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
-        head.append((_traffic(lambda: model.loss_fn(model.head(hidden), tokens).backward()),
-                     head_activation_bytes(desc, seq, batch, activation_bytes=4, logit_bytes=4)))
-    block_params = 4.0 * sum(p.numel() for p in block.parameters())
-    slope = (layer[0][0] - layer[1][0]) / (layer[0][1] - layer[1][1])
-    assert slope == pytest.approx(overhead.LAYER_TRAFFIC_PER_ACTIVATION_BYTE, rel=0.01)
-    assert (layer[0][0] - slope * layer[0][1]) / block_params == pytest.approx(overhead.LAYER_TRAFFIC_PER_PARAM_BYTE, rel=0.01)
-    head_slope = (head[0][0] - head[1][0]) / (head[0][1] - head[1][1])
-    assert head_slope == pytest.approx(overhead.HEAD_TRAFFIC_PER_ACTIVATION_BYTE, rel=0.01)
-    head_params = 4.0 * sum(p.numel() for p in model.head.parameters())
-    assert (head[0][0] - head_slope * head[0][1]) / head_params == pytest.approx(
-        overhead.EMBEDDING_HEAD_TRAFFIC_PER_PARAM_BYTE, rel=0.05)
-    # AdamW's step on fp32 parameters
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    per_element = _traffic(opt.step) / sum(p.numel() for p in params)
-    assert per_element == pytest.approx(overhead.OPTIMIZER_TRAFFIC_BYTES_PER_PARAM, rel=0.01)
+    counted = count_traffic_coefficients(GPT(preset="tiny", sample_tokens=0), "32-true")
+    table = overhead.TRAFFIC_BY_PRECISION["32-true"]
+    for name in ("layer_per_activation_byte", "head_per_activation_byte", "optimizer_bytes_per_param",
+                 "accumulate_per_grad_byte"):
+        assert getattr(counted, name) == pytest.approx(getattr(table, name), rel=0.01), name
+    for name in ("layer_per_param_byte", "embedding_head_per_param_byte"):  # ~0: gradients come out of matmuls
+        assert getattr(counted, name) == pytest.approx(getattr(table, name), abs=0.02), name
+    # autocast adds a cast of each weight and of each weight gradient: 1.5 + 1.5 bytes per fp32 parameter byte,
+    # as the table's CUDA-counted bf16-mixed row has it
+    mixed = count_traffic_coefficients(GPT(preset="tiny", sample_tokens=0), "bf16-mixed")
+    assert mixed.layer_per_param_byte == pytest.approx(overhead.TRAFFIC_BY_PRECISION["bf16-mixed"].layer_per_param_byte,
+                                                       rel=0.02)
 
 
-def test_elementwise_traffic_is_bytes_over_bandwidth_and_zero_on_gpu_presets():
+def test_count_traffic_coefficients_rejects_other_precisions():
+    from lightning_para.plan.traffic import count_traffic_coefficients
+
+    with pytest.raises(ValueError, match="precision='16-true'"):
+        count_traffic_coefficients(GPT(preset="tiny", sample_tokens=0), "16-true")
+
+
+def test_elementwise_traffic_is_bytes_over_bandwidth_for_eager_torch_code():
     from lightning_para.plan.rank import microbatch_traffic_bytes, optimizer_traffic_bytes
 
     model = preset("llama3-8b").with_changes(layers=4)
     training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
     layout = Layout(dp=2, tp=2, pp=2, zero=1)
     gpu = Cluster.of("h100", nodes=1, gpus_per_node=8)
-    assert gpu.elementwise_bandwidth == 0.0  # not priced on the GPU presets
+    assert gpu.elementwise_bandwidth == pytest.approx(2.55e12)  # measured on an H100 (plan/cluster.py)
+    unpriced = dataclasses.replace(gpu, elementwise_bandwidth=0.0)
     cpu = dataclasses.replace(gpu, elementwise_bandwidth=1e10)
-    base, priced = estimate(model, gpu, training, layout), estimate(model, cpu, training, layout)
+    base, priced = estimate(model, unpriced, training, layout), estimate(model, cpu, training, layout)
     parts = pipeline_ranks(model, layout.schedule, 2, 1, base.microbatches)
+    per_step = base.microbatches  # every microbatch after a step's first adds its gradients into those held
     for r0, r1, part in zip(base.ranks, priced.ranks, parts):
-        traffic = microbatch_traffic_bytes(model, training, layout, part)
-        assert traffic > 0
+        traffic = microbatch_traffic_bytes(model, training, layout, part, (per_step - 1) / per_step)
+        assert traffic > microbatch_traffic_bytes(model, training, layout, part) > 0
         assert r1.compute_seconds - r0.compute_seconds == pytest.approx(traffic / 1e10)
         assert r1.optimizer_seconds - r0.optimizer_seconds == pytest.approx(
             optimizer_traffic_bytes(model, training, layout, part) / 1e10)
+    # Megatron-LM's fused kernels: not priced (left in the matmul efficiency)
+    megatron = dataclasses.replace(training, activation_profile="megatron")
+    assert estimate(model, cpu, megatron, layout).step_seconds == pytest.approx(
+        estimate(model, unpriced, megatron, layout).step_seconds)
     # tensor parallelism with SP divides every layer's activations by tp: half the traffic per rank, or less
     one = Layout(dp=1, tp=1, pp=2)
     sp = Layout(dp=1, tp=2, pp=2, sequence_parallel=True)

@@ -64,11 +64,10 @@ def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_ba
                published_tps=tps, published_gib=gib, features_match=features_match, gap=gap)
 
 
-_OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op'): memory is under by 29-34%: torchtitan "
-           "reads the allocator's peak reserved memory, and the cross-entropy backward's fp32 transients "
-           "(grad of the log-probabilities and of the logits, 2 x 4 sbV = 15.6 GiB here) are not priced; "
-           "throughput is over by 36-39%: torchtitan reports 33% MFU (eager) on power-capped (500 W) HBM2e "
-           "H100s whose peak is unpublished, the planner's global efficiency 0.5 of the SXM peak gives 46%")
+_OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op'); tokens/s within 20% once eager code's "
+           "element-wise bytes are priced at the H100's measured bandwidth; memory is under by 29-34%: torchtitan "
+           "reads the allocator's peak reserved memory (on the lent H100 the recipe at these widths reserved 23% "
+           "over its allocated peak) and the planner counts tensors, 9% under the allocated peak there")
 _FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: Megatron-LM's interleaved schedule "
             "holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks (Narayanan et al. 2021), each with "
             "Korthikanti's Llama terms, beside fp32 gradients (Sec. 3.3.2); Meta's schedule makes the number of "
@@ -128,10 +127,12 @@ def test_llama3_table4(run: Run) -> None:
 def test_torchtitan_benchmarks(run: Run) -> None:
     got = predict(run)
     mem_err, tps_err = got["gib"] / run.published_gib - 1, got["tps"] / run.published_tps - 1
-    if run.features_match and not run.gap:
-        assert abs(mem_err) <= 0.10 and abs(tps_err) <= 0.20, got
-    elif run.features_match:  # documented gap (see `_OP_SAC`): pinned as measured (-29%/-34%, +36%/+39%)
-        assert -0.40 < mem_err < -0.20 and 0.30 < tps_err < 0.45, got
+    if run.features_match:
+        assert abs(tps_err) <= 0.20, got  # the issue's tolerance: tokens/s within 20%
+        if run.gap:  # documented memory gap (see `_OP_SAC`): pinned as measured (-29%/-34%)
+            assert -0.40 < mem_err < -0.20, got
+        else:
+            assert abs(mem_err) <= 0.10, got
     else:  # compile/Float8/async TP runs: shown in the table, not gated; still a sane prediction
         assert 0.3 < got["tps"] / run.published_tps < 3 and got["gib"] < 96e9 / GIB, got
 
@@ -149,7 +150,8 @@ def test_table() -> None:
             pub = f"{run.published_tps:,.0f} tok/s/GPU, {run.published_gib} GiB"
             pred = (f"{got['tps']:,.0f} ({got['tps'] / run.published_tps - 1:+.0%}),"
                     f" {got['gib']:.1f} GiB ({got['gib'] / run.published_gib - 1:+.0%})")
-            ok = ("no (gap)" if run.gap else "yes") if run.features_match else "not gated (compile/Float8)"
+            ok = ("tokens/s yes; memory no (gap)" if run.gap else "yes") if run.features_match \
+                else "not gated (compile/Float8)"
         lines.append(f"| {run.name} | {run.source} | {pub} | {pred} | {ok} |")
     print("\n".join(lines))
     assert len(lines) == len(RUNS) + 2
