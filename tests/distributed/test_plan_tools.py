@@ -37,10 +37,11 @@ PARITY_STEPS = 3
 
 # ----------------------------------------------------------------------------- the gate
 def prediction_job(strategy_kwargs: dict, model_kwargs: dict, moe: bool) -> dict:
-    """Train 9 steps with ParaProfiler (comm traced on batches 2, 5 and 8, the pipeline measured on the
-    other six after the first) and return its predicted-vs-measured rows. Six measured steps, not three:
+    """Train with ParaProfiler (comm traced on batches 2, 5 (and 8)) and return its predicted-vs-measured rows.
+    Under pp > 1, 9 steps: the pipeline is measured on the six untraced steps after the first. Six, not three:
     the replayed idle fraction takes each action's median CPU time, and with three one noisy step on a
-    loaded machine moved the last stage's idle by 0.065 (once in four full runs; tolerance 0.05)."""
+    loaded machine moved the last stage's idle by 0.065 (once in four full runs; tolerance 0.05). Without a
+    pipeline, 6 steps: memory and bytes are the same every step."""
     import lightning as L
     import torch.distributed as dist
 
@@ -52,7 +53,8 @@ def prediction_job(strategy_kwargs: dict, model_kwargs: dict, moe: bool) -> dict
     L.seed_everything(0, verbose=False)
     profiler = ParaProfiler(comm_every_n_steps=3, memory_every_n_steps=0, timeline_every_n_steps=0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs), max_steps=9,
+        accelerator="cpu", devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs),
+        max_steps=9 if strategy_kwargs.get("pp", 1) > 1 else 6,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[profiler],
     )

@@ -6,7 +6,7 @@ learns it in step 4, saves ``hpc_ckpt_1.ckpt`` (the atomic save path) after step
 code 143. Before: under ``dp2 x tp2 zero=3`` every rank stalled for the watchdog timeout and blamed
 "stuck" ranks; under ``pp2 x dp2`` every rank exited 0 in under 3 s; neither saved anything.
 Resuming with ``ckpt_path="hpc"`` (Lightning's SLURM convention) logs the uninterrupted run's
-losses for steps 5-8 bit for bit.
+losses for steps 5-8 bit for bit (checked under ``dp2 x tp2 zero=3``; the resume path is the same for both).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def test_sigterm_on_rank0_saves_a_checkpoint_and_every_rank_exits_143(pools, tmp
     checkpoint = tmp_path / "stopped" / "hpc_ckpt_1.ckpt"
     assert checkpoint_problems(checkpoint).complete and read_marker(checkpoint)["global_step"] == 4
 
+    if layout != "dp2tp2z3":
+        return  # resuming from Lightning's "hpc" checkpoint does not depend on the layout: checked once (CI time)
     resumed = launch(tmp_path / "resumed", "external", "--layout", layout, "--steps", "8", "--resume", "hpc",
                      "--root-dir", str(tmp_path / "stopped"))
     resumed.wait_all(600)
