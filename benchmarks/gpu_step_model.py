@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (one microbatch)")
-    parser.add_argument("--recompute", default="selective_op")
+    parser.add_argument("--recompute", default="selective_op", help="ParaStrategy's activation_checkpointing ('none')")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="count the traffic coefficients at these hidden:heads:kv_heads:ffn ('' skips)")
     parser.add_argument("--skip-recipe", action="store_true", help="only the microbenchmarks and the counts")
     args = parser.parse_args(argv)
+    if args.recompute in ("none", ""):
+        args.recompute = None
     if args.tiny:
         args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab = 2, 128, 4, 2, 384, 512
         args.seq, args.batch, args.warmup, args.steps = 64, 2, 2, 3

@@ -399,7 +399,7 @@ def _predicted(
     res, mem = rank.resident, rank.memory
     # The dry run's activations are what the forwards leave held; the layer that full recomputation
     # rebuilds in backward comes later (it is in both peaks).
-    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.recomputed, mem.total)
+    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.transient, mem.total)
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
     for c in rank.collectives:

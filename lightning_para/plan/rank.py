@@ -58,9 +58,16 @@ class MemoryBreakdown:
     optimizer: float  # fp32 masters and optimizer state
     activations: float
     buffers: float  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
-    # Of `activations`: what recomputing one layer in backward brings back ("full", "selective_op"; else 0); the rest is
-    # what the in-flight microbatches hold when their forwards are done (what the dry run measures).
+    # Of `activations`: the larger of two transients (`transient`), what recomputing one layer in backward brings
+    # back ("full", "selective_op"; else 0) and the logits the training step holds while the loss runs (the last
+    # stage, eager torch code); the rest is what the in-flight microbatches hold when their forwards are done
+    # (what the dry run measures).
     recomputed: float = 0.0
+    loss_logits: float = 0.0
+    # ParaStrategy's separate fp32 master (bf16-true, 16-true; ZeRO 0-2) keeps its fp32 gradient of the last step
+    # beside the 16-bit one until `zero_grad`, which Lightning calls after the forward: both are held at the forward's
+    # peak (measured on an H100, benchmarks/results/gpu_step_model_h100.md). Outside the ZeRO paper's model states.
+    master_grads: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -68,8 +75,13 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer
 
     @property
+    def transient(self) -> float:
+        """The peak's transient part of ``activations``: one layer's recomputation or the loss's logits."""
+        return max(self.recomputed, self.loss_logits)
+
+    @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
+        return self.model_states + self.activations + self.buffers + self.master_grads
 
 
 @dataclass(frozen=True)
@@ -307,7 +319,17 @@ def _memory(
                 moe_layer=model.is_moe_layer(i), **layer_kwargs,
             ) - per_layer[k] for k, i in enumerate(part.layers)
         )
-    return MemoryBreakdown(states[0], states[1], states[2], activations + recomputed, buffers, recomputed)
+    loss_logits = 0.0
+    if torch_code and part.last_stage:
+        # The training step holds the logits (activation dtype) while the cross-entropy makes its log-probabilities
+        # (counted in `_head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
+        loss_logits = e * s / layout.cp * b * model.vocab / layout.tp
+    master_grads = 0.0
+    if torch_code and precision.master > 0 and layout.zero < 3:
+        resident = resident_states(model, training, layout, part).grads
+        master_grads = max(0.0, resident - states[1])  # beyond what the ZeRO paper's peak already holds
+    return MemoryBreakdown(states[0], states[1], states[2], activations + max(recomputed, loss_logits), buffers,
+                           recomputed, loss_logits, master_grads)
 
 
 def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:
