@@ -40,6 +40,19 @@ def test_planner_reproduces_the_measured_h100_step_and_peak(record: Path):
     assert -0.07 <= memory_error <= 0.02, (memory_error, planned, measured["max_allocated_gib"])
 
 
+def test_the_script_runs_its_measurements_and_counts_anywhere(tmp_path):
+    """``gpu_step_model.py --tiny --skip-recipe`` on CPU: the GEMM, bandwidth and traffic-count code paths."""
+    from benchmarks.gpu_step_model import main
+
+    out = tmp_path / "tiny.json"
+    assert main(["--tiny", "--skip-recipe", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["matmul"]["flops_per_s"] > 0 and run["elementwise"]["bandwidth"] > 0
+    counted = run["traffic_coefficients"]["128:4:2:384 bf16-mixed"]
+    assert counted["accumulate_per_grad_byte"] == pytest.approx(3.0)
+    assert counted["layer_per_param_byte"] == pytest.approx(3.0, rel=0.05)  # autocast's two casts
+
+
 def test_loss_logits_and_master_gradients_are_priced_where_they_are_held():
     from dataclasses import replace
 
