@@ -22,6 +22,7 @@ prices the most loaded rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -80,6 +81,16 @@ def _mlp(model: ModelDesc, name: str, width: int, tp: int) -> list[ParamTensor]:
 
 def layer_tensors(model: ModelDesc, index: int, tp: int = 1, ep: int = 1) -> list[ParamTensor]:
     """The tensors of transformer layer ``index`` on one rank of a ``tp`` x ``ep`` layout."""
+    return list(_layer_tensors(model, index, tp, ep))
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_tensors(model: ModelDesc, index: int, tp: int, ep: int) -> tuple[ParamTensor, ...]:
+    # Cached: a search prices every layer of every layout (266,080 calls, 60% of an 8-GPU search's time).
+    return tuple(_build_layer_tensors(model, index, tp, ep))
+
+
+def _build_layer_tensors(model: ModelDesc, index: int, tp: int, ep: int) -> list[ParamTensor]:
     h, bias, prefix = model.hidden, model.bias, f"layers.{index}"
     tensors = norm_tensors(model, f"{prefix}.norm_1") + norm_tensors(model, f"{prefix}.norm_2")
     if model.attention_params is not None:
