@@ -84,12 +84,14 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 #   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
 #
 # Element-wise bandwidth (`elementwise_bandwidth`, eager torch code's norms, casts, SwiGLU products, residual adds
-# and AdamW): measured on the lent H100 80GB HBM3 SXM (issue 23, benchmarks/gpu_step_model.py): an RMS norm, a
-# SwiGLU product and a residual add on 16,384 x 4,096 bf16 tensors, forward and backward, moved 2.545-2.559e12
-# bytes/s in three runs (76% of the 3.35 TB/s datasheet HBM3 bandwidth). The other presets keep that fraction of
-# their datasheet bandwidth: H200 4.8 TB/s, B200 8 TB/s, H800 3.35, A100 80 GB 2.04, A100 40 GB 1.56. The 96 GB
-# HBM2e H100's bandwidth is unpublished: it keeps the SXM's figure.
+# and AdamW): measured on the lent machines (issue 23, benchmarks/gpu_step_model.py): an RMS norm, a SwiGLU product
+# and a residual add on 16,384 x 4,096 bf16 tensors, forward and backward. H100 80GB HBM3 SXM: 2.545-2.559e12
+# bytes/s in three runs (76% of its 3.35 TB/s datasheet bandwidth); H200: 3.05e12 (64% of 4.8 TB/s). The other
+# presets keep the H100's fraction of their datasheet bandwidth (the H200 shows the fraction is not constant: read
+# them as +-20%): B200 8 TB/s, H800 3.35, A100 80 GB 2.04, A100 40 GB 1.56. The 96 GB HBM2e H100's bandwidth is
+# unpublished: it keeps the SXM's figure.
 _H100_ELEMENTWISE = 2.55e12
+_H200_ELEMENTWISE = 3.05e12
 _HBM_FRACTION = _H100_ELEMENTWISE / 3.35e12
 GPU_SPECS: dict[str, dict[str, float]] = {
     "h100": {"memory_bytes": 84.37e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
@@ -97,7 +99,7 @@ GPU_SPECS: dict[str, dict[str, float]] = {
     "h100-96gb": {"memory_bytes": 96e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
                   "elementwise_bandwidth": _H100_ELEMENTWISE},
     "h200": {"memory_bytes": 149.46e9, "peak_flops": 989e12, "intra_node_bw": 450e9, "inter_node_bw": 50e9,
-             "elementwise_bandwidth": 4.8e12 * _HBM_FRACTION},
+             "elementwise_bandwidth": _H200_ELEMENTWISE},
     "b200": {"memory_bytes": 192e9, "peak_flops": 2250e12, "intra_node_bw": 900e9, "inter_node_bw": 50e9,
              "elementwise_bandwidth": 8.0e12 * _HBM_FRACTION},
     "h800": {"memory_bytes": 80e9, "peak_flops": 989e12, "intra_node_bw": 200e9, "inter_node_bw": 50e9,
