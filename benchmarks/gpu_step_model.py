@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -259,8 +260,9 @@ def predict(args: argparse.Namespace, bandwidth: float, efficiency: float, gpu: 
     layout = Layout(activation_checkpointing=args.recompute)
     out: dict[str, Any] = {}
     base = Cluster.of(gpu, nodes=1, gpus_per_node=1)
-    measured = replace(base, elementwise_bandwidth=bandwidth, efficiency=efficiency) if efficiency == efficiency \
-        else replace(base, elementwise_bandwidth=bandwidth)  # NaN efficiency (CPU): the preset's
+    measured = replace(base, elementwise_bandwidth=bandwidth)
+    if not math.isnan(efficiency):  # NaN on CPU (no GPU peak to divide by): the preset's
+        measured = replace(measured, efficiency=efficiency)
     for name, cluster in (("preset", base), ("measured_efficiency_and_bandwidth", measured)):
         est = estimate(model, cluster, training, layout)
         memory = est.memory

@@ -200,9 +200,8 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
     return seconds / counter.ops
 
 
-# Operators whose cost is priced elsewhere (matmuls and attention by their FLOPs), and those that move no
-# data (views are caught by their schema; these create or alias without reading).
-# Matmuls and fused attention (CPU's and CUDA's kernels): priced by their FLOPs, not their bytes.
+# Operators whose cost is priced elsewhere (matmuls and CPU's and CUDA's fused attention, by their FLOPs), and
+# those that move no data (views are caught by their schema; these create or alias without reading).
 _PRICED_BY_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
                               "_scaled_dot_product_flash_attention_for_cpu_backward",
                               "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
@@ -569,15 +568,15 @@ def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = Non
 
 def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
               measure_comm: bool = True, measure_dtensor: bool = True,
-              dtensor_workload: Optional[Callable[[], Callable[[], None]]] = None,
+              dtensor_workload: Optional[Callable[[], tuple[Callable[[], None], Callable[[], None]]]] = None,
               step_overhead: Optional[Callable[[int], float]] = None,
               compute_workload: Optional[Callable[[int, int], Callable[[], None]]] = None) -> Calibration:
     """Measure this machine (see the module docstring) unless cached, cache it and return it.
 
     ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
     of their own (gloo's sweep: nominal figures instead; DTensor's dispatch: not calibrated).
-    ``dtensor_workload``: the tensor-parallel step DTensor's dispatch is timed on (see
-    :func:`measure_dtensor_op_seconds`; ``lightning-para calibrate`` passes the GPT recipe's).
+    ``dtensor_workload``: the tensor-parallel ``(forward and backward, optimizer step)`` DTensor's dispatch is timed
+    on (see :func:`measure_dtensor_op_costs`; ``lightning-para calibrate`` passes the GPT recipe's).
     ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
     the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it.
     ``compute_workload(batch, seq_len)``: a plain model's training step whose matmuls set ``matmul_efficiency`` at

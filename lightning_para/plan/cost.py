@@ -148,7 +148,7 @@ class Estimate:
         m, unit = self.memory, memory_unit(self.memory.total)
         return (
             f"{self.layout.label()}: {format_bytes(m.total, unit)} of {format_bytes(self.cluster.usable_memory)}"
-            f" (params {format_bytes(m.params, unit, False)}, grads {format_bytes(m.grads + m.master_grads, unit, False)},"
+            f" (params {format_bytes(m.params, unit, False)}, grads {format_bytes(m.held_grads, unit, False)},"
             f" optimizer {format_bytes(m.optimizer, unit, False)}, activations {format_bytes(m.activations, unit, False)},"
             f" buffers {format_bytes(m.buffers, unit, False)}), bubble {self.bubble:.1%},"
             f" step {self.step_seconds:.3g} s, MFU {self.mfu:.1%}"

@@ -75,6 +75,11 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer
 
     @property
+    def held_grads(self) -> float:
+        """Gradient bytes at the peak: the ZeRO paper's plus a separate master's fp32 gradients."""
+        return self.grads + self.master_grads
+
+    @property
     def transient(self) -> float:
         """The peak's transient part of ``activations``: one layer's recomputation or the loss's logits."""
         return max(self.recomputed, self.loss_logits)
@@ -194,8 +199,9 @@ def _activation_kwargs(training: Training, layout: Layout) -> tuple[dict, dict]:
     return kwargs, layer_kwargs
 
 
-def _head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
-    """The head's (final norm, output projection, loss) activation bytes for one microbatch on one rank."""
+def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
+    """The head's (final norm, output projection, loss) activation bytes for one microbatch on one rank: what its
+    memory holds and what its traffic is priced per (``TrafficCoefficients.head_per_activation_byte``)."""
     e, torch_code = training.bytes.activation, training.activation_profile == "torch"
     # Autocast runs the cross-entropy in fp32; without it (``*-true``) torch's keeps the dtype of the logits.
     logit_bytes = e if torch_code and not training.bytes.autocast else 4
@@ -213,11 +219,6 @@ def layer_traffic_basis(model: ModelDesc, training: Training, layout: Layout, in
         activation_bytes=training.bytes.activation, moe_layer=model.is_moe_layer(index),
         **_activation_kwargs(training, layout)[1],
     )
-
-
-def head_traffic_basis(model: ModelDesc, training: Training, layout: Layout) -> float:
-    """The head's activation bytes for one microbatch: what its traffic is priced per."""
-    return _head_bytes(model, training, layout)
 
 
 def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers,
@@ -238,7 +239,7 @@ def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layou
     traffic += rates.layer_per_param_byte * layer_params * weight
     traffic += rates.embedding_head_per_param_byte * max(0.0, dense + expert - layer_params) * weight
     if part.last_stage:
-        traffic += rates.head_per_activation_byte * _head_bytes(model, training, layout)
+        traffic += rates.head_per_activation_byte * head_bytes(model, training, layout)
     if accumulating:
         if layout.zero == 3:
             dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
@@ -256,8 +257,9 @@ def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout
 
 
 def _memory(
-    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int
+    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: MemoryBreakdown
 ) -> MemoryBreakdown:
+    """The peak (see :class:`MemoryBreakdown`); ``resident``: :func:`resident_states` of the same rank."""
     dense, expert, largest = _rank_params(model, layout, part)
     precision = training.bytes
     k_bytes = precision.master + training.optimizer_state_bytes
@@ -300,7 +302,7 @@ def _memory(
     if part.embedding:
         held += embedding_activation_bytes(model, s, b, **kwargs)
     if part.last_stage:
-        held += _head_bytes(model, training, layout)
+        held += head_bytes(model, training, layout)
     activations, recomputed = part.in_flight * held, 0.0
     if layout.activation_checkpointing == "full" and part.layers:
         # Backward recomputes one layer at a time: its full activations are live once more.
@@ -322,12 +324,11 @@ def _memory(
     loss_logits = 0.0
     if torch_code and part.last_stage:
         # The training step holds the logits (activation dtype) while the cross-entropy makes its log-probabilities
-        # (counted in `_head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
+        # (counted in `head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
         loss_logits = e * s / layout.cp * b * model.vocab / layout.tp
     master_grads = 0.0
     if torch_code and precision.master > 0 and layout.zero < 3:
-        resident = resident_states(model, training, layout, part).grads
-        master_grads = max(0.0, resident - states[1])  # beyond what the ZeRO paper's peak already holds
+        master_grads = max(0.0, resident.grads - states[1])  # beyond what the ZeRO paper's peak already holds
     return MemoryBreakdown(states[0], states[1], states[2], activations + max(recomputed, loss_logits), buffers,
                            recomputed, loss_logits, master_grads)
 
@@ -555,6 +556,7 @@ def price_rank(
     """Memory, compute and communication of one pipeline rank ``part`` for one optimizer step of
     ``per_step`` microbatches in ``flushes`` pipeline flushes (accumulation steps; overlap rules in
     :mod:`lightning_para.plan.cost`). ``training.micro_batch`` must be resolved (an int)."""
+    resident = resident_states(model, training, layout, part)
     flops, score_flops = _compute_flops(model, training, layout, part)
     speed = cluster.peak_flops * cluster.matmul_efficiency(training.micro_batch * training.seq_len / layout.cp)
     compute = flops / speed / compute_speedup(layout)
@@ -593,8 +595,8 @@ def price_rank(
     )
     return RankEstimate(
         pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
-        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step),
-        resident=resident_states(model, training, layout, part), collectives=tuple(collectives + dp_items), compute_seconds=compute,
+        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step, resident),
+        resident=resident, collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
         optimizer_seconds=optimizer_seconds,
     )

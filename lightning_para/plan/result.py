@@ -75,9 +75,9 @@ def fits_table(result: PlanResult, limit: int = 10) -> str:
     rows = []
     for i, item in enumerate(result.fits[:limit], 1):
         m = item.memory
-        # grads: the ZeRO paper's plus a separate master's fp32 gradients (so the columns add up to the peak)
+        # grads: the ZeRO paper's plus a separate master's fp32 gradients, so the columns add up to the peak
         parts = "/".join(format_bytes(v, unit, False)
-                         for v in (m.params, m.grads + m.master_grads, m.optimizer, m.activations, m.buffers))
+                         for v in (m.params, m.held_grads, m.optimizer, m.activations, m.buffers))
         comm = item.comm_bytes()
         crossing = item.crosses_nodes()
         comm_text = " ".join(

@@ -25,7 +25,7 @@ from lightning_para.plan.cluster import Training
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.overhead import TrafficCoefficients
-from lightning_para.plan.rank import head_traffic_basis, layer_traffic_basis
+from lightning_para.plan.rank import head_bytes, layer_traffic_basis
 
 __all__ = ["count_traffic_coefficients"]
 
@@ -97,7 +97,7 @@ def count_traffic_coefficients(model: Any, precision: str = "32-true",
 
         leaves = [hidden, *model.parameters()]
         layer.append((_bytes(block_step, leaves), layer_traffic_basis(desc, training, Layout(), 0)))
-        head.append((_bytes(head_step, leaves), head_traffic_basis(desc, training, Layout())))
+        head.append((_bytes(head_step, leaves), head_bytes(desc, training, Layout())))
         if not accumulated:  # a later microbatch: autograd adds each weight gradient into the one held
             block_grads = sum(p.numel() * p.element_size() for p in block.parameters())
             accumulated.append((_bytes(block_step, [hidden]) - layer[-1][0]) / block_grads)
