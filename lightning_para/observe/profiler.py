@@ -51,7 +51,7 @@ from lightning_para.observe.prediction import check_run, describe_for_prediction
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 from lightning_para.parallel.data import MemoryBreakdown
 from lightning_para.parallel.pipeline import PipelineStats
-from lightning_para.plan.check import PredictionCheck
+from lightning_para.plan.check import IDLE_KINDS, PredictionCheck
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.run import detect_peak_flops
 
@@ -417,14 +417,14 @@ class ParaProfiler(Callback):
             key = f"plan/rank{row.rank}/{row.kind}_{row.name}" if row.kind in ("memory", "comm") else f"plan/rank{row.rank}/{row.kind}"
             metrics[key + "_predicted"] = row.predicted
             metrics[key + "_measured"] = row.measured
-            idle = row.kind.startswith("idle")
+            idle = row.kind in IDLE_KINDS
             metrics[key + ("_diff" if idle else "_ratio")] = row.error if idle else row.ratio
         for kind, value in check.worst().items():
             metrics[f"plan/worst_{kind}_error"] = value
         self._log_scalars(trainer, metrics)
         if trainer.is_global_zero:
             self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
-            worst = ", ".join(f"{k} {v:.1%}" if not k.startswith("idle") else f"{k} {v:.3f}" for k, v in check.worst().items())
+            worst = ", ".join(f"{k} {v:.1%}" if k not in IDLE_KINDS else f"{k} {v:.3f}" for k, v in check.worst().items())
             failing = len(check.failures())
             print(f"lightning-para: planner vs measured for {check.label}: worst error {worst}"
                   f"{f'; {failing} outside tolerance' if failing else ''}", flush=True)

@@ -137,6 +137,31 @@ def test_idle_fractions_reduce_to_the_papers_bubble_for_equal_stages():
     assert min(idle) == idle[[r.microbatch_seconds for r in uneven.ranks].index(max(r.microbatch_seconds for r in uneven.ranks))]
 
 
+
+def test_prediction_check_gates_the_bubble_and_each_stage_separately():
+    """The bubble (mean over stages) at 0.05, a stage's idle fraction at 0.10: a CI run once shifted the
+    demo's two stages by -0.068 and +0.027 against each other (a timing ratio) with the bubble 0.021 off."""
+    from lightning_para.plan.check import BUBBLE_TOLERANCE, IDLE_TOLERANCE, MeasuredRank, compare
+
+    cluster, training = Cluster.of("h100", nodes=1), Training(seq_len=1024, global_batch=8, precision="bf16-true")
+    priced = estimate(preset("llama3-8b").with_changes(layers=4), cluster, training, Layout(dp=4, pp=2))
+    predicted = priced.idle_fractions()
+    mean = sum(predicted) / 2
+
+    def check(shift0: float, shift1: float):
+        ranks = [MeasuredRank(r, r, idle=predicted[r] + shift) for r, shift in enumerate((shift0, shift1))]
+        return compare(priced, ranks, {"pp": 2})
+
+    shifted = check(-0.068, +0.027)
+    bubbles = [r for r in shifted.rows if r.kind == "bubble"]
+    assert len(bubbles) == 2 and bubbles[0].predicted == pytest.approx(mean)
+    assert bubbles[0].error == pytest.approx(-0.0205) and not shifted.failures()
+    assert (BUBBLE_TOLERANCE, IDLE_TOLERANCE) == (0.05, 0.10)
+    # The whole pipeline 0.06 idler than priced (a schedule priced with too many microbatches, say): off.
+    assert {(r.kind, r.rank) for r in check(0.06, 0.06).failures()} == {("bubble", 0), ("bubble", 1)}
+    # One stage 0.12 off (its compute priced on the wrong stage): off, even with the bubble within 0.05.
+    assert {(r.kind, r.rank) for r in check(0.12, -0.06).failures()} == {("idle", 0)}
+
 @pytest.mark.parametrize("schedule, pp, m", [("1f1b", 2, 4), ("gpipe", 3, 4), ("1f1b", 4, 8)])
 def test_replayed_idle_fraction_of_equal_actions_is_the_bubble(schedule, pp, m):
     """Each rank's measured action order (here: torch's own schedule, run without communication) with
@@ -235,10 +260,11 @@ def test_layout_options_are_validated(kwargs, message):
 # ----------------------------------------------------------------------------- reports
 def test_prediction_check_round_trips_and_flags_what_is_off():
     rows = [Comparison(0, "memory", "params", 100.0, 104.0), Comparison(0, "comm", "tp", 100.0, 115.0),
-            Comparison(0, "idle", "replayed", 0.30, 0.33), Comparison(0, "idle_wall", "wall", 0.30, 0.45),
-            Comparison(0, "step", "step", 0.01, 0.05)]
+            Comparison(0, "idle", "replayed", 0.30, 0.37), Comparison(0, "bubble", "pipeline", 0.30, 0.36),
+            Comparison(0, "idle_wall", "wall", 0.30, 0.45), Comparison(0, "step", "step", 0.01, 0.05)]
     check = PredictionCheck("dp2 z1", rows)
-    assert [r.name for r in check.failures()] == ["tp"]  # 15% comm; 0.03 idle ok; wall idle and step not gated
+    # 15% comm and a 0.06 bubble are off; a stage's 0.07 is within its 0.10; wall idle and step are not gated
+    assert [r.name for r in check.failures()] == ["tp", "pipeline"]
     again = PredictionCheck.from_dict(check.as_dict())
     assert again.table() == check.table() and "OFF (tolerance 0.1)" in again.table()
 
