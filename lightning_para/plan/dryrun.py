@@ -473,12 +473,20 @@ def dry_run_rank(
             with _FusedAttention(), balanced_routing(*parallel.parts):
                 _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, _LiveBytes(),
                             precision.param_dtype or torch.float32)
-            accumulated = measure_states(module, optimizer)[1] - states_before[1]  # bf16-true: on the fp32 masters
+            # The accumulated gradients count as live bytes of the measured pass: the step's gradient sync
+            # frees each one as it packs it into its bucket (ZeRO-1/2), which a constant added to the peak
+            # would miss (it made the 405B last rank's peak 30% over the planner: a second gradient copy).
+            for tensor in [p.grad for p in module.parameters()] + [
+                q.grad for g in optimizer.param_groups for q in g["params"]
+            ]:
+                if tensor is not None:
+                    live.track(tensor)
+            accumulated = live.current
         with _FusedAttention(), comm, live, balanced_routing(*parallel.parts):
             activations = _train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
                 precision.param_dtype or torch.float32,
-            )
+            ) - accumulated
             if parallel.data_parallel is not None:
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
@@ -486,12 +494,12 @@ def dry_run_rank(
             optimizer.step()
     clock["step"] = time.perf_counter() - t
     params, grads, opt = measure_states(module, optimizer)
-    # The peak: what existed before the step (weights, masters, the accumulated gradients) plus the
-    # step's own live peak. The optimizer's moments appear in this first step's `optimizer.step()`;
-    # from the second step on they exist through forward and backward too, so the steady-state peak
-    # adds them to backward's peak.
+    # The peak: what existed before the step (weights, masters) plus the step's own live peak (which
+    # counts the accumulated gradients while they live). The optimizer's moments appear in this first
+    # step's `optimizer.step()`; from the second step on they exist through forward and backward too,
+    # so the steady-state peak adds them to backward's peak.
     moments = opt - states_before[2]
-    peak = before + accumulated + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
+    peak = before + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
