@@ -33,8 +33,9 @@ zero, schedule, microbatches, sequence_parallel, ...) with ``dp`` derived from `
 the config's devices x num_nodes), and ``--layout`` replaces single arguments; the sequence length and
 global batch are the data section's (``seq_len``, ``global_batch_size``), each data-parallel rank
 taking ``global_batch_size / dp`` sequences split into the pipeline's microbatches, as the run loads
-them. The precision is the config's, which must be a ``*-true`` one (or give ``--precision``). A config
-key the dry run cannot use exits with status 2 and a message naming it.
+them. The precision is the config's, which must be a ``*-true`` one (or give ``--precision``). The module
+may wrap a transformers model (``recipes/hf-llama-cpu-demo.yaml``, ``hf-mixtral-cpu-demo.yaml``). A config
+key the dry run cannot use (``cp > 1``, ``zero=3``, ...) exits with status 2 and a message naming it.
 """
 
 from __future__ import annotations
@@ -191,6 +192,12 @@ def _setup(args: argparse.Namespace) -> DryRunJob:
         source = "`trainer.strategy.init_args.cp`" if args.config and "cp=" not in args.layout else "`--layout cp=...`"
         raise ValueError(f"cp={job.config.cp} ({source}): the dry run does not run context parallelism yet;"
                          " give `--layout cp=1` (`lightning-para plan` prices cp).")
+    if job.config.zero == 3:
+        # FSDP2 takes its device (streams, gather buffers) from the mesh, and a meta mesh has none.
+        source = "`trainer.strategy.init_args.zero`" if args.config and "zero=" not in args.layout else "`--layout zero=3`"
+        raise ValueError(f"zero=3 ({source}): the dry run does not run FSDP2 (its all-gathers need a real device);"
+                         " give `--layout zero=2` (the same peak states under a pipeline) or price zero=3 with"
+                         " `lightning-para plan`.")
     return job
 
 
@@ -269,13 +276,6 @@ def _config_setup(args: argparse.Namespace) -> DryRunJob:
     config = ParallelConfig(**arguments)
     training = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision)
     module = model_from_config(cfg)
-    if not callable(getattr(module, "loss_fn", None)):
-        # The step calls the module (or its pipeline stage) on token ids and `loss_fn(logits, targets)`.
-        raise RunConfigError(
-            f"`model.class_path: {cfg['model'].get('class_path')}` {where}: the dry run runs models with a"
-            " `loss_fn(logits, targets)` method that take token ids (lightning_para.recipes.GPT, MoEGPT);"
-            " this one has none."
-        )
     return DryRunJob(describe_config_model(module), config, training, gpus, lambda: model_from_config(cfg))
 
 

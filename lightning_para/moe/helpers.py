@@ -68,7 +68,10 @@ def balanced_routing(*modules: nn.Module) -> Iterator[None]:
     collectives, then run on those sizes. Routing statistics are not recorded. Training never enters
     this: it is an explicit, per-layer switch, restored on exit.
     """
-    layers = list({id(layer): layer for module in modules for _, layer in moe_layers(module)}.values())
+    layers: list[Any] = list({id(layer): layer for module in modules for _, layer in moe_layers(module)}.values())
+    # transformers' expert modules made expert-parallel (`integrations.transformers.experts`) carry the same switch.
+    layers += list({id(m): m for module in modules for m in module.modules()
+                    if not isinstance(m, MoE) and isinstance(getattr(m, "balanced_routing", None), bool)}.values())
     previous = [layer.balanced_routing for layer in layers]
     for layer in layers:
         layer.balanced_routing = True

@@ -33,7 +33,18 @@ routes with :func:`~lightning_para.moe.balanced_routing`: token ``t``'s ``j``-th
 ``(t * top_k + j) mod E``, so each expert gets ``T k / E`` rows (to one), the perfectly balanced
 load the planner assumes; the rows per expert are host integers and the real dispatch, grouped
 experts and combine run with their real all-to-alls (counts, tokens, outputs, and their backward)
-on the fake process group. A real run's imbalance (and capacity drops) are not modelled.
+on the fake process group. A real run's imbalance (and capacity drops) are not modelled. A
+``transformers`` MoE model's experts made expert-parallel (``integrations.transformers.experts``)
+take the same switch.
+
+``transformers`` models (an ordinary LightningModule around one, e.g.
+:class:`~lightning_para.recipes.HFCausalLM`): without a pipeline the step calls the module on the
+token ids and takes transformers' causal-LM loss of the logits (:func:`causal_lm_step_loss`); under
+a pipeline the module's own ``configure_pipeline()`` (``pipeline_spec``) gives the stages and loss.
+transformers branches on data in its mask code ("one sequence per row?", "no padding?"); on meta
+tensors those checks, and only transformers' own, answer yes (:func:`_transformers_answer`): the
+dry run's batches are plain token windows. ZeRO-3 is not run: FSDP2 takes its device from the
+mesh, and a meta mesh has none.
 
 Why this module is long: a meta-device run has to stand in for the GPU kernels' memory, so beside the
 driver it carries the two fused kernels' saved-tensor profiles (flash attention, RMSNorm) and the
@@ -237,6 +248,10 @@ class _FusedAttention(TorchFunctionMode):
                 return _MetaFlashAttention.apply(
                     q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
                 )
+        if func in _DATA_DEPENDENT and isinstance(args[0], Tensor) and args[0].is_meta:
+            answer = _transformers_answer(func)
+            if answer is not None:
+                return answer
         if func is F.rms_norm and args[0].is_meta:
             x, shape = args[0], args[1]
             weight = args[2] if len(args) > 2 else kwargs.get("weight")
@@ -244,6 +259,31 @@ class _FusedAttention(TorchFunctionMode):
             if len(shape) == 1:
                 return _rms_norm(x, weight, eps)
         return func(*args, **kwargs)
+
+
+_DATA_DEPENDENT = (Tensor.__bool__, Tensor.item)
+
+
+def _transformers_answer(func):  # noqa: ANN001, ANN202
+    """What a data-dependent check of ``transformers`` on a meta tensor answers, or ``None`` (let it fail).
+
+    Meta tensors have no values. ``transformers`` branches on data in two kinds of places on the
+    training path, both asking whether the batch is plain: ``find_packed_sequence_indices`` ("are
+    these position ids one sequence per row?") and the SDPA mask's ``padding_mask.all()`` ("no
+    padding?"). The dry run's batches are plain token windows (what ``TextDataModule`` loads), so
+    the answer is ``True`` there. Only a check made by ``transformers`` itself is answered; any
+    other (the library's, the user's) still raises, rather than take a branch on an invented value.
+    """
+    import sys
+
+    frame = sys._getframe(1)  # private: up to the caller of Tensor.__bool__ / .item, past the torch-function modes
+    while frame is not None and (
+        frame.f_code.co_name == "__torch_function__" or frame.f_globals.get("__name__", "").startswith("torch")
+    ):
+        frame = frame.f_back
+    if frame is None or not frame.f_globals.get("__name__", "").startswith("transformers."):
+        return None
+    return True if func is Tensor.__bool__ else 1
 
 
 def _local(t: Tensor) -> Tensor:
@@ -422,7 +462,8 @@ def dry_run_rank(
     run_step: bool = True,
 ) -> RankDryRun:
     """Dry-run ``rank`` of a ``world_size``-rank job of the model ``build_model()`` makes (on the
-    meta device, a LightningModule with ``configure_pipeline``/``loss_fn`` under ``pp > 1``).
+    meta device: a module with ``loss_fn(logits, targets)``, or one whose forward returns logits; under
+    ``pp > 1`` a LightningModule with ``configure_pipeline``).
 
     ``model``/``training`` describe the same run to the planner; ``training.precision`` is also the
     precision the rank runs in: a ``*-true`` one (``*-mixed`` runs under autocast, which does not act on
@@ -511,6 +552,22 @@ def dry_run_rank(
     )
 
 
+def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
+    """The loss of a model without ``loss_fn`` whose forward takes token ids and returns the logits (a
+    transformers causal LM in a LightningModule, e.g. :class:`~lightning_para.recipes.HFCausalLM`):
+    transformers' causal-LM loss, labels = the tokens shifted inside, as ``model(labels=...)`` computes it."""
+    from lightning_para.integrations.transformers.pipeline import causal_lm_loss
+
+    logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError(
+            "The dry run trains a model with a `loss_fn(logits, targets)` method, a `configure_pipeline()` (pp > 1),"
+            " or whose forward(input_ids) returns (batch, seq, vocab) logits; this one returned"
+            f" {type(logits).__name__}{tuple(logits.shape) if isinstance(logits, Tensor) else ''}."
+        )
+    return causal_lm_loss(logits, tokens, logits.shape[-1])
+
+
 def _train_step(
     module: nn.Module, parallel: ParallelModel, dims: ParallelDims, seq_len: int, micro_batch: int, hidden: int,
     in_flight: int, live: "_LiveBytes", dtype: torch.dtype,
@@ -520,9 +577,14 @@ def _train_step(
     runner = parallel.pipeline
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if runner is None:
-        stage, first, last, loss_fn = module, True, True, module.loss_fn  # type: ignore[attr-defined]
+        stage, first, last = module, True, True
+        loss_fn = getattr(module, "loss_fn", None) or causal_lm_step_loss
     else:
         stage, first, last, loss_fn = runner.stage_modules[0], runner.has_first, runner.has_last, runner.spec.loss_fn
+        # The runner gives `split_batch` the whole batch before the schedule runs; transformers' pipeline_spec
+        # remembers its label count there (the weight of each microbatch's loss). Shapes only on meta.
+        whole = torch.zeros(micro_batch * in_flight, seq_len, dtype=torch.long, device="meta")
+        runner.spec.split_batch((whole, whole))
     sp = parallel.config.sequence_parallel and dims.tp > 1
     stream_len = seq_len // dims.tp if sp and runner is not None else seq_len
     data_parallel = parallel.data_parallel

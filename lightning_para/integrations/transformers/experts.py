@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
+from lightning_para.moe.routing import balanced_assignment
 from lightning_para.parallel.expert.adapters import ExpertAdapter, register_expert_adapter
 
 _MOE_CLASS = re.compile(r"moe|mixtureofexperts", re.IGNORECASE)
@@ -194,13 +195,21 @@ def _expert_parallel_forward(
     experts: nn.Module, dispatcher: Dispatcher, grad_scale: float, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
     num_tokens, k = top_k_index.shape
+    balanced_counts: Optional[list[int]] = None
+    if getattr(experts, "balanced_routing", False):
+        # The dry run on meta tensors (`lightning_para.moe.balanced_routing`): the fixed, balanced assignment
+        # whose rows per expert are host integers; the weights stay the router's (shapes only on meta).
+        top_k_index, balanced_counts = balanced_assignment(num_tokens, k, experts.num_experts, hidden.device)
     expert_of = top_k_index.reshape(-1)
     # Assignments (token t, slot j) -> row t*k+j, sorted by expert (stable: token order within one).
     order = torch.argsort(expert_of, stable=True)
-    counts = torch.bincount(expert_of, minlength=experts.num_experts)
+    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=hidden.device).index_add_(
+        0, expert_of, torch.ones_like(expert_of)
+    )  # bincount's length depends on the data (and has no meta kernel)
     routed = hidden[order // k]
     run = partial(run_local_experts, experts, grad_scale=grad_scale)
-    expert_out = dispatcher(lambda rows, local_counts: run(rows, local_counts), routed, counts)
+    dispatch = partial(dispatcher, balanced_counts=balanced_counts) if balanced_counts is not None else dispatcher
+    expert_out = dispatch(lambda rows, local_counts: run(rows, local_counts), routed, counts)
     slots = expert_out.new_zeros(num_tokens * k, expert_out.shape[-1]).index_copy(0, order, expert_out)
     out = (slots.view(num_tokens, k, -1) * top_k_weights.unsqueeze(-1).to(slots.dtype)).sum(1)
     return out.to(hidden.dtype)
@@ -211,8 +220,9 @@ def shard_transformers_experts(experts: nn.Module, dispatcher: Dispatcher, shard
     and its forward runs the routed rows through ``dispatcher``. Expert gradients are scaled by
     ``1/ep`` (they sum the tokens of all ``ep`` ranks, and data parallelism averages over ``edp``)."""
     shard(experts)
-    # An instance attribute: module and parameter names stay those of the model.
+    # Instance attributes: module and parameter names stay those of the model.
     experts.forward = partial(_expert_parallel_forward, experts, dispatcher, 1.0 / dispatcher.size)
+    experts.balanced_routing = False  # the dry run's switch (`lightning_para.moe.balanced_routing`)
 
 
 # ----------------------------------------------------------------------------- router auxiliary loss
