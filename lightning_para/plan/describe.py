@@ -26,6 +26,7 @@ warning naming both, since the planner's memory figures rest on it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -117,6 +118,19 @@ def _mlp_shape(module: nn.Module, hidden: int, exclude_dim: Optional[int], skip:
     return width, gated
 
 
+def _norm_upcasts(block: nn.Module) -> bool:
+    """Whether the block's RMSNorm is eager code that upcasts its input to fp32 and keeps it for backward
+    (transformers' ``LlamaRMSNorm`` and its copies), not torch's fused ``nn.RMSNorm``/``F.rms_norm``."""
+    for m in block.modules():
+        if "rmsnorm" in type(m).__name__.lower() and not isinstance(m, nn.RMSNorm):
+            try:
+                source = inspect.getsource(type(m).forward)
+            except (OSError, TypeError):  # no source (compiled, built in): assume the fused kernel
+                return False
+            return "rms_norm(" not in source and ("float32" in source or ".float()" in source)
+    return False
+
+
 def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDesc:
     """Infer a :class:`ModelDesc` from ``module`` (see the module docstring for the rules).
 
@@ -203,6 +217,7 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
         layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab,
         tied_embeddings=any(isinstance(m, nn.Linear) and m.weight is token.weight for m in module.modules()),
         gated_mlp=bool(gated), norm="rmsnorm" if any("rmsnorm" in k for k in norm_kinds) else "layernorm",
+        norm_upcast=_norm_upcasts(first),
         bias=any(m.bias is not None for _, m in block_linears),
         learned_positions=positions[0].num_embeddings if positions else 0,
         dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in blocks.modules()),

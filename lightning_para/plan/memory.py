@@ -73,6 +73,7 @@ def layer_activation_bytes(
 
     * kept whole under tp (sharded by SP): the inputs of the two norms, of the QKV projection
       and of the MLP, ``4 e sbh``, plus two dropout masks ``2 sbh`` (1 byte each) -> ``10 sbh``;
+      an eager norm that upcasts (``ModelDesc.norm_upcast``, transformers') keeps ``4 sbh`` more each;
     * sharded by tp: Q, K, V and the attention output, ``e sb (2 a d + 2 kv d)`` -> ``8 sbh`` for
       MHA; the MLP's activation input and output, ``2 e sbf`` -> ``16 sbh`` for ``f = 4h``
       (three tensors, ``3 e sbf``, for a fused SwiGLU: gate, up, and their product);
@@ -109,7 +110,8 @@ def layer_activation_bytes(
     # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
     # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
     # saves them after the all-gather, whole (issue 23: measured by the dry run's saved tensors).
-    replicated = 2 * e * s * b * h + dropout_masks
+    # An eager norm that upcasts (transformers' RMSNorm) keeps an fp32 copy of its input besides (`norm_upcast`).
+    replicated = 2 * (e + (4 if model.norm_upcast else 0)) * s * b * h + dropout_masks
     gathered = 2 * e * s * b * h
     if not (sequence_parallel and sp_saves_gathered_inputs):
         replicated, gathered = replicated + gathered, 0.0
@@ -229,7 +231,7 @@ def head_activation_bytes(
     ``sp_saves_gathered_inputs``: the output projection keeps its all-gathered input (torch's SP)."""
     s, b, e = seq_len / cp, micro_batch, activation_bytes
     sp = tp if sequence_parallel else 1
-    norm_input = e * s * b * model.hidden / sp
+    norm_input = (e + (4 if model.norm_upcast else 0)) * s * b * model.hidden / sp  # see `ModelDesc.norm_upcast`
     projection_input = e * s * b * model.hidden / (1 if sequence_parallel and sp_saves_gathered_inputs else sp)
     return norm_input + projection_input + logit_bytes * s * b * model.vocab / tp
 

@@ -110,7 +110,8 @@ def test_dryrun_runs_hugging_face_models(capsys, monkeypatch):
     """A transformers model in an ordinary LightningModule (`HFCausalLM`, no `loss_fn`): the dense Llama demo at
     tp2 x pp2 (its `configure_pipeline()` is transformers' `pipeline_spec`) on 8 ranks, and the Mixtral demo with
     its experts over ep=2 (routed by the dry run's balanced assignment). States exact (32-true), activations
-    within 20% of the planner's, the experts' all-to-all bytes the planner's."""
+    within 5% of the planner's (transformers' RMSNorm keeps an fp32 copy of its input, `ModelDesc.norm_upcast`:
+    +12% and +9% before the planner priced it), the experts' all-to-all bytes the planner's."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert dryrun.main(["--config", str(ROOT / "recipes" / "hf-llama-cpu-demo.yaml"), "--gpus", "8",
                         "--ranks", "first,last"]) == 0
@@ -118,11 +119,11 @@ def test_dryrun_runs_hugging_face_models(capsys, monkeypatch):
     assert "rank 7 of 8 (pp=1 dp=1 tp=1; pipeline rank 1, 2 layers, 1 microbatch(es) in flight)" in out, out
     for name in ("params", "grads", "optimizer"):
         assert [f[2] for f in _figures(out, name)] == [0.0, 0.0], (name, out)
-    assert len(_figures(out, "activations")) == 2 and all(abs(f[2]) < 20 for f in _figures(out, "activations")), out
+    assert len(_figures(out, "activations")) == 2 and all(abs(f[2]) < 5 for f in _figures(out, "activations")), out
     assert dryrun.main(["--config", str(ROOT / "recipes" / "hf-mixtral-cpu-demo.yaml"), "--ranks", "first"]) == 0
     out = capsys.readouterr().out
     for name in ("params", "grads", "optimizer"):
         assert abs(_figures(out, name)[0][2]) == 0.0, (name, out)
-    assert abs(_figures(out, "activations")[0][2]) < 20, out
+    assert abs(_figures(out, "activations")[0][2]) < 5, out
     all_to_all = next(line.split() for line in out.splitlines() if line.split()[:2] == ["ep", "all_to_all"])
     assert all_to_all[2] == all_to_all[4].rstrip(",") and all_to_all[3] == all_to_all[5], all_to_all

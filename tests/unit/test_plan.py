@@ -456,6 +456,48 @@ def test_describe_module_transformers_llama_and_mixtral_on_meta_device():
     assert desc.total_params() == sum(p.numel() for p in mixtral.parameters())
 
 
+def test_transformers_eager_rmsnorm_keeps_an_fp32_copy_and_the_planner_prices_it():
+    """transformers' RMSNorm upcasts its input to fp32 and keeps it for backward: 4 bytes per element more
+    than torch's fused kernel (the recipe's `nn.RMSNorm`). Measured here with saved-tensor hooks; the planner
+    adds 4 sbh per norm for a module `describe_module` reads it from (the HF Llama demo's dry run: activations
+    +29% -> +5% in bf16-true, +12% -> +1% in fp32 under tp2 x pp2)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from lightning_para.plan.memory import head_activation_bytes, layer_activation_bytes
+    from lightning_para.recipes import GPT
+
+    b, s, h = 2, 32, 64
+    for dtype, element in ((torch.bfloat16, 2), (torch.float32, 4)):
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+        norm = LlamaRMSNorm(h).to(dtype)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x)
+        saved.pop(norm.weight.untyped_storage().data_ptr())  # a parameter, not an activation
+        # the fp32 input, the normalized tensor in the input dtype, and the fp32 rstd per row
+        assert sum(saved.values()) == (4 + element) * b * s * h + 4 * b * s, dtype
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        hf = describe_module(transformers.LlamaForCausalLM(config))
+        recipe = describe_module(GPT(n_layer=2, n_head=4, n_kv_head=2, n_embd=h, vocab_size=256, mlp_hidden=176))
+    assert hf.norm_upcast and not recipe.norm_upcast
+    plain = hf.with_changes(norm_upcast=False)
+    for tp, sp in ((1, False), (2, True)):
+        extra = layer_activation_bytes(hf, s, b, tp=tp, sequence_parallel=sp) - layer_activation_bytes(
+            plain, s, b, tp=tp, sequence_parallel=sp)
+        assert extra == 2 * 4 * s * b * h / tp, (tp, sp)  # two norms per layer, sequence-sharded under SP
+        extra = head_activation_bytes(hf, s, b, tp=tp, sequence_parallel=sp) - head_activation_bytes(
+            plain, s, b, tp=tp, sequence_parallel=sp)
+        assert extra == 4 * s * b * h / tp  # the final norm
+
+
 def test_flops_per_token_is_6n_plus_attention():
     """PaLM (Chowdhery et al. 2022), Appendix B: 6N + 12 L H Q T per token (N without embeddings)."""
     model = preset("llama3-8b")

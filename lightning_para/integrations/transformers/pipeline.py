@@ -27,6 +27,7 @@ convention: labels are *not* shifted. Right padding is supported (padded labels 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -106,9 +107,11 @@ class _LayerInputs:
 
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
             make_mask = create_sliding_window_causal_mask if kind == "sliding" else create_causal_mask
+            # transformers renamed `past_key_values` to `cache` here (the old name warns from 5.2x on).
+            no_cache = {"cache" if "cache" in inspect.signature(make_mask).parameters else "past_key_values": None}
             mask = make_mask(
-                config=self.model.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                position_ids=position_ids,
+                config=self.model.config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+                **no_cache,
             )
             with torch.no_grad():
                 rotary = self.model.model.rotary_emb(hidden, position_ids=position_ids)
