@@ -35,7 +35,8 @@ global batch are the data section's (``seq_len``, ``global_batch_size``), each d
 taking ``global_batch_size / dp`` sequences split into the pipeline's microbatches, as the run loads
 them. The precision is the config's, which must be a ``*-true`` one (or give ``--precision``). The module
 may wrap a transformers model (``recipes/hf-llama-cpu-demo.yaml``, ``hf-mixtral-cpu-demo.yaml``). A config
-key the dry run cannot use (``cp > 1``, ``zero=3``, ...) exits with status 2 and a message naming it.
+key the dry run cannot use (``zero=3``, a strategy argument ParaStrategy does not take, ...) exits with status 2
+and a message naming it.
 """
 
 from __future__ import annotations
@@ -187,11 +188,6 @@ class DryRunJob:
 
 def _setup(args: argparse.Namespace) -> DryRunJob:
     job = _config_setup(args) if args.config else _args_setup(args)
-    if job.config.cp > 1:
-        # The step would need the strategy's context-parallel batch split and hooks, which it does not run.
-        source = "`trainer.strategy.init_args.cp`" if args.config and "cp=" not in args.layout else "`--layout cp=...`"
-        raise ValueError(f"cp={job.config.cp} ({source}): the dry run does not run context parallelism yet;"
-                         " give `--layout cp=1` (`lightning-para plan` prices cp).")
     if job.config.zero == 3:
         # FSDP2 takes its device (streams, gather buffers) from the mesh, and a meta mesh has none.
         source = "`trainer.strategy.init_args.zero`" if args.config and "zero=" not in args.layout else "`--layout zero=3`"

@@ -345,7 +345,7 @@ _OPS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather", "allgather_": "all_gather",
     "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
-    "broadcast": "broadcast", "send": "send_recv", "recv_": "send_recv",
+    "broadcast": "broadcast", "send": "send_recv",  # a receive carries the sender's bytes: counted once, sent
 }
 
 
@@ -357,13 +357,15 @@ class _CommCounter(TorchDispatchMode):
         super().__init__()
         self.counts: dict[tuple[str, str], list[float]] = {}
         names: dict[str, str] = {}
+        # ZeRO's gradient group spans dp x cp under context parallelism: the planner's "dp" ("edp") traffic.
+        label = {"dp_shard_cp": "dp", "dp_cp": "dp", "edp_cp": "edp"}
         for name in ("tp", "cp", "ep", "pp", "dp_replicate", "dp", "edp", "dp_shard_cp", "edp_cp", "dp_cp"):
             if name not in dims.valid_mesh_names:
                 continue
             with contextlib.suppress(Exception):
                 mesh = dims.get_mesh(name)
                 if mesh.size() > 1:
-                    names.setdefault(mesh.get_group().group_name, name)
+                    names.setdefault(mesh.get_group().group_name, label.get(name, name))
         self.names = names
 
     def _dim(self, group: Any) -> str:
@@ -585,8 +587,16 @@ def _train_step(
         # remembers its label count there (the weight of each microbatch's loss). Shapes only on meta.
         whole = torch.zeros(micro_batch * in_flight, seq_len, dtype=torch.long, device="meta")
         runner.spec.split_batch((whole, whole))
+    targets = tokens
+    context = parallel.context
+    if context is not None:
+        # Context parallelism as the strategy runs it: this rank's head-tail chunks of the sequence (the
+        # module's `context_parallel_batch` hook or the default split), and each forward inside the cp step
+        # mode, where SDPA is ring / all-to-all attention and the cross-entropy covers the whole sequence.
+        tokens, targets = context.split_batch(module, (tokens, tokens))
     sp = parallel.config.sequence_parallel and dims.tp > 1
-    stream_len = seq_len // dims.tp if sp and runner is not None else seq_len
+    local_len = tokens.shape[1]
+    stream_len = local_len // dims.tp if sp and runner is not None else local_len
     data_parallel = parallel.data_parallel
     sync = data_parallel.no_sync() if data_parallel is not None else contextlib.nullcontext()
     outputs = []
@@ -603,10 +613,10 @@ def _train_step(
                 x: Tensor = tokens
             else:
                 x = torch.empty(micro_batch, stream_len, hidden, dtype=dtype, device="meta", requires_grad=True)
-            with loss_parallel_step(parallel.loss_parallel):
+            with loss_parallel_step(parallel.loss_parallel), (context.mode() if context else contextlib.nullcontext()):
                 y = stage(x)
                 if last:
-                    y = loss_fn(y, tokens)
+                    y = loss_fn(y, targets)
             outputs.append(y)
         held = float(live.current)
         for y in outputs:

@@ -49,6 +49,11 @@ def bucket_bytes(group_size: int, grad_bytes: int) -> float:
     return max(40e6, 1e6 * group_size) * grad_bytes
 
 
+# ParaStrategy's ring attention computes a chunk pair's fp32 scores in tiles of query rows of at most this many
+# bytes (`lightning_para.parallel.context.ring.SCORE_TILE_BYTES`; a test keeps the two equal).
+RING_SCORE_TILE_BYTES = 2**28
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes one rank holds at its peak."""
@@ -68,6 +73,10 @@ class MemoryBreakdown:
     # beside the 16-bit one until `zero_grad`, which Lightning calls after the forward: both are held at the forward's
     # peak (measured on an H100, benchmarks/results/gpu_step_model_h100.md). Outside the ZeRO paper's model states.
     master_grads: float = 0.0
+    # ParaStrategy's ring attention (cp_method="ring", eager torch code) materialises fp32 score blocks per
+    # (query chunk, key chunk) pair: P and dP of one pair live during a layer's backward, beside what that
+    # layer's recomputation brought back (parallel/context/ring.py; the dry run measured them at 131K, cp=16).
+    ring_scores: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -81,8 +90,9 @@ class MemoryBreakdown:
 
     @property
     def transient(self) -> float:
-        """The peak's transient part of ``activations``: one layer's recomputation or the loss's logits."""
-        return max(self.recomputed, self.loss_logits)
+        """The peak's transient part of ``activations``: one layer's recomputation (with ring attention's score
+        blocks in its backward) or the loss's logits."""
+        return max(self.recomputed + self.ring_scores, self.loss_logits)
 
     @property
     def total(self) -> float:
@@ -329,8 +339,17 @@ def _memory(
     master_grads = 0.0
     if torch_code and precision.master > 0 and layout.zero < 3:
         master_grads = max(0.0, resident.grads - states[1])  # beyond what the ZeRO paper's peak already holds
-    return MemoryBreakdown(states[0], states[1], states[2], activations + max(recomputed, loss_logits), buffers,
-                           recomputed, loss_logits, master_grads)
+    ring_scores = 0.0
+    if torch_code and layout.cp > 1 and layout.cp_method == "ring" and part.layers:
+        # Two fp32 [b, heads/t, rows, c] tiles (P and dP) of a chunk pair, c = s / cp / 2 with head-tail chunks,
+        # rows as many as fit RING_SCORE_TILE_BYTES (ring.score_tile_rows).
+        chunk = int(s // layout.cp // (2 if layout.cp_load_balance else 1))
+        heads = max(1, model.heads // layout.tp)
+        rows = max(1, min(chunk, RING_SCORE_TILE_BYTES // max(1, 4 * b * heads * chunk)))
+        ring_scores = 2 * 4.0 * b * heads * rows * chunk
+    transient = max(recomputed + ring_scores, loss_logits)  # see MemoryBreakdown.transient
+    return MemoryBreakdown(states[0], states[1], states[2], activations + transient, buffers,
+                           recomputed, loss_logits, master_grads, ring_scores)
 
 
 def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:

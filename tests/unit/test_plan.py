@@ -7,7 +7,7 @@ paper's Fig. 1 (16 bytes x 7.5e9 parameters = 120 GB).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import pytest
@@ -547,3 +547,27 @@ def test_selective_op_prices_torchtitans_policy():
     for mode in ("selective", "selective_op"):
         problems = layout_problems(model, cluster, training, Layout(dp=4, cp=2, zero=3, activation_checkpointing=mode))
         assert any(f"'{mode}' with cp>1 is not supported" in p for p in problems), problems
+
+
+def test_ring_attention_score_tiles_are_priced_as_the_ring_computes_them():
+    """ParaStrategy's ring attention computes each chunk pair's fp32 scores in tiles of query rows
+    (`ring.score_tile_rows`); a layer's backward holds two (P and dP). The planner prices them for cp_method="ring"
+    in eager code (not for Ulysses, nor for Megatron's profile) with the ring's own tile budget. The dry run of
+    Llama 3 405B at 131K, cp=16: the last rank's peak +33.6% before the ring worked in place and in tiles and the
+    planner priced them, +2.9% after."""
+    from lightning_para.parallel.context.ring import SCORE_TILE_BYTES, score_tile_rows
+    from lightning_para.plan.rank import RING_SCORE_TILE_BYTES
+
+    assert RING_SCORE_TILE_BYTES == SCORE_TILE_BYTES
+    model = preset("llama3-8b").with_changes(layers=4)
+    cluster = Cluster.of("h100", nodes=1)
+    training = Training(seq_len=65536, global_batch=4, micro_batch=1, precision="bf16-true")
+    ring = estimate(model, cluster, training, Layout(dp=4, cp=2, zero=1))
+    chunk = 65536 // 2 // 2
+    rows = score_tile_rows(1, model.heads, chunk)
+    assert rows == 2**28 // (4 * model.heads * chunk) == 128  # a whole 16K x 16K block would be 34 GB
+    assert ring.memory.ring_scores == 2 * 4 * model.heads * rows * chunk
+    for layout, profile in ((Layout(dp=4, cp=2, zero=1, cp_method="all_to_all"), "torch"),
+                            (Layout(dp=4, cp=2, zero=1), "megatron")):
+        other = estimate(model, cluster, replace(training, activation_profile=profile), layout)
+        assert other.memory.ring_scores == 0.0, (layout.cp_method, profile)

@@ -32,13 +32,26 @@ import torch.distributed as dist
 from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size, default_scale
 from lightning_para.parallel.context.sharding import chunk_ids_for_rank
 
-__all__ = ["ring_attention"]
+__all__ = ["SCORE_TILE_BYTES", "ring_attention", "score_tile_rows"]
 
 # Distinct tags keep K, V, dK and dV messages between the same two peers apart (for c = 2 the
 # next and previous rank coincide, and a backward step has K/V and dK/dV exchanges in flight).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4
 
 _FULL, _DIAGONAL, _SKIP = "full", "diagonal", "skip"
+
+# A (query chunk, key chunk) pair's fp32 scores are [b, h, c, c]: at 64K tokens over cp=2 (c = 16K, 32 heads)
+# one such block would be 34 GB. Pairs are computed in tiles of query rows, each at most this many bytes of
+# scores; rows are independent in the softmax, so the forward is the same as whole blocks (the backward sums
+# dK/dV over the tiles). `lightning_para.plan` prices two such tiles (P and dP) in a layer's backward.
+SCORE_TILE_BYTES = 2**28
+
+
+def score_tile_rows(batch: int, heads: int, chunk: int) -> int:
+    """Query rows per tile of one chunk pair's scores: all ``chunk`` rows when the fp32 ``[batch, heads, rows,
+    chunk]`` block fits :data:`SCORE_TILE_BYTES`, else as many as fit (at least one)."""
+    per_row = 4 * batch * heads * chunk
+    return max(1, min(chunk, SCORE_TILE_BYTES // max(1, per_row)))
 
 
 class _Ring:
@@ -64,6 +77,11 @@ class _Ring:
         ops += [
             dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t, tag in zip(recvs, tags)
         ]
+        if sends and sends[0].is_meta:
+            # The dry run (fake process group, meta tensors): batching looks up a backend for the tensors'
+            # device, and meta has none; one op at a time reaches the group's (fake) backend directly.
+            sent = [dist.isend(t, group=self.group, group_dst=self.next, tag=tag) for t, tag in zip(sends, tags)]
+            return sent + [dist.irecv(t, group=self.group, group_src=self.prev, tag=tag) for t, tag in zip(recvs, tags)]
         return dist.batch_isend_irecv(ops)
 
 
@@ -75,17 +93,22 @@ def _pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
 
 
 def _scores(
-    q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str, key_valid: Optional[torch.Tensor] = None
+    q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str, key_valid: Optional[torch.Tensor] = None,
+    row0: int = 0,
 ) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, sq, sk]`` of grouped queries ``q5`` against ``k`` ``[b, hkv, sk, d]``;
-    ``key_valid`` ``[b, sk]`` (False: a padding key) masks keys as well."""
-    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    ``key_valid`` ``[b, sk]`` (False: a padding key) masks keys as well. ``row0``: the first query row's
+    index in its chunk (a tile of rows; the diagonal's mask depends on it)."""
+    # In place on the fresh matmul output: one score block alive, not three (an fp32 [b, h, c, c] block is
+    # 1 GiB per 16 heads at 4K-token chunks: Llama 3 405B's 131K under cp=16; the dry run measured it).
+    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if kind == _DIAGONAL:  # same chunk: query i sees keys j <= i (global positions differ by a constant)
-        n = s.shape[-1]
-        visible = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~visible, float("-inf"))
+        rows, n = s.shape[-2], s.shape[-1]
+        query = torch.arange(row0, row0 + rows, device=s.device)
+        hidden = torch.arange(n, device=s.device)[None, :] > query[:, None]
+        s.masked_fill_(hidden, float("-inf"))
     if key_valid is not None:
-        s = s.masked_fill(~key_valid[:, None, None, None, :], float("-inf"))
+        s.masked_fill_(~key_valid[:, None, None, None, :], float("-inf"))
     return s
 
 
@@ -140,6 +163,7 @@ class _RingAttention(torch.autograd.Function):
         b, hq, n, d = q.shape
         hkv = k.shape[1]
         ring = _Ring(group, n, load_balance)
+        rows = score_tile_rows(b, hq, ring.chunk_len)
         # Grouped-query attention without copying K/V: query head i uses kv head i // g, the
         # repeat_interleave convention of SDPA's enable_gqa.
         q5 = q.float().reshape(b, hkv, hq // hkv, n, d)
@@ -158,9 +182,17 @@ class _RingAttention(torch.autograd.Function):
                     kind = _pair_kind(q_chunk, k_chunk, is_causal)
                     if kind == _SKIP:
                         continue
-                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind, _key_block(key_valid, k_chunk, ring))
-                    lse = torch.logsumexp(s, dim=-1)
-                    out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v_chunks[ki].unsqueeze(2))
+                    outs, lses = [], []
+                    for r0 in range(0, ring.chunk_len, rows):
+                        s = _scores(q_chunks[qi][..., r0:r0 + rows, :], k_chunks[ki], scale, kind,
+                                    _key_block(key_valid, k_chunk, ring), row0=r0)
+                        lse_tile = torch.logsumexp(s, dim=-1)
+                        p = s.sub_(_finite(lse_tile).unsqueeze(-1)).exp_()  # the scores' tile becomes P, in place
+                        del s
+                        outs.append(torch.matmul(p, v_chunks[ki].unsqueeze(2)))
+                        lses.append(lse_tile)
+                        del p
+                    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 3), torch.cat(lses, 3))
                     acc[qi] = _merge(acc[qi], out, lse)
             for work in pending:
                 work.wait()
@@ -181,6 +213,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float = ctx.scale
         b, hq, n, d = q.shape
         hkv = k.shape[1]
+        rows = score_tile_rows(b, hq, ring.chunk_len)
         shape5 = (b, hkv, hq // hkv, n, d)
         q5 = q.float().reshape(shape5)
         dout5 = grad_out.float().reshape(shape5)
@@ -209,13 +242,20 @@ class _RingAttention(torch.autograd.Function):
                     if kind == _SKIP:
                         continue
                     # Recompute P from the saved global lse; masked entries give exp(-inf) = 0.
-                    s = _scores(q_chunks[qi], k_chunks[ki], scale, kind, _key_block(ctx.key_valid, k_chunk, ring))
-                    p = torch.exp(s - lse_chunks[qi].unsqueeze(-1))
-                    dv_chunks[ki].add_(torch.matmul(p.transpose(-1, -2), dout_chunks[qi]).sum(2))
-                    dp = torch.matmul(dout_chunks[qi], v_chunks[ki].unsqueeze(2).transpose(-1, -2))
-                    ds = p * (dp - delta_chunks[qi].unsqueeze(-1))
-                    dq_chunks[qi].add_(torch.matmul(ds, k_chunks[ki].unsqueeze(2)), alpha=scale)
-                    dk_chunks[ki].add_(torch.matmul(ds.transpose(-1, -2), q_chunks[qi]).sum(2), alpha=scale)
+                    for r0 in range(0, ring.chunk_len, rows):
+                        # In place, two [b, h, rows, c] fp32 tiles at most (P and dP; dS overwrites dP).
+                        tile = slice(r0, r0 + rows)
+                        q_tile, dout_tile = q_chunks[qi][..., tile, :], dout_chunks[qi][..., tile, :]
+                        s = _scores(q_tile, k_chunks[ki], scale, kind, _key_block(ctx.key_valid, k_chunk, ring), row0=r0)
+                        p = s.sub_(lse_chunks[qi][..., tile].unsqueeze(-1)).exp_()
+                        del s
+                        dv_chunks[ki].add_(torch.matmul(p.transpose(-1, -2), dout_tile).sum(2))
+                        dp = torch.matmul(dout_tile, v_chunks[ki].unsqueeze(2).transpose(-1, -2))
+                        ds = dp.sub_(delta_chunks[qi][..., tile].unsqueeze(-1)).mul_(p)
+                        del p, dp
+                        dq_chunks[qi][..., tile, :].add_(torch.matmul(ds, k_chunks[ki].unsqueeze(2)), alpha=scale)
+                        dk_chunks[ki].add_(torch.matmul(ds.transpose(-1, -2), q_tile).sum(2), alpha=scale)
+                        del ds
             # The accumulator of block `source` arrived from the previous rank (which held the
             # block one step earlier); add this rank's share and pass it on. After step c - 1
             # the hop lands on the block's owner.
