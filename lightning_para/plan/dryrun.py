@@ -557,9 +557,8 @@ def dry_run_rank(
 def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
     """The loss of a model without ``loss_fn`` whose forward takes token ids and returns the logits (a
     transformers causal LM in a LightningModule, e.g. :class:`~lightning_para.recipes.HFCausalLM`):
-    transformers' causal-LM loss, labels = the tokens shifted inside, as ``model(labels=...)`` computes it."""
-    from lightning_para.integrations.transformers.pipeline import causal_lm_loss
-
+    transformers' causal-LM loss (``ForCausalLMLoss``), labels = the tokens shifted inside, as ``model(labels=...)``
+    computes it: position ``t`` predicts token ``t + 1``, the last position is ignored, the logits go to fp32."""
     logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(
@@ -567,7 +566,8 @@ def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
             " or whose forward(input_ids) returns (batch, seq, vocab) logits; this one returned"
             f" {type(logits).__name__}{tuple(logits.shape) if isinstance(logits, Tensor) else ''}."
         )
-    return causal_lm_loss(logits, tokens, logits.shape[-1])
+    targets = F.pad(tokens, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def _train_step(
