@@ -54,6 +54,7 @@ live-bytes and collective counters (issue 23: each of them is what made the meas
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import types
 import weakref
@@ -274,8 +275,6 @@ def _transformers_answer(func):  # noqa: ANN001, ANN202
     the answer is ``True`` there. Only a check made by ``transformers`` itself is answered; any
     other (the library's, the user's) still raises, rather than take a branch on an invented value.
     """
-    import sys
-
     frame = sys._getframe(1)  # private: up to the caller of Tensor.__bool__ / .item, past the torch-function modes
     while frame is not None and (
         frame.f_code.co_name == "__torch_function__" or frame.f_globals.get("__name__", "").startswith("torch")
