@@ -68,10 +68,10 @@ def balanced_routing(*modules: nn.Module) -> Iterator[None]:
     collectives, then run on those sizes. Routing statistics are not recorded. Training never enters
     this: it is an explicit, per-layer switch, restored on exit.
     """
-    layers: list[Any] = list({id(layer): layer for module in modules for _, layer in moe_layers(module)}.values())
-    # transformers' expert modules made expert-parallel (`integrations.transformers.experts`) carry the same switch.
-    layers += list({id(m): m for module in modules for m in module.modules()
-                    if not isinstance(m, MoE) and isinstance(getattr(m, "balanced_routing", None), bool)}.values())
+    # Every module with the switch: the MoE layers, and transformers' expert modules made expert-parallel
+    # (`integrations.transformers.experts`), which carry the same one.
+    layers: list[Any] = list({id(m): m for module in modules for m in module.modules()
+                              if isinstance(getattr(m, "balanced_routing", None), bool)}.values())
     previous = [layer.balanced_routing for layer in layers]
     for layer in layers:
         layer.balanced_routing = True

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from lightning_para._dtensor import scale_grad
 from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
 from lightning_para.moe.routing import (
-    balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss,
+    balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss, rows_per_expert,
 )
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -259,10 +259,7 @@ class MoE(nn.Module):
         expert_of = indices.reshape(-1)[assignment]
         order = torch.argsort(expert_of, stable=True)
         assignment = assignment[order]
-        # Rows per expert with a static shape ([E]; bincount's length depends on the data and breaks a compiled graph).
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device).index_add_(
-            0, expert_of, torch.ones_like(expert_of)
-        )
+        counts = rows_per_expert(expert_of, self.num_experts)
         routed = tokens[assignment // k]
 
         expert_out = self._run_experts(routed, counts, balanced_counts)

@@ -50,9 +50,18 @@ def balanced_assignment(num_tokens: int, top_k: int, num_experts: int, device: t
     return indices, [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
+def rows_per_expert(expert_of: Tensor, num_experts: int) -> Tensor:
+    """How many routed rows each expert gets, ``[num_experts]`` (``expert_of``: each row's expert). A static shape:
+    ``bincount``'s length depends on the data, which breaks a compiled graph, and it has no meta kernel (dry run)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=expert_of.device).index_add_(
+        0, expert_of, torch.ones_like(expert_of)
+    )
+
+
 def router_z_loss(logits: Tensor) -> Tensor:
     """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-__all__ = ["balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss"]
+__all__ = ["balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss",
+           "rows_per_expert"]

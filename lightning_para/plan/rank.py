@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_para.parallel.context.ring import score_tile_rows
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, collective, per_call_seconds
 from lightning_para.plan.layout import Layout
@@ -49,11 +50,6 @@ def bucket_bytes(group_size: int, grad_bytes: int) -> float:
     return max(40e6, 1e6 * group_size) * grad_bytes
 
 
-# ParaStrategy's ring attention computes a chunk pair's fp32 scores in tiles of query rows of at most this many
-# bytes (`lightning_para.parallel.context.ring.SCORE_TILE_BYTES`; a test keeps the two equal).
-RING_SCORE_TILE_BYTES = 2**28
-
-
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes one rank holds at its peak."""
@@ -73,8 +69,8 @@ class MemoryBreakdown:
     # beside the 16-bit one until `zero_grad`, which Lightning calls after the forward: both are held at the forward's
     # peak (measured on an H100, benchmarks/results/gpu_step_model_h100.md). Outside the ZeRO paper's model states.
     master_grads: float = 0.0
-    # ParaStrategy's ring attention (cp_method="ring", eager torch code) materialises fp32 score blocks per
-    # (query chunk, key chunk) pair: P and dP of one pair live during a layer's backward, beside what that
+    # ParaStrategy's ring attention (cp_method="ring", eager torch code) computes fp32 scores per (query chunk, key
+    # chunk) pair in tiles of query rows: two tiles (P and dP) live during a layer's backward, beside what that
     # layer's recomputation brought back (parallel/context/ring.py; the dry run measured them at 131K, cp=16).
     ring_scores: float = 0.0
 
@@ -342,11 +338,10 @@ def _memory(
     ring_scores = 0.0
     if torch_code and layout.cp > 1 and layout.cp_method == "ring" and part.layers:
         # Two fp32 [b, heads/t, rows, c] tiles (P and dP) of a chunk pair, c = s / cp / 2 with head-tail chunks,
-        # rows as many as fit RING_SCORE_TILE_BYTES (ring.score_tile_rows).
+        # rows as the ring itself chooses them.
         chunk = int(s // layout.cp // (2 if layout.cp_load_balance else 1))
         heads = max(1, model.heads // layout.tp)
-        rows = max(1, min(chunk, RING_SCORE_TILE_BYTES // max(1, 4 * b * heads * chunk)))
-        ring_scores = 2 * 4.0 * b * heads * rows * chunk
+        ring_scores = 2 * 4.0 * b * heads * score_tile_rows(b, heads, chunk) * chunk
     transient = max(recomputed + ring_scores, loss_logits)  # see MemoryBreakdown.transient
     return MemoryBreakdown(states[0], states[1], states[2], activations + transient, buffers,
                            recomputed, loss_logits, master_grads, ring_scores)

@@ -552,13 +552,10 @@ def test_selective_op_prices_torchtitans_policy():
 def test_ring_attention_score_tiles_are_priced_as_the_ring_computes_them():
     """ParaStrategy's ring attention computes each chunk pair's fp32 scores in tiles of query rows
     (`ring.score_tile_rows`); a layer's backward holds two (P and dP). The planner prices them for cp_method="ring"
-    in eager code (not for Ulysses, nor for Megatron's profile) with the ring's own tile budget. The dry run of
+    in eager code (not for Ulysses, nor for Megatron's profile) with the ring's own tile rule. The dry run of
     Llama 3 405B at 131K, cp=16: the last rank's peak +33.6% before the ring worked in place and in tiles and the
     planner priced them, +2.9% after."""
-    from lightning_para.parallel.context.ring import SCORE_TILE_BYTES, score_tile_rows
-    from lightning_para.plan.rank import RING_SCORE_TILE_BYTES
-
-    assert RING_SCORE_TILE_BYTES == SCORE_TILE_BYTES
+    from lightning_para.parallel.context.ring import score_tile_rows
     model = preset("llama3-8b").with_changes(layers=4)
     cluster = Cluster.of("h100", nodes=1)
     training = Training(seq_len=65536, global_batch=4, micro_batch=1, precision="bf16-true")

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
-from lightning_para.moe.routing import balanced_assignment
+from lightning_para.moe.routing import balanced_assignment, rows_per_expert
 from lightning_para.parallel.expert.adapters import ExpertAdapter, register_expert_adapter
 
 _MOE_CLASS = re.compile(r"moe|mixtureofexperts", re.IGNORECASE)
@@ -203,9 +203,7 @@ def _expert_parallel_forward(
     expert_of = top_k_index.reshape(-1)
     # Assignments (token t, slot j) -> row t*k+j, sorted by expert (stable: token order within one).
     order = torch.argsort(expert_of, stable=True)
-    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=hidden.device).index_add_(
-        0, expert_of, torch.ones_like(expert_of)
-    )  # bincount's length depends on the data (and has no meta kernel)
+    counts = rows_per_expert(expert_of, experts.num_experts)
     routed = hidden[order // k]
     run = partial(run_local_experts, experts, grad_scale=grad_scale)
     dispatch = partial(dispatcher, balanced_counts=balanced_counts) if balanced_counts is not None else dispatcher
