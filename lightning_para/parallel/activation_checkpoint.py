@@ -32,13 +32,14 @@ Recomputation replays the block's forward collectives (TP/SP), on every rank ali
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint  # private: see docs/architecture.md
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # Containers whose entries are blocks; an nn.ModuleDict is a namespace (nanoGPT's `transformer`).
@@ -113,9 +114,57 @@ def _alternating_policy(keep: set, matmuls: set) -> Callable[..., CheckpointPoli
     return policy
 
 
-def _alternating_contexts(keep: set, matmuls: set):
+class _HookOpsOutsideRecomputation(TorchDispatchMode):
+    """Runs FSDP2's hook ops of a recomputation where its forward ran them: outside selective checkpointing.
+
+    FSDP2 prepends its forward pre-hook, so in the forward it runs before the composable checkpoint's hook,
+    outside the checkpointed region; when backward recomputes the block, the checkpoint calls the module again
+    and FSDP2's hook (which casts the inputs to the compute dtype, inside
+    ``record_function("FSDP::...")``) now runs inside the region. Torch's selective checkpoint replays only
+    the ops its forward recorded and raises on any other ("encountered during backward but not found in
+    storage"): ZeRO-3 with a compute dtype (``*-true`` precisions) and ``"selective"``/``"selective_op"``
+    could not train. This mode sits above the replaying one and runs, outside it, the profiler's ops and every
+    op inside an ``FSDP::`` profiler range: exactly what the forward ran outside the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fsdp_ranges = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func.namespace != "profiler" and not self._fsdp_ranges:
+            return func(*args, **kwargs)  # on to the replaying mode
+        if func is torch.ops.profiler._record_function_enter_new.default and str(args[0]).startswith("FSDP::"):
+            self._fsdp_ranges += 1
+        elif func.namespace == "profiler" and "exit" in func.name() and self._fsdp_ranges:
+            self._fsdp_ranges -= 1
+        with _disable_current_modes():  # private: pinned by the zero=3 + selective test
+            return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _recompute_with_hooks_outside(
+    replaying: Any, recompute_context: Optional[Callable[[], contextlib.AbstractContextManager[Any]]]
+) -> Iterator[None]:
+    with replaying, _HookOpsOutsideRecomputation(), (recompute_context() if recompute_context else contextlib.nullcontext()):
+        yield
+
+
+def _selective_contexts(
+    policy: Callable[..., CheckpointPolicy],
+    recompute_context: Optional[Callable[[], contextlib.AbstractContextManager[Any]]] = None,
+) -> tuple[Any, Any]:
+    """torch's selective-checkpoint contexts for ``policy``, with FSDP2's hook ops run outside the replay
+    and ``recompute_context`` entered around the recomputation (see :func:`apply_activation_checkpointing`)."""
+    recording, replaying = create_selective_checkpoint_contexts(policy)
+    return recording, _recompute_with_hooks_outside(replaying, recompute_context)
+
+
+def _alternating_contexts(
+    keep: set, matmuls: set, recompute_context: Optional[Callable[[], contextlib.AbstractContextManager[Any]]] = None
+) -> tuple[Any, Any]:
     # A fresh counter for each checkpointed call (torch calls `context_fn` once per block forward).
-    return create_selective_checkpoint_contexts(_alternating_policy(keep, matmuls))
+    return _selective_contexts(_alternating_policy(keep, matmuls), recompute_context)
 
 
 def apply_activation_checkpointing(
@@ -125,9 +174,9 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Recompute the activations of every block of ``module`` in backward; returns the blocks.
 
-    ``mode`` is ``"full"``, ``"selective"``, ``"selective_op"`` or ``None`` (nothing). ``recompute_context`` (full
-    mode) makes a context entered around each recomputation: torch-function modes active in the
-    forward (context parallel's attention) are not active in backward, where the block's forward
+    ``mode`` is ``"full"``, ``"selective"``, ``"selective_op"`` or ``None`` (nothing). ``recompute_context`` makes
+    a context entered around each recomputation: torch-function modes active in the forward (context
+    parallel's attention, the dry run's fused kernels) are not active in backward, where the block's forward
     runs again. Raises ``ValueError`` for another value or when the module has no blocks to checkpoint.
     """
     if mode is None:
@@ -144,9 +193,11 @@ def apply_activation_checkpointing(
         )
     kwargs: dict[str, Any] = {}
     if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_policy, _save_policy()))
+        kwargs["context_fn"] = partial(_selective_contexts, partial(_policy, _save_policy()), recompute_context)
     elif mode == "selective_op":
-        kwargs["context_fn"] = partial(_alternating_contexts, _save_policy() | _reduce_scatters(), _matmuls())
+        kwargs["context_fn"] = partial(
+            _alternating_contexts, _save_policy() | _reduce_scatters(), _matmuls(), recompute_context
+        )
     elif recompute_context is not None:
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
     for block in blocks:
