@@ -43,8 +43,14 @@ token ids and takes transformers' causal-LM loss of the logits (:func:`causal_lm
 a pipeline the module's own ``configure_pipeline()`` (``pipeline_spec``) gives the stages and loss.
 transformers branches on data in its mask code ("one sequence per row?", "no padding?"); on meta
 tensors those checks, and only transformers' own, answer yes (:func:`_transformers_answer`): the
-dry run's batches are plain token windows. ZeRO-3 is not run: FSDP2 takes its device from the
-mesh, and a meta mesh has none.
+dry run's batches are plain token windows.
+
+ZeRO-3 runs on FSDP2 itself (:func:`_fsdp_on_meta`): the meta device gets the device module FSDP2 asks
+for (CPU's no-op streams and events), FSDP2's refusal of meta parameters is lifted for the step, and the
+gathered weights, which FSDP2 allocates and frees by resizing their storages in place, are counted while
+held. One microbatch (ParaStrategy runs ZeRO-3 without a pipeline), its backward reduce-scattering each
+unit's gradients as a step without accumulation does; the measured activations leave out the units kept
+gathered from forward to backward (weights, which the planner prices with the gathered buffers).
 
 Why this module is long: a meta-device run has to stand in for the GPU kernels' memory, so beside the
 driver it carries the two fused kernels' saved-tensor profiles (flash attention, RMSNorm) and the
@@ -56,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-import types
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -64,6 +69,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # private: FSDP2 on meta, see `_fsdp_on_meta`
 from torch.distributed.tensor import DTensor, Partial
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -314,6 +320,21 @@ class _LiveBytes(TorchDispatchMode):
             weakref.finalize(storage, self._release, key)
             self.peak = max(self.peak, self.current)
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place (FSDP2's gathered weights): count its new size."""
+        key = storage._cdata  # private: see _storage_key
+        if key in self.exclude:
+            return
+        if key not in self.live:
+            weakref.finalize(storage, self._release, key)
+        self.live[key] = storage.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def held_by(self, tensors: Any) -> int:
+        """Live bytes of the distinct storages of ``tensors`` (their local shards') that this mode counts."""
+        keys = {_storage_key(_local(t)) for t in tensors}
+        return sum(self.live.get(key, 0) for key in keys)
+
     @property
     def current(self) -> int:
         return sum(self.live.values())
@@ -405,11 +426,58 @@ def start_fake_world(world_size: int, rank: int, gpus_per_node: int = 8) -> None
     """Start torch's fake process group: ``world_size`` ranks, this process is ``rank``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
 
-    if not hasattr(torch, "meta"):
-        # DTensor's cost model asks the mesh's device module for devices per host; the meta device has
-        # none, so the dry run answers for it (a node of `gpus_per_node` devices).
-        torch.meta = types.SimpleNamespace(device_count=lambda: gpus_per_node)  # type: ignore[attr-defined]
+    if not isinstance(getattr(torch, "meta", None), _MetaDeviceModule):
+        torch.meta = _MetaDeviceModule(gpus_per_node)  # type: ignore[attr-defined]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+class _MetaDeviceModule:
+    """What ``torch.<device type>`` gives for the meta device, which torch has no module for.
+
+    DTensor's cost model asks the mesh's device module for devices per host (a node of
+    ``gpus_per_node`` devices here); FSDP2 asks it for the current device and for streams and events,
+    which on meta order nothing: CPU's (``torch.cpu``, whose streams are no-ops) stand in for them."""
+
+    def __init__(self, gpus_per_node: int) -> None:
+        self._gpus_per_node = gpus_per_node
+
+    def device_count(self) -> int:
+        return self._gpus_per_node
+
+    def current_device(self) -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+
+@contextlib.contextmanager
+def _fsdp_on_meta(live: Optional["_LiveBytes"] = None) -> Any:
+    """Let FSDP2 (ZeRO-3) train on meta parameters, and count its gathered weights.
+
+    FSDP2 refuses meta parameters at its first forward (a real run must materialize them); on meta the
+    gathers and reduce-scatters have shapes only, which is all the dry run needs, so that check is lifted.
+    FSDP2 allocates and frees the gathered weights by resizing their storages in place
+    (``UntypedStorage.resize_``), which no dispatch mode sees: while ``live`` is given, each resize is
+    reported to it, so the gathered weights count while they are held."""
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    validate, resize = getattr(group_cls, "_validate_no_meta_params", None), torch.UntypedStorage.resize_
+
+    def resize_and_count(storage: torch.UntypedStorage, size: int) -> Any:
+        out = resize(storage, size)
+        if live is not None:
+            live.resized(storage)
+        return out
+
+    if validate is not None:  # ZeRO 0-2 do not need it; a torch that renamed it fails ZeRO-3's dry run test
+        group_cls._validate_no_meta_params = lambda self: None
+    torch.UntypedStorage.resize_ = resize_and_count  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if validate is not None:
+            group_cls._validate_no_meta_params = validate
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
@@ -512,8 +580,9 @@ def dry_run_rank(
             # With more microbatches than in flight, a later microbatch runs while the earlier ones'
             # gradients are held (accumulated unsharded until the step's sync): run the in-flight
             # microbatches once untracked first, so the measured pass finds those gradients.
-            with _FusedAttention(), balanced_routing(*parallel.parts):
-                _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, _LiveBytes(),
+            untracked = _LiveBytes()
+            with _FusedAttention(), balanced_routing(*parallel.parts), _fsdp_on_meta(untracked):
+                _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, untracked,
                             precision.param_dtype or torch.float32)
             # The accumulated gradients count as live bytes of the measured pass: the step's gradient sync
             # frees each one as it packs it into its bucket (ZeRO-1/2), which a constant added to the peak
@@ -524,7 +593,7 @@ def dry_run_rank(
                 if tensor is not None:
                     live.track(tensor)
             accumulated = live.current
-        with _FusedAttention(), comm, live, balanced_routing(*parallel.parts):
+        with _FusedAttention(), comm, live, balanced_routing(*parallel.parts), _fsdp_on_meta(live):
             activations = _train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
                 precision.param_dtype or torch.float32,
@@ -597,7 +666,11 @@ def _train_step(
     local_len = tokens.shape[1]
     stream_len = local_len // dims.tp if sp and runner is not None else local_len
     data_parallel = parallel.data_parallel
-    sync = data_parallel.no_sync() if data_parallel is not None else contextlib.nullcontext()
+    # ZeRO-1/2 hold the microbatches' gradients and sync once after them (the caller's `sync_now`), as the
+    # pipeline runner does; ZeRO-3 (FSDP2, no pipeline: one microbatch) reduce-scatters each unit's gradients
+    # in its backward, as a step without accumulation does.
+    deferred = data_parallel is not None and not data_parallel.fully_sharded
+    sync = data_parallel.no_sync() if deferred else contextlib.nullcontext()
     outputs = []
     # Tensors autograd saves are the activations; some are made where the dispatch mode does not see
     # them (DTensor redistributes its inputs inside its own dispatch: under sequence parallelism the
@@ -617,7 +690,10 @@ def _train_step(
                 if last:
                     y = loss_fn(y, targets)
             outputs.append(y)
-        held = float(live.current)
+        # ZeRO-3 keeps some units gathered from forward to backward (the last block, the head): weights, not
+        # activations (the planner prices them with the gathered buffers); the stage's parameters are the
+        # gathered tensors while they are.
+        held = float(live.current - live.held_by(stage.parameters()))
         for y in outputs:
             with loss_parallel_backward(parallel.loss_parallel):
                 if y.dim() == 0:

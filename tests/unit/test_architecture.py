@@ -294,7 +294,13 @@ def test_no_function_level_imports_of_the_package():
 
 # Lightning's own protocol between a strategy and the LightningModule: `LightningModule.device_mesh`
 # reads `_device_mesh`, which every strategy that builds a mesh sets (as ModelParallelStrategy does).
-ALLOWED_PRIVATE_WRITES = {("lightning_para.strategy", "self.lightning_module._device_mesh")}
+# The dry run (issue 23) trains FSDP2 on meta parameters, which FSDP2 refuses in its lazy init and has no public
+# switch for; the dry run lifts that one check for the step it runs and puts it back (`_fsdp_on_meta`), in a
+# process of its own. `test_dry_run_runs_zero3_on_fsdp2` fails if torch renames it.
+ALLOWED_PRIVATE_WRITES = {
+    ("lightning_para.strategy", "self.lightning_module._device_mesh"),
+    ("lightning_para.plan.dryrun", "group_cls._validate_no_meta_params"),
+}
 
 
 def _private_writes(tree: ast.AST) -> list[tuple[int, str]]:

@@ -88,13 +88,13 @@ def test_dryrun_config_prints_per_rank_figures(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("recipe, layout, key", [
-    ("gpt-cpu-demo", "pp=1,zero=3", "--layout zero=3"),
+    ("gpt-cpu-demo", "zero=3", "`zero=3` with `pp>1`"),
     ("gpt-cpu-demo", "pp=1,cp=3", "cp"),
 ])
 def test_configs_the_dry_run_cannot_run_are_refused_with_their_key(capsys, recipe, layout, key):
-    """The dry run does not run FSDP2 (ZeRO-3: its gathers take their device from the mesh, and a meta mesh has
-    none), nor a layout the strategy refuses (cp=3 splits no 64-token sequence in 2 x 3 chunks): refused before
-    any process starts, naming the key."""
+    """A layout the strategy refuses (ZeRO-3 under the demo's pipeline; cp=3 splits no 64-token sequence in
+    2 x 3 chunks) is refused before any process starts, naming the key. (ZeRO-3 without a pipeline runs:
+    tests/unit/test_dryrun.py.)"""
     argv = ["--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--gpus", "8"] + (["--layout", layout] if layout else [])
     assert dryrun.main(argv) == 2
     assert key in capsys.readouterr().err
