@@ -67,7 +67,8 @@ def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_ba
 _OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op'); tokens/s within 20% once eager code's "
            "element-wise bytes are priced at the H100's measured bandwidth; memory is under by 26-30%: torchtitan "
            "reads the allocator's peak reserved memory (on the lent H100 the recipe at these widths reserved 16-39% "
-           "over its allocated peak) and the planner counts tensors, within 6% of the allocated peak there")
+           "over its allocated peak) and the planner counts tensors, within 6% of the allocated peak there; in bf16-true "
+           "the planner is within 2% of the dry run's peak of ParaStrategy's code on these layouts (55.7, 45.1 GiB)")
 _FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: Megatron-LM's interleaved schedule "
             "holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks (Narayanan et al. 2021), each with "
             "Korthikanti's Llama terms, beside fp32 gradients (Sec. 3.3.2); Meta's schedule makes the number of "
@@ -129,8 +130,8 @@ def test_torchtitan_benchmarks(run: Run) -> None:
     mem_err, tps_err = got["gib"] / run.published_gib - 1, got["tps"] / run.published_tps - 1
     if run.features_match:
         assert abs(tps_err) <= 0.20, got  # the issue's tolerance: tokens/s within 20%
-        if run.gap:  # documented memory gap (see `_OP_SAC`): pinned as measured (-26%/-30%)
-            assert -0.40 < mem_err < -0.20, got
+        if run.gap:  # documented memory gap (see `_OP_SAC`): pinned as measured (-26%/-25%)
+            assert -0.30 < mem_err < -0.20, got
         else:
             assert abs(mem_err) <= 0.10, got
     else:  # compile/Float8/async TP runs: shown in the table, not gated; still a sane prediction
