@@ -118,6 +118,13 @@ def _mlp_shape(module: nn.Module, hidden: int, exclude_dim: Optional[int], skip:
     return width, gated
 
 
+def _loss_upcasts(module: nn.Module) -> bool:
+    """Whether the module's loss is a transformers model's (a submodule whose class has transformers'
+    ``loss_function``): its causal-LM loss casts the logits to fp32 first (``ForCausalLMLoss``), and so does
+    the pipeline loss of ``integrations.transformers.pipeline_spec``."""
+    return any(hasattr(type(m), "loss_function") for m in module.modules())
+
+
 def _norm_upcasts(block: nn.Module) -> bool:
     """Whether the block's RMSNorm is eager code that upcasts its input to fp32 and keeps it for backward
     (transformers' ``LlamaRMSNorm`` and its copies), not torch's fused ``nn.RMSNorm``/``F.rms_norm``."""
@@ -217,7 +224,7 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
         layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab,
         tied_embeddings=any(isinstance(m, nn.Linear) and m.weight is token.weight for m in module.modules()),
         gated_mlp=bool(gated), norm="rmsnorm" if any("rmsnorm" in k for k in norm_kinds) else "layernorm",
-        norm_upcast=_norm_upcasts(first),
+        norm_upcast=_norm_upcasts(first), loss_upcast=_loss_upcasts(module),
         bias=any(m.bias is not None for _, m in block_linears),
         learned_positions=positions[0].num_embeddings if positions else 0,
         dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in blocks.modules()),

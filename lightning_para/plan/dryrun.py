@@ -20,8 +20,9 @@
    distinct storages), the activations held when all in-flight microbatches have run forward
    (what the schedule's peak keeps), the peak of all live bytes during the step (a steady-state
    step's: the optimizer moments this first step creates count as held through forward and
-   backward, and with more microbatches than in flight the in-flight microbatches run once
-   untracked first, so the measured ones find the accumulated gradients), and every collective
+   backward, without a pipeline the last step's gradients count as held through the forward (Lightning's
+   ``zero_grad`` comes after it), and with more microbatches than in flight the in-flight microbatches run
+   once untracked first, so the measured ones find the accumulated gradients), and every collective
    with its bytes per mesh dimension.
 
 The planner's prediction for the same pipeline rank sits beside each figure
@@ -304,6 +305,7 @@ class _LiveBytes(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.peak = 0
         self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
+        self.forward_peak = 0  # the peak when the forwards are done (set by `_train_step`)
 
     def _release(self, key: int) -> None:
         self.live.pop(key, None)
@@ -608,9 +610,14 @@ def dry_run_rank(
     # The peak: what existed before the step (weights, masters) plus the step's own live peak (which
     # counts the accumulated gradients while they live). The optimizer's moments appear in this first
     # step's `optimizer.step()`; from the second step on they exist through forward and backward too,
-    # so the steady-state peak adds them to backward's peak.
+    # so the steady-state peak adds them to backward's peak. Without a pipeline, Lightning calls `zero_grad`
+    # after the training step's forward, so from the second step on the last step's gradients, as the rank
+    # keeps them between steps (`grads`), are held through the forward too (measured on an H100: the forward's
+    # peak holds them); a pipeline's schedule runs after it.
     moments = opt - states_before[2]
-    peak = before + max(backward_peak + moments, live.peak) if run_step else params + grads + opt
+    last_grads = grads if dims.pp == 1 else 0
+    steady = max(live.forward_peak + moments + last_grads, backward_peak + moments, live.peak)
+    peak = before + steady if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
@@ -694,6 +701,7 @@ def _train_step(
         # activations (the planner prices them with the gathered buffers); the stage's parameters are the
         # gathered tensors while they are.
         held = float(live.current - live.held_by(stage.parameters()))
+        live.forward_peak = live.peak
         for y in outputs:
             with loss_parallel_backward(parallel.loss_parallel):
                 if y.dim() == 0:

@@ -83,6 +83,9 @@ class ModelDesc:
             tensor in the input dtype): 4 bytes per element per norm more than torch's fused kernel
             (``nn.RMSNorm`` on CUDA keeps its input and the fp32 row ``rstd``). Measured with saved-tensor
             hooks on transformers' ``LlamaRMSNorm``: 6.03 bytes per element in bf16, 8.05 in fp32.
+        loss_upcast: the loss casts the logits to fp32 before the cross-entropy (transformers'
+            ``ForCausalLMLoss``, ``logits.float()``; torchtitan's ``cross_entropy(pred.float())``): its
+            log-probabilities and their gradients are fp32, and the fp32 copy lives while the loss runs.
         bias: linear layers (and LayerNorms) have biases.
         learned_positions: rows of a learned position embedding (0: RoPE or none).
         dropout: the model trains with dropout (adds Megatron's dropout masks to activations).
@@ -112,6 +115,7 @@ class ModelDesc:
     gated_mlp: bool = True
     norm: str = "rmsnorm"
     norm_upcast: bool = False
+    loss_upcast: bool = False
     bias: bool = False
     learned_positions: int = 0
     dropout: bool = False

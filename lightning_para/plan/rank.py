@@ -74,7 +74,8 @@ class MemoryBreakdown:
     # layer's recomputation brought back (parallel/context/ring.py; the dry run measured them at 131K, cp=16).
     ring_scores: float = 0.0
     # The loss's backward (the last stage, eager torch code): the gradients of the log-probabilities and of the
-    # logits, two logits-sized tensors in the activation dtype, while the log-probabilities are still saved
+    # logits, two logits-sized tensors in the activation dtype (one for the vocab-parallel loss, fp32 after an
+    # upcast), while the log-probabilities are still saved
     # (measured on an H100: +7.8 GB in bf16-true and +7.9 GB in bf16-mixed at 2 x 8,192 tokens x 128K; the dry run:
     # the same two under FSDP2). By then Lightning's `zero_grad` has freed the last step's gradients, which the
     # forward's peak holds, unless this step's earlier microbatches have accumulated their own
@@ -217,8 +218,9 @@ def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
     """The head's (final norm, output projection, loss) activation bytes for one microbatch on one rank: what its
     memory holds and what its traffic is priced per (``TrafficCoefficients.head_per_activation_byte``)."""
     e, torch_code = training.bytes.activation, training.activation_profile == "torch"
-    # Autocast runs the cross-entropy in fp32; without it (``*-true``) torch's keeps the dtype of the logits.
-    logit_bytes = e if torch_code and not training.bytes.autocast else 4
+    # Autocast runs the cross-entropy in fp32, and so does a loss that casts the logits first (`loss_upcast`);
+    # without either (``*-true``) torch's keeps the dtype of the logits.
+    logit_bytes = e if torch_code and not training.bytes.autocast and not model.loss_upcast else 4
     return head_activation_bytes(
         model, training.seq_len, training.micro_batch, activation_bytes=e, logit_bytes=logit_bytes,
         sp_saves_gathered_inputs=torch_code, **_activation_kwargs(training, layout)[0],
@@ -336,10 +338,12 @@ def _memory(
             ) - per_layer[k] for k, i in enumerate(part.layers)
         )
     loss_logits = 0.0
+    logit_elements = s / layout.cp * b * model.vocab / layout.tp
     if torch_code and part.last_stage:
         # The training step holds the logits (activation dtype) while the cross-entropy makes its log-probabilities
         # (counted in `head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
-        loss_logits = e * s / layout.cp * b * model.vocab / layout.tp
+        # A loss that casts 16-bit logits to fp32 first (`ModelDesc.loss_upcast`) holds that copy too while it runs.
+        loss_logits = (e + (4 if model.loss_upcast and e < 4 else 0)) * logit_elements
     master_grads = 0.0
     if torch_code and precision.master > 0 and layout.zero < 3:
         master_grads = max(0.0, resident.grads - states[1])  # beyond what the ZeRO paper's peak already holds
@@ -354,7 +358,11 @@ def _memory(
     # gradients freed by `zero_grad`, so of the states only the weights and optimizer state as the rank keeps them
     # between steps (`resident`: FSDP2's fp32 shards, where the paper's peak counts 16-bit weights and gradients);
     # a later microbatch finds this step's accumulated gradients.
-    loss_backward = 2.0 * loss_logits
+    # Counted on meta tensors (the eager ops' own outputs): torch's cross-entropy backward makes two logits-sized
+    # gradients (of the log-probabilities, then of the logits), the vocab-parallel one (tp > 1) one, in the loss's
+    # dtype (fp32 after an upcast; under autocast the activation dtype's size, as the H100 measured).
+    loss_grads = 1 if layout.tp > 1 and layout.loss_parallel else 2
+    loss_backward = loss_grads * (4 if model.loss_upcast else e) * logit_elements if loss_logits else 0.0
     freed = 0.0
     if per_step == 1:
         freed = max(0.0, sum(states) + master_grads - resident.params - resident.optimizer)

@@ -456,6 +456,63 @@ def test_describe_module_transformers_llama_and_mixtral_on_meta_device():
     assert desc.total_params() == sum(p.numel() for p in mixtral.parameters())
 
 
+_CE_CHILD = r"""
+import json
+import torch, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from lightning_para.plan.dryrun import _LiveBytes, start_fake_world
+
+start_fake_world(2, 0)
+mesh = init_device_mesh("meta", (2,), mesh_dim_names=("tp",))
+rows, vocab, out = 256, 512, {}
+for dtype in ("bfloat16", "float32"):
+    for upcast in (False, True):
+        for tp in (1, 2):
+            live = _LiveBytes()
+            x = torch.empty(rows, vocab, dtype=getattr(torch, dtype), device="meta", requires_grad=True)
+            targets = torch.zeros(rows, dtype=torch.long, device="meta")
+            with live, (loss_parallel() if tp > 1 else torch.enable_grad()):
+                logits = distribute_tensor(x, mesh, [Shard(1)]) if tp > 1 else x
+                loss = F.cross_entropy(logits.float() if upcast else logits, targets)
+                held = live.current
+                live.peak = held
+                loss.backward()
+            out[f"{dtype} {upcast} {tp}"] = live.peak - held
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_loss_backward_is_what_the_cross_entropy_backward_allocates():
+    """Issue 23: the planner's `loss_backward` (the last stage's cross-entropy backward, beside the saved
+    log-probabilities) against the bytes torch's cross-entropy backward allocates, counted on meta tensors (eager
+    ops allocate their outputs alike on every device): two logits-sized gradients, one for the vocab-parallel
+    loss (tp=2, DTensor), in fp32 after `logits.float()` (`ModelDesc.loss_upcast`), for bf16 and fp32 logits.
+    Found by the dry run of Llama 3 8B on FSDP2 at 128 ranks, whose peak it is (+6.8 % before)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", _CE_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    measured = json.loads(line[len("RESULT "):])
+    seq, micro, vocab = 128, 2, 512  # 256 rows, as measured
+    model = ModelDesc(layers=1, hidden=64, heads=4, ffn=176, vocab=vocab, name="tiny")
+    for key, allocated in measured.items():
+        dtype, upcast, tp = key.split()
+        precision = "bf16-true" if dtype == "bfloat16" else "32-true"
+        training = Training(seq_len=seq, global_batch=micro, micro_batch=micro, precision=precision)
+        est = estimate(replace(model, loss_upcast=upcast == "True"), Cluster.of("h100", nodes=1, gpus_per_node=int(tp)), training,
+                       Layout(tp=int(tp)))
+        # Local shards on both sides; the measured side has a few scalars besides.
+        assert est.ranks[-1].memory.loss_backward == pytest.approx(allocated, abs=64), key
+
+
 def test_transformers_eager_rmsnorm_keeps_an_fp32_copy_and_the_planner_prices_it():
     """transformers' RMSNorm upcasts its input to fp32 and keeps it for backward: 4 bytes per element more
     than torch's fused kernel (the recipe's `nn.RMSNorm`). Measured here with saved-tensor hooks; the planner
@@ -488,6 +545,7 @@ def test_transformers_eager_rmsnorm_keeps_an_fp32_copy_and_the_planner_prices_it
         hf = describe_module(transformers.LlamaForCausalLM(config))
         recipe = describe_module(GPT(n_layer=2, n_head=4, n_kv_head=2, n_embd=h, vocab_size=256, mlp_hidden=176))
     assert hf.norm_upcast and not recipe.norm_upcast
+    assert hf.loss_upcast and not recipe.loss_upcast  # transformers' causal-LM loss casts the logits to fp32
     plain = hf.with_changes(norm_upcast=False)
     for tp, sp in ((1, False), (2, True)):
         extra = layer_activation_bytes(hf, s, b, tp=tp, sequence_parallel=sp) - layer_activation_bytes(
