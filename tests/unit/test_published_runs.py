@@ -10,7 +10,7 @@ table in ``docs/planner.md`` must be updated. ``print_table`` writes that table:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -36,6 +36,7 @@ class Run:
     published_gib: Optional[float] = None  # peak memory, GiB
     features_match: bool = True  # False: the run used torch.compile / Float8 / async TP
     gap: str = ""  # why the row misses its tolerance (empty: it meets it)
+    loss_upcast: bool = False  # the run's loss casts the logits to fp32 first (`ModelDesc.loss_upcast`)
 
 
 def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: str = "") -> Run:
@@ -57,18 +58,18 @@ def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: s
 
 def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_batch: int, micro_batch: int,
            recompute: Optional[str], tps: float, gib: float, features_match: bool, gap: str = "") -> Run:
-    from dataclasses import replace
-
     training = Training(seq_len=seq, global_batch=global_batch, micro_batch=micro_batch, precision="bf16-mixed")
+    # torchtitan's loss at the benchmarked commit: `cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))`.
     return Run(name, TITAN, model, "h100-96gb", gpus, replace(layout, activation_checkpointing=recompute), training,
-               published_tps=tps, published_gib=gib, features_match=features_match, gap=gap)
+               published_tps=tps, published_gib=gib, features_match=features_match, gap=gap, loss_upcast=True)
 
 
-_OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op'); tokens/s within 20% once eager code's "
-           "element-wise bytes are priced at the H100's measured bandwidth; memory is under by 26-30%: torchtitan "
-           "reads the allocator's peak reserved memory (on the lent H100 the recipe at these widths reserved 16-39% "
-           "over its allocated peak) and the planner counts tensors, within 6% of the allocated peak there; in bf16-true "
-           "the planner is within 2% of the dry run's peak of ParaStrategy's code on these layouts (55.7, 45.1 GiB)")
+_OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op') and loss (fp32 logits); tokens/s within 20% "
+           "once eager code's element-wise bytes are priced at the H100's measured bandwidth; memory is under by "
+           "13-17%: torchtitan reads the allocator's peak reserved memory (on the lent H100 the recipe at these widths "
+           "reserved 16-39% over its allocated peak) and the planner counts tensors, within 6% of the allocated peak "
+           "there; in bf16-true the planner is within 2% of the dry run's peak of ParaStrategy's code on these "
+           "layouts (55.7, 45.1 GiB)")
 _FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: Megatron-LM's interleaved schedule "
             "holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks (Narayanan et al. 2021), each with "
             "Korthikanti's Llama terms, beside fp32 gradients (Sec. 3.3.2); Meta's schedule makes the number of "
@@ -105,7 +106,7 @@ RUNS = [
 
 def predict(run: Run) -> dict:
     cluster = Cluster.of(run.gpu, nodes=run.gpus // 8)
-    est = estimate(preset(run.model), cluster, run.training, run.layout)
+    est = estimate(replace(preset(run.model), loss_upcast=run.loss_upcast), cluster, run.training, run.layout)
     tokens = run.training.tokens_per_step
     return {
         "mfu": est.mfu, "tps": tokens / est.step_seconds / run.gpus, "gib": est.memory.total / GIB,
@@ -130,8 +131,8 @@ def test_torchtitan_benchmarks(run: Run) -> None:
     mem_err, tps_err = got["gib"] / run.published_gib - 1, got["tps"] / run.published_tps - 1
     if run.features_match:
         assert abs(tps_err) <= 0.20, got  # the issue's tolerance: tokens/s within 20%
-        if run.gap:  # documented memory gap (see `_OP_SAC`): pinned as measured (-26%/-25%)
-            assert -0.30 < mem_err < -0.20, got
+        if run.gap:  # documented memory gap (see `_OP_SAC`): pinned as measured (-17%/-13%)
+            assert -0.20 < mem_err < -0.10, got
         else:
             assert abs(mem_err) <= 0.10, got
     else:  # compile/Float8/async TP runs: shown in the table, not gated; still a sane prediction
