@@ -45,7 +45,7 @@ from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.pipeline import PipelineStats
-from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
+from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.plan.auto import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
@@ -480,6 +480,7 @@ class ParaStrategy(ParallelStrategy):
                 precompute_float8_scales(part)
         for optimizer in self._raw_optimizers():
             self._data_parallel().attach_optimizer(optimizer, is_expert=is_expert)
+            step_mixed_groups_per_tensor(optimizer)  # after ZeRO, which may have put masters in the groups
             if float8 is not None and float8.fsdp_float8_all_gather:
                 # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
                 optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])

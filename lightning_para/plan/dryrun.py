@@ -79,7 +79,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import balanced_routing
-from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
+from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
 from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
@@ -565,6 +565,12 @@ def dry_run_rank(
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     if parallel.data_parallel is not None:
         parallel.data_parallel.attach_optimizer(optimizer, is_expert=parallel.expert_predicate())
+    step_mixed_groups_per_tensor(optimizer)  # as ParaStrategy does
+    for group in optimizer.param_groups:
+        # Torch's choice on a GPU (its multi-tensor step for CUDA tensors; the for-loop one on meta and CPU), whose
+        # step makes one fp32 temporary per element it steps (`_foreach_sqrt` of the second moments).
+        if group["foreach"] is None:
+            group["foreach"] = True
     clock["parallelize"] = time.perf_counter() - t
     pp_rank = dims.local_rank("pp") if dims.pp > 1 else 0
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1

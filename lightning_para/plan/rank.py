@@ -82,6 +82,13 @@ class MemoryBreakdown:
     # (`loss_backward_freed`: the gradient bytes not held then).
     loss_backward: float = 0.0
     loss_backward_freed: float = 0.0
+    # The optimizer step, when the activations are gone (`optimizer_step_total`): the states as the rank keeps them
+    # between steps (`resident`: ZeRO-1/2 hold gradient shards by then), plus the larger of AdamW's multi-tensor
+    # temporaries (torch's default on a GPU: an fp32 copy of every element the rank steps, `_foreach_sqrt` of the
+    # second moments) and ZeRO-1/2's gather of the updated weights (one receive buffer of all of them, in the
+    # weights' dtype). Counted by the dry run; the peak where the states outweigh the activations (short sequences,
+    # an MoE rank's experts).
+    optimizer_step_total: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -101,7 +108,9 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers + self.master_grads
+        """The peak: the forward and backward's (model states, activations, gathered buffers), or the optimizer
+        step's (``optimizer_step_total``), which comes after the activations are freed."""
+        return max(self.model_states + self.master_grads + self.activations + self.buffers, self.optimizer_step_total)
 
 
 @dataclass(frozen=True)
@@ -366,8 +375,13 @@ def _memory(
     freed = 0.0
     if per_step == 1:
         freed = max(0.0, sum(states) + master_grads - resident.params - resident.optimizer)
+    stepped = (dense / shards["dense"] + expert / shards["expert"]) if layout.zero >= 1 else dense + expert
+    step_temporaries = 4.0 * stepped if training.optimizer == "adam" else 0.0
+    if layout.zero in (1, 2) and max(shards.values()) > 1:
+        step_temporaries = max(step_temporaries, precision.weight * (dense + expert))  # the updated weights' gather
+    optimizer_step_total = resident.params + resident.grads + resident.optimizer + step_temporaries
     breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
-                                master_grads, ring_scores, loss_backward, freed)
+                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total)
     return replace(breakdown, activations=activations + breakdown.transient)
 
 

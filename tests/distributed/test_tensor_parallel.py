@@ -395,3 +395,26 @@ def test_dp2_tp2_checkpoint_resume_and_consolidate(pools, tmp_path, zero):
     full = _uninterrupted_run(pools, zero)
     assert_losses_close(resumed[0]["losses"], full[0]["losses"][5:], rtol=1e-6)
     assert_params_close(resumed[0]["params"], full[0]["params"], rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- a GPU's optimizer defaults
+def _fit_with_foreach_default(*args: Any) -> dict:
+    """`fit_job` with torch's optimizers deciding as on a GPU: `foreach=None` (the default) picks the multi-tensor
+    step when every parameter is on a device with foreach kernels (CUDA; here CPU is made one)."""
+    from torch.optim import optimizer as optim_base
+
+    devices = optim_base._get_foreach_kernels_supported_devices
+    optim_base._get_foreach_kernels_supported_devices = lambda: ["cpu", "cuda"]
+    try:
+        return fit_job(*args)
+    finally:  # the pool's later jobs decide as on CPU again
+        optim_base._get_foreach_kernels_supported_devices = devices
+
+
+def test_tp2_without_sequence_parallelism_steps_adamw_as_on_a_gpu(pools):
+    """Without sequence parallelism the norms stay plain tensors beside the DTensor projections; on a GPU AdamW's
+    default (`foreach=None`), as SGD's, then steps them in one multi-tensor group and raises ("aten._foreach_mul_.Scalar got
+    mixed torch.Tensor and DTensor"), at the first step of any tp run without SP. ParaStrategy steps such a group
+    one tensor at a time (`foreach=False`); found by the dry run (issue 23), whose AdamW ran the GPU's step."""
+    results = pools.get(2).run(_fit_with_foreach_default, NanoGPT, {"tp": 2}, token_dataset, GLOBAL_BATCH, STEPS)
+    check_parity(results, reference())  # SGD with momentum (its multi-tensor step raised the same way)

@@ -8,6 +8,7 @@ from lightning_para.parallel.tensor.apply import (
     fsdp_shard_placement_fn,
     hook_grad_layouts,
     plan_tensor_parallel,
+    step_mixed_groups_per_tensor,
 )
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.plan import ModulePlan, auto_plan, resolve_plan
@@ -25,4 +26,5 @@ __all__ = [
     "loss_parallel_step",
     "plan_tensor_parallel",
     "resolve_plan",
+    "step_mixed_groups_per_tensor",
 ]

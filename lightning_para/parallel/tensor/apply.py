@@ -189,4 +189,27 @@ def fsdp_shard_placement_fn(dp: int) -> Callable[[nn.Parameter], Optional[Shard]
     return placement
 
 
-__all__ = ["TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn", "hook_grad_layouts", "plan_tensor_parallel"]
+def step_mixed_groups_per_tensor(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Make the optimizer step per tensor in each param group that mixes DTensors and plain tensors and left
+    ``foreach`` to torch; returns the indices of the groups changed.
+
+    Tensor parallelism without sequence parallelism leaves the norms plain tensors beside the DTensor
+    projections. Where torch has multi-tensor kernels for the parameters' device (CUDA), an optimizer created
+    with ``foreach=None`` (the default) steps each group as one multi-tensor call, and DTensor refuses mixed
+    lists ("got mixed torch.Tensor and DTensor"): the first step of such a run raised. ``foreach=False`` is
+    torch's own per-tensor step (the CPU default), so the numbers are the same; a group the user set is kept."""
+    changed = []
+    for index, group in enumerate(optimizer.param_groups):
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+            continue
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) > 1:
+            group["foreach"] = False
+            changed.append(index)
+    return changed
+
+
+__all__ = [
+    "TensorParallelInfo", "apply_tensor_parallel", "fsdp_shard_placement_fn", "hook_grad_layouts",
+    "plan_tensor_parallel", "step_mixed_groups_per_tensor",
+]
