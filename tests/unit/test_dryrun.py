@@ -241,6 +241,7 @@ for layout in ({}, {"tp": 2}, {"activation_checkpointing": "selective_op"}):
 """
 
 
+@pytest.mark.slow  # ~17 s: three dry runs in one child process
 def test_dry_run_runs_zero3_on_fsdp2():
     """Issue 23: ZeRO-3 (FSDP2) runs in the dry run: on the meta device, with the meta parameters FSDP2 would refuse
     and its gathered weights counted while they are held (FSDP2 resizes their storages in place). Rank 1 of 8, a
