@@ -80,6 +80,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import balanced_routing
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
+from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
@@ -310,27 +311,28 @@ class _LiveBytes(TorchDispatchMode):
     def _release(self, key: int) -> None:
         self.live.pop(key, None)
 
+    def _hold(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` at its size now, until it is freed."""
+        key = storage._cdata  # private: see _storage_key
+        if key not in self.live:
+            weakref.finalize(storage, self._release, key)
+        self.live[key] = storage.nbytes()
+
     def track(self, t: Tensor) -> None:
         """Count ``t``'s storage (its local shard's) if it is not yet counted and not excluded."""
         t = _local(t)
         if t.is_sparse:
             return
         storage = t.untyped_storage()
-        key = storage._cdata  # private: see _storage_key
-        if key not in self.live and key not in self.exclude:
-            self.live[key] = storage.nbytes()
-            weakref.finalize(storage, self._release, key)
+        if storage._cdata not in self.live and storage._cdata not in self.exclude:
+            self._hold(storage)
             self.peak = max(self.peak, self.current)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """A storage changed size in place (FSDP2's gathered weights): count its new size."""
-        key = storage._cdata  # private: see _storage_key
-        if key in self.exclude:
-            return
-        if key not in self.live:
-            weakref.finalize(storage, self._release, key)
-        self.live[key] = storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        if storage._cdata not in self.exclude:
+            self._hold(storage)
+            self.peak = max(self.peak, self.current)
 
     def held_by(self, tensors: Any) -> int:
         """Live bytes of the distinct storages of ``tensors`` (their local shards') that this mode counts."""
@@ -350,12 +352,9 @@ class _LiveBytes(TorchDispatchMode):
         inputs = {_storage_key(_local(t)) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, Tensor) and not t.is_sparse:
-                t = _local(t)
-                storage = t.untyped_storage()
-                key = storage._cdata  # private: see _storage_key
-                if key not in self.live and key not in inputs:
-                    self.live[key] = storage.nbytes()
-                    weakref.finalize(storage, self._release, key)
+                storage = _local(t).untyped_storage()
+                if storage._cdata not in self.live and storage._cdata not in inputs:
+                    self._hold(storage)
         self.peak = max(self.peak, self.current)
         return out
 
@@ -647,8 +646,7 @@ def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
             " or whose forward(input_ids) returns (batch, seq, vocab) logits; this one returned"
             f" {type(logits).__name__}{tuple(logits.shape) if isinstance(logits, Tensor) else ''}."
         )
-    targets = F.pad(tokens, (0, 1), value=-100)[..., 1:]
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return causal_lm_loss(logits, tokens, logits.shape[-1])
 
 
 def _train_step(

@@ -40,8 +40,8 @@ from lightning_para.parallel.context.adapters import (
     ContextParallelRuntime,
     register_context_parallel_adapter,
 )
+from lightning_para.parallel.tensor.loss import IGNORE_INDEX  # transformers' ignore_index for labels
 
-IGNORE_INDEX = -100  # transformers' ignore_index for labels
 # The cp runtime of each model the adapter was attached to (weak: keeps no model alive).
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, ContextParallelRuntime]" = weakref.WeakKeyDictionary()
 

@@ -37,8 +37,7 @@ from torch import Tensor, nn
 
 from lightning_para.integrations.transformers.context import context_parallel_runtime
 from lightning_para.parallel.pipeline.spec import PipelineSpec
-
-IGNORE_INDEX = -100
+from lightning_para.parallel.tensor.loss import IGNORE_INDEX, causal_lm_loss
 REQUIRED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 # Config fields whose non-default values add computation in the model's forward that the pipeline
 # layers do not reproduce (logit soft-capping, logit/embedding scaling).
@@ -248,16 +247,6 @@ def pipeline_spec(
         loss_fn=loss_fn,
         log_name=log_name,
     )
-
-
-def causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items: Optional[Tensor] = None) -> Tensor:
-    """The transformers causal-LM loss (``ForCausalLMLoss``): labels shifted left by one, ``-100`` ignored,
-    the sum divided by ``num_items`` (or the mean over the valid tokens)."""
-    shift = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-    flat = logits.float().view(-1, vocab_size)
-    if num_items is None:
-        return nn.functional.cross_entropy(flat, shift, ignore_index=IGNORE_INDEX)
-    return nn.functional.cross_entropy(flat, shift, ignore_index=IGNORE_INDEX, reduction="sum") / num_items
 
 
 __all__ = ["causal_lm_loss", "check_causal_lm", "pipeline_spec", "split_causal_lm_batch"]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.parallel.loss import customized_loss_ops
@@ -83,4 +84,18 @@ def loss_parallel_backward(enabled: bool) -> Generator[None, None, None]:
         yield
 
 
-__all__ = ["loss_parallel_backward", "loss_parallel_step"]
+IGNORE_INDEX = -100  # transformers' (and torch's default) ignored label
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items: Optional[Tensor] = None) -> Tensor:
+    """The transformers causal-LM loss (``ForCausalLMLoss``): labels shifted left by one, ``-100`` ignored, the
+    logits in fp32, the sum divided by ``num_items`` (or the mean over the valid tokens). The transformers
+    pipeline's loss and the dry run's loss of a model without ``loss_fn`` both run it."""
+    shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    flat = logits.float().view(-1, vocab_size)
+    if num_items is None:
+        return F.cross_entropy(flat, shift, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(flat, shift, ignore_index=IGNORE_INDEX, reduction="sum") / num_items
+
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "loss_parallel_backward", "loss_parallel_step"]
