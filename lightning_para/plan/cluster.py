@@ -249,6 +249,11 @@ class Training:
             fp32 whatever the weights' dtype (the Llama 3 paper, Sec. 3.3.2, "Numerical stability":
             FP32 gradient accumulation and FP32 reduce-scatter; Megatron-LM's ``main_grad``).
             Planner-only: ParaStrategy accumulates in the gradients' dtype of ``precision``.
+        persistent_grad_buffer: the gradients live in one buffer allocated once and zeroed in place (Megatron-LM's
+            ``DistributedDataParallel`` grad buffer), so a pipeline rank holds all of them from the schedule's first
+            forward. ``False`` (torch's DDP and FSDP, ParaStrategy): autograd allocates them at each chunk's first
+            backward, later than the activations' peak in GPipe and in a fully warmed-up interleaved schedule
+            (:func:`~lightning_para.plan.pipeline.lazy_gradient_peak`).
 
     Each data-parallel rank runs ``global_batch / (dp * micro_batch)`` microbatches per step
     (:meth:`microbatches_per_step`): the pipeline's microbatches times gradient accumulation.
@@ -264,6 +269,7 @@ class Training:
     activation_profile: str = "torch"
     batch_per_rank: Optional[int] = None
     fp32_grad_accumulation: bool = False
+    persistent_grad_buffer: bool = False
 
     def __post_init__(self) -> None:
         if (self.global_batch is None) == (self.batch_per_rank is None):

@@ -21,7 +21,8 @@
    (what the schedule's peak keeps), the peak of all live bytes during the step (a steady-state
    step's: the optimizer moments this first step creates count as held through forward and
    backward, without a pipeline the last step's gradients count as held through the forward (Lightning's
-   ``zero_grad`` comes after it), and with more microbatches than in flight the in-flight microbatches run
+   ``zero_grad`` comes after it), with one through the whole schedule (the pipeline runner sets them aside
+   until ``zero_grad``), and with more microbatches than in flight the in-flight microbatches run
    once untracked first, so the measured ones find the accumulated gradients), and every collective
    with its bytes per mesh dimension.
 
@@ -580,7 +581,7 @@ def dry_run_rank(
     states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
     before = sum(states_before)
     t = time.perf_counter()
-    activations, backward_peak, accumulated = 0.0, 0, 0
+    activations, schedule_peak, backward_peak, accumulated = 0.0, 0, 0, 0
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
         if microbatches > in_flight:
@@ -605,6 +606,7 @@ def dry_run_rank(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
                 precision.param_dtype or torch.float32,
             ) - accumulated
+            schedule_peak = live.peak
             if parallel.data_parallel is not None:
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
@@ -618,10 +620,13 @@ def dry_run_rank(
     # so the steady-state peak adds them to backward's peak. Without a pipeline, Lightning calls `zero_grad`
     # after the training step's forward, so from the second step on the last step's gradients, as the rank
     # keeps them between steps (`grads`), are held through the forward too (measured on an H100: the forward's
-    # peak holds them); a pipeline's schedule runs after it.
+    # peak holds them). A pipeline's schedule runs before it, and ParaStrategy's runner sets those gradients aside
+    # while the schedule runs: held through its forwards and backwards, gone by the gradient sync.
     moments = opt - states_before[2]
-    last_grads = grads if dims.pp == 1 else 0
-    steady = max(live.forward_peak + moments + last_grads, backward_peak + moments, live.peak)
+    if dims.pp == 1:
+        steady = max(live.forward_peak + moments + grads, backward_peak + moments, live.peak)
+    else:
+        steady = max(schedule_peak + moments + grads, backward_peak + moments, live.peak)
     peak = before + steady if run_step else params + grads + opt
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
@@ -706,13 +711,17 @@ def _train_step(
         # gathered tensors while they are.
         held = float(live.current - live.held_by(stage.parameters()))
         live.forward_peak = live.peak
-        for y in outputs:
+        # Each microbatch's output (and with it its graph) is dropped after its backward, as torch's pipeline stage
+        # pops it from its forward cache: what the graph holds beyond its saved tensors (DTensor's redistribute
+        # nodes under sequence parallelism) is freed then, not when the last microbatch is done.
+        while outputs:
+            y = outputs.pop(0)
             with loss_parallel_backward(parallel.loss_parallel):
                 if y.dim() == 0:
                     y.backward()
                 else:
                     y.backward(torch.empty_like(y))
-        outputs.clear()
+            del y
     return held
 
 

@@ -196,3 +196,75 @@ def unit_tensors(model: ModelDesc, unit: PipelineUnit, tp: int = 1, ep: int = 1)
     return part_tensors(
         model, unit.layers, embedding=unit.embedding, final_norm=unit.final_norm, head_matrix=unit.head, tp=tp, ep=ep
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> Optional[tuple]:
+    """This rank's forwards and (full) backwards in the order ``torch.distributed.pipelining`` runs them:
+    ``(("F", chunk), ("B", chunk), ...)``, ``chunk`` the rank's local chunk (0 to ``v - 1``).
+
+    GPipe: every forward, then every backward. 1F1B (``Schedule1F1B``): ``min(m, p - i)`` warm-up forwards, then a
+    backward and a forward in turn. Interleaved (``ScheduleInterleaved1F1B``, Megatron-LM's order):
+    ``min((v - 1) r + 2 (p - i - 1), m v)`` warm-up forwards, ``r`` microbatches per round (``p`` when ``p``
+    divides ``m``), forwards chunk by chunk in rounds, backwards from the last chunk, then forward-backward pairs.
+    ``tests/unit/test_plan_pipeline_memory.py`` checks each against torch's own schedule run on recording stages.
+    ``None`` for the zero-bubble schedules (their split backward is not walked here).
+    """
+    p, m, v, i = pp, microbatches, virtual_stages, rank
+    if schedule == "gpipe":
+        return tuple([("F", 0)] * m + [("B", 0)] * m)
+    if schedule == "1f1b":
+        warmup = min(m, p - i)
+        order = [("F", 0)] * warmup
+        for k in range(m):
+            order.append(("B", 0))
+            if warmup + k < m:
+                order.append(("F", 0))
+        return tuple(order)
+    if schedule != "interleaved":
+        return None
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - i), total)
+
+    def backward_chunk(op: int) -> int:
+        return v - 1 - ((op - warmup) // per_round) % v
+
+    order = []
+    for op in range(total + warmup):
+        if op < total:
+            order.append(("F", (op // per_round) % v))
+        if op >= warmup:  # a forward-backward pair in the steady state, then the cool-down's backwards
+            order.append(("B", backward_chunk(op)))
+    return tuple(order)
+
+
+def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, chunk_activations: float,
+                       chunk_gradients: float) -> float:
+    """The peak of activations plus this step's gradients while a rank runs ``order`` (:func:`compute_order`),
+    when a chunk's gradients come into being at its first backward (autograd allocates ``.grad`` after
+    ``zero_grad(set_to_none=True)``: torch's DDP and FSDP, ParaStrategy; not Megatron-LM's persistent buffer).
+
+    ``chunk_activations``: bytes one microbatch leaves held by one chunk; ``chunk_gradients``: one chunk's gradient
+    bytes. A backward runs the chunk's layers last first: during each, its saved tensors are still held and its
+    gradients exist (the first time), so the largest value is at the first or the last layer.
+    """
+    held, grads, peak = 0, 0.0, 0.0
+    started: set[int] = set()
+    layer_activations = chunk_activations / max(1, layers_per_chunk)
+    layer_gradients = chunk_gradients / max(1, layers_per_chunk)
+    for kind, chunk in order:
+        if kind == "F":
+            held += 1
+            peak = max(peak, held * chunk_activations + grads)
+            continue
+        first = chunk not in started
+        new = chunk_gradients if first else 0.0
+        at_first_layer = held * chunk_activations + grads + (layer_gradients if first else 0.0)
+        at_last_layer = held * chunk_activations - (chunk_activations - layer_activations) + grads + new
+        peak = max(peak, at_first_layer, at_last_layer)
+        started.add(chunk)
+        grads += new
+        held -= 1
+    return peak

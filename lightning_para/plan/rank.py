@@ -33,7 +33,7 @@ from lightning_para.plan.overhead import (
     optimizer_dtensor_ops,
     optimizer_ops,
 )
-from lightning_para.plan.pipeline import RankLayers
+from lightning_para.plan.pipeline import RankLayers, compute_order, lazy_gradient_peak
 from lightning_para.plan.tensors import (
     ParamTensor,
     layer_tensors,
@@ -89,6 +89,13 @@ class MemoryBreakdown:
     # weights' dtype). Counted by the dry run; the peak where the states outweigh the activations (short sequences,
     # an MoE rank's experts).
     optimizer_step_total: float = 0.0
+    # A pipeline rank's gradients come into being chunk by chunk, at each chunk's first backward of the step
+    # (autograd allocates `.grad` after `zero_grad(set_to_none=True)`): at the peak of activations plus gradients
+    # (`plan.pipeline.lazy_gradient_peak` walks the schedule's order) these bytes of `grads` do not exist yet.
+    # GPipe, and an interleaved schedule whose warm-up covers every microbatch (the Llama 3 16K-GPU rows), peak
+    # when every forward is done and before most gradients exist. 0 without a pipeline, with accumulation over
+    # several flushes, for the zero-bubble schedules and under `Training.persistent_grad_buffer`.
+    grads_not_yet_allocated: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -110,7 +117,8 @@ class MemoryBreakdown:
     def total(self) -> float:
         """The peak: the forward and backward's (model states, activations, gathered buffers), or the optimizer
         step's (``optimizer_step_total``), which comes after the activations are freed."""
-        return max(self.model_states + self.master_grads + self.activations + self.buffers, self.optimizer_step_total)
+        during_step = self.model_states + self.master_grads + self.activations + self.buffers
+        return max(during_step - self.grads_not_yet_allocated, self.optimizer_step_total)
 
 
 @dataclass(frozen=True)
@@ -282,7 +290,8 @@ def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout
 
 
 def _memory(
-    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: MemoryBreakdown
+    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: MemoryBreakdown,
+    flushes: int = 1,
 ) -> MemoryBreakdown:
     """The peak (see :class:`MemoryBreakdown`); ``resident``: :func:`resident_states` of the same rank."""
     dense, expert, largest = _rank_params(model, layout, part)
@@ -354,7 +363,13 @@ def _memory(
         # A loss that casts 16-bit logits to fp32 first (`ModelDesc.loss_upcast`) holds that copy too while it runs.
         loss_logits = (e + (4 if model.loss_upcast and e < 4 else 0)) * logit_elements
     master_grads = 0.0
-    if torch_code and precision.master > 0 and layout.zero < 3:
+    lazy = layout.pp > 1 and not training.persistent_grad_buffer
+    if torch_code and lazy:
+        # ParaStrategy's pipeline runner sets the last step's gradients aside while the schedule runs (Lightning's
+        # `zero_grad` comes after the training step): all of them, as the rank keeps them between steps, are held
+        # beside this step's (ZeRO-1/2: shards; ZeRO-0: whole, plus a separate master's fp32 ones).
+        master_grads = resident.grads
+    elif torch_code and precision.master > 0 and layout.zero < 3:
         master_grads = max(0.0, resident.grads - states[1])  # beyond what the ZeRO paper's peak already holds
     ring_scores = 0.0
     if torch_code and layout.cp > 1 and layout.cp_method == "ring" and part.layers:
@@ -380,8 +395,14 @@ def _memory(
     if layout.zero in (1, 2) and max(shards.values()) > 1:
         step_temporaries = max(step_temporaries, precision.weight * (dense + expert))  # the updated weights' gather
     optimizer_step_total = resident.params + resident.grads + resident.optimizer + step_temporaries
+    not_yet = 0.0
+    order = compute_order(layout.schedule, layout.pp, per_step // flushes, layout.virtual_stages, part.rank)
+    if lazy and flushes == 1 and order is not None and part.layers:
+        v = layout.virtual_stages
+        peak = lazy_gradient_peak(order, max(1, round(len(part.layers) / v)), held / v, states[1] / v)
+        not_yet = max(0.0, activations + states[1] - peak)
     breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
-                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total)
+                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet)
     return replace(breakdown, activations=activations + breakdown.transient)
 
 
@@ -647,7 +668,7 @@ def price_rank(
     )
     return RankEstimate(
         pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
-        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step, resident),
+        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step, resident, flushes),
         resident=resident, collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
         optimizer_seconds=optimizer_seconds,

@@ -70,16 +70,18 @@ _OP_SAC = ("priced with torchtitan's own per-op policy ('selective_op') and loss
            "reserved 16-39% over its allocated peak) and the planner counts tensors, within 6% of the allocated peak "
            "there; in bf16-true the planner is within 2% of the dry run's peak of ParaStrategy's code on these "
            "layouts (55.7, 45.1 GiB)")
-_FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: Megatron-LM's interleaved schedule "
-            "holds 2(p-1) + (v-1)p + 1 chunk-microbatches on the first ranks (Narayanan et al. 2021), each with "
-            "Korthikanti's Llama terms, beside fp32 gradients (Sec. 3.3.2); Meta's schedule makes the number of "
-            "consecutive microbatches per stage (N) tunable (Fig. 6) and the value used for 405B is not published")
+_FIT_GAP = ("does not fit the measured 84.37e9 allocatable bytes of an H100: with 32 microbatches per step the "
+            "interleaved schedule's steady state holds 2(p-i-1) + (v-1)p + 1 chunk-microbatches on rank 1 "
+            "(Narayanan et al. 2021), each with Korthikanti's Llama terms, while every chunk's fp32 gradients "
+            "(Sec. 3.3.2) exist; Meta's schedule makes the number of consecutive microbatches per stage (N) tunable "
+            "(Fig. 6), N >= p (fewer stalls the pipeline) only holds more, and what else Meta freed is not published")
 
 RUNS = [
     _llama3("405B, 8,192 GPUs, TP8 PP16 DP64, seq 8K", 8192, 8192, 1, 64, 0.43, gap=_FIT_GAP),
-    _llama3("405B, 16,384 GPUs, TP8 PP16 DP128, seq 8K", 16384, 8192, 1, 128, 0.41, gap=_FIT_GAP),
+    # 16 microbatches per step: the warm-up covers every forward, and the peak comes before most gradients exist.
+    _llama3("405B, 16,384 GPUs, TP8 PP16 DP128, seq 8K", 16384, 8192, 1, 128, 0.41),
     # Printed DP=4; 16,384 / (8 x 16 x 16) = 8.
-    _llama3("405B, 16,384 GPUs, TP8 CP16 PP16 DP8, seq 131K", 16384, 131072, 16, 8, 0.38, gap=_FIT_GAP),
+    _llama3("405B, 16,384 GPUs, TP8 CP16 PP16 DP8, seq 131K", 16384, 131072, 16, 8, 0.38),
     _titan("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, Layout(dp=8, zero=3), 8192, 16, 2, "selective_op",
            5762, 82.4, True, gap=_OP_SAC),
     _titan("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, Layout(dp=128, zero=3), 8192, 256, 2, "selective_op",
@@ -120,9 +122,9 @@ def test_llama3_table4(run: Run) -> None:
     assert abs(got["mfu"] / run.published_mfu - 1) <= 0.15, got  # the issue's tolerance: 15% relative
     usable = Cluster.of(run.gpu, nodes=1).usable_memory
     if not run.gap:
-        assert got["fits"], got
-    else:  # documented gap (`_FIT_GAP`): pinned as measured, over the allocatable memory by 3-13%
-        assert 1.03 < got["gb"] * 1e9 / usable < 1.13, got
+        assert got["fits"] and got["gb"] < 80.0, got  # "Each layout must fit in 80 GB, as it did"
+    else:  # documented gap (`_FIT_GAP`): pinned as measured, over the allocatable memory by 12.5%
+        assert 1.10 < got["gb"] * 1e9 / usable < 1.15, got
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.source == TITAN], ids=lambda r: r.name)
