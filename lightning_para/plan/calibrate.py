@@ -311,12 +311,10 @@ def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
                        ) -> tuple[float, float, float, tuple[tuple[float, float], ...]]:
     """``(matmul FLOP/s, seconds per operator, element-wise bytes/s, ((tokens, matmul efficiency), ...))`` of one
     rank with ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a
-    spawned process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
+    fresh process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
     ``workload`` (a picklable module-level function of the batch and sequence length) at :data:`EFFICIENCY_BATCHES` sequences of
     :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload."""
-    import torch.multiprocessing as mp
-
-    start_together = mp.get_context("spawn").Barrier(processes)
+    start_together = _measurement_context().Barrier(processes)
     results = run_measurement(_rank_rates_worker, [(threads, start_together, workload)] * processes, timeout,
                               "one rank's matmul, operator and bandwidth figures", results=processes)
     flops, op_seconds, bandwidth = (statistics.median(r[i] for r in results) for i in range(3))
@@ -338,17 +336,30 @@ class _SequenceParallelBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
+def _measurement_context() -> Any:
+    """Where measurement processes come from: a fork server that imports torch and this module once, so each
+    process starts in about a second instead of a new interpreter's ~10 s on two busy cores (torch and Lightning
+    imported again each time); spawn where the platform has no fork server. Each process is still fresh: its
+    threads, its (fake) process group and its measurements are its own."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", __name__])  # no effect once the server runs (e.g. the test harness's)
+    return context
+
+
 def run_measurement(target: Callable[..., None], args_per_process: Sequence[tuple[Any, ...]], timeout: float,
                     what: str, results: Optional[int] = None) -> Any:
-    """Start one spawned process per ``args_per_process`` entry running ``target(*args, queue)``, and return
+    """Start one fresh process (:func:`_measurement_context`) per ``args_per_process`` entry running
+    ``target(*args, queue)``, and return
     the first thing one of them puts on the queue (``results=k``: a list of the first ``k`` things). Never
     waits on a dead process: if every process has exited without the results, or ``timeout`` seconds pass,
     it raises :class:`RuntimeError` naming ``what`` (the children's own error is on stderr)."""
     import queue as queue_module
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _measurement_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, out), daemon=True) for args in args_per_process]
     for proc in procs:
@@ -477,9 +488,7 @@ def measure_dtensor_op_costs(threads: Optional[int] = None, repeats: int = 9, ti
     process group, in a process of its own (the fake group is process-wide), each phase less its plain
     operators at :func:`measure_op_seconds`, divided by the operators DTensor dispatched in it. ``processes``
     copies run at once (a loaded machine, see the module docstring); the medians of theirs are returned."""
-    import torch.multiprocessing as mp
-
-    start_together = mp.get_context("spawn").Barrier(processes)
+    start_together = _measurement_context().Barrier(processes)
     args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, start_together)
     found = run_measurement(_dtensor_worker, [args] * processes, timeout, "DTensor's dispatch", results=processes)
     return float(statistics.median(f[0] for f in found)), float(statistics.median(f[1] for f in found))

@@ -5,14 +5,10 @@ process-wide). Its states must equal the bytes computed by hand and the planner'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tests.harness import run_code
 
-ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys
@@ -35,10 +31,7 @@ print("RESULT " + json.dumps(result.to_dict()))
 
 
 def _run(rank: int, precision: str = "32-true") -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(rank), precision], capture_output=True, text=True, env=env, timeout=600
-    )
+    proc = run_code(CHILD, str(rank), precision)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
@@ -112,8 +105,7 @@ def test_dry_run_bf16_true_zero1_zero2_gradients_match_planner():
     """Issue 23: under bf16-true, ZeRO-1 and ZeRO-2 ranks hold the masters' fp32 gradient shard and the bf16
     shard `p.grad` shows; the dry run measured +50% against the planner until it priced the second
     (rank 1 of dp=4, a 2-block GPT, one step each)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", ZERO_CHILD], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_code(ZERO_CHILD, timeout=600)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == 2, proc.stderr[-3000:]
     h, kv, ffn, vocab = 64, 32, 176, 256
@@ -199,8 +191,7 @@ def test_moe_dry_run_runs_the_step_with_balanced_routing():
     """Issue 23: an MoE model's dry run runs the training step (it was skipped: routing reads tensor values)
     under the balanced-routing hook, so the real expert-parallel dispatch issues its all-to-alls. World 16:
     pp=2 x dp=8 with ep=4, ZeRO-1; blocks 0 (dense) and 1 (MoE: 8 experts, top-2, shared expert) on pipeline rank 0."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", MOE_CHILD, "0"], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_code(MOE_CHILD, "0", timeout=600)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
@@ -252,8 +243,7 @@ def test_dry_run_runs_zero3_on_fsdp2():
     The planner's peak adds the prefetched block, one block's unsharded gradients and the gradient shards to
     every activation held; the real peak comes at the loss, before them: the planner is over by ~10% on this
     model, whose gathered weights weigh as much as its activations (-1% on Llama 3 8B: docs/planner.md)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", ZERO3_CHILD], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_code(ZERO3_CHILD, timeout=600)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == 3, proc.stderr[-3000:]
     elements = 2 * 256 * 64 + 64 + 4 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176)

@@ -29,6 +29,7 @@ from lightning_para.plan import (
     search,
 )
 from lightning_para.plan.pipeline import in_flight_microbatches, pipeline_ranks, unit_split
+from tests.harness import run_code
 from lightning_para.plan.tensors import embedding_tensors, head_tensors, layer_tensors, total_numel
 
 GB = 1e9
@@ -491,13 +492,8 @@ def test_loss_backward_is_what_the_cross_entropy_backward_allocates():
     loss (tp=2, DTensor), in fp32 after `logits.float()` (`ModelDesc.loss_upcast`), for bf16 and fp32 logits.
     Found by the dry run of Llama 3 8B on FSDP2 at 128 ranks, whose peak it is (+6.8 % before)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-c", _CE_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_code(_CE_CHILD, timeout=300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     measured = json.loads(line[len("RESULT "):])

@@ -6,12 +6,9 @@ held after its backward before the fix)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import run_code
+
 
 CHILD = r"""
 import gc, sys
@@ -44,8 +41,7 @@ print("ALIVE", during, alive())
 
 
 def test_the_regathered_input_is_freed_right_after_backward():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_code(CHILD, timeout=300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("ALIVE ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     during, after = map(int, line.split()[1:])
