@@ -7,6 +7,10 @@ held after its backward before the fix)."""
 from __future__ import annotations
 
 
+import json
+
+import pytest
+
 from tests.harness import run_code
 
 
@@ -47,3 +51,34 @@ def test_the_regathered_input_is_freed_right_after_backward():
     during, after = map(int, line.split()[1:])
     assert during == 4  # attention and MLP of 2 blocks keep their input's shard for backward
     assert after == 0  # and nothing keeps them (nor the all-gathered input) once backward is done
+
+
+META_CHILD = r"""
+import json
+from lightning_para.config import ParallelConfig
+from lightning_para.plan.cluster import Training
+from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.plan.model import ModelDesc
+from lightning_para.recipes.gpt import GPT
+
+# ffn / tp == hidden: the MLP's local activation has as many elements as the gathered [b, s, h] input.
+desc = ModelDesc(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, name="tiny")
+result = dry_run_rank(
+    lambda: GPT(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=128, block_size=32, mlp_hidden=128),
+    ParallelConfig(tp=2, sequence_parallel=True), 2, 0, seq_len=32, micro_batch=1, hidden=64, model=desc,
+    training=Training(seq_len=32, global_batch=1, micro_batch=1, precision="32-true"),
+)
+print("RESULT " + json.dumps(result.to_dict()))
+"""
+
+
+def test_the_gathered_input_is_told_apart_by_its_storage_also_on_meta():
+    """On the meta device every storage's data pointer is 0: matching the gathered input by pointer and size made
+    the dry run re-gather, for the MLP's output (same element count when ffn / tp == hidden), a tensor of the wrong
+    shape ("shape '[32, 128]' is invalid for input of size 2048"). The storage's identity tells them apart."""
+    proc = run_code(META_CHILD, timeout=300)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result["step_ran"] and result["measured"]["activations"] > 0
+    assert result["measured"]["activations"] == pytest.approx(result["predicted"]["activations"], rel=0.2)

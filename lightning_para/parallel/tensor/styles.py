@@ -142,7 +142,9 @@ class _KeepShardSaveGathered:
     def __init__(self, shard: DTensor, gathered: DTensor) -> None:
         self.shard = shard.detach()
         local = gathered._local_tensor  # private: see docs/architecture.md
-        self.ptr, self.numel = local.untyped_storage().data_ptr(), local.numel()
+        # The storage's identity: its data pointer would do on a real device, but every meta storage's is 0, so the
+        # dry run matched other saved tensors of the same size (an MLP's local activation when ffn/t == h).
+        self.storage, self.numel = local.untyped_storage()._cdata, local.numel()  # private: a storage's identity
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # private: see docs/architecture.md
         self.outer_pack, self.outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
         self.full: Optional[DTensor] = None
@@ -159,7 +161,7 @@ class _KeepShardSaveGathered:
         local = t._local_tensor if isinstance(t, DTensor) else None  # private: no autograd inside a pack hook
         if (
             local is not None and local.numel() == self.numel and local.storage_offset() == 0
-            and local.is_contiguous() and local.untyped_storage().data_ptr() == self.ptr
+            and local.is_contiguous() and local.untyped_storage()._cdata == self.storage  # private: as above
         ):
             return _Regathered(self.outer_pack(self.shard), t.shape)
         return self.outer_pack(t)
