@@ -712,8 +712,8 @@ def _train_step(
         held = float(live.current - live.held_by(stage.parameters()))
         live.forward_peak = live.peak
         # Each microbatch's output (and with it its graph) is dropped after its backward, as torch's pipeline stage
-        # pops it from its forward cache: what the graph holds beyond its saved tensors (DTensor's redistribute
-        # nodes under sequence parallelism) is freed then, not when the last microbatch is done.
+        # pops it from its forward cache: what the graph itself keeps beside its saved tensors is freed per
+        # microbatch, not when the last one is done.
         while outputs:
             y = outputs.pop(0)
             with loss_parallel_backward(parallel.loss_parallel):

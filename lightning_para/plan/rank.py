@@ -104,8 +104,9 @@ class MemoryBreakdown:
 
     @property
     def held_grads(self) -> float:
-        """Gradient bytes at the peak: the ZeRO paper's plus a separate master's fp32 gradients."""
-        return self.grads + self.master_grads
+        """Gradient bytes at the peak: the ZeRO paper's plus a separate master's fp32 gradients (or the last step's
+        set aside under a pipeline), less those this step's schedule has not made yet."""
+        return self.grads + self.master_grads - self.grads_not_yet_allocated
 
     @property
     def transient(self) -> float:
@@ -117,8 +118,8 @@ class MemoryBreakdown:
     def total(self) -> float:
         """The peak: the forward and backward's (model states, activations, gathered buffers), or the optimizer
         step's (``optimizer_step_total``), which comes after the activations are freed."""
-        during_step = self.model_states + self.master_grads + self.activations + self.buffers
-        return max(during_step - self.grads_not_yet_allocated, self.optimizer_step_total)
+        during_step = self.params + self.held_grads + self.optimizer + self.activations + self.buffers
+        return max(during_step, self.optimizer_step_total)
 
 
 @dataclass(frozen=True)
@@ -396,8 +397,9 @@ def _memory(
         step_temporaries = max(step_temporaries, precision.weight * (dense + expert))  # the updated weights' gather
     optimizer_step_total = resident.params + resident.grads + resident.optimizer + step_temporaries
     not_yet = 0.0
-    order = compute_order(layout.schedule, layout.pp, per_step // flushes, layout.virtual_stages, part.rank)
-    if lazy and flushes == 1 and order is not None and part.layers:
+    order = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
+        if lazy and flushes == 1 and part.layers else None
+    if order is not None:
         v = layout.virtual_stages
         peak = lazy_gradient_peak(order, max(1, round(len(part.layers) / v)), held / v, states[1] / v)
         not_yet = max(0.0, activations + states[1] - peak)
