@@ -57,8 +57,15 @@ def layer_activation_bytes(
     sp_saves_gathered_inputs: bool = False,
     swiglu_tensors: int = 4,
     expert_parallel: bool = False,
+    residual_bytes: Optional[int] = None,
 ) -> float:
     """Activation bytes one layer keeps for backward, for one microbatch, on one rank.
+
+    ``residual_bytes``: bytes per element of the residual stream, the block's input and the norms' inputs
+    (default ``activation_bytes``). Under autocast (``*-mixed``) it is the weights' dtype: the embedding
+    gives fp32 and the residual adds stay fp32, so a checkpointed block keeps an fp32 input and a norm an
+    fp32 one (issue 23: measured on an H100, rank 0 of an 8- and a 128-rank ZeRO-3 job of Llama 3 8B in
+    ``bf16-mixed``, ``benchmarks/gpu_fake_world.py``: 2 bytes x ``sbh`` per layer more than in ``bf16-true``).
 
     ``sp_saves_gathered_inputs``: under sequence parallelism the q/k/v and MLP projections keep their
     all-gathered input whole (plain DTensor sequence parallelism: ParaStrategy with
@@ -98,20 +105,24 @@ def layer_activation_bytes(
             f"`recompute={recompute!r}` is unknown. Choose one of {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}."
         )
     s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
+    residual = e if residual_bytes is None else residual_bytes
     sp_divisor = tp if sequence_parallel else 1
     if recompute == "full":
-        return e * s * b * h / sp_divisor
+        return residual * s * b * h / sp_divisor
     if recompute == "selective_op" and not moe_layer:
         return selective_op_layer_bytes(
             model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
-            flash_attention=flash_attention, activation_bytes=activation_bytes,
+            flash_attention=flash_attention, activation_bytes=activation_bytes, input_bytes=residual,
         )
     dropout_masks = 2 * s * b * h if model.dropout else 0
     # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
     # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
     # saves them after the all-gather, whole (issue 23: measured by the dry run's saved tensors).
     # An eager norm that upcasts (transformers' RMSNorm) keeps an fp32 copy of its input besides (`norm_upcast`).
-    replicated = 2 * (e + (4 if model.norm_upcast else 0)) * s * b * h + dropout_masks
+    # Without recomputation both norm inputs are the residual stream; under "selective" the block's input is
+    # (the checkpoint's argument) and the second norm's input is recomputed, its place taken by an e-byte term.
+    norm_inputs = 2 * residual if recompute is None else residual + e
+    replicated = (norm_inputs + 2 * (4 if model.norm_upcast else 0)) * s * b * h + dropout_masks
     gathered = 2 * e * s * b * h
     if not (sequence_parallel and sp_saves_gathered_inputs):
         replicated, gathered = replicated + gathered, 0.0
@@ -130,7 +141,7 @@ def layer_activation_bytes(
     if recompute == "selective_op":  # an MoE layer: its experts priced as under "selective" (see above)
         attention_part = selective_op_layer_bytes(
             model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
-            flash_attention=flash_attention, activation_bytes=activation_bytes, mlp=False,
+            flash_attention=flash_attention, activation_bytes=activation_bytes, mlp=False, input_bytes=residual,
         )
         moe_ffn = model.moe_ffn or model.ffn
         copies = s * b * model.top_k * (model.capacity_factor or 1.0)
@@ -163,6 +174,7 @@ def selective_op_layer_bytes(
     flash_attention: bool = True,
     activation_bytes: int = 2,
     mlp: bool = True,
+    input_bytes: Optional[int] = None,
 ) -> float:
     """Bytes one layer keeps under torchtitan's per-op selective recomputation (``"selective_op"``,
     ``parallel/activation_checkpoint.py``; torchtitan ``selective_ac_option="op"``): the outputs of
@@ -179,11 +191,13 @@ def selective_op_layer_bytes(
     * under SP with ``t > 1``: the two reduce-scatter outputs, ``2 e sbh / t``. A tensor-parallel
       all-reduce or SP all-gather is not kept: the recomputation runs it again.
 
-    ``mlp=False``: the attention half only (an MoE layer's experts are priced apart).
+    ``mlp=False``: the attention half only (an MoE layer's experts are priced apart). ``input_bytes``: the
+    block input's bytes per element (default ``activation_bytes``; fp32 under autocast, see
+    :func:`layer_activation_bytes`).
     """
     s, b, h, e = seq_len / cp, micro_batch, model.hidden, activation_bytes
     sp = tp if sequence_parallel else 1
-    kept = e * s * b * h / sp  # the block input
+    kept = (e if input_bytes is None else input_bytes) * s * b * h / sp  # the block input
     kept += e * s * b * (2 * model.q_dim + model.kv_dim) / tp
     if flash_attention:
         kept += 4.0 * model.heads * s * b / tp

@@ -239,10 +239,16 @@ def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
     # Autocast runs the cross-entropy in fp32, and so does a loss that casts the logits first (`loss_upcast`);
     # without either (``*-true``) torch's keeps the dtype of the logits.
     logit_bytes = e if torch_code and not training.bytes.autocast and not model.loss_upcast else 4
-    return head_activation_bytes(
+    held = head_activation_bytes(
         model, training.seq_len, training.micro_batch, activation_bytes=e, logit_bytes=logit_bytes,
         sp_saves_gathered_inputs=torch_code, **_activation_kwargs(training, layout)[0],
     )
+    if torch_code and training.bytes.autocast:
+        # Measured on an H100 (issue 23, `benchmarks/gpu_fake_world.py`): under autocast the cross-entropy holds,
+        # after the forward, a 16-bit logits-sized tensor besides its fp32 log-probabilities (3.91 GiB at
+        # 2 x 8,192 tokens x 128K in bf16-mixed, at 2 and 8 layers; none in bf16-true).
+        held += e * training.seq_len / layout.cp * training.micro_batch * model.vocab / layout.tp
+    return held
 
 
 def layer_traffic_basis(model: ModelDesc, training: Training, layout: Layout, index: int) -> float:
@@ -310,15 +316,27 @@ def _memory(
         )
         states = [a + b for a, b in zip(states, parts, strict=True)]
     buffers = 0.0
+    # Autocast's 16-bit copy of a weight, which its matmul saves for backward. Inside a block that recomputes
+    # (any `activation_checkpointing`) the copy is not kept: backward casts again. Then only the output
+    # projection's copy is (issue 23: on an H100, rank 0 of ZeRO-3 jobs of Llama 3 8B; on CPU, per layer).
+    if not precision.autocast:
+        autocast_copies = 0.0
+    elif layout.activation_checkpointing and part.layers:
+        autocast_copies = 2.0 * model.vocab * model.hidden / layout.tp if part.last_stage else 0.0
+    else:
+        autocast_copies = 2.0 * (dense + expert)
     if layout.zero == 3:
-        # Gathered 16-bit weights: all of them while "no_sync" keeps them, else the current and
-        # the prefetched layer and the units kept gathered for backward (the head, or the grouped
-        # embedding, norm and head), plus one layer's unsharded gradients before its reduce-scatter.
+        # Gathered weights, in the parameters' dtype (fp32 under autocast: FSDP2 gathers what it holds):
+        # all of them while "no_sync" keeps them, else the current and the prefetched layer and the units
+        # kept gathered for backward (the head, or the grouped embedding, norm and head), plus one layer's
+        # unsharded gradients before its reduce-scatter.
         gathered = (dense + expert) if full_grads else 2 * largest + _zero3_kept_ends(model, layout, part)
-        buffers = gathered * precision.activation + (0 if full_grads else largest * training.grad_bytes)
-    elif precision.autocast:
-        buffers = 2.0 * (dense + expert)  # autocast's bf16 copy of each weight, saved for backward
+        buffers = gathered * precision.weight + (0 if full_grads else largest * training.grad_bytes) + autocast_copies
+    else:
+        buffers = autocast_copies
     kwargs, layer_kwargs = _activation_kwargs(training, layout)
+    if precision.autocast:  # the residual stream is in the weights' dtype (`layer_activation_bytes`)
+        layer_kwargs = {**layer_kwargs, "residual_bytes": precision.weight}
     s, b, e = training.seq_len, training.micro_batch, precision.activation
     torch_code = training.activation_profile == "torch"
     per_layer = [

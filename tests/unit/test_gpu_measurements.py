@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_fake_world import predict as predict_rank
 from benchmarks.gpu_step_model import predict
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -72,3 +73,23 @@ def test_loss_logits_and_master_gradients_are_priced_where_they_are_held():
     megatron = replace(true, activation_profile="megatron")
     memory = estimate(model, cluster, megatron, Layout()).memory
     assert memory.loss_logits == 0 and memory.master_grads == 0  # Megatron-LM's stack: not ParaStrategy's
+
+
+FAKE_WORLD_RECORDS = sorted(RESULTS.glob("gpu_fake_world_h*.json"))
+
+
+@pytest.mark.parametrize("record", FAKE_WORLD_RECORDS, ids=lambda p: p.stem.removeprefix("gpu_fake_world_"))
+def test_planner_reproduces_the_allocated_peak_of_a_zero3_rank_on_a_gpu(record: Path):
+    """Rank 0 of an 8- or 128-rank ZeRO-3 job of the recipe at Llama 3 8B's widths, run with real CUDA kernels under
+    the fake process group (``benchmarks/gpu_fake_world.py``; ``benchmarks/results/gpu_fake_world_h100.md``).
+    Measured: +1.6% to +5.5%; before the autocast terms (fp32 residual stream and gathers, the weight copies kept
+    only outside recomputed blocks, the cross-entropy's 16-bit logits) the bf16-mixed runs were -13% to -19%."""
+    run = json.loads(record.read_text())
+    measured = run["steps"][-1]["max_allocated_gib"]
+    planned = predict_rank(run["world"], run["layers"], run["precision"], run["recompute"], run["seq"], run["batch"])
+    error = planned.memory.total / 2**30 / measured - 1
+    assert -0.03 <= error <= 0.07, (error, measured)
+
+
+def test_the_fake_world_records_are_there():
+    assert len(FAKE_WORLD_RECORDS) >= 8, FAKE_WORLD_RECORDS

@@ -57,8 +57,13 @@ def _llama3(name: str, gpus: int, seq: int, cp: int, dp: int, mfu: float, gap: s
 
 
 def _titan(name: str, model: str, gpus: int, layout: Layout, seq: int, global_batch: int, micro_batch: int,
-           recompute: Optional[str], tps: float, gib: float, features_match: bool, gap: str = "") -> Run:
-    training = Training(seq_len=seq, global_batch=global_batch, micro_batch=micro_batch, precision="bf16-mixed")
+           recompute: Optional[str], tps: float, gib: float, features_match: bool, gap: str = "",
+           precision: str = "bf16-true") -> Run:
+    # torchtitan's FSDP2 mixed precision, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` without
+    # autocast: fp32 shards, bf16 gathers, bf16 compute and residual stream. That is ParaStrategy's ZeRO-3 in
+    # `bf16-true` (fp32 shards as masters), not its `bf16-mixed` (autocast over fp32 weights: fp32 gathers and
+    # residual stream, measured on an H100 with `benchmarks/gpu_fake_world.py`).
+    training = Training(seq_len=seq, global_batch=global_batch, micro_batch=micro_batch, precision=precision)
     # torchtitan's loss at the benchmarked commit: `cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))`.
     return Run(name, TITAN, model, "h100-96gb", gpus, replace(layout, activation_checkpointing=recompute), training,
                published_tps=tps, published_gib=gib, features_match=features_match, gap=gap, loss_upcast=True)
@@ -96,13 +101,15 @@ RUNS = [
            8192, 512, 16, "full", 829, 71.9, False),
     # torchtitan runs FSDP (zero=3) under PP; ParaStrategy rejects zero=3 with pp>1 and the planner
     # prices zero=2: the same peak memory (FSDP2 under PP keeps the stage's weights gathered
-    # across the microbatches, reshard_after_forward=False), the same reduce-scatter bytes.
+    # across the microbatches, reshard_after_forward=False), the same reduce-scatter bytes. In `bf16-mixed`: ZeRO-2
+    # keeps no gathered copy, and its whole fp32 weights stand in for FSDP2's gathered bf16 weights plus the
+    # unsharded gradients it accumulates over the microbatches in fp32 (`reduce_dtype`).
     _titan("405B FSDP8 TP8 PP8 1F1B, 512 GPUs (Table 5)", "llama3-405b", 512,
            Layout(dp=8, tp=8, pp=8, zero=2, sequence_parallel=True, schedule="1f1b"), 8192, 256, 1, "full",
-           100, 82.5, False),
+           100, 82.5, False, precision="bf16-mixed"),
     _titan("405B FSDP8 TP8 PP8 interleaved v2, 512 GPUs (Table 5)", "llama3-405b", 512,
            Layout(dp=8, tp=8, pp=8, zero=2, sequence_parallel=True, schedule="interleaved", virtual_stages=2),
-           8192, 256, 1, "full", 128, 72.7, False),
+           8192, 256, 1, "full", 128, 72.7, False, precision="bf16-mixed"),
 ]
 
 
