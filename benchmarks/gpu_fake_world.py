@@ -16,7 +16,7 @@ anything), the shapes and the allocations are a real rank's.
 It prints, per step, the allocator's peak allocated and reserved bytes, and the planner's prediction of the
 allocated peak for the same rank (``plan.estimate``). Run it with and without
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's launcher sets it). Results:
-``benchmarks/results/gpu_fake_world_h100.md``.
+``benchmarks/results/gpu_fake_world.md``.
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ def _peak(device: torch.device) -> float:
 
 
 def predict(world: int, layers: int, precision: str, recompute: str, seq: int, batch: int,
-            widths: tuple[int, int, int, int, int] = (4096, 32, 8, 14336, 128256)) -> Any:
+            widths: tuple[int, int, int, int, int] = (4096, 32, 8, 14336, 128256), loss_upcast: bool = False) -> Any:
     """The planner's estimate for rank 0 of the run (``plan.estimate``; ``widths``: hidden, heads, kv heads,
     ffn, vocab)."""
     hidden, heads, kv_heads, ffn, vocab = widths
-    desc = ModelDesc(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, name="gpt")
+    desc = ModelDesc(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, name="gpt",
+                     loss_upcast=loss_upcast)
     training = Training(seq_len=seq, global_batch=batch * world, micro_batch=batch, precision=precision)
     layout = Layout(dp=world, zero=3, activation_checkpointing=recompute)
     return estimate(desc, Cluster.of("h100", nodes=max(1, world // 8)), training, layout)
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
         with precision.forward_context():
             logits = model(tokens)
             phases["blocks_and_head_peak"], phases["after_logits"] = _peak(device), _allocated(device)
-            loss = model.loss_fn(logits, tokens)
+            # torchtitan's loss casts the logits to fp32 first (`--loss-upcast`; `ModelDesc.loss_upcast`).
+            loss = model.loss_fn(logits.float() if args.loss_upcast else logits, tokens)
             phases["loss_peak"], phases["after_loss_with_logits"] = _peak(device), _allocated(device)
             del logits
         phases["after_forward"] = _allocated(device)
@@ -128,8 +130,8 @@ def run(args: argparse.Namespace) -> dict:
             steps.append({"seconds": time.perf_counter() - t0})
         print(f"step {step}: {steps[-1]}", flush=True)
     est = predict(args.world, args.layers, args.precision, args.recompute, args.seq, args.batch,
-                  (args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab))
-    return {"world": args.world, "layers": args.layers, "precision": args.precision, "recompute": args.recompute,
+                  (args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab), loss_upcast=args.loss_upcast)
+    return {"world": args.world, "layers": args.layers, "loss_upcast": args.loss_upcast, "precision": args.precision, "recompute": args.recompute,
             "seq": args.seq, "batch": args.batch, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "steps": steps, "planner_allocated_gib": est.memory.total / GIB,
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--recompute", default="selective_op")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--loss-upcast", action="store_true", help="cast the logits to fp32 before the loss")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     shape = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=224, vocab=512, seq=64, batch=2) if args.tiny else \

@@ -36,9 +36,11 @@ def test_planner_reproduces_the_measured_gpu_step_and_peak(record: Path):
     measured = run["recipe"]
     step_error = planned["step_seconds"] / measured["step_seconds"] - 1
     memory_error = planned["memory_gib"] / measured["max_allocated_gib"] - 1
-    # Measured: -12% to -6% on the step, -6% to 0% on the peak (the .md table).
+    # Measured: -12% to -6% on the step; -0.5% to +0.7% on the peak since autocast's memory is priced as measured
+    # (fp32 residual stream, weight copies only outside recomputed blocks, the cross-entropy's 16-bit logits);
+    # -6% to 0% before, under every bf16-mixed record.
     assert -0.15 <= step_error <= 0.05, (step_error, planned, measured["step_seconds"])
-    assert -0.07 <= memory_error <= 0.02, (memory_error, planned, measured["max_allocated_gib"])
+    assert -0.03 <= memory_error <= 0.03, (memory_error, planned, measured["max_allocated_gib"])
 
 
 def test_the_script_runs_its_measurements_and_counts_anywhere(tmp_path):
@@ -82,14 +84,15 @@ FAKE_WORLD_RECORDS = sorted(RESULTS.glob("gpu_fake_world_h*.json"))
 def test_planner_reproduces_the_allocated_peak_of_a_zero3_rank_on_a_gpu(record: Path):
     """Rank 0 of an 8- or 128-rank ZeRO-3 job of the recipe at Llama 3 8B's widths, run with real CUDA kernels under
     the fake process group (``benchmarks/gpu_fake_world.py``; ``benchmarks/results/gpu_fake_world_h100.md``).
-    Measured: +1.6% to +5.5%; before the autocast terms (fp32 residual stream and gathers, the weight copies kept
+    Measured: +1.1% to +5.5% (the H200 records: torchtitan's 8B layouts in its precision, its fp32 loss); before the autocast terms (fp32 residual stream and gathers, the weight copies kept
     only outside recomputed blocks, the cross-entropy's 16-bit logits) the bf16-mixed runs were -13% to -19%."""
     run = json.loads(record.read_text())
     measured = run["steps"][-1]["max_allocated_gib"]
-    planned = predict_rank(run["world"], run["layers"], run["precision"], run["recompute"], run["seq"], run["batch"])
+    planned = predict_rank(run["world"], run["layers"], run["precision"], run["recompute"], run["seq"], run["batch"],
+                           loss_upcast=run.get("loss_upcast", False))
     error = planned.memory.total / 2**30 / measured - 1
     assert -0.03 <= error <= 0.07, (error, measured)
 
 
 def test_the_fake_world_records_are_there():
-    assert len(FAKE_WORLD_RECORDS) >= 8, FAKE_WORLD_RECORDS
+    assert len(FAKE_WORLD_RECORDS) >= 12, FAKE_WORLD_RECORDS
