@@ -130,6 +130,8 @@ def gpt_arguments(model: ModelDesc, seq_len: int) -> dict[str, Any]:
         n_layer=model.layers, n_embd=model.hidden, n_head=heads, n_kv_head=kv_heads,
         mlp_hidden=model.ffn, vocab_size=model.vocab, block_size=seq_len,
     )
+    if model.loss_upcast:  # torchtitan's and transformers' loss: fp32 logits
+        out["loss_fp32"] = True
     if model.is_moe:
         out.update(
             num_experts=model.num_experts, top_k=model.top_k, capacity_factor=model.capacity_factor,
@@ -307,6 +309,9 @@ def render(results: list[RankDryRun]) -> str:
         for name in ("params", "grads", "optimizer", "activations", "peak"):
             m, p = getattr(r.measured, name), getattr(r.predicted, name)
             lines.append(f"  {name:<14}{m / size:>10.2f}{p / size:>10.2f}{_pct(m, p):>9}")
+        if r.measured.reserved is not None:  # modelled from the step's allocations; the planner counts tensors
+            lines.append(f"  {'reserved':<14}{r.measured.reserved / size:>10.2f}{'-':>10}{'':>9}"
+                         "   (the caching allocator's peak, modelled)")
         lines.append(f"  {'collectives':<28}{'calls':>7}{unit:>10}   planner: calls, {unit}")
         predicted = {}
         for c in r.predicted_comm:

@@ -121,8 +121,8 @@ def _mlp_shape(module: nn.Module, hidden: int, exclude_dim: Optional[int], skip:
 def _loss_upcasts(module: nn.Module) -> bool:
     """Whether the module's loss is a transformers model's (a submodule whose class has transformers'
     ``loss_function``): its causal-LM loss casts the logits to fp32 first (``ForCausalLMLoss``), and so does
-    the pipeline loss of ``integrations.transformers.pipeline_spec``."""
-    return any(hasattr(type(m), "loss_function") for m in module.modules())
+    the pipeline loss of ``integrations.transformers.pipeline_spec``; and the GPT recipe's with ``loss_fp32=True``."""
+    return bool(getattr(module, "loss_fp32", False)) or any(hasattr(type(m), "loss_function") for m in module.modules())
 
 
 def _norm_upcasts(block: nn.Module) -> bool:

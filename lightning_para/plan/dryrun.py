@@ -85,6 +85,7 @@ from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
+from lightning_para.plan.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import estimate
 from lightning_para.plan.model import ModelDesc
@@ -102,6 +103,9 @@ class MemoryFigures:
     optimizer: float
     activations: float
     peak: float
+    # The caching allocator's reserved peak of a steady-state step, its trace replayed through
+    # `plan.allocator` (dry run only; None under a pipeline, and in the planner's figures).
+    reserved: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -308,16 +312,30 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
         self.forward_peak = 0  # the peak when the forwards are done (set by `_train_step`)
+        self.trace: Optional[AllocationTrace] = None  # every allocation and free in order, when set
+
+    def mark(self, name: str) -> None:
+        """A point of the step the allocator model needs (``plan.allocator.AllocationTrace``)."""
+        if self.trace is not None:
+            self.trace.mark(name)
 
     def _release(self, key: int) -> None:
-        self.live.pop(key, None)
+        nbytes = self.live.pop(key, 0)
+        if self.trace is not None and nbytes:
+            self.trace.free(key, nbytes)
 
     def _hold(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage`` at its size now, until it is freed."""
         key = storage._cdata  # private: see _storage_key
         if key not in self.live:
             weakref.finalize(storage, self._release, key)
-        self.live[key] = storage.nbytes()
+        nbytes = storage.nbytes()
+        if self.trace is not None:  # a resize (FSDP2's gathered weights) frees the old size and takes the new
+            if self.live.get(key):
+                self.trace.free(key, self.live[key])
+            if nbytes:
+                self.trace.alloc(key, nbytes)
+        self.live[key] = nbytes
 
     def track(self, t: Tensor) -> None:
         """Count ``t``'s storage (its local shard's) if it is not yet counted and not excluded."""
@@ -578,6 +596,12 @@ def dry_run_rank(
     live, comm = _LiveBytes(), _CommCounter(dims)
     live.exclude = {_storage_key(_local(p)) for p in module.parameters()}
     live.exclude |= {_storage_key(_local(q)) for g in optimizer.param_groups for q in g["params"]}
+    if dims.pp == 1:
+        # The step's allocations in order, for the caching allocator's reserved peak (`plan.allocator`); the
+        # weights and masters exist before it. A pipeline's schedule is not replayed in its order here.
+        states = {_storage_key(_local(t)): _local(t).untyped_storage().nbytes() for t in
+                  [*module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]}
+        live.trace = AllocationTrace(states=list(states.values()))
     states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
     before = sum(states_before)
     t = time.perf_counter()
@@ -611,7 +635,9 @@ def dry_run_rank(
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
             backward_peak = live.peak
+            live.mark("optimizer_start")
             optimizer.step()
+            live.mark("step_end")
     clock["step"] = time.perf_counter() - t
     params, grads, opt = measure_states(module, optimizer)
     # The peak: what existed before the step (weights, masters) plus the step's own live peak (which
@@ -628,7 +654,8 @@ def dry_run_rank(
     else:
         steady = max(schedule_peak + moments + grads, backward_peak + moments, live.peak)
     peak = before + steady if run_step else params + grads + opt
-    measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak))
+    reserved = float(steady_state_peaks(live.trace).reserved) if run_step and live.trace is not None else None
+    measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), reserved)
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0
@@ -711,6 +738,7 @@ def _train_step(
         # gathered tensors while they are.
         held = float(live.current - live.held_by(stage.parameters()))
         live.forward_peak = live.peak
+        live.mark("forward_end")
         # Each microbatch's output (and with it its graph) is dropped after its backward, as torch's pipeline stage
         # pops it from its forward cache: what the graph itself keeps beside its saved tensors is freed per
         # microbatch, not when the last one is done.

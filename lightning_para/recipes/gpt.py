@@ -312,6 +312,9 @@ class GPT(L.LightningModule):
             at ``trainer.max_steps``.
         prompt, sample_tokens, temperature: after each validation, generate ``sample_tokens``
             tokens from ``prompt`` and log the text to TensorBoard (0 switches it off).
+        loss_fp32: cast the logits to fp32 before the cross-entropy (torchtitan's and transformers' loss;
+            under ``bf16-true`` the softmax is then computed in fp32). Costs fp32 log-probabilities, priced by
+            the planner as ``ModelDesc.loss_upcast``.
     """
 
     def __init__(
@@ -339,6 +342,7 @@ class GPT(L.LightningModule):
         prompt: str = "def ",
         sample_tokens: int = 48,
         temperature: float = 0.8,
+        loss_fp32: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -347,6 +351,7 @@ class GPT(L.LightningModule):
             n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, norm=norm, pos=pos, mlp=mlp, bias=bias, tie_weights=tie_weights,
             dropout=dropout, init_std=init_std,
         )
+        self.loss_fp32 = loss_fp32
         self.build()
         self.val_ppl = Perplexity()
         self.test_ppl = Perplexity()
@@ -393,7 +398,7 @@ class GPT(L.LightningModule):
         ``loss_fn`` too, so under ``pp > 1`` the metric is updated on the last stage, the only
         place the logits exist.
         """
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        loss = F.cross_entropy((logits.float() if self.loss_fp32 else logits).flatten(0, 1), targets.flatten(0, 1))
         # Under the vocab-parallel loss this is a replicated DTensor; a plain tensor (no
         # communication, the gradient flows back as a DTensor) is what Lightning and the
         # pipeline schedule start backward from.
