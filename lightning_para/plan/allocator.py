@@ -16,12 +16,16 @@ allocates and frees, in order) through the allocator's rules with its default se
 * a request takes the smallest cached block of its pool that fits (best fit, lowest address on ties) and
   splits it when the rest is at least 512 bytes (small pool) or more than 1 MiB (large pool);
 * a freed block merges with free neighbours of its segment; segments are never given back (the
-  allocator releases its cache only when the driver refuses a segment, which this model does not reach).
+  allocator releases its cache only when the driver refuses a segment, which this model does not reach);
+* each stream has cached blocks of its own: a block allocated on a stream is reused only by that stream's
+  requests (FSDP2 makes its gather buffers on its copy-in stream and its reduce-scatter buffers on its
+  reduce-scatter stream, so those never serve the compute stream's activations).
 
-Not modelled: streams (each stream has its own cached blocks: FSDP2's all-gather and reduce-scatter
-streams keep theirs apart on a GPU), ``expandable_segments``, and the driver's limit. Validated against an
-H100 and an H200 (issue 23, ``benchmarks/results/gpu_fake_world.md``: the reserved peak of ZeRO-3 ranks of
-Llama 3 8B, within 7%; the allocated peak alone is 9-17% under it).
+Not modelled: the delayed reuse of a block another stream still reads (``record_stream``),
+``expandable_segments``, and the driver's limit. Validated against an H100 and an H200 (issue 23,
+``benchmarks/results/gpu_fake_world.md``, ``tests/unit/test_allocator_model.py``): the dry run's trace of four
+ZeRO-3 ranks of Llama 3 8B (dp=8 and 128, 8 and 32 layers, bf16-true) gives their reserved peaks within
++0.2% to +2.2%; the allocated peak alone is 9-18% under them, and one pool for all streams gave -6.5% to +5.6%.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("size", "address", "small", "prev", "next", "free")
+    __slots__ = ("size", "address", "pool", "prev", "next", "free")
 
-    def __init__(self, size: int, address: int, small: bool) -> None:
-        self.size, self.address, self.small = size, address, small
+    def __init__(self, size: int, address: int, pool: tuple[Hashable, bool]) -> None:
+        self.size, self.address, self.pool = size, address, pool
         self.prev: Optional[_Block] = None
         self.next: Optional[_Block] = None
         self.free = True
@@ -68,8 +72,9 @@ class CachingAllocatorModel:
     (segments) and allocated (blocks in use, as ``memory_allocated`` counts them: rounded sizes)."""
 
     def __init__(self) -> None:
-        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # sorted (size, address)
-        self._cached: dict[tuple[bool, int, int], _Block] = {}
+        # Cached blocks per (stream, small pool?), sorted by (size, address): a stream reuses only its own.
+        self._pools: dict[tuple[Hashable, bool], list[tuple[int, int]]] = {}
+        self._cached: dict[tuple[tuple[Hashable, bool], int, int], _Block] = {}
         self._in_use: dict[Hashable, _Block] = {}
         self._next_address = 0
         self.reserved = 0
@@ -78,35 +83,37 @@ class CachingAllocatorModel:
         self.peak_allocated = 0
 
     def _cache(self, block: _Block) -> None:
-        bisect.insort(self._pools[block.small], (block.size, block.address))
-        self._cached[(block.small, block.size, block.address)] = block
+        bisect.insort(self._pools.setdefault(block.pool, []), (block.size, block.address))
+        self._cached[(block.pool, block.size, block.address)] = block
 
     def _uncache(self, block: _Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[block.pool]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
-        del self._cached[(block.small, block.size, block.address)]
+        del self._cached[(block.pool, block.size, block.address)]
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key`` (a key already in use is freed first, as a resized storage is)."""
+    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
+        """Allocate ``nbytes`` for ``key`` on ``stream`` (a key already in use is freed first, as a resized
+        storage is)."""
         if key in self._in_use:
             self.free(key)
         size = rounded_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._pools[small]
+        pool_key = (stream, small)
+        pool = self._pools.get(pool_key, [])
         at = bisect.bisect_left(pool, (size, -1))
-        if at < len(pool):  # best fit: the smallest cached block that holds the request
-            block = self._cached[(small,) + pool[at]]
+        if at < len(pool):  # best fit: the smallest cached block of this stream that holds the request
+            block = self._cached[(pool_key,) + pool[at]]
             self._uncache(block)
         else:
             new = segment_size(size)
             # Segments are far apart: blocks of different segments never merge.
-            block = _Block(new, self._next_address, small)
+            block = _Block(new, self._next_address, pool_key)
             self._next_address += new + SMALL_BUFFER
             self.reserved += new
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = block.size - size
         if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # `should_split`
-            remainder = _Block(rest, block.address + size, small)
+            remainder = _Block(rest, block.address + size, pool_key)
             remainder.prev, remainder.next = block, block.next
             if block.next is not None:
                 block.next.prev = remainder
@@ -147,24 +154,25 @@ class CachingAllocatorModel:
 
 @dataclass
 class AllocationTrace:
-    """One training step's storages, in order: ``("alloc", key, nbytes)``, ``("free", key, nbytes)`` and
-    ``("mark", name, 0)`` events (marks: ``"forward_end"``, ``"optimizer_start"``, ``"step_end"``), beside the
-    sizes of the storages that exist before the step and stay (``states``: weights, masters)."""
+    """One training step's storages, in order: ``("alloc", key, nbytes, stream)``, ``("free", key, nbytes, 0)``
+    and ``("mark", name, 0, 0)`` events (marks: ``"forward_end"``, ``"optimizer_start"``, ``"step_end"``), beside
+    the sizes of the storages that exist before the step and stay (``states``: weights, masters). ``stream``: the
+    stream the storage was allocated on (FSDP2 gathers and reduce-scatters on streams of its own), 0 the default."""
 
-    events: list[tuple[str, Hashable, int]] = field(default_factory=list)
+    events: list[tuple[str, Hashable, int, Hashable]] = field(default_factory=list)
     states: list[int] = field(default_factory=list)
 
-    def alloc(self, key: Hashable, nbytes: int) -> None:
-        self.events.append(("alloc", key, nbytes))
+    def alloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
+        self.events.append(("alloc", key, nbytes, stream))
 
     def free(self, key: Hashable, nbytes: int) -> None:
-        self.events.append(("free", key, nbytes))
+        self.events.append(("free", key, nbytes, 0))
 
     def mark(self, name: str) -> None:
-        self.events.append(("mark", name, 0))
+        self.events.append(("mark", name, 0, 0))
 
     def _index(self, name: str) -> Optional[int]:
-        return next((i for i, (op, key, _) in enumerate(self.events) if op == "mark" and key == name), None)
+        return next((i for i, (op, key, _, _) in enumerate(self.events) if op == "mark" and key == name), None)
 
 
 @dataclass(frozen=True)
@@ -183,21 +191,22 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
     gradients made before it are freed when the next step's forward ends (Lightning calls ``zero_grad``
     between the training step and ``backward``). The states exist before the first step."""
     end = trace._index("step_end")
-    events: Sequence[tuple[str, Hashable, int]] = trace.events[:end] if end is not None else trace.events
+    events: Sequence[tuple[str, Hashable, int, Hashable]] = trace.events[:end] if end is not None else trace.events
     optimizer_start = trace._index("optimizer_start")
     if optimizer_start is None:
         raise ValueError("The trace has no 'optimizer_start' mark: the optimizer state cannot be told apart.")
     # Name each allocation by the event that made it: a key (a storage's identity) is reused by later storages.
     live_alloc: dict[Hashable, int] = {}
-    replayed: list[tuple[str, int, int]] = []  # ("alloc" | "free" | "forward_end", allocation index, bytes)
-    for index, (op, key, nbytes) in enumerate(events):
+    # ("alloc" | "free" | "forward_end", allocation index, bytes, stream)
+    replayed: list[tuple[str, int, int, Hashable]] = []
+    for index, (op, key, nbytes, stream) in enumerate(events):
         if op == "alloc":
             live_alloc[key] = index
-            replayed.append(("alloc", index, nbytes))
+            replayed.append(("alloc", index, nbytes, stream))
         elif op == "free" and key in live_alloc:
-            replayed.append(("free", live_alloc.pop(key), nbytes))
+            replayed.append(("free", live_alloc.pop(key), nbytes, 0))
         elif op == "mark" and key == "forward_end":
-            replayed.append(("forward_end", -1, 0))
+            replayed.append(("forward_end", -1, 0, 0))
     survivors = set(live_alloc.values())
     optimizer_state = {index for index in survivors if index > optimizer_start}
     gradients = survivors - optimizer_state
@@ -206,27 +215,28 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
         model.malloc(("state", index), nbytes)
     for step in range(steps):
         model.reset_peaks()
-        for op, index, nbytes in replayed:
+        for op, index, nbytes, stream in replayed:
             if op == "forward_end":
                 if step > 0:
                     for grad in gradients:
                         model.free((step - 1, grad))
             elif index in optimizer_state:
                 if step == 0:  # made once, kept
-                    model.malloc(("optimizer", index), nbytes)
+                    model.malloc(("optimizer", index), nbytes, stream)
             elif op == "alloc":
-                model.malloc((step, index), nbytes)
+                model.malloc((step, index), nbytes, stream)
             else:
                 model.free((step, index))
     return ReservedPeak(model.peak_allocated, model.peak_reserved)
 
 
-def replay(events: Iterable[tuple[str, Hashable, int]]) -> CachingAllocatorModel:
-    """Replay ``events`` once (marks ignored) and return the model, with its peaks."""
+def replay(events: Iterable[tuple]) -> CachingAllocatorModel:
+    """Replay ``events`` once (``(op, key, nbytes[, stream])``; marks ignored) and return the model, with its
+    peaks."""
     model = CachingAllocatorModel()
-    for op, key, nbytes in events:
+    for op, key, nbytes, *stream in events:
         if op == "alloc":
-            model.malloc(key, nbytes)
+            model.malloc(key, nbytes, *stream)
         elif op == "free":
             model.free(key)
     return model

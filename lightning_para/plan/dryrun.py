@@ -334,7 +334,9 @@ class _LiveBytes(TorchDispatchMode):
             if self.live.get(key):
                 self.trace.free(key, self.live[key])
             if nbytes:
-                self.trace.alloc(key, nbytes)
+                # FSDP2 gathers and reduce-scatters on streams of its own, whose cached blocks a GPU keeps apart;
+                # on meta the device module's streams are CPU's, which still say which one is current.
+                self.trace.alloc(key, nbytes, id(torch.cpu.current_stream()))
         self.live[key] = nbytes
 
     def track(self, t: Tensor) -> None:
