@@ -37,7 +37,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_para.config import ParallelConfig  # noqa: E402
 from lightning_para.parallelize import parallelize  # noqa: E402
-from lightning_para.parallel.tensor import step_mixed_groups_per_tensor  # noqa: E402
+from lightning_para.parallel.tensor import (  # noqa: E402
+    loss_parallel_backward,
+    loss_parallel_step,
+    step_mixed_groups_per_tensor,
+)
 from lightning_para.plan import Cluster, Layout, Training, estimate  # noqa: E402
 from lightning_para.plan.dryrun import start_fake_world  # noqa: E402
 from lightning_para.plan.model import ModelDesc  # noqa: E402
@@ -63,31 +67,35 @@ def _peak(device: torch.device) -> float:
 
 
 def predict(world: int, layers: int, precision: str, recompute: str, seq: int, batch: int,
-            widths: tuple[int, int, int, int, int] = (4096, 32, 8, 14336, 128256), loss_upcast: bool = False) -> Any:
+            widths: tuple[int, int, int, int, int] = (4096, 32, 8, 14336, 128256), loss_upcast: bool = False,
+            zero: int = 3, tp: int = 1) -> Any:
     """The planner's estimate for rank 0 of the run (``plan.estimate``; ``widths``: hidden, heads, kv heads,
-    ffn, vocab)."""
+    ffn, vocab; ``tp > 1`` with sequence parallelism)."""
     hidden, heads, kv_heads, ffn, vocab = widths
     desc = ModelDesc(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, name="gpt",
                      loss_upcast=loss_upcast)
     training = Training(seq_len=seq, global_batch=batch * world, micro_batch=batch, precision=precision)
-    layout = Layout(dp=world, zero=3, activation_checkpointing=recompute)
+    layout = Layout(dp=world // tp, tp=tp, zero=zero, sequence_parallel=tp > 1, activation_checkpointing=recompute)
     return estimate(desc, Cluster.of("h100", nodes=max(1, world // 8)), training, layout)
 
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     start_fake_world(args.world, 0)
-    config = ParallelConfig(dp=args.world, zero=3, activation_checkpointing=args.recompute)
+    config = ParallelConfig(dp=args.world // args.tp, tp=args.tp, zero=args.zero, sequence_parallel=args.tp > 1,
+                            activation_checkpointing=args.recompute)
     dims = config.resolve_dims(args.world)
     dims.build_mesh(device.type)
-    with torch.device("meta"):
+    # FSDP2 (ZeRO-3) shards a model built on meta; ZeRO-0/1/2 and TP take a materialized one, as ParaStrategy does.
+    with torch.device("meta" if args.zero == 3 else device):
         model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.hidden, n_kv_head=args.kv_heads, mlp_hidden=args.ffn, sample_tokens=0)
     precision = ParaPrecision(args.precision)
     precision.device_type = device.type
     parallel = parallelize(model, dims, config, param_dtype=precision.param_dtype,
                            master_dtype=precision.master_dtype)
-    model.to_empty(device=device)  # this rank's shards only: FSDP2 built them on meta
+    if args.zero == 3:
+        model.to_empty(device=device)  # this rank's shards only: FSDP2 built them on meta
     with torch.no_grad():
         for p in model.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
             _peak.reserved = 0
         t0 = time.perf_counter()
         phases = {"start": _allocated(device)}
-        with precision.forward_context():
+        with precision.forward_context(), loss_parallel_step(parallel.loss_parallel):
             logits = model(tokens)
             phases["blocks_and_head_peak"], phases["after_logits"] = _peak(device), _allocated(device)
             # torchtitan's loss casts the logits to fp32 first (`--loss-upcast`; `ModelDesc.loss_upcast`).
@@ -115,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
             del logits
         phases["after_forward"] = _allocated(device)
         optimizer.zero_grad(set_to_none=True)  # Lightning's order: after the forward, before backward
-        loss.backward()
+        with loss_parallel_backward(parallel.loss_parallel):
+            loss.backward()
         parallel.data_parallel.flush()
         phases["backward_peak"], phases["after_backward"] = _peak(device), _allocated(device)
         optimizer.step()
@@ -130,8 +139,9 @@ def run(args: argparse.Namespace) -> dict:
             steps.append({"seconds": time.perf_counter() - t0})
         print(f"step {step}: {steps[-1]}", flush=True)
     est = predict(args.world, args.layers, args.precision, args.recompute, args.seq, args.batch,
-                  (args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab), loss_upcast=args.loss_upcast)
-    return {"world": args.world, "layers": args.layers, "loss_upcast": args.loss_upcast, "precision": args.precision, "recompute": args.recompute,
+                  (args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab), loss_upcast=args.loss_upcast,
+                  zero=args.zero, tp=args.tp)
+    return {"world": args.world, "zero": args.zero, "tp": args.tp, "layers": args.layers, "loss_upcast": args.loss_upcast, "precision": args.precision, "recompute": args.recompute,
             "seq": args.seq, "batch": args.batch, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "steps": steps, "planner_allocated_gib": est.memory.total / GIB,
@@ -146,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--recompute", default="selective_op")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--zero", type=int, default=3, help="ZeRO stage (the published 8B rows: 3)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
     parser.add_argument("--loss-upcast", action="store_true", help="cast the logits to fp32 before the loss")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)

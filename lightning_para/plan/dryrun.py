@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # private: FSDP2 on meta, see `_fsdp_on_meta`
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import loss as _tp_loss  # private: its handlers' temporaries, `_count_loss_parallel`
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -474,6 +475,31 @@ class _MetaDeviceModule:
 
 
 @contextlib.contextmanager
+def _count_loss_parallel(live: "_LiveBytes") -> Any:
+    """Count the temporaries of torch's vocab-parallel loss (``loss_parallel``) in ``live``.
+
+    DTensor runs those ops in Python handlers on the local shards while it handles the op, with every dispatch
+    mode off: the log-softmax's fp32 copies of the local logits (the input cast, the max-shifted input, its
+    exp, the result), 14 bytes per local logit at its peak in bf16, were invisible to the dry run (issue 23:
+    13.7 GiB at tp=2 on an H200, `benchmarks/gpu_fake_world.py --tp 2`). Each handler runs under ``live`` for the
+    step; ``loss_parallel()`` copies them into DTensor's table when it is entered, so they are wrapped first."""
+    handlers = _tp_loss.customized_loss_ops
+    originals = dict(handlers)
+
+    def counted(handler: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with live:
+                return handler(*args, **kwargs)
+        return run
+
+    handlers.update({op: counted(handler) for op, handler in originals.items()})
+    try:
+        yield
+    finally:
+        handlers.update(originals)
+
+
+@contextlib.contextmanager
 def _fsdp_on_meta(live: Optional["_LiveBytes"] = None) -> Any:
     """Let FSDP2 (ZeRO-3) train on meta parameters, and count its gathered weights.
 
@@ -627,7 +653,8 @@ def dry_run_rank(
                 if tensor is not None:
                     live.track(tensor)
             accumulated = live.current
-        with _FusedAttention(), comm, live, balanced_routing(*parallel.parts), _fsdp_on_meta(live):
+        with _FusedAttention(), comm, live, balanced_routing(*parallel.parts), _fsdp_on_meta(live), \
+                _count_loss_parallel(live):
             activations = _train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
                 precision.param_dtype or torch.float32,

@@ -381,6 +381,14 @@ def _memory(
         # (counted in `head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
         # A loss that casts 16-bit logits to fp32 first (`ModelDesc.loss_upcast`) holds that copy too while it runs.
         loss_logits = (e + (4 if model.loss_upcast and e < 4 else 0)) * logit_elements
+        if layout.tp > 1 and layout.loss_parallel:
+            # The vocab-parallel log-softmax (torch's `loss_parallel`, run op by op inside DTensor's handler) makes
+            # fp32 copies of the local logits: the input cast to fp32 (when it is 16-bit), the max-shifted input and
+            # its exp (then the result), before the 16-bit log-probabilities. Measured on an H200 (issue 23,
+            # `benchmarks/gpu_fake_world.py --tp 2`): 14 bytes per local logit at the loss's peak in bf16-true,
+            # 13.7 GiB at 2 x 8,192 tokens x 64K; a fused single-device kernel makes none of them.
+            sixteen_bit_input = e < 4 and not model.loss_upcast and not precision.autocast
+            loss_logits += (12 if sixteen_bit_input else 8) * logit_elements
     master_grads = 0.0
     lazy = layout.pp > 1 and not training.persistent_grad_buffer
     if torch_code and lazy:

@@ -108,8 +108,10 @@ from lightning_para.plan.dryrun import dry_run_rank
 from lightning_para.recipes import GPT
 
 world, layers, upcast = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+zero, tp = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (3, 1)
 model = replace(preset("llama3-8b"), layers=layers, loss_upcast=upcast)
-config = ParallelConfig(dp=world, zero=3, activation_checkpointing="selective_op")
+config = ParallelConfig(dp=world // tp, tp=tp, zero=zero, sequence_parallel=tp > 1,
+                        activation_checkpointing="selective_op")
 training = Training(seq_len=8192, global_batch=2 * world, micro_batch=2, precision="bf16-true")
 result = dry_run_rank(lambda: GPT(**gpt_arguments(model, 8192), sample_tokens=0), config, world, 0, seq_len=8192,
                       micro_batch=2, hidden=model.hidden, model=model, training=training)
@@ -119,20 +121,21 @@ print("RESULT " + json.dumps(result.to_dict()))
 
 @pytest.mark.slow  # ~25 s each: a dry run of Llama 3 8B's widths on the meta device
 @pytest.mark.parametrize("record", ["h100_w128_l8_true_phases", "h100_w128_l32_true", "h200_titan_w8",
-                                    "h200_titan_w128"])
+                                    "h200_titan_w128", "h200_z1_w8_l8", "h200_z2_w8_l8", "h200_z1_tp2_w8_l8"])
 def test_the_dry_run_reserves_what_the_gpu_reserved(record: str):
-    """Rank 0 of the ZeRO-3 jobs the lent GPUs ran (``benchmarks/gpu_fake_world.py``: real kernels, the real
-    allocator, the fake process group) in bf16-true, dry-run on meta: its allocated peak is the GPU's within 1.5%,
-    and its trace replayed through the allocator model gives the reserved peak within 4% (measured: +0.2% to
-    +2.2%; with one pool for every stream, -6.5% to +5.6%). The allocated peak alone is 9-18% under it."""
+    """Rank 0 of the jobs the lent GPUs ran (``benchmarks/gpu_fake_world.py``: real kernels, the real allocator,
+    the fake process group) in bf16-true, dry-run on meta: ZeRO-3 over 8 and 128 ranks, and (predicted before they
+    ran) ZeRO-1, ZeRO-2 and ZeRO-1 with tp=2 over 8. Its allocated peak is the GPU's within 1.5%, and its trace
+    replayed through the allocator model gives the reserved peak within 5% (measured: -3.8% to +3.8%; with one pool
+    for every stream the ZeRO-3 ranks were -6.5% to +5.6%). The allocated peak alone is 4-18% under it."""
     run = json.loads((RESULTS / f"gpu_fake_world_{record}.json").read_text())
     measured = run["steps"][-1]
     proc = run_code(DRY_RUN, str(run["world"]), str(run["layers"]), "1" if run.get("loss_upcast") else "0",
-                    timeout=900)
+                    str(run.get("zero", 3)), str(run.get("tp", 1)), timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     dry = json.loads(line[len("RESULT "):])["measured"]
     gib = 2**30
     assert dry["peak"] / gib == pytest.approx(measured["max_allocated_gib"], rel=0.015)
-    assert dry["reserved"] / gib == pytest.approx(measured["max_reserved_gib"], rel=0.04)
-    assert measured["max_allocated_gib"] < 0.92 * measured["max_reserved_gib"]  # the model adds what counting misses
+    assert dry["reserved"] / gib == pytest.approx(measured["max_reserved_gib"], rel=0.05)
+    assert measured["max_allocated_gib"] < 0.97 * measured["max_reserved_gib"]  # the model adds what counting misses
