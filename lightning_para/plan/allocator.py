@@ -183,13 +183,15 @@ class ReservedPeak:
     reserved: int
 
 
-def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
+def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_at: str = "forward_end") -> ReservedPeak:
     """Replay ``trace`` as ``steps`` consecutive training steps and return the last one's peaks.
 
     The storages alive when the step ends are carried into the next step as a real loop carries them:
     the optimizer state made in the first step's ``optimizer.step()`` stays (it is not made again), and the
-    gradients made before it are freed when the next step's forward ends (Lightning calls ``zero_grad``
-    between the training step and ``backward``). The states exist before the first step."""
+    gradients made before it are freed at the next step's ``gradients_freed_at`` mark: Lightning calls
+    ``zero_grad`` between the training step and ``backward``, so after the forward (``"forward_end"``), and
+    under a pipeline, whose runner keeps them aside while its schedule runs, after the schedule
+    (``"schedule_end"``). The states exist before the first step."""
     end = trace._index("step_end")
     events: Sequence[tuple[str, Hashable, int, Hashable]] = trace.events[:end] if end is not None else trace.events
     optimizer_start = trace._index("optimizer_start")
@@ -197,7 +199,7 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
         raise ValueError("The trace has no 'optimizer_start' mark: the optimizer state cannot be told apart.")
     # Name each allocation by the event that made it: a key (a storage's identity) is reused by later storages.
     live_alloc: dict[Hashable, int] = {}
-    # ("alloc" | "free" | "forward_end", allocation index, bytes, stream)
+    # ("alloc" | "free" | "zero_grad", allocation index, bytes, stream)
     replayed: list[tuple[str, int, int, Hashable]] = []
     for index, (op, key, nbytes, stream) in enumerate(events):
         if op == "alloc":
@@ -205,8 +207,8 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
             replayed.append(("alloc", index, nbytes, stream))
         elif op == "free" and key in live_alloc:
             replayed.append(("free", live_alloc.pop(key), nbytes, 0))
-        elif op == "mark" and key == "forward_end":
-            replayed.append(("forward_end", -1, 0, 0))
+        elif op == "mark" and key == gradients_freed_at:
+            replayed.append(("zero_grad", -1, 0, 0))
     survivors = set(live_alloc.values())
     optimizer_state = {index for index in survivors if index > optimizer_start}
     gradients = survivors - optimizer_state
@@ -216,7 +218,7 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3) -> ReservedPeak:
     for step in range(steps):
         model.reset_peaks()
         for op, index, nbytes, stream in replayed:
-            if op == "forward_end":
+            if op == "zero_grad":
                 if step > 0:
                     for grad in gradients:
                         model.free((step - 1, grad))

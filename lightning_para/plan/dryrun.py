@@ -105,7 +105,7 @@ class MemoryFigures:
     activations: float
     peak: float
     # The caching allocator's reserved peak of a steady-state step, its trace replayed through
-    # `plan.allocator` (dry run only; None under a pipeline, and in the planner's figures).
+    # `plan.allocator` (dry run only: None in the planner's figures, and when the step did not run).
     reserved: Optional[float] = None
 
 
@@ -624,12 +624,11 @@ def dry_run_rank(
     live, comm = _LiveBytes(), _CommCounter(dims)
     live.exclude = {_storage_key(_local(p)) for p in module.parameters()}
     live.exclude |= {_storage_key(_local(q)) for g in optimizer.param_groups for q in g["params"]}
-    if dims.pp == 1:
-        # The step's allocations in order, for the caching allocator's reserved peak (`plan.allocator`); the
-        # weights and masters exist before it. A pipeline's schedule is not replayed in its order here.
-        states = {_storage_key(_local(t)): _local(t).untyped_storage().nbytes() for t in
-                  [*module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]}
-        live.trace = AllocationTrace(states=list(states.values()))
+    # The step's allocations in order, for the caching allocator's reserved peak (`plan.allocator`); the weights and
+    # masters exist before it.
+    states = {_storage_key(_local(t)): _local(t).untyped_storage().nbytes() for t in
+              [*module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]}
+    live.trace = AllocationTrace(states=list(states.values()))
     states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
     before = sum(states_before)
     t = time.perf_counter()
@@ -660,6 +659,7 @@ def dry_run_rank(
                 precision.param_dtype or torch.float32,
             ) - accumulated
             schedule_peak = live.peak
+            live.mark("schedule_end")
             if parallel.data_parallel is not None:
                 parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
@@ -683,7 +683,10 @@ def dry_run_rank(
     else:
         steady = max(schedule_peak + moments + grads, backward_peak + moments, live.peak)
     peak = before + steady if run_step else params + grads + opt
-    reserved = float(steady_state_peaks(live.trace).reserved) if run_step and live.trace is not None else None
+    # The last step's gradients go at `zero_grad`: after the forward without a pipeline, after the schedule with one.
+    reserved = float(steady_state_peaks(
+        live.trace, gradients_freed_at="schedule_end" if dims.pp > 1 else "forward_end",
+    ).reserved) if run_step else None
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), reserved)
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}

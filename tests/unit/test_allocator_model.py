@@ -139,3 +139,38 @@ def test_the_dry_run_reserves_what_the_gpu_reserved(record: str):
     assert dry["peak"] / gib == pytest.approx(measured["max_allocated_gib"], rel=0.015)
     assert dry["reserved"] / gib == pytest.approx(measured["max_reserved_gib"], rel=0.05)
     assert measured["max_allocated_gib"] < 0.97 * measured["max_reserved_gib"]  # the model adds what counting misses
+
+
+CONSISTENCY = r"""
+import json, sys
+import lightning_para.plan.dryrun as dryrun
+from lightning_para.cli import dryrun as cli
+
+modelled = []
+replay_steps = dryrun.steady_state_peaks
+dryrun.steady_state_peaks = lambda trace, **kw: modelled.append(replay_steps(trace, **kw)) or modelled[-1]
+args = cli._parser().parse_args(sys.argv[1:])
+job = cli._setup(args)
+t = job.training
+r = dryrun.dry_run_rank(job.build, job.config, job.gpus, int(args.ranks), seq_len=t.seq_len,
+                        micro_batch=t.micro_batch, hidden=job.model.hidden, model=job.model, training=t)
+print("RESULT " + json.dumps({"peak": r.measured.peak, "reserved": r.measured.reserved,
+                              "modelled_allocated": modelled[-1].allocated}))
+"""
+
+
+@pytest.mark.parametrize("layout, rank", [("zero=1", "0"), ("pp=2,zero=1", "0"), ("pp=2,schedule=gpipe", "3"),
+                                          ("tp=2,sp=true,zero=2", "1"), ("zero=3", "2")])
+def test_the_replayed_trace_holds_what_the_dry_run_counted(layout: str, rank: str):
+    """The trace the dry run records, replayed as steady-state steps (optimizer state made once, last step's
+    gradients freed at ``zero_grad``: after the forward, or after a pipeline's schedule), peaks where the dry run's
+    own steady-state peak is (within the allocator's 512-byte rounding): the events and marks are the step's.
+    The reserved peak is at least that."""
+    proc = run_code(CONSISTENCY, "--model", "llama3-8b", "--layers", "4", "--hidden", "256", "--heads", "4",
+                    "--kv-heads", "2", "--ffn", "512", "--vocab", "1024", "--gpus", "4", "--layout", layout,
+                    "--seq-len", "256", "--global-batch", "8", "--ranks", rank)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["modelled_allocated"] == pytest.approx(got["peak"], rel=0.01), got
+    assert got["reserved"] >= got["modelled_allocated"]
