@@ -66,6 +66,11 @@ class PlanResult:
         return save_chart(self, Path(path), limit)
 
 
+# Above this fraction of a device's memory in tensors, the caching allocator's reserve (4-18% over the tensors'
+# peak on the ranks measured on an H100/H200, issue 23: docs/planner.md "Reserved memory") may not fit.
+RESERVE_WARNING = 0.85
+
+
 def fits_table(result: PlanResult, limit: int = 10) -> str:
     """Rank, layout, memory breakdown, bubble, communication per dimension per step, step time, MFU
     (in GB, or MB when every layout needs less than a GB)."""
@@ -95,7 +100,13 @@ def fits_table(result: PlanResult, limit: int = 10) -> str:
     if not rows:
         return title + "No layout fits; see the rejected layouts."
     shown = f"\n({len(result.fits) - limit} more)" if len(result.fits) > limit else ""
-    return title + grid(header, rows) + shown + "\n(* the dimension's group crosses nodes)"
+    footer = "\n(* the dimension's group crosses nodes)"
+    if largest > RESERVE_WARNING * result.cluster.usable_memory:
+        footer += (
+            f"\n(memory is the tensors' peak; a GPU's caching allocator reserves more, 4-18% on the ranks measured:"
+            f" above {RESERVE_WARNING:.0%} of a device, check the layout with `lightning-para dryrun`, which models it)"
+        )
+    return title + grid(header, rows) + shown + footer
 
 
 def rejected_table(result: PlanResult, limit: int = 20) -> str:
