@@ -25,6 +25,9 @@
    until ``zero_grad``), and with more microbatches than in flight the in-flight microbatches run
    once untracked first, so the measured ones find the accumulated gradients), and every collective
    with its bytes per mesh dimension.
+5. Modelled: the CUDA caching allocator's reserved peak (``MemoryFigures.reserved``): the step's storages
+   are recorded in the order they are allocated and freed, with the stream current at each, and replayed as
+   steady-state steps through :mod:`lightning_para.plan.allocator`.
 
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
