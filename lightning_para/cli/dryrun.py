@@ -311,7 +311,8 @@ def render(results: list[RankDryRun]) -> str:
             lines.append(f"  {name:<14}{m / size:>10.2f}{p / size:>10.2f}{_pct(m, p):>9}")
         if r.measured.reserved is not None:  # modelled from the step's allocations; the planner counts tensors
             lines.append(f"  {'reserved':<14}{r.measured.reserved / size:>10.2f}{'-':>10}{'':>9}"
-                         "   (the caching allocator's peak, modelled)")
+                         "   (the caching allocator's peak, modelled;"
+                         f" {r.measured.reserved_expandable / size:.2f} with expandable_segments)")
         lines.append(f"  {'collectives':<28}{'calls':>7}{unit:>10}   planner: calls, {unit}")
         predicted = {}
         for c in r.predicted_comm:

@@ -21,11 +21,15 @@ allocates and frees, in order) through the allocator's rules with its default se
   requests (FSDP2 makes its gather buffers on its copy-in stream and its reduce-scatter buffers on its
   reduce-scatter stream, so those never serve the compute stream's activations).
 
-Not modelled: the delayed reuse of a block another stream still reads (``record_stream``),
-``expandable_segments``, and the driver's limit. Validated against an H100 and an H200 (issue 23,
+:class:`ExpandableSegmentsModel` replays it with ``expandable_segments:True`` instead (one segment per stream and
+pool, grown at its end by 20 MiB / 2 MiB pages).
+
+Not modelled: the delayed reuse of a block another stream still reads (``record_stream``), and the driver's
+limit. Validated against an H100 and an H200 (issue 23,
 ``benchmarks/results/gpu_fake_world.md``, ``tests/unit/test_allocator_model.py``): the dry run's trace of four
 ZeRO-3 ranks of Llama 3 8B (dp=8 and 128, 8 and 32 layers, bf16-true) gives their reserved peaks within
-+0.2% to +2.2%; the allocated peak alone is 9-18% under them, and one pool for all streams gave -6.5% to +5.6%.
++0.2% to +2.2% (with ``expandable_segments``, two of them: +0.1%, +0.2%); the allocated peak alone is 9-18% under
+them, and one pool for all streams gave -6.5% to +5.6%.
 """
 
 from __future__ import annotations
@@ -152,6 +156,97 @@ class CachingAllocatorModel:
         self.peak_reserved, self.peak_allocated = self.reserved, self.allocated
 
 
+class ExpandableSegmentsModel(CachingAllocatorModel):
+    """The allocator with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's launcher sets it).
+
+    Each (stream, pool) has one segment that grows by mapping pages at its end: 20 MiB pages in the large
+    pool, 2 MiB in the small one (``ExpandableSegment``). A request takes the smallest free block that holds
+    it, the growable free block at the segment's end last (``get_free_block`` orders it by its size plus the
+    unmapped space after it); when none holds it, the segment's end grows by the missing pages, from that
+    free end block if there is one (``try_allocate_expandable_block``), so freed space at the end is reused
+    whole. A block splits when at least 512 bytes remain, in both pools. Reserved bytes are the mapped pages;
+    nothing is unmapped before ``empty_cache`` or an out-of-memory retry, which this model does not reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._end: dict[tuple[Hashable, bool], _Block] = {}  # the last block of each (stream, pool) segment
+
+    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
+        if key in self._in_use:
+            self.free(key)
+        size = rounded_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool_key = (stream, small)
+        pool = self._pools.get(pool_key, [])
+        at = bisect.bisect_left(pool, (size, -1))
+        end = self._end.get(pool_key)
+        if at < len(pool):  # a free block inside the segment holds it (the free end block is not listed)
+            block = self._cached[(pool_key,) + pool[at]]
+            self._uncache(block)
+        else:
+            page = SMALL_BUFFER if small else LARGE_BUFFER
+            if end is not None and end.free:
+                block = end  # grow the free end block by the pages it lacks
+                grow = page * -(-max(0, size - end.size) // page)
+                block.size += grow
+            else:
+                grow = page * -(-size // page)
+                address = end.address + end.size if end is not None else self._next_address
+                if end is None:
+                    self._next_address += 1 << 50  # each segment has an address space of its own
+                block = _Block(grow, address, pool_key)
+                block.prev = end
+                if end is not None:
+                    end.next = block
+                self._end[pool_key] = block
+            self.reserved += grow
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        rest = block.size - size
+        if rest >= MIN_BLOCK:
+            remainder = _Block(rest, block.address + size, pool_key)
+            remainder.prev, remainder.next = block, block.next
+            if block.next is not None:
+                block.next.prev = remainder
+            block.next, block.size = remainder, size
+            if self._end.get(pool_key) is block:
+                self._end[pool_key] = remainder  # the free end block: reached by growing, not listed
+            else:
+                self._cache(remainder)
+        block.free = False
+        self._in_use[key] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: Hashable) -> None:
+        block = self._in_use.pop(key, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        block.free = True
+        pool_key = block.pool
+        before, after = block.prev, block.next
+        if before is not None and before.free:
+            self._uncache(before)
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            if self._end.get(pool_key) is block:
+                self._end[pool_key] = before
+            block = before
+        if after is not None and after.free:
+            if self._end.get(pool_key) is after:
+                self._end[pool_key] = block
+            else:
+                self._uncache(after)
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+        if self._end.get(pool_key) is not block:
+            self._cache(block)
+
+
 @dataclass
 class AllocationTrace:
     """One training step's storages, in order: ``("alloc", key, nbytes, stream)``, ``("free", key, nbytes, 0)``
@@ -183,7 +278,8 @@ class ReservedPeak:
     reserved: int
 
 
-def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_at: str = "forward_end") -> ReservedPeak:
+def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_at: str = "forward_end",
+                       expandable_segments: bool = False) -> ReservedPeak:
     """Replay ``trace`` as ``steps`` consecutive training steps and return the last one's peaks.
 
     The storages alive when the step ends are carried into the next step as a real loop carries them:
@@ -191,7 +287,8 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_a
     gradients made before it are freed at the next step's ``gradients_freed_at`` mark: Lightning calls
     ``zero_grad`` between the training step and ``backward``, so after the forward (``"forward_end"``), and
     under a pipeline, whose runner keeps them aside while its schedule runs, after the schedule
-    (``"schedule_end"``). The states exist before the first step."""
+    (``"schedule_end"``). The states exist before the first step. ``expandable_segments``: replay through
+    :class:`ExpandableSegmentsModel`."""
     end = trace._index("step_end")
     events: Sequence[tuple[str, Hashable, int, Hashable]] = trace.events[:end] if end is not None else trace.events
     optimizer_start = trace._index("optimizer_start")
@@ -212,7 +309,7 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_a
     survivors = set(live_alloc.values())
     optimizer_state = {index for index in survivors if index > optimizer_start}
     gradients = survivors - optimizer_state
-    model = CachingAllocatorModel()
+    model = ExpandableSegmentsModel() if expandable_segments else CachingAllocatorModel()
     for index, nbytes in enumerate(trace.states):
         model.malloc(("state", index), nbytes)
     for step in range(steps):

@@ -25,9 +25,10 @@
    until ``zero_grad``), and with more microbatches than in flight the in-flight microbatches run
    once untracked first, so the measured ones find the accumulated gradients), and every collective
    with its bytes per mesh dimension.
-5. Modelled: the CUDA caching allocator's reserved peak (``MemoryFigures.reserved``): the step's storages
-   are recorded in the order they are allocated and freed, with the stream current at each, and replayed as
-   steady-state steps through :mod:`lightning_para.plan.allocator`.
+5. Modelled: the CUDA caching allocator's reserved peak (``MemoryFigures.reserved``, and
+   ``reserved_expandable`` with ``expandable_segments``): the step's storages are recorded in the order they
+   are allocated and freed, with the stream current at each, and replayed as steady-state steps through
+   :mod:`lightning_para.plan.allocator`.
 
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
@@ -108,8 +109,10 @@ class MemoryFigures:
     activations: float
     peak: float
     # The caching allocator's reserved peak of a steady-state step, its trace replayed through
-    # `plan.allocator` (dry run only: None in the planner's figures, and when the step did not run).
+    # `plan.allocator` (dry run only: None in the planner's figures, and when the step did not run), with the
+    # default settings and with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
     reserved: Optional[float] = None
+    reserved_expandable: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -687,10 +690,10 @@ def dry_run_rank(
         steady = max(schedule_peak + moments + grads, backward_peak + moments, live.peak)
     peak = before + steady if run_step else params + grads + opt
     # The last step's gradients go at `zero_grad`: after the forward without a pipeline, after the schedule with one.
-    reserved = float(steady_state_peaks(
-        live.trace, gradients_freed_at="schedule_end" if dims.pp > 1 else "forward_end",
-    ).reserved) if run_step else None
-    measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), reserved)
+    reserved = [float(steady_state_peaks(
+        live.trace, gradients_freed_at="schedule_end" if dims.pp > 1 else "forward_end", expandable_segments=expand,
+    ).reserved) if run_step else None for expand in (False, True)]
+    measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), *reserved)
     predicted, predicted_comm, layers = _predicted(model, config, dims, training, pp_rank, in_flight)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0

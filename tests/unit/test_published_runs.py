@@ -157,13 +157,17 @@ def test_torchtitan_8b_reserved_memory_by_the_dry_run(run: Run) -> None:
     """torchtitan's memory column is the caching allocator's peak reserved memory. The dry run of the same layout
     (rank 0, ParaStrategy's code in torchtitan's precision and loss) replays its step's allocations through
     ``plan.allocator`` (within +0.2% to +2.2% of what an H100/H200 reserved: tests/unit/test_allocator_model.py):
-    the issue's tolerance, 10%, against the published figure (measured -2.6% / -2.9%)."""
+    the issue's tolerance, 10%, against the published figure."""
     assert (run.training.seq_len, run.training.micro_batch, run.training.precision) == (8192, 2, "bf16-true")
     proc = run_code(ALLOCATOR_DRY_RUN, str(run.gpus), str(preset(run.model).layers), "1", timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    reserved = json.loads(line[len("RESULT "):])["measured"]["reserved"] / GIB
-    assert abs(reserved / run.published_gib - 1) <= 0.10, (reserved, run.published_gib)
+    measured = json.loads(line[len("RESULT "):])["measured"]
+    # torchtitan's launcher sets `expandable_segments:True` (run_llama_train.sh); whether the published runs did is
+    # not said, so both settings are held to the tolerance (measured: -2.6% / -2.9% default, -6.5% / -6.3% expandable).
+    for setting in ("reserved", "reserved_expandable"):
+        reserved = measured[setting] / GIB
+        assert abs(reserved / run.published_gib - 1) <= 0.10, (setting, reserved, run.published_gib)
     assert predict(run)["gib"] < 0.9 * run.published_gib  # the tensors alone are not what torchtitan reads
 
 
