@@ -103,26 +103,15 @@ class CachingAllocatorModel:
         size = rounded_size(nbytes)
         small = size <= SMALL_SIZE
         pool_key = (stream, small)
-        pool = self._pools.get(pool_key, [])
-        at = bisect.bisect_left(pool, (size, -1))
-        if at < len(pool):  # best fit: the smallest cached block of this stream that holds the request
-            block = self._cached[(pool_key,) + pool[at]]
-            self._uncache(block)
-        else:
-            new = segment_size(size)
-            # Segments are far apart: blocks of different segments never merge.
-            block = _Block(new, self._next_address, pool_key)
-            self._next_address += new + SMALL_BUFFER
-            self.reserved += new
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        block = self._best_fit(pool_key, size) or self._new_block(pool_key, size)
         rest = block.size - size
-        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # `should_split`
+        if self._should_split(rest, small):
             remainder = _Block(rest, block.address + size, pool_key)
             remainder.prev, remainder.next = block, block.next
             if block.next is not None:
                 block.next.prev = remainder
             block.next, block.size = remainder, size
-            self._cache(remainder)
+            self._list(remainder)
         block.free = False
         self._in_use[key] = block
         self.allocated += block.size
@@ -137,19 +126,55 @@ class CachingAllocatorModel:
         block.free = True
         before, after = block.prev, block.next
         if before is not None and before.free:
-            self._uncache(before)
+            self._unlist(before)
             before.size += block.size
             before.next = block.next
             if block.next is not None:
                 block.next.prev = before
             block = before
         if after is not None and after.free:
-            self._uncache(after)
+            self._unlist(after)
             block.size += after.size
             block.next = after.next
             if after.next is not None:
                 after.next.prev = block
+        self._list(block)
+
+    def _best_fit(self, pool_key: tuple[Hashable, bool], size: int) -> Optional[_Block]:
+        """The smallest listed free block of this stream and pool that holds ``size``, taken off the list."""
+        pool = self._pools.get(pool_key, [])
+        at = bisect.bisect_left(pool, (size, -1))
+        if at == len(pool):
+            return None
+        block = self._cached[(pool_key,) + pool[at]]
+        self._uncache(block)
+        return block
+
+    def _new_block(self, pool_key: tuple[Hashable, bool], size: int) -> _Block:
+        """A new segment from the driver (``alloc_block``), counted as reserved."""
+        new = segment_size(size)
+        # Segments are far apart: blocks of different segments never merge.
+        block = _Block(new, self._next_address, pool_key)
+        self._next_address += new + SMALL_BUFFER
+        self._reserve(new)
+        return block
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    @staticmethod
+    def _should_split(rest: int, small: bool) -> bool:
+        """``should_split``: a small block splits if 512 bytes remain, a large one if more than 1 MiB does."""
+        return rest >= MIN_BLOCK if small else rest > SMALL_SIZE
+
+    def _list(self, block: _Block) -> None:
+        """Make a free block available to :meth:`_best_fit`."""
         self._cache(block)
+
+    def _unlist(self, block: _Block) -> None:
+        """Take a free block that is about to merge off the list."""
+        self._uncache(block)
 
     def reset_peaks(self) -> None:
         """As ``torch.cuda.reset_peak_memory_stats``: the peaks restart from what is held now."""
@@ -171,80 +196,42 @@ class ExpandableSegmentsModel(CachingAllocatorModel):
         super().__init__()
         self._end: dict[tuple[Hashable, bool], _Block] = {}  # the last block of each (stream, pool) segment
 
-    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
-        if key in self._in_use:
-            self.free(key)
-        size = rounded_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool_key = (stream, small)
-        pool = self._pools.get(pool_key, [])
-        at = bisect.bisect_left(pool, (size, -1))
+    def _new_block(self, pool_key: tuple[Hashable, bool], size: int) -> _Block:
+        """Grow the segment's end by the pages the request lacks: from its free end block if there is one."""
+        page = SMALL_BUFFER if pool_key[1] else LARGE_BUFFER
         end = self._end.get(pool_key)
-        if at < len(pool):  # a free block inside the segment holds it (the free end block is not listed)
-            block = self._cached[(pool_key,) + pool[at]]
-            self._uncache(block)
+        if end is not None and end.free:
+            grow = page * -(-max(0, size - end.size) // page)
+            end.size += grow
+            block = end
         else:
-            page = SMALL_BUFFER if small else LARGE_BUFFER
-            if end is not None and end.free:
-                block = end  # grow the free end block by the pages it lacks
-                grow = page * -(-max(0, size - end.size) // page)
-                block.size += grow
+            grow = page * -(-size // page)
+            if end is None:
+                address = self._next_address
+                self._next_address += 1 << 50  # each segment has an address space of its own
             else:
-                grow = page * -(-size // page)
-                address = end.address + end.size if end is not None else self._next_address
-                if end is None:
-                    self._next_address += 1 << 50  # each segment has an address space of its own
-                block = _Block(grow, address, pool_key)
-                block.prev = end
-                if end is not None:
-                    end.next = block
-                self._end[pool_key] = block
-            self.reserved += grow
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-        rest = block.size - size
-        if rest >= MIN_BLOCK:
-            remainder = _Block(rest, block.address + size, pool_key)
-            remainder.prev, remainder.next = block, block.next
-            if block.next is not None:
-                block.next.prev = remainder
-            block.next, block.size = remainder, size
-            if self._end.get(pool_key) is block:
-                self._end[pool_key] = remainder  # the free end block: reached by growing, not listed
-            else:
-                self._cache(remainder)
-        block.free = False
-        self._in_use[key] = block
-        self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+                address = end.address + end.size
+            block = _Block(grow, address, pool_key)
+            block.prev = end
+            if end is not None:
+                end.next = block
+            self._end[pool_key] = block
+        self._reserve(grow)
+        return block
 
-    def free(self, key: Hashable) -> None:
-        block = self._in_use.pop(key, None)
-        if block is None:
-            return
-        self.allocated -= block.size
-        block.free = True
-        pool_key = block.pool
-        before, after = block.prev, block.next
-        if before is not None and before.free:
-            self._uncache(before)
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
-            if self._end.get(pool_key) is block:
-                self._end[pool_key] = before
-            block = before
-        if after is not None and after.free:
-            if self._end.get(pool_key) is after:
-                self._end[pool_key] = block
-            else:
-                self._uncache(after)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
-        if self._end.get(pool_key) is not block:
+    @staticmethod
+    def _should_split(rest: int, small: bool) -> bool:
+        return rest >= MIN_BLOCK  # with expandable segments large blocks split as small ones do
+
+    def _list(self, block: _Block) -> None:
+        if block.next is None:  # the segment's free end: reached by growing, not by best fit
+            self._end[block.pool] = block
+        else:
             self._cache(block)
+
+    def _unlist(self, block: _Block) -> None:
+        if block.next is not None:
+            self._uncache(block)
 
 
 @dataclass
