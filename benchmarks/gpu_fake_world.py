@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     # FSDP2 (ZeRO-3) shards a model built on meta; ZeRO-0/1/2 and TP take a materialized one, as ParaStrategy does.
     with torch.device("meta" if args.zero == 3 else device):
         model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.hidden, n_kv_head=args.kv_heads, mlp_hidden=args.ffn, sample_tokens=0)
+                    n_embd=args.hidden, n_kv_head=args.kv_heads, mlp_hidden=args.ffn, sample_tokens=0,
+                    loss_fp32=args.loss_upcast)  # torchtitan's loss casts the logits to fp32 first
     precision = ParaPrecision(args.precision)
     precision.device_type = device.type
     parallel = parallelize(model, dims, config, param_dtype=precision.param_dtype,
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         for p in model.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             local.normal_(0.0, 0.02)
-        for name, b in model.named_buffers():
+        for b in model.buffers():
             b.zero_()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     parallel.data_parallel.attach_optimizer(optimizer, is_expert=parallel.expert_predicate())
@@ -117,8 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         with precision.forward_context(), loss_parallel_step(parallel.loss_parallel):
             logits = model(tokens)
             phases["blocks_and_head_peak"], phases["after_logits"] = _peak(device), _allocated(device)
-            # torchtitan's loss casts the logits to fp32 first (`--loss-upcast`; `ModelDesc.loss_upcast`).
-            loss = model.loss_fn(logits.float() if args.loss_upcast else logits, tokens)
+            loss = model.loss_fn(logits, tokens)
             phases["loss_peak"], phases["after_loss_with_logits"] = _peak(device), _allocated(device)
             del logits
         phases["after_forward"] = _allocated(device)

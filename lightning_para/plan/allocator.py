@@ -35,7 +35,7 @@ them, and one pool for all streams gave -6.5% to +5.6%.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -127,18 +127,20 @@ class CachingAllocatorModel:
         before, after = block.prev, block.next
         if before is not None and before.free:
             self._unlist(before)
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
-            block = before
+            block = self._absorb(before, block)
         if after is not None and after.free:
             self._unlist(after)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
+            block = self._absorb(block, after)
         self._list(block)
+
+    @staticmethod
+    def _absorb(left: _Block, right: _Block) -> _Block:
+        """Merge ``right`` into its free neighbour ``left`` (``try_merge_blocks``); returns ``left``."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        return left
 
     def _best_fit(self, pool_key: tuple[Hashable, bool], size: int) -> Optional[_Block]:
         """The smallest listed free block of this stream and pool that holds ``size``, taken off the list."""
@@ -315,14 +317,3 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_a
                 model.free((step, index))
     return ReservedPeak(model.peak_allocated, model.peak_reserved)
 
-
-def replay(events: Iterable[tuple]) -> CachingAllocatorModel:
-    """Replay ``events`` once (``(op, key, nbytes[, stream])``; marks ignored) and return the model, with its
-    peaks."""
-    model = CachingAllocatorModel()
-    for op, key, nbytes, *stream in events:
-        if op == "alloc":
-            model.malloc(key, nbytes, *stream)
-        elif op == "free":
-            model.free(key)
-    return model

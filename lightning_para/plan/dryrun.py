@@ -77,7 +77,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # private: FSDP2 on meta, see `_fsdp_on_meta`
 from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import loss as _tp_loss  # private: its handlers' temporaries, `_count_loss_parallel`
+from torch.distributed.tensor.parallel import loss as _tp_loss  # private: see docs/architecture.md
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode

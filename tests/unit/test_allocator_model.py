@@ -13,7 +13,6 @@ from lightning_para.plan.allocator import (
     AllocationTrace,
     CachingAllocatorModel,
     ExpandableSegmentsModel,
-    replay,
     rounded_size,
     segment_size,
     steady_state_peaks,
@@ -76,8 +75,13 @@ def test_a_stream_reuses_only_its_own_cached_blocks():
 
 
 def test_best_fit_takes_the_smallest_block_that_fits():
-    model = replay([("alloc", "a", 50 * MiB), ("alloc", "sep", 12 * MiB), ("alloc", "b", 30 * MiB),
-                    ("free", "a", 0), ("free", "b", 0), ("alloc", "c", 28 * MiB), ("alloc", "d", 48 * MiB)])
+    model = CachingAllocatorModel()
+    for key, nbytes in (("a", 50 * MiB), ("sep", 12 * MiB), ("b", 30 * MiB)):
+        model.malloc(key, nbytes)
+    model.free("a")
+    model.free("b")
+    model.malloc("c", 28 * MiB)
+    model.malloc("d", 48 * MiB)
     assert model.reserved == 92 * MiB  # c took b's block and d a's: nothing new
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from lightning_para.parallel.pipeline.spec import PipelineStageModule
 from lightning_para.parallel.tensor.validate import check_plan
 from lightning_para.parallel.tensor.plan import resolve_plan
+from lightning_para.plan.describe import describe_module
 from lightning_para.recipes.gpt import GPT, PRESETS, GPTConfig, apply_rope
 
 
@@ -145,3 +146,21 @@ def test_generation_is_seeded_and_respects_the_window():
     # greedy next token from the padded fixed window equals the unpadded forward
     x = torch.tensor([[5, 6, 7]])
     assert model.generate(x, 1, temperature=0)[0, -1] == model(x)[0, -1].argmax()
+
+
+def test_loss_fp32_takes_the_cross_entropy_of_fp32_logits():
+    """``GPT(loss_fp32=True)`` (torchtitan's and transformers' loss): under bf16 weights the cross-entropy runs on
+    the logits cast to fp32, so it equals fp32 arithmetic on the same logits and differs from the bf16 one; the
+    planner's model description reads it as ``loss_upcast``."""
+    torch.manual_seed(0)
+    model = GPT(loss_fp32=True, sample_tokens=0, init_std=0.3).to(torch.bfloat16)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    loss = model.loss_fn(logits, tokens)
+    reference = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(0, 1))
+    assert loss.dtype == torch.float32 and torch.equal(loss, reference)
+    model.loss_fp32 = False
+    assert model.loss_fn(logits, tokens).dtype == torch.bfloat16
+    assert describe_module(GPT(loss_fp32=True, sample_tokens=0)).loss_upcast
+    assert not describe_module(GPT(sample_tokens=0)).loss_upcast
