@@ -75,7 +75,8 @@ class ParallelConfig:
     bucket_size_mb: float = 25.0
     # "no_sync": accumulation micro-steps skip all gradient communication (the A-th reduces once).
     # "reduce_each_step": ZeRO-2/3 reduce-scatter every micro-step so gradients stay sharded
-    # (communication grows with A, memory does not).
+    # (communication grows with A, memory does not). "reduce_each_microbatch": ZeRO-2 also reduce-scatters
+    # each pipeline microbatch's gradients, stage by stage (parallel/data/zero.py).
     zero_accumulation: str = "no_sync"
     # ZeRO-3's FSDP2 units: "blocks" (embedding, norm and head one grouped unit: Lightning's recipe's
     # collectives), "blocks_and_ends" (a unit each, torchtitan's), "auto" (by size; parallel/data/fsdp.py).
@@ -135,6 +136,12 @@ class ParallelConfig:
         if self.zero_accumulation not in ZERO_ACCUMULATION:
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose one of {_choices(ZERO_ACCUMULATION)}."
+            )
+        if self.zero_accumulation == "reduce_each_microbatch" and self.zero != 2:
+            raise ValueError(
+                f"`zero_accumulation='reduce_each_microbatch'` reduce-scatters each pipeline microbatch's gradients"
+                f" into ZeRO-2's shards; it needs `zero=2` (got zero={self.zero}). Set zero=2, or use"
+                " zero_accumulation='reduce_each_step' (ZeRO-2/3, one reduction per Lightning micro-step)."
             )
         if self.zero3_units not in ZERO3_UNITS:
             raise ValueError(f"`zero3_units={self.zero3_units!r}` is unknown. Choose one of {_choices(ZERO3_UNITS)}.")

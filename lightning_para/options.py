@@ -27,7 +27,11 @@ SCHEDULES = PIPELINE_SCHEDULES
 # the others are valid layouts that the planner rejects with a reason.
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 ZERO_STAGES = (0, 1, 2, 3)
-ZERO_ACCUMULATION = ("no_sync", "reduce_each_step")
+# How ZeRO accumulates gradients over several microbatches: "no_sync" (whole gradients, one reduction
+# per step), "reduce_each_step" (ZeRO-2/3: one reduce-scatter per Lightning micro-step), and
+# "reduce_each_microbatch" (ZeRO-2: also one per pipeline microbatch and stage, so a pipeline rank never
+# holds more than one stage's whole gradients: the Llama 3 paper's FSDP under pipelining).
+ZERO_ACCUMULATION = ("no_sync", "reduce_each_step", "reduce_each_microbatch")
 CP_METHODS = tuple(_CP_ATTENTION)  # "ring" (ring attention), "all_to_all" (DeepSpeed-Ulysses)
 PIPELINE_BALANCE = ("params", "time")
 TP_UNPLANNED = ("error", "replicate")

@@ -79,6 +79,7 @@ def pp_job(
     measure_activations: bool = False,
     model_kwargs: Optional[dict[str, Any]] = None,
     pipeline: bool = True,
+    extra_callbacks: tuple[Callback, ...] = (),
 ) -> dict[str, Any]:
     """In every worker: train the token model under ParaStrategy; report losses, params, pipeline stats."""
     from lightning_para import ParaStrategy
@@ -87,7 +88,7 @@ def pp_job(
     L.seed_everything(0, verbose=False)
     module = TinyTokenModel(**(model_kwargs or {}))
     recorder, logged, norms = LossRecorder(), LoggedLoss(), GradNorms()
-    callbacks = [recorder, logged, norms] + ([MeasureActivations()] if measure_activations else [])
+    callbacks = [recorder, logged, norms, *extra_callbacks] + ([MeasureActivations()] if measure_activations else [])
     trainer = L.Trainer(
         devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps, callbacks=callbacks,
         use_distributed_sampler=False, **trainer_kwargs(**(trainer_overrides or {})),
@@ -344,6 +345,79 @@ def test_pp2_dp2_zero1_matches_single_device(pools, variant):
 def test_pp2_dp2_zero2_matches_single_device(pools):
     results = pools.get(4).run(pp_job, {"pp": 2, "dp": 2, "zero": 2, "microbatches": 2}, ACCUMULATE)
     assert_params_close(merged_params(results), reference("accumulate")["params"])
+
+
+class HeldGradients(Callback):
+    """What a pipeline rank holds once its schedule has run, before ``finish_backward``: the whole gradients
+    the runner set aside, and the summed shards of per-microbatch reductions (``Bucket.pending``)."""
+
+    def __init__(self) -> None:
+        self.whole: list[int] = []
+        self.shards: list[int] = []
+        self.params: list[int] = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        parallel = trainer.strategy.parallel_model
+        pending = parallel.pipeline._pending_grads or []
+        self.whole.append(sum(g.numel() * g.element_size() for g in pending if g is not None))
+        buckets = parallel.data_parallel.engine.buckets
+        self.shards.append(sum(b.pending.numel() * b.pending.element_size() for b in buckets if b.pending is not None))
+        self.params.append(sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad))
+
+
+def _dp_gradient_bytes(job_kwargs: dict[str, Any], trainer_overrides: dict[str, Any]) -> dict[str, Any]:
+    """One pp_job, with the gradient reductions' bytes over this rank's dp group counted (test-only counter)."""
+    from tests.comm_counter import CollectiveCounter
+
+    held = HeldGradients()
+
+    class Counted(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.counter = CollectiveCounter().__enter__()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            dp_group = trainer.strategy.parallel_model.data_parallel.engine.slots[0].group.group_name
+            # Gradient buckets only: the logged loss's 4-byte all-reduce may share the group.
+            self.bytes = sum(v for kind, v, g in self.counter.calls
+                             if g == dp_group and kind in ("all_reduce", "reduce_scatter") and v > 64)
+            self.counter.__exit__(None, None, None)
+
+    counted = Counted()
+    result = pp_job(job_kwargs, trainer_overrides, max_steps=3, extra_callbacks=(held, counted))
+    result.update(whole=held.whole, shards=held.shards, params=held.params, dp_bytes=counted.bytes)
+    return result
+
+
+@pytest.mark.parametrize("layout", [{"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zero_bubble"}],
+                         ids=lambda d: d["schedule"])
+@pytest.mark.parametrize("variant", ["plain", "accumulate"])
+def test_pp2_dp2_zero2_reduce_each_microbatch_matches_single_device(pools, layout, variant):
+    """ZeRO-2 reduce-scatters each stage's gradients after each microbatch's backward (issue 23): the same
+    training as one device, and no rank holds whole gradients when its schedule ends, only 1/dp shards."""
+    kwargs = {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "zero_accumulation": "reduce_each_microbatch", **layout}
+    results = pools.get(4).run(pp_job, kwargs, VARIANTS[variant])
+    ref = reference(variant)
+    by_rank = {r["rank"]: r for r in results}
+    for a, b in [(0, 1), (2, 3)]:  # dp pairs of each pipeline rank (see test_pp2_dp2_zero1_matches_single_device)
+        assert_losses_close([(x + y) / 2 for x, y in zip(by_rank[a]["losses"], by_rank[b]["losses"])], ref["losses"])
+    assert_params_close(merged_params(results), ref["params"])
+
+
+def test_reduce_each_microbatch_holds_shards_for_m_times_the_traffic(pools):
+    """Measured against "no_sync" on the same pp2 x dp2 ZeRO-2 job: after the schedule a rank holds no whole
+    gradient, and fp32 shards of (about) 1/dp of its parameters; the dp reductions carry m times the bytes."""
+    m = 4
+    base = {"pp": 2, "dp": 2, "zero": 2, "microbatches": m, "schedule": "1f1b"}
+    pool = pools.get(4)
+    once = pool.run(_dp_gradient_bytes, base, PLAIN)
+    each = pool.run(_dp_gradient_bytes, {**base, "zero_accumulation": "reduce_each_microbatch"}, PLAIN)
+    for r_once, r_each in zip(sorted(once, key=lambda r: r["rank"]), sorted(each, key=lambda r: r["rank"])):
+        params = r_once["params"][-1]
+        assert r_once["whole"][-1] == params and r_once["shards"][-1] == 0  # "no_sync": every whole gradient
+        assert r_each["whole"][-1] == 0
+        # fp32 shards: half of the rows of each bucket, rounded up per parameter (torch.chunk's padding).
+        assert params / 2 <= r_each["shards"][-1] <= params / 2 * 1.1, (r_each["shards"], params)
+        assert r_each["dp_bytes"] == m * r_once["dp_bytes"], (r_each["dp_bytes"], r_once["dp_bytes"])
 
 
 def test_pp4_matches_single_device(pools):

@@ -35,7 +35,8 @@ from lightning_para.parallel.data.zero import ZeroDataParallel
 def _reduces_each_step(stage: int, accumulation: str) -> bool:
     # ZeRO-2/3 may keep gradients sharded while accumulating (one reduce-scatter per micro-step);
     # below stage 2 a gradient is whole anyway, so "reduce_each_step" would only add traffic.
-    return accumulation == "reduce_each_step" and stage >= 2
+    # "reduce_each_microbatch" (ZeRO-2) reduces each Lightning micro-step as well.
+    return accumulation in ("reduce_each_step", "reduce_each_microbatch") and stage >= 2
 
 
 class ZeroData(DataParallel):
@@ -48,6 +49,7 @@ class ZeroData(DataParallel):
         super().__init__(dims, stage=engine.stage, psi_dense=psi_dense, psi_expert=psi_expert)
         self.engine = engine
         self._reduce_each_step = _reduces_each_step(engine.stage, accumulation)
+        self.reduces_each_microbatch = accumulation == "reduce_each_microbatch" and engine.stage == 2
 
     @property
     def _engine(self) -> Optional[ZeroDataParallel]:
@@ -65,6 +67,15 @@ class ZeroData(DataParallel):
 
     def sync_now(self) -> None:
         self.engine.sync_now()
+
+    def each_microbatch(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.reduce_each_microbatch()
+
+    def reduce_part(self, part: int) -> None:
+        self.engine.reduce_part(part)
+
+    def commit_microbatches(self) -> None:
+        self.engine.commit_pending()
 
     def before_backward(self) -> None:
         self.engine.before_backward()
@@ -166,7 +177,7 @@ def apply_data_parallel(
             replicates over ``dp_replicate`` (hybrid sharding).
         stage: 0-2 hook the parameters' gradients (:class:`ZeroDataParallel`); 3 applies FSDP2.
         parts: the modules FSDP2 wraps (this rank's pipeline stages; default ``[module]``).
-        accumulation: ``zero_accumulation`` (``"no_sync"`` or ``"reduce_each_step"``).
+        accumulation: ``zero_accumulation`` (``"no_sync"``, ``"reduce_each_step"``, ``"reduce_each_microbatch"``).
         bucket_size_mb: gradient bucket size (ZeRO 0-2).
         zero3_units: FSDP2's unit choice (ZeRO-3; see :func:`~.fsdp.choose_units`).
         param_dtype: the compute dtype (FSDP2 gathers in it); ``master_dtype``: separate optimizer
@@ -208,11 +219,21 @@ def apply_data_parallel(
     engine = ZeroDataParallel(
         named, stage, bucket_size_mb=bucket_size_mb, master_dtype=master_dtype,
         replicate_mesh=dims.replicate_mesh(), mesh_of=dims.get_mesh, hooks=False,
+        part_of=_part_index(parts) if parts is not None and len(parts) > 0 else None,
     )
     if before_gradient_hooks is not None:
         before_gradient_hooks()
     engine.register_hooks()
     return ZeroData(engine, dims, accumulation=accumulation, psi_dense=psi_dense, psi_expert=psi_expert)
+
+
+def _part_index(parts: Sequence[nn.Module]) -> Callable[[nn.Parameter], Optional[int]]:
+    """Which of ``parts`` (this rank's pipeline stages) holds a parameter; ``None`` for none or several."""
+    index: dict[int, Optional[int]] = {}
+    for i, part in enumerate(parts):
+        for p in part.parameters():
+            index[id(p)] = i if index.get(id(p), i) == i else None
+    return lambda p: index.get(id(p))
 
 
 def _inside(child: nn.Module, root: nn.Module) -> bool:

@@ -40,6 +40,9 @@ class DataParallel(ABC):
     """
 
     fully_sharded: bool = False
+    # ZeRO-2 with ``zero_accumulation="reduce_each_microbatch"``: the pipeline runner holds
+    # :meth:`each_microbatch` over its schedule and calls :meth:`reduce_part` after each stage's backward.
+    reduces_each_microbatch: bool = False
 
     def __init__(self, dims: ParallelDims, *, stage: int, psi_dense: int = 0, psi_expert: int = 0) -> None:
         self.dims, self.stage = dims, stage
@@ -66,6 +69,19 @@ class DataParallel(ABC):
 
     def sync_now(self) -> None:
         """Synchronise the gradients accumulated so far (after a backward run under :meth:`no_sync`)."""
+
+    def each_microbatch(self) -> contextlib.AbstractContextManager[None]:
+        """Around a pipeline schedule when :attr:`reduces_each_microbatch`: gradients are reduced per
+        microbatch and stage (:meth:`reduce_part`) and summed aside until :meth:`commit_microbatches`."""
+        raise NotImplementedError(f"{type(self).__name__} reduces once per step, not per microbatch.")
+
+    def reduce_part(self, part: int) -> None:
+        """One microbatch's backward of this rank's pipeline stage ``part`` is done: reduce its gradients."""
+        raise NotImplementedError(f"{type(self).__name__} reduces once per step, not per microbatch.")
+
+    def commit_microbatches(self) -> None:
+        """After :meth:`each_microbatch` and Lightning's ``zero_grad``: the summed shards become ``.grad``."""
+        raise NotImplementedError(f"{type(self).__name__} reduces once per step, not per microbatch.")
 
     def flush(self) -> None:
         """Finish any gradient communication still pending, so ``.grad`` holds this step's synced

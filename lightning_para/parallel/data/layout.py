@@ -33,6 +33,7 @@ class ParamSlot:
     master: Optional[nn.Parameter] = None  # what the optimizer steps; None means the parameter itself
     bucket: int = -1
     offset: int = 0  # position inside the bucket's per-rank segment
+    part: Optional[int] = None  # the pipeline stage of this rank that holds it (see `Bucket.part`)
     # The gradient ZeRO put into ``param.grad`` for users to read: kept after the optimizer step, as DDP
     # keeps ``.grad`` until ``zero_grad``; dropped when the next backward starts.
     exposed_grad: Optional[Tensor] = None
@@ -178,6 +179,11 @@ class Bucket:
     buffer: Optional[Tensor] = None
     output: Optional[Tensor] = None
     launched: bool = False
+    # The pipeline stage (this rank's part) whose backward fills this bucket; None: no one part (pp=1, or
+    # a parameter in several). ``zero_accumulation="reduce_each_microbatch"`` reduces a part's buckets
+    # after each of its microbatch backwards and sums the shards here, in the masters' dtype.
+    part: Optional[int] = None
+    pending: Optional[Tensor] = None
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -50,6 +50,16 @@ How it works:
   bytes/param of the ZeRO paper, sharded with the stage.
 * Gradient accumulation: inside :meth:`ZeroDataParallel.no_sync` the hooks do nothing, so
   gradients accumulate locally and the last micro-step communicates once.
+* One reduction per pipeline microbatch (``zero_accumulation="reduce_each_microbatch"``, stage 2):
+  under a pipeline, no sync means every stage's whole gradients exist until the schedule ends.
+  Inside :meth:`ZeroDataParallel.reduce_each_microbatch` a bucket never spans two of the rank's
+  stages (``part_of``); a stage's buckets launch as its backward of one microbatch fills them, the
+  runner calls :meth:`ZeroDataParallel.reduce_part` after that backward (zeros where a gradient is
+  missing: every rank issues the same collectives), and the shards add up in ``Bucket.pending``, in
+  the masters' dtype. The rank then holds one stage's whole gradients at most, plus its fp32 shards
+  (the Llama 3 paper, Sec. 3.3.2: FSDP shards the gradients under pipelining, FP32 accumulation),
+  for ``m`` times the gradient traffic. :meth:`ZeroDataParallel.commit_pending` hands the sum to the
+  masters once Lightning's ``zero_grad`` has run.
 * Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
   the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
   itself. Stages 1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's
@@ -109,6 +119,8 @@ class ZeroDataParallel:
             describe the gradient shards of tensor-parallel parameters as DTensors in ``.grad``.
         hooks: register the gradient hooks now; ``False`` leaves it to :meth:`register_hooks`, called
             once the model is cast (a cast of DTensor parameters drops hooks already on them).
+        part_of: the index of this rank's pipeline stage that holds a parameter (``None``: none or
+            several); buckets never span two stages, so :meth:`reduce_part` can reduce one.
     """
 
     def __init__(
@@ -121,6 +133,7 @@ class ZeroDataParallel:
         replicate_mesh: Optional[DeviceMesh] = None,
         mesh_of: Optional[Callable[..., DeviceMesh]] = None,
         hooks: bool = True,
+        part_of: Optional[Callable[[nn.Parameter], Optional[int]]] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles ZeRO stages 0-2, got {stage}; stage 3 uses FSDP2.")
@@ -136,6 +149,7 @@ class ZeroDataParallel:
         self._callback_queued = False
         self._synced_since_step = False
         self._suppress_gather = False
+        self._each_microbatch = False  # inside `reduce_each_microbatch()`
         # Sliced once per name tuple: each slice of the root mesh builds a new DeviceMesh object.
         self._mesh_of = functools.lru_cache(maxsize=None)(mesh_of) if mesh_of is not None else None
         self.slots: list[ParamSlot] = []
@@ -147,7 +161,8 @@ class ZeroDataParallel:
             if not param.requires_grad or param.numel() == 0 or param in self._slot_of:
                 continue
             alone = mesh.size() == 1 and self.replicas == 1  # nobody else holds this gradient
-            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone)
+            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone,
+                             part=part_of(param) if part_of is not None else None)
             slot.master = self._make_master(slot, master_dtype)
             if alone and slot.master is None:
                 self._untouched.add(id(param))
@@ -156,6 +171,10 @@ class ZeroDataParallel:
             self._slot_of[param] = slot
         self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
         self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
+        self._buckets_of_part: dict[int, list[Bucket]] = {}
+        for bucket in self.buckets:
+            if bucket.part is not None:
+                self._buckets_of_part.setdefault(bucket.part, []).append(bucket)
         # Which buckets each optimizer we sharded steps (several optimizers may share one model).
         self._buckets_of_optimizer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._hooked = False
@@ -199,7 +218,7 @@ class ZeroDataParallel:
                 for s in current:
                     s.offset, s.bucket = seg, len(buckets)
                     seg += s.segment_numel
-                buckets.append(Bucket(slots=list(current), segment_numel=seg))
+                buckets.append(Bucket(slots=list(current), segment_numel=seg, part=current[0].part))
                 current.clear()
 
         size = 0
@@ -208,6 +227,7 @@ class ZeroDataParallel:
             if current and (
                 slot.group is not current[0].group
                 or slot.local.dtype != current[0].local.dtype
+                or slot.part != current[0].part
                 or size + nbytes > (capacity_bytes if buckets else first_capacity)
             ):
                 close()
@@ -227,9 +247,28 @@ class ZeroDataParallel:
         finally:
             self.sync_enabled = previous
 
+    @contextlib.contextmanager
+    def reduce_each_microbatch(self) -> Iterator[None]:
+        """Around a pipeline schedule: reduce each stage's gradients after each of its microbatch
+        backwards (:meth:`reduce_part`) into ``Bucket.pending``; :meth:`commit_pending` afterwards."""
+        if self.stage == 0:
+            raise ValueError("One reduction per microbatch keeps gradients sharded: it needs ZeRO stage 2, not 0.")
+        previous, self._each_microbatch = self._each_microbatch, True
+        try:
+            yield
+        finally:
+            self._each_microbatch = previous
+
     # ------------------------------------------------------------------ backward side
     def _on_grad_ready(self, param: Tensor) -> None:
         if not self.sync_enabled:
+            return
+        if self._each_microbatch:
+            # No end-of-backward callback: the runner ends each stage's microbatch with `reduce_part`.
+            bucket = self.buckets[self._slot_of[param].bucket]
+            bucket.ready += 1
+            if bucket.part is not None and bucket.ready == len(bucket.slots):
+                self._launch_ready_buckets(self._buckets_of_part[bucket.part])
             return
         if not self._callback_queued:
             # private: see docs/architecture.md (DDP and FSDP queue their end-of-backward work the same way)
@@ -242,9 +281,9 @@ class ZeroDataParallel:
         if bucket.ready == len(bucket.slots):
             self._launch_ready_buckets()
 
-    def _launch_ready_buckets(self) -> None:
+    def _launch_ready_buckets(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
         # Strictly in bucket order: every rank must issue the same collectives in the same order.
-        for bucket in self.buckets:
+        for bucket in self.buckets if buckets is None else buckets:
             if bucket.launched:
                 continue
             if bucket.ready < len(bucket.slots):
@@ -261,14 +300,35 @@ class ZeroDataParallel:
         Parameters without a gradient on this rank contribute zeros, so all ranks issue the
         same collectives even when some parameters were unused (e.g. experts with no tokens).
         """
-        for bucket in self.buckets:
+        self._sync(self.buckets)
+        self._synced_since_step = True
+
+    def _sync(self, buckets: Sequence[Bucket], *, into_pending: bool = False) -> None:
+        for bucket in buckets:
             if not bucket.launched:
                 self._launch(bucket)
         if self.replicate_group is not None:
-            for bucket in self.buckets:
+            for bucket in buckets:
                 self._reduce_over_replicas(bucket)
+        for bucket in buckets:
+            self._finish(bucket, into_pending=into_pending)
+
+    def reduce_part(self, part: int) -> None:
+        """End one microbatch's backward of this rank's stage ``part`` (inside :meth:`reduce_each_microbatch`):
+        reduce what its buckets hold and add the shards to ``Bucket.pending``; its whole gradients are freed."""
+        if not self._each_microbatch:
+            raise RuntimeError("reduce_part() runs inside reduce_each_microbatch() only.")
+        self._sync(self._buckets_of_part.get(part, ()), into_pending=True)
+
+    def commit_pending(self) -> None:
+        """After a schedule under :meth:`reduce_each_microbatch` (and after Lightning's ``zero_grad``): reduce
+        the gradients of parameters outside any one stage, then add every bucket's summed shards to its
+        masters' gradients and show them in ``.grad``, as :meth:`sync_now` does."""
+        self._sync([b for b in self.buckets if b.part is None], into_pending=True)
         for bucket in self.buckets:
-            self._finish(bucket)
+            if bucket.pending is not None:
+                self._accept_shards(bucket, bucket.pending)
+                bucket.pending = None
         self._synced_since_step = True
 
     def _reduce_over_replicas(self, bucket: Bucket) -> None:
@@ -310,7 +370,8 @@ class ZeroDataParallel:
             buffer = torch.empty(world, bucket.segment_numel, dtype=bucket.dtype, device=device)
             for slot in bucket.slots:
                 grad = slot.accumulated_grad()  # not a shard shown after an earlier sync
-                slot.clear_exposed_grad()
+                # During a pipeline schedule (one reduction per microbatch) the shown shard is set aside, not gone.
+                slot.clear_exposed_grad(forget=not self._each_microbatch)
                 if grad is None:
                     buffer[:, slot.offset : slot.offset + slot.segment_numel].zero_()
                 else:
@@ -333,7 +394,7 @@ class ZeroDataParallel:
         bucket.launched = True
 
     @torch.no_grad()
-    def _finish(self, bucket: Bucket) -> None:
+    def _finish(self, bucket: Bucket, *, into_pending: bool = False) -> None:
         if bucket.work is not None:
             bucket.work.wait()
         if self.stage == 0:
@@ -347,25 +408,36 @@ class ZeroDataParallel:
                     if slot.param.grad is None:
                         slot.param.grad = torch.zeros_like(slot.param)
                     local_tensor(slot.param.grad).view(-1).copy_(reduced)
+        elif into_pending:
+            # One microbatch's shards, summed in the masters' dtype (fp32 accumulation of bf16 reductions);
+            # a copy, so the bucket's buffer (all ranks' segments under gloo) is freed now.
+            master_dtype = bucket.slots[0].master.dtype
+            if bucket.pending is None:
+                bucket.pending = bucket.output.to(master_dtype, copy=True)
+            else:
+                bucket.pending.add_(bucket.output.to(master_dtype))
         else:
-            output = bucket.output
-            if any(s.master.dtype != s.local.dtype for s in bucket.slots) and (
-                output.untyped_storage().nbytes() > output.numel() * output.element_size()
-            ):
-                # gloo's in-place all-reduce: the bf16 shards shown in `.grad` (kept until the next
-                # backward) must not keep the whole bucket alive, only this rank's segment.
-                output = output.clone()
-            for slot in bucket.slots:
-                shard = output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
-                fresh = slot.master.grad is None
-                _accumulate_grad(slot.master, shard)
-                grad = slot.master.grad
-                if grad.dtype != slot.local.dtype:  # fp32 masters of bf16 weights: show the reduced bf16 shard
-                    grad = shard if fresh else grad.to(slot.local.dtype)
-                self._expose(slot, grad)
+            self._accept_shards(bucket, bucket.output)
         bucket.work = bucket.buffer = bucket.output = None
         bucket.ready = 0
         bucket.launched = False
+
+    def _accept_shards(self, bucket: Bucket, output: Tensor) -> None:
+        """Stages 1/2: add the reduced segment ``output`` of ``bucket`` to its masters' gradients and show them."""
+        if any(s.master.dtype != s.local.dtype for s in bucket.slots) and (
+            output.untyped_storage().nbytes() > output.numel() * output.element_size()
+        ):
+            # gloo's in-place all-reduce: the bf16 shards shown in `.grad` (kept until the next
+            # backward) must not keep the whole bucket alive, only this rank's segment.
+            output = output.clone()
+        for slot in bucket.slots:
+            shard = output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
+            fresh = slot.master.grad is None
+            _accumulate_grad(slot.master, shard)
+            grad = slot.master.grad
+            if grad.dtype != slot.local.dtype:  # fp32 masters of bf16 weights: show the reduced bf16 shard
+                grad = (shard if fresh else grad).to(slot.local.dtype)
+            self._expose(slot, grad)
 
     # ------------------------------------------------------------------ gradients users read
     def _expose(self, slot: ParamSlot, grad: Tensor) -> None:

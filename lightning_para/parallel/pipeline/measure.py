@@ -203,13 +203,17 @@ class TimedPipelineStage(PipelineStage):
     """torch's ``PipelineStage`` with each forward/backward action timed by a :class:`StepRecorder`."""
 
     def __init__(
-        self, *args: Any, recorder: StepRecorder, backward_context: Callable[[], Any] = contextlib.nullcontext, **kwargs: Any
+        self, *args: Any, recorder: StepRecorder, backward_context: Callable[[], Any] = contextlib.nullcontext,
+        after_weight_gradients: Optional[Callable[[], None]] = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         self.recorder = recorder
         # Entered around each backward action (e.g. loss parallel's custom ops): a context held
         # over the whole schedule would be switched off by the forwards in between.
         self.backward_context = backward_context
+        # Called once a microbatch's weight gradients of this stage are complete (a full backward, or the
+        # weight half of a split one): ZeRO-2 reduces them then under "reduce_each_microbatch".
+        self.after_weight_gradients = after_weight_gradients
 
     # Shape inference (first step per input shape) runs a real forward, loss and input-grad
     # backward; the recorder marks it so the loss wrapper does not count that loss.
@@ -228,11 +232,17 @@ class TimedPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         with self.recorder.action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"), self.backward_context():
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            if full_backward and self.after_weight_gradients is not None:
+                self.after_weight_gradients()
+            return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         with self.recorder.action(self.stage_index, bwd_chunk_id, "W"), self.backward_context():
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            result = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.after_weight_gradients is not None:
+                self.after_weight_gradients()
+            return result
 
 
 class SavedActivationMeter:

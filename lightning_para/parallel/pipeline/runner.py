@@ -6,7 +6,9 @@
 * training: torch's schedule runs forward *and* backward over the m microbatches; the loss
   function it calls is the user's times ``scale / (m * A)`` (fp16 loss scale, accumulation),
   so gradients equal one device's. They are set aside until ``ParaStrategy.backward`` (Lightning
-  calls ``zero_grad`` in between) and synchronised over dp once, then;
+  calls ``zero_grad`` in between) and synchronised over dp once, then. Under ZeRO-2 with
+  ``zero_accumulation="reduce_each_microbatch"`` each stage's gradients are reduce-scattered after
+  each of its microbatch backwards instead, and their summed shards are set aside the same way;
 * the mean loss is all-reduced from the last stage to every pipeline rank, returned and
   logged as ``train_loss`` with ``sync_dist=True`` (the global batch's mean over dp, the same
   value on every rank), so progress bar, loggers and ``ModelCheckpoint(monitor=...)`` work;
@@ -14,12 +16,18 @@
   all-reduce, logged separately as ``train_aux_loss`` (as the MoE recipe logs it under pp=1);
   their aux gradients are scaled by the same ``scale / (m * A)``;
 * validate/test/predict run a forward-only pipeline.
+
+Why this module is long: the runner is where Lightning's step order (``training_step``, then
+``zero_grad``, then ``backward``) meets a schedule that runs forward and backward at once, so the
+losses, the gradients set aside, data parallelism's sync policy and the per-step measurements
+share one object's state; the schedules and measurements themselves live in their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -47,10 +55,17 @@ class GradientSync(Protocol):
     skip sync over the schedule, then sync once."""
 
     sync_enabled: bool
+    reduces_each_microbatch: bool
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
 
     def sync_now(self) -> None: ...
+
+    def each_microbatch(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def reduce_part(self, part: int) -> None: ...
+
+    def commit_microbatches(self) -> None: ...
 
 
 class PipelineRunner:
@@ -87,6 +102,7 @@ class PipelineRunner:
         self._eval_recorder = StepRecorder(device, enabled=False)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._pending_grads: Optional[list[Optional[Tensor]]] = None
+        self._reducing: Optional[GradientSync] = None  # data parallelism reducing each microbatch, during a schedule
         self._history: list[PipelineStepStats] = []
         self._raw_losses: list[Tensor] = []
         self._loss_factor = 1.0
@@ -144,9 +160,15 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
-        # Data-parallel sync happens once, in `finish_backward`, not after every microbatch.
-        no_sync = gradient_sync.no_sync() if gradient_sync is not None else contextlib.nullcontext()
-        with no_sync, meter, self._step_contexts():
+        # Data-parallel sync happens once, in `finish_backward`, not after every microbatch; or, under
+        # "reduce_each_microbatch", after each stage's backward of each microbatch (`_after_weight_gradients`).
+        if gradient_sync is None:
+            sync_policy = contextlib.nullcontext()
+        elif gradient_sync.reduces_each_microbatch:
+            sync_policy = self._reducing_each_microbatch(gradient_sync)
+        else:
+            sync_policy = gradient_sync.no_sync()
+        with sync_policy, meter, self._step_contexts():
             self.recorder.enabled = self.measure_timing
             self.recorder.start_step()
             schedule.step(
@@ -184,8 +206,24 @@ class PipelineRunner:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        if gradient_sync is not None and gradient_sync.sync_enabled:
+        if gradient_sync is not None and gradient_sync.reduces_each_microbatch:
+            gradient_sync.commit_microbatches()  # reduced during the schedule; summed shards join `.grad` now
+        elif gradient_sync is not None and gradient_sync.sync_enabled:
             gradient_sync.sync_now()
+
+    @contextlib.contextmanager
+    def _reducing_each_microbatch(self, gradient_sync: GradientSync) -> Any:
+        previous, self._reducing = self._reducing, gradient_sync
+        try:
+            with gradient_sync.each_microbatch():
+                yield
+        finally:
+            self._reducing = previous
+
+    def _after_weight_gradients(self, part: int) -> None:
+        """A microbatch's weight gradients of this rank's stage ``part`` are complete (``TimedPipelineStage``)."""
+        if self._reducing is not None:
+            self._reducing.reduce_part(part)
 
     def _eval_step(self, module: Any, batch: Any, prefix: str) -> Tensor:
         inputs, targets = self._split(batch)
@@ -252,9 +290,9 @@ class PipelineRunner:
         stages = [
             TimedPipelineStage(
                 m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder,
-                backward_context=self._backward_context(),
+                backward_context=self._backward_context(), after_weight_gradients=partial(self._after_weight_gradients, i),
             )
-            for m in self.stage_modules
+            for i, m in enumerate(self.stage_modules)
         ]
         loss_fn = self._scaled_loss if mode == "train" else None
         self._schedules[key] = build_schedule(self.schedule, stages, self.microbatches, loss_fn)
