@@ -150,6 +150,7 @@ class ZeroDataParallel:
         self._synced_since_step = False
         self._suppress_gather = False
         self._each_microbatch = False  # inside `reduce_each_microbatch()`
+        self._in_flight: list[Bucket] = []  # launched by `reduce_part`, not yet added to `Bucket.pending`
         # Sliced once per name tuple: each slice of the root mesh builds a new DeviceMesh object.
         self._mesh_of = functools.lru_cache(maxsize=None)(mesh_of) if mesh_of is not None else None
         self.slots: list[ParamSlot] = []
@@ -257,6 +258,7 @@ class ZeroDataParallel:
         try:
             yield
         finally:
+            self._settle(block=True)
             self._each_microbatch = previous
 
     # ------------------------------------------------------------------ backward side
@@ -265,6 +267,9 @@ class ZeroDataParallel:
             return
         if self._each_microbatch:
             # No end-of-backward callback: the runner ends each stage's microbatch with `reduce_part`.
+            # The previous one's last buckets may still be on the wire: settled when the next backward
+            # makes its first gradient (their buckets may be this one's), not at the end of their own.
+            self._settle(block=True)
             bucket = self.buckets[self._slot_of[param].bucket]
             bucket.ready += 1
             if bucket.part is not None and bucket.ready == len(bucket.slots):
@@ -318,12 +323,35 @@ class ZeroDataParallel:
         reduce what its buckets hold and add the shards to ``Bucket.pending``; its whole gradients are freed."""
         if not self._each_microbatch:
             raise RuntimeError("reduce_part() runs inside reduce_each_microbatch() only.")
-        self._sync(self._buckets_of_part.get(part, ()), into_pending=True)
+        # The previous microbatch's buckets first (long done by now): a split backward's weight half
+        # (zero-bubble schedules) writes `.grad` itself, so no gradient hook settled them.
+        self._settle(block=True)
+        buckets = self._buckets_of_part.get(part, ())
+        for bucket in buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        # Not waited for here: the last buckets' collectives overlap what the rank runs next. Those already
+        # done are added now, so only the few still on the wire keep their whole-gradient buffers.
+        self._in_flight.extend(buckets)
+        self._settle(block=False)
+
+    def _settle(self, *, block: bool) -> None:
+        """Add in-flight buckets to ``Bucket.pending`` in launch order: all of them (``block``), or while
+        their collective is done (hybrid sharding's second collective waits for the first: only ``block``)."""
+        while self._in_flight:
+            bucket = self._in_flight[0]
+            if not block and (self.replicate_group is not None or (bucket.work is not None and not bucket.work.is_completed())):
+                return
+            self._in_flight.pop(0)
+            if self.replicate_group is not None:
+                self._reduce_over_replicas(bucket)
+            self._finish(bucket, into_pending=True)
 
     def commit_pending(self) -> None:
         """After a schedule under :meth:`reduce_each_microbatch` (and after Lightning's ``zero_grad``): reduce
         the gradients of parameters outside any one stage, then add every bucket's summed shards to its
         masters' gradients and show them in ``.grad``, as :meth:`sync_now` does."""
+        self._settle(block=True)
         self._sync([b for b in self.buckets if b.part is None], into_pending=True)
         for bucket in self.buckets:
             if bucket.pending is not None:
