@@ -48,7 +48,7 @@ from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate
 from lightning_para.plan.describe import describe_module
-from lightning_para.plan.layout import FIXED_OPTIONS, Layout
+from lightning_para.plan.layout import FIXED_OPTIONS, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.result import PlanResult
 from lightning_para.plan.run import local_cluster
@@ -187,7 +187,7 @@ def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, wo
         microbatches=(config.microbatches,),
         recompute=(config.activation_checkpointing,) if config.activation_checkpointing else (None, "full"),
         sequence_parallel=(config.sequence_parallel,),
-        zero_accumulation=(config.zero_accumulation,) if config.zero_accumulation != "no_sync" else ("no_sync", "reduce_each_step"),
+        zero_accumulation=(config.zero_accumulation,) if config.zero_accumulation != "no_sync" else ZERO_ACCUMULATION,
         options=Layout(**{name: getattr(config, name) for name in FIXED_OPTIONS}),
     )
 

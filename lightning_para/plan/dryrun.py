@@ -654,7 +654,7 @@ def dry_run_rank(
             # would miss (it made the 405B last rank's peak 30% over the planner: a second gradient copy).
             for tensor in [p.grad for p in module.parameters()] + [
                 q.grad for g in optimizer.param_groups for q in g["params"]
-            ]:
+            ] + _reduced_shards(parallel):
                 if tensor is not None:
                     live.track(tensor)
             accumulated = live.current
@@ -667,7 +667,10 @@ def dry_run_rank(
             schedule_peak = live.peak
             live.mark("schedule_end")
             if parallel.data_parallel is not None:
-                parallel.data_parallel.sync_now()
+                if _reduces_each_microbatch(parallel):
+                    parallel.data_parallel.commit_microbatches()  # reduced during the schedule, as the runner's
+                else:
+                    parallel.data_parallel.sync_now()
                 parallel.data_parallel.flush()
             backward_peak = live.peak
             live.mark("optimizer_start")
@@ -750,8 +753,13 @@ def _train_step(
     # ZeRO-1/2 hold the microbatches' gradients and sync once after them (the caller's `sync_now`), as the
     # pipeline runner does; ZeRO-3 (FSDP2, no pipeline: one microbatch) reduce-scatters each unit's gradients
     # in its backward, as a step without accumulation does.
+    # ZeRO-2's "reduce_each_microbatch" reduces each microbatch's gradients after its backward, as the runner does.
     deferred = data_parallel is not None and not data_parallel.fully_sharded
-    sync = data_parallel.no_sync() if deferred else contextlib.nullcontext()
+    each_microbatch = _reduces_each_microbatch(parallel)
+    if each_microbatch:
+        sync = data_parallel.each_microbatch()
+    else:
+        sync = data_parallel.no_sync() if deferred else contextlib.nullcontext()
     outputs = []
     # Tensors autograd saves are the activations; some are made where the dispatch mode does not see
     # them (DTensor redistributes its inputs inside its own dispatch: under sequence parallelism the
@@ -788,7 +796,20 @@ def _train_step(
                 else:
                     y.backward(torch.empty_like(y))
             del y
+            if each_microbatch:
+                data_parallel.reduce_part(0)  # the dry run's pipeline rank runs one stage
     return held
+
+
+def _reduces_each_microbatch(parallel: ParallelModel) -> bool:
+    return parallel.pipeline is not None and parallel.data_parallel is not None \
+        and parallel.data_parallel.reduces_each_microbatch
+
+
+def _reduced_shards(parallel: ParallelModel) -> list[Tensor]:
+    """The shards ZeRO-2's "reduce_each_microbatch" has summed so far (``Bucket.pending``): gradients the rank holds."""
+    engine = getattr(parallel.data_parallel, "engine", None)
+    return [b.pending for b in engine.buckets if b.pending is not None] if engine is not None else []
 
 
 __all__ = ["CommFigure", "MemoryFigures", "RankDryRun", "dry_run_rank", "in_flight_microbatches", "measure_states"]

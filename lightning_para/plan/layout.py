@@ -113,8 +113,9 @@ class Layout:
         pipeline_balance: ``"params"`` or ``"time"`` (ParaStrategy measures stage times); the
             planner splits by parameters either way.
         zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
-            gradients and reduces once per step, ``"reduce_each_step"`` reduce-scatters every
-            microbatch.
+            gradients and reduces once per step (and once per pipeline flush), ``"reduce_each_step"``
+            reduce-scatters every accumulation step, ``"reduce_each_microbatch"`` (ZeRO-2) also every
+            pipeline microbatch, stage by stage: one stage's whole gradients at most, ``m`` times the traffic.
         compile: ``torch.compile`` per block (ParaStrategy's ``compile``; a dict of options there is
             ``True`` here). Priced as a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`).
         fp8: torchao float8 training (ParaStrategy's ``fp8``); priced with ``compile`` as
@@ -185,6 +186,11 @@ class Layout:
             raise ValueError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of MiB.")
         _check_choice("cp_method", self.cp_method, CP_METHODS)
         _check_choice("zero_accumulation", self.zero_accumulation, ZERO_ACCUMULATION)
+        if self.zero_accumulation == "reduce_each_microbatch" and self.zero != 2:
+            raise ValueError(
+                f"`zero_accumulation='reduce_each_microbatch'` keeps ZeRO-2's gradients sharded under a pipeline;"
+                f" it needs `zero=2` (got zero={self.zero})."
+            )
         _check_choice("zero3_units", self.zero3_units, ZERO3_UNITS)
         _check_choice("pipeline_balance", self.pipeline_balance, PIPELINE_BALANCE)
         _check_choice("fp8", self.fp8, FP8_RECIPES)
@@ -284,7 +290,7 @@ class Layout:
         if self.cp > 1 and not self.cp_load_balance:
             parts.append("cp-contiguous")
         if self.zero_accumulation != "no_sync" and self.zero >= 2:
-            parts.append("reduce-each-step")
+            parts.append(self.zero_accumulation.replace("_", "-"))
         if self.compile:
             parts.append("compile")
         if self.fp8:

@@ -241,7 +241,7 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int
 
 
 def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, chunk_activations: float,
-                       chunk_gradients: float) -> float:
+                       chunk_gradients: float, freed_after_backward: bool = False) -> float:
     """The peak of activations plus this step's gradients while a rank runs ``order`` (:func:`compute_order`),
     when a chunk's gradients come into being at its first backward (autograd allocates ``.grad`` after
     ``zero_grad(set_to_none=True)``: torch's DDP and FSDP, ParaStrategy; not Megatron-LM's persistent buffer).
@@ -249,6 +249,8 @@ def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, 
     ``chunk_activations``: bytes one microbatch leaves held by one chunk; ``chunk_gradients``: one chunk's gradient
     bytes. A backward runs the chunk's layers last first: during each, its saved tensors are still held and its
     gradients exist (the first time), so the largest value is at the first or the last layer.
+    ``freed_after_backward``: each backward's gradients are reduce-scattered and freed at its end (ZeRO-2's
+    ``"reduce_each_microbatch"``): they exist during every backward, never after.
     """
     held, grads, peak = 0, 0.0, 0.0
     started: set[int] = set()
@@ -259,12 +261,12 @@ def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, 
             held += 1
             peak = max(peak, held * chunk_activations + grads)
             continue
-        first = chunk not in started
+        first = chunk not in started or freed_after_backward
         new = chunk_gradients if first else 0.0
         at_first_layer = held * chunk_activations + grads + (layer_gradients if first else 0.0)
         at_last_layer = held * chunk_activations - (chunk_activations - layer_activations) + grads + new
         peak = max(peak, at_first_layer, at_last_layer)
         started.add(chunk)
-        grads += new
+        grads += 0.0 if freed_after_backward else new
         held -= 1
     return peak

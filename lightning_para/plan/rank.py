@@ -96,6 +96,10 @@ class MemoryBreakdown:
     # when every forward is done and before most gradients exist. 0 without a pipeline, with accumulation over
     # several flushes, for the zero-bubble schedules and under `Training.persistent_grad_buffer`.
     grads_not_yet_allocated: float = 0.0
+    # ZeRO-2's "reduce_each_microbatch" under a pipeline: one chunk's whole gradients during its backward, until
+    # reduce-scattered, beyond the activations its backward has freed by then, plus the last bucket still on the
+    # wire (`lazy_gradient_peak(freed_after_backward=True)`); a transient of backward, with a layer's recomputation.
+    reducing: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -111,8 +115,10 @@ class MemoryBreakdown:
     @property
     def transient(self) -> float:
         """The peak's transient part of ``activations``: one layer's recomputation (with ring attention's score
-        blocks in its backward), the loss's logits, or the loss's backward less the gradients it finds freed."""
-        return max(self.recomputed + self.ring_scores, self.loss_logits, self.loss_backward - self.loss_backward_freed)
+        blocks and a chunk's gradients being reduced in its backward), the loss's logits, or the loss's backward
+        less the gradients it finds freed."""
+        return max(self.recomputed + self.ring_scores + self.reducing, self.loss_logits,
+                   self.loss_backward - self.loss_backward_freed)
 
     @property
     def total(self) -> float:
@@ -304,9 +310,12 @@ def _memory(
     dense, expert, largest = _rank_params(model, layout, part)
     precision = training.bytes
     k_bytes = precision.master + training.optimizer_state_bytes
-    # Gradients stay whole until reduced: across a pipeline flush (every pipeline engine
-    # accumulates its microbatches locally), and across accumulation steps with "no_sync".
-    full_grads = layout.zero >= 2 and (layout.pp > 1 or (layout.zero_accumulation == "no_sync" and per_step > 1))
+    # Gradients stay whole until reduced: across a pipeline flush (every pipeline engine accumulates its
+    # microbatches locally, but ZeRO-2's "reduce_each_microbatch"), and across accumulation steps with "no_sync".
+    each_microbatch = layout.zero_accumulation == "reduce_each_microbatch" and layout.pp > 1
+    full_grads = layout.zero >= 2 and (
+        (layout.pp > 1 and not each_microbatch) or (layout.zero_accumulation == "no_sync" and per_step > 1)
+    )
     shards = {"dense": layout.group("dp")[0], "expert": layout.group("edp")[0]}
     states = [0.0, 0.0, 0.0]
     for params, n in ((dense, shards["dense"]), (expert, shards["expert"])):
@@ -425,12 +434,27 @@ def _memory(
     not_yet = 0.0
     order = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
         if lazy and flushes == 1 and part.layers else None
-    if order is not None:
+    reducing = 0.0
+    if each_microbatch:
+        # One chunk's whole gradients exist during each of its backwards, until reduce-scattered
+        # (`parallel/data/zero.py`); the last bucket may still be on the wire while the next forward runs.
+        v = layout.virtual_stages
+        chunk_grads = training.grad_bytes * (dense + expert) / v
+        if order is not None:
+            peak = lazy_gradient_peak(order, max(1, round(len(part.layers) / v)), held / v, chunk_grads,
+                                      freed_after_backward=True)
+            reducing = max(0.0, peak - activations)
+        else:
+            reducing = chunk_grads
+        n = shards["dense"]
+        capacity = layout.bucket_size_mb * 2**20 if layout.bucket_size_mb is not None else bucket_bytes(n, training.grad_bytes)
+        reducing += min(capacity, chunk_grads)
+    elif order is not None:
         v = layout.virtual_stages
         peak = lazy_gradient_peak(order, max(1, round(len(part.layers) / v)), held / v, states[1] / v)
         not_yet = max(0.0, activations + states[1] - peak)
     breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
-                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet)
+                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet, reducing)
     return replace(breakdown, activations=activations + breakdown.transient)
 
 
@@ -524,19 +548,25 @@ def _microbatch_collectives(
 
 def _dp_collectives(
     model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, flushes: int,
-    backward_window: float, forward_window: float,
+    backward_window: float, forward_window: float, per_step: int = 1,
 ) -> tuple[list[Collective], float]:
     """dp/edp/dp_replicate collectives of one step and their exposed seconds (module docstring).
 
     Payloads are ParaStrategy's: a tensor split by rows over ``N`` ranks occupies ``N`` chunks of
     ``ceil(rows / N)`` rows in a ZeRO-1/2 bucket and in an FSDP2 all-gather (padding included);
     ZeRO-3 gathers in the parameters' dtype (fp32 but under ``bf16-true``). ``flushes``: pipeline
-    flushes (accumulation steps) per optimizer step; ``reduce_each_step`` reduces after each.
+    flushes (accumulation steps) per optimizer step; ``reduce_each_step`` reduces after each,
+    ``reduce_each_microbatch`` (ZeRO-2 under a pipeline) after each of the ``per_step`` microbatches: each
+    reduction overlaps that microbatch's backward and the forward after it, the last bucket's tail only once a
+    step (a stage's buckets are not waited for until the next backward starts).
     """
     tensors = rank_tensors(model, layout, part)
     g, w = training.grad_bytes, training.bytes.weight
-    each_step = layout.zero_accumulation == "reduce_each_step" and layout.zero >= 2
+    each_step = layout.zero_accumulation in ("reduce_each_step", "reduce_each_microbatch") and layout.zero >= 2
     reductions = flushes if each_step else 1
+    each_microbatch = layout.zero_accumulation == "reduce_each_microbatch" and layout.pp > 1 and layout.zero == 2
+    if each_microbatch:
+        reductions = per_step
     grad_sync: list[Collective] = []
     after_step: list[Collective] = []
     zero3: list[Collective] = []
@@ -570,7 +600,10 @@ def _dp_collectives(
     if grad_sync:
         total = sum(c.seconds for c in grad_sync) / reductions
         last_bucket = max(per_call_seconds(c) for c in grad_sync)
-        exposed_total = reductions * max(0.0, total - backward_window) + last_bucket
+        # One microbatch's reduction runs behind its backward and, not waited for until the next backward
+        # starts, behind the forward that follows it (`each_microbatch`); a flush's only behind its backward.
+        window = backward_window + (forward_window if each_microbatch else 0.0)
+        exposed_total = reductions * max(0.0, total - window) + last_bucket
         exposed += [c.exposed(exposed_total * c.seconds / (total * reductions)) for c in grad_sync]
     if after_step:
         # The next step's forward waits only for the first bucket (Megatron-LM's overlapped
@@ -692,7 +725,8 @@ def price_rank(
         critical += spare
     backward_share = 0.75 if layout.activation_checkpointing == "full" else 2.0 / 3.0
     dp_items, dp_exposed = _dp_collectives(
-        model, cluster, training, layout, part, flushes, backward_share * compute, (1 - backward_share) * compute
+        model, cluster, training, layout, part, flushes, backward_share * compute, (1 - backward_share) * compute,
+        per_step,
     )
     return RankEstimate(
         pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,

@@ -200,7 +200,8 @@ def _check_value(item: str, name: str, value: Any) -> None:
     if name == "sequence_parallel" and value:
         return  # Layout needs tp > 1 beside it; ParaStrategy checks the pair
     try:
-        Layout(**{name: value})
+        # One relation checked here on its own: "reduce_each_microbatch" needs zero=2 beside it.
+        Layout(**{name: value, **({"zero": 2} if value == "reduce_each_microbatch" else {})})
     except ValueError as err:
         raise ValueError(f"`--layout` entry {item!r}: {err}") from None
 

@@ -46,7 +46,8 @@ class SearchSpace:
         recompute: activation recomputation choices.
         sequence_parallel: SP choices when ``tp > 1`` (it has the same traffic as TP and less
             memory, so ``True`` alone is the default).
-        zero_accumulation: tried for ZeRO-2/3 when a step has several microbatches.
+        zero_accumulation: tried for ZeRO-2/3 when a step has several microbatches
+            (``"reduce_each_microbatch"``: ZeRO-2 with ``pp > 1`` only).
         tp_within_node: reject ``tp > gpus_per_node``.
         best_variant_only: keep one layout (the fastest that fits) per choice of degrees and ZeRO
             stage, and one rejection (the nearest miss) per choice that has none.
@@ -85,7 +86,9 @@ class SearchSpace:
         if any(r not in RECOMPUTE for r in self.recompute):
             raise ValueError(f"`recompute={self.recompute!r}` must list choices from {', '.join(map(repr, RECOMPUTE))}.")
         if any(z not in ZERO_ACCUMULATION for z in self.zero_accumulation):
-            raise ValueError(f"`zero_accumulation={self.zero_accumulation!r}` must list 'no_sync' and/or 'reduce_each_step'.")
+            raise ValueError(
+                f"`zero_accumulation={self.zero_accumulation!r}` must list choices from {', '.join(map(repr, ZERO_ACCUMULATION))}."
+            )
         if any(m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1) for m in self.microbatches):
             raise ValueError(f"`microbatches={self.microbatches!r}` must list positive integers or None.")
 
@@ -107,6 +110,8 @@ def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int])
     fixed = {name: getattr(space.options, name) for name in FIXED_OPTIONS}
     sp_choices = space.sequence_parallel if tp > 1 else (False,)
     accumulate = space.zero_accumulation if zero >= 2 and (per_step or 1) > 1 else ("no_sync",)
+    # One reduction per pipeline microbatch: ZeRO-2 under a pipeline only (elsewhere it is "reduce_each_step").
+    accumulate = [z for z in accumulate if z != "reduce_each_microbatch" or (zero == 2 and pp > 1)] or ["no_sync"]
     for schedule, v in dict.fromkeys(schedules):
         for microbatches in space.microbatches:
             for recompute in space.recompute:

@@ -5,6 +5,8 @@ process-wide). Its states must equal the bytes computed by hand and the planner'
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from tests.harness import run_code
@@ -264,3 +266,36 @@ def test_dry_run_runs_zero3_on_fsdp2():
         # A step gathers every unit's bf16 weights (twice for those resharded after forward) and reduce-scatters
         # each unit's gradients once.
         assert comm[("dp", "reduce_scatter")][1] == pytest.approx(2 * elements / layout.get("tp", 1), rel=0.01)
+
+
+def _dry_run_405b(accumulation: str) -> dict[int, dict]:
+    """The CLI's dry run of Llama 3 405B's first and last ranks at 8,192 GPUs (TP8 PP16 DP64, SP, 1F1B, ZeRO-2,
+    bf16-true, 8K tokens, 32 microbatches per step), by pipeline rank."""
+    layout = f"tp=8,pp=16,zero=2,sp=true,schedule=1f1b,zero_accumulation={accumulation}"
+    argv = [sys.executable, "-m", "lightning_para.cli", "dryrun", "--model", "llama3-405b", "--gpus", "8192", "--layout", layout,
+            "--seq-len", "8192", "--global-batch", "2048", "--ranks", "first,last", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["pipeline_rank"]: r for r in json.loads(proc.stdout)}
+
+
+@pytest.mark.slow  # ~50 s: four ranks of a 405B job on the meta device
+def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_prices():
+    """ZeRO-2's "reduce_each_microbatch" (issue 23: the Llama 3 paper's gradients, sharded under pipelining), run by
+    the real engine in the dry run: the first and the last pipeline rank of the 8,192-GPU job peak lower than with
+    "no_sync" by most of their whole gradients (bf16: as many bytes as the weights), the planner's peak for it is
+    within 5%, and the dp reductions carry one microbatch's gradients per microbatch the dry run ran."""
+    once, each = _dry_run_405b("no_sync"), _dry_run_405b("reduce_each_microbatch")
+    assert sorted(each) == [0, 15]
+    for pipeline_rank in (0, 15):
+        a, b = once[pipeline_rank], each[pipeline_rank]
+        # The same shards after the step (the bf16 ones shown in `.grad` are copied per parameter, without the
+        # bucket's padding rows).
+        assert b["step_ran"] and b["measured"]["grads"] == pytest.approx(a["measured"]["grads"], rel=0.01)
+        whole_grads = b["measured"]["params"]
+        saved = a["measured"]["peak"] - b["measured"]["peak"]
+        assert 0.6 * whole_grads < saved <= whole_grads, (pipeline_rank, saved, whole_grads)
+        assert b["measured"]["peak"] == pytest.approx(b["predicted"]["peak"], rel=0.05), pipeline_rank
+        reduced = sum(c["bytes"] for c in b["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
+        reduced_once = sum(c["bytes"] for c in a["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
+        assert reduced == pytest.approx(b["in_flight"] * reduced_once, rel=1e-6)
