@@ -98,8 +98,10 @@ class ParaStrategy(ParallelStrategy):
         pipeline_split: explicit layer indices where stages start (instead of balancing).
         pipeline_balance: ``"params"`` (default) or ``"time"`` (measured per layer).
         bucket_size_mb: gradient bucket size for ZeRO 0-2.
-        zero_accumulation: ``"no_sync"`` (no communication until the last micro-step) or
-            ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating).
+        zero_accumulation: ``"no_sync"`` (no communication until the last micro-step),
+            ``"reduce_each_step"`` (ZeRO-2/3 keep gradients sharded while accumulating) or
+            ``"reduce_each_microbatch"`` (ZeRO-2: also over a pipeline's microbatches, stage by
+            stage; ``m`` times the gradient traffic, one stage's whole gradients at most).
         zero3_units: ZeRO-3's FSDP2 units. ``"blocks"`` (the collectives of Lightning's FSDP2 recipe):
             one unit per block, and the embedding, final norm and head as one grouped unit gathered once
             per step. ``"blocks_and_ends"`` (torchtitan's): the embedding and the head get a unit each,
