@@ -388,8 +388,9 @@ def _dp_gradient_bytes(job_kwargs: dict[str, Any], trainer_overrides: dict[str, 
     return result
 
 
-@pytest.mark.parametrize("layout", [{"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zero_bubble"}],
-                         ids=lambda d: d["schedule"])
+@pytest.mark.parametrize("layout", [{"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zero_bubble"},
+                                    {"schedule": "1f1b", "dp_replicate": 2}],
+                         ids=lambda d: d["schedule"] + ("-hybrid" if "dp_replicate" in d else ""))
 @pytest.mark.parametrize("variant", ["plain", "accumulate"])
 def test_pp2_dp2_zero2_reduce_each_microbatch_matches_single_device(pools, layout, variant):
     """ZeRO-2 reduce-scatters each stage's gradients after each microbatch's backward (issue 23): the same

@@ -24,6 +24,8 @@ from lightning_para.precision import as_para_precision
         ({"schedule": "pipedream"}, r"`schedule='pipedream'` is unknown. Choose one of 'gpipe', '1f1b'"),
         ({"activation_checkpointing": "some"}, r"`activation_checkpointing='some'` is unknown"),
         ({"zero_accumulation": "sometimes"}, r"`zero_accumulation='sometimes'` is unknown"),
+        ({"zero": 1, "pp": 2, "zero_accumulation": "reduce_each_microbatch"},
+         r"`zero_accumulation='reduce_each_microbatch'`.*needs `zero=2` \(got zero=1\)"),
         ({"zero": 3, "zero3_units": "layers"}, r"`zero3_units='layers'` is unknown. Choose one of 'auto', 'blocks'"),
         ({"microbatches": 0}, r"`microbatches=0` must be a positive integer"),
         ({"pipeline_balance": "flops"}, r"`pipeline_balance='flops'` is unknown"),
