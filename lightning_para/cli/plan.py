@@ -61,7 +61,7 @@ from lightning_para.cli.run_config import (
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.plan.auto import search_space
 from lightning_para.plan.check import PredictionCheck
-from lightning_para.plan.cluster import GPU_SPECS, PRECISIONS, Cluster, Training
+from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.layout import RECOMPUTE
 from lightning_para.plan.model import PRESETS, ModelDesc
 from lightning_para.plan.run import layout_arguments, local_cluster, parse_layout, strategy_overrides
@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--micro-batch", type=int, help="sequences per forward (default with --config: as the run loads them)")
     run.add_argument("--precision", choices=PRECISIONS)
     run.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    run.add_argument("--activation-profile", choices=ACTIVATION_PROFILES, default="torch",
+                     help="whose code's saved tensors: ParaStrategy's (torch, default) or Megatron-LM's fused kernels")
+    run.add_argument("--fp32-grad-accumulation", action="store_true",
+                     help="gradients accumulate and reduce in fp32 whatever the weights' dtype (Megatron-LM, Llama 3)")
     space = p.add_argument_group("search")
     space.add_argument("--tp", help="tensor-parallel degrees to try, e.g. 1,2,4")
     space.add_argument("--pp", help="pipeline degrees to try")
@@ -163,10 +167,15 @@ def _training(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> Tra
     accumulation = int(trainer_value(config, "accumulate_grad_batches") or 1) if config else 1
     if args.micro_batch is not None or config is None:
         return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=args.micro_batch or 1,
-                        precision=precision, optimizer=args.optimizer)
+                        precision=precision, optimizer=args.optimizer, **_stack(args))
     # As the run loads it: each dp rank global_batch / dp per batch, split into pipeline microbatches.
     return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=None, accumulation=accumulation,
-                    precision=precision, optimizer=args.optimizer)
+                    precision=precision, optimizer=args.optimizer, **_stack(args))
+
+
+def _stack(args: argparse.Namespace) -> dict[str, Any]:
+    """Whose training code is priced (another stack's published run): `Training`'s planner-only settings."""
+    return {"activation_profile": args.activation_profile, "fp32_grad_accumulation": args.fp32_grad_accumulation}
 
 
 def _space(args: argparse.Namespace, module: Optional[nn.Module], model: ModelDesc, world: int) -> SearchSpace:

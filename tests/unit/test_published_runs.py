@@ -221,3 +221,21 @@ def test_model_from_hugging_face_config(tmp_path, capsys) -> None:
     assert out.startswith("llama-3.1-8b: 8.03B params") and "149.5 GB usable each" in out
     with pytest.raises(ValueError, match="lacks"):
         from_hf_config({"hidden_size": 8})
+
+
+def test_cli_prices_the_llama3_stack(capsys) -> None:
+    """`lightning-para plan` reproduces the Llama 3 8K row's question from the command line: Meta's saved tensors and
+    fp32 gradients (`--activation-profile megatron --fp32-grad-accumulation`) fit only with ZeRO-2 sharding the
+    gradients of every microbatch; ParaStrategy's own activations (the default profile) need recomputation there."""
+    from lightning_para.cli import main
+
+    argv = ["plan", "--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100", "--seq-len", "8192",
+            "--global-batch", "2048", "--micro-batch", "1", "--tp", "8", "--pp", "16", "--recompute", "none",
+            "--precision", "bf16-true"]
+    assert main(argv + ["--zero", "1,2", "--activation-profile", "megatron", "--fp32-grad-accumulation"]) == 0
+    ranked = capsys.readouterr().out.split("Excluded layouts:")[0]
+    assert "reduce-each-microbatch" in ranked.splitlines()[4]  # the best layout
+    assert main(argv + ["--zero", "1", "--activation-profile", "megatron", "--fp32-grad-accumulation"]) == 0
+    assert "No layout fits" not in capsys.readouterr().out  # 1F1B / zero-bubble fit with whole gradients (38% MFU)
+    assert main(argv + ["--zero", "1,2"]) == 0
+    assert "No layout fits" in capsys.readouterr().out
