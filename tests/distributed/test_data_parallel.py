@@ -546,3 +546,58 @@ def test_memory_per_rank_four_processes(pools, zero):
     check_memory(pools.get(4).run(_memory_job, zero), zero, dp=4)
 
 
+
+
+def _failed_schedule_job() -> dict:
+    """The ZeRO-2 engine driven as the pipeline runner drives it under "reduce_each_microbatch", on a 2-rank dp
+    mesh: a schedule that fails after one microbatch's reduction leaves nothing behind, and the next one's summed
+    shards are exactly the mean of its own microbatches' gradients."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_para.parallel.data.zero import ZeroDataParallel
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    reference = copy.deepcopy(model)  # before the engine hooks `model`'s parameters
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    engine = ZeroDataParallel([(n, p, mesh) for n, p in model.named_parameters()], 2, bucket_size_mb=1e-4,
+                              part_of=lambda p: 0)
+    rank = dist.get_rank()
+    data = [torch.full((2, 4), float(rank + 1 + i)) for i in range(2)]
+
+    def microbatch(x: torch.Tensor) -> None:
+        model(x).square().sum().backward()
+        engine.reduce_part(0)
+
+    try:
+        with engine.reduce_each_microbatch():
+            microbatch(data[0])
+            raise RuntimeError("the schedule failed")
+    except RuntimeError:
+        pass
+    left = [b for b in engine.buckets if b.pending is not None or b.launched or b.ready]
+    with engine.reduce_each_microbatch():
+        for x in data:
+            microbatch(x)
+    shards = {s.name: engine.buckets[s.bucket].pending[s.offset : s.offset + s.shard_numel].clone() for s in engine.slots}
+    engine.commit_pending()
+    # One device: the sum over both microbatches of the mean over the two ranks' samples.
+    expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+    for i in range(2):
+        for r in range(dist.get_world_size()):
+            reference.zero_grad(set_to_none=True)
+            reference(torch.full((2, 4), float(r + 1 + i))).square().sum().backward()
+            for name, p in reference.named_parameters():
+                expected[name] += p.grad / dist.get_world_size()
+    local = {s.name: expected[s.name].reshape(-1)[s.start_row * s.row_numel : s.end_row * s.row_numel] for s in engine.slots}
+    return {"left": len(left), "errors": {n: float((shards[n] - local[n]).abs().max()) for n in shards},
+            "committed": {s.name: float((s.master.grad.reshape(-1) - local[s.name]).abs().max()) for s in engine.slots}}
+
+
+def test_reduce_each_microbatch_recovers_from_a_failed_schedule(pools):
+    for r in pools.get(2).run(_failed_schedule_job):
+        assert r["left"] == 0
+        assert max(r["errors"].values()) < 1e-5 and max(r["committed"].values()) < 1e-5, r

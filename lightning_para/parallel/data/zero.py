@@ -151,6 +151,7 @@ class ZeroDataParallel:
         self._suppress_gather = False
         self._each_microbatch = False  # inside `reduce_each_microbatch()`
         self._in_flight: list[Bucket] = []  # launched by `reduce_part`, not yet added to `Bucket.pending`
+        self._abandoned: list[tuple] = []  # what a failed schedule left on the wire (`_discard_pending`)
         # Sliced once per name tuple: each slice of the root mesh builds a new DeviceMesh object.
         self._mesh_of = functools.lru_cache(maxsize=None)(mesh_of) if mesh_of is not None else None
         self.slots: list[ParamSlot] = []
@@ -255,11 +256,25 @@ class ZeroDataParallel:
         if self.stage == 0:
             raise ValueError("One reduction per microbatch keeps gradients sharded: it needs ZeRO stage 2, not 0.")
         previous, self._each_microbatch = self._each_microbatch, True
+        self._discard_pending()  # nothing of an earlier schedule that failed before its commit
         try:
             yield
-        finally:
             self._settle(block=True)
+        except BaseException:
+            # A failed schedule: its partial sums are no step's gradients, and waiting for collectives that other
+            # ranks may never issue would turn the error into a hang.
+            self._discard_pending()
+            raise
+        finally:
             self._each_microbatch = previous
+
+    def _discard_pending(self) -> None:
+        # Buffers of collectives still on the wire stay referenced (a backend may still write into them).
+        self._abandoned = [(b.work, b.buffer, b.output) for b in self._in_flight if b.work is not None]
+        self._in_flight = []
+        for bucket in self.buckets:
+            bucket.pending = bucket.work = bucket.buffer = bucket.output = None
+            bucket.ready, bucket.launched = 0, False
 
     # ------------------------------------------------------------------ backward side
     def _on_grad_ready(self, param: Tensor) -> None:
