@@ -404,6 +404,38 @@ def test_pp2_dp2_zero2_reduce_each_microbatch_matches_single_device(pools, layou
     assert_params_close(merged_params(results), ref["params"])
 
 
+def _last_microbatch_only_job(strategy_kwargs: dict[str, Any], trainer_overrides: dict[str, Any]) -> dict[str, Any]:
+    """pp_job with a bug planted in every rank's engine: each reduction replaces the shards summed so far."""
+    from lightning_para.parallel.data.zero import ZeroDataParallel
+
+    original = ZeroDataParallel._finish
+
+    def _finish(self, bucket, *, into_pending=False):
+        if into_pending:
+            bucket.pending = None  # the bug: the earlier microbatches' shards are forgotten
+        return original(self, bucket, into_pending=into_pending)
+
+    ZeroDataParallel._finish = _finish
+    try:
+        return pp_job(strategy_kwargs, trainer_overrides, max_steps=3)
+    finally:
+        ZeroDataParallel._finish = original
+
+
+def test_reduce_each_microbatch_parity_catches_lost_microbatches(pools):
+    """The parity check above fails, by far, when the per-microbatch shards are not summed (only the last kept)."""
+    kwargs = {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "zero_accumulation": "reduce_each_microbatch",
+              "schedule": "1f1b"}
+    results = pools.get(4).run(_last_microbatch_only_job, kwargs, PLAIN)
+    ref = reference("plain")
+    by_rank = {r["rank"]: r for r in results}
+    mean = [(x + y) / 2 for x, y in zip(by_rank[0]["losses"], by_rank[1]["losses"])]
+    with pytest.raises(AssertionError):
+        assert_losses_close(mean, ref["losses"][:3])
+    worst = max(abs(a / b - 1) for a, b in zip(mean, ref["losses"]))
+    assert worst > 1e-4, worst  # 10x the 1e-5 tolerance at least
+
+
 def test_reduce_each_microbatch_holds_shards_for_m_times_the_traffic(pools):
     """Measured against "no_sync" on the same pp2 x dp2 ZeRO-2 job: after the schedule a rank holds no whole
     gradient, and fp32 shards of (about) 1/dp of its parameters; the dp reductions carry m times the bytes."""
