@@ -12,7 +12,8 @@
    planner is asked for the same one). Meta tensors have shapes and no memory, so a 405B model costs
    nothing: the pipeline split keeps only this rank's stage before anything else.
 3. One training step: ``in_flight`` microbatches forward through this rank's stage (1F1B keeps
-   ``min(pp - r, M)`` in flight on pipeline rank ``r``, GPipe all ``M``), their backward,
+   ``min(pp - r, M)`` in flight on pipeline rank ``r``, GPipe all ``M``), their backward, or the
+   interleaved schedule's whole order over the rank's chunks (``plan.pipeline.compute_order``), then
    the ZeRO gradient sync and ``optimizer.step()`` (AdamW). Torch's pipeline schedule is not
    used: its start-up handshake reads tensor values (``.item()``), which meta tensors do not
    have; the stage modules, hooks and loss are the real ones.
@@ -70,7 +71,7 @@ import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,7 @@ from lightning_para.plan.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import estimate
 from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.pipeline import compute_order
 from lightning_para.plan.run import layout_from_config
 
 GiB = 1024**3
@@ -141,6 +143,9 @@ class RankDryRun:
     predicted_comm: list[CommFigure] = field(default_factory=list)
     step_ran: bool = True
     seconds: dict[str, float] = field(default_factory=dict)
+    # The interleaved schedule: the rank ran its whole order (every chunk of every microbatch; `in_flight` is then
+    # the step's microbatches), not 1F1B's or GPipe's in-flight microbatches forward then backward.
+    whole_schedule: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -543,7 +548,9 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: i
         return microbatches
     if schedule == "1f1b":
         return min(pp - pp_rank, microbatches)
-    raise ValueError(f"The dry run runs `schedule='1f1b'` or `'gpipe'`, not {schedule!r}; set schedule to one of them.")
+    raise ValueError(
+        f"The dry run runs `schedule='1f1b'`, `'gpipe'` or `'interleaved'`, not {schedule!r}; set schedule to one of them."
+    )
 
 
 # Collectives the planner prices per microbatch (the rest, dp/edp/dp_replicate, once per step).
@@ -626,7 +633,15 @@ def dry_run_rank(
     clock["parallelize"] = time.perf_counter() - t
     pp_rank = dims.local_rank("pp") if dims.pp > 1 else 0
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1
-    in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches)
+    whole_schedule = dims.pp > 1 and config.schedule == "interleaved"
+    if whole_schedule:
+        # The interleaved schedule's peak depends on its order across the rank's chunks: run all of it, in the order
+        # torch runs it (`plan.pipeline.compute_order`, checked against torch's schedule).
+        order = compute_order("interleaved", dims.pp, microbatches, config.virtual_stages, pp_rank)
+        in_flight = microbatches
+    else:
+        in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches)
+        order = (("F", 0),) * in_flight + (("B", 0),) * in_flight
     live, comm = _LiveBytes(), _CommCounter(dims)
     live.exclude = {_storage_key(_local(p)) for p in module.parameters()}
     live.exclude |= {_storage_key(_local(q)) for g in optimizer.param_groups for q in g["params"]}
@@ -638,7 +653,7 @@ def dry_run_rank(
     states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
     before = sum(states_before)
     t = time.perf_counter()
-    activations, schedule_peak, backward_peak, accumulated = 0.0, 0, 0, 0
+    activations, schedule_peak, backward_peak = 0.0, 0, 0
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
         if microbatches > in_flight:
@@ -647,7 +662,7 @@ def dry_run_rank(
             # microbatches once untracked first, so the measured pass finds those gradients.
             untracked = _LiveBytes()
             with _FusedAttention(), balanced_routing(*parallel.parts), _fsdp_on_meta(untracked):
-                _train_step(module, parallel, dims, seq_len, micro_batch, hidden, in_flight, untracked,
+                _train_step(module, parallel, dims, seq_len, micro_batch, hidden, order, untracked,
                             precision.param_dtype or torch.float32)
             # The accumulated gradients count as live bytes of the measured pass: the step's gradient sync
             # frees each one as it packs it into its bucket (ZeRO-1/2), which a constant added to the peak
@@ -657,13 +672,13 @@ def dry_run_rank(
             ] + _reduced_shards(parallel):
                 if tensor is not None:
                     live.track(tensor)
-            accumulated = live.current
+
         with _FusedAttention(), comm, live, balanced_routing(*parallel.parts), _fsdp_on_meta(live), \
                 _count_loss_parallel(live):
             activations = _train_step(
-                module, parallel, dims, seq_len, micro_batch, hidden, in_flight, live,
+                module, parallel, dims, seq_len, micro_batch, hidden, order, live,
                 precision.param_dtype or torch.float32,
-            ) - accumulated
+            )
             schedule_peak = live.peak
             live.mark("schedule_end")
             if parallel.data_parallel is not None:
@@ -703,7 +718,7 @@ def dry_run_rank(
     return RankDryRun(
         rank=rank, world_size=world_size, coordinates=coords, pipeline_rank=pp_rank, layers=layers,
         in_flight=in_flight, measured=measured, predicted=predicted, comm=comm.figures(),
-        predicted_comm=predicted_comm, step_ran=run_step, seconds=clock,
+        predicted_comm=predicted_comm, step_ran=run_step, seconds=clock, whole_schedule=whole_schedule,
     )
 
 
@@ -724,20 +739,25 @@ def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
 
 def _train_step(
     module: nn.Module, parallel: ParallelModel, dims: ParallelDims, seq_len: int, micro_batch: int, hidden: int,
-    in_flight: int, live: "_LiveBytes", dtype: torch.dtype,
+    order: Sequence[tuple[str, int]], live: "_LiveBytes", dtype: torch.dtype,
 ) -> float:
-    """Forward ``in_flight`` microbatches, then their backward; returns the bytes held after the forwards.
+    """Run this rank's forwards and backwards in ``order`` (``("F" or "B", local chunk)`` each: 1F1B's and GPipe's
+    in-flight microbatches all forward then all backward, or the interleaved schedule's whole order). Returns the
+    activation bytes held at the most, after a forward (this step's gradients and the stages' weights left out).
     ``dtype``: the activations' (a later pipeline stage receives its input in it)."""
     runner = parallel.pipeline
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if runner is None:
-        stage, first, last = module, True, True
+        stages, firsts, lasts = [module], [True], [True]
         loss_fn = getattr(module, "loss_fn", None) or causal_lm_step_loss
     else:
-        stage, first, last, loss_fn = runner.stage_modules[0], runner.has_first, runner.has_last, runner.spec.loss_fn
+        stages, loss_fn = list(runner.stage_modules), runner.spec.loss_fn
+        firsts = [m.stage_index == 0 for m in stages]
+        lasts = [m.stage_index == runner.num_stages - 1 for m in stages]
         # The runner gives `split_batch` the whole batch before the schedule runs; transformers' pipeline_spec
         # remembers its label count there (the weight of each microbatch's loss). Shapes only on meta.
-        whole = torch.zeros(micro_batch * in_flight, seq_len, dtype=torch.long, device="meta")
+        per_chunk = sum(1 for kind, chunk in order if kind == "F" and chunk == 0)
+        whole = torch.zeros(micro_batch * per_chunk, seq_len, dtype=torch.long, device="meta")
         runner.spec.split_batch((whole, whole))
     targets = tokens
     context = parallel.context
@@ -760,7 +780,9 @@ def _train_step(
         sync = data_parallel.each_microbatch()
     else:
         sync = data_parallel.no_sync() if deferred else contextlib.nullcontext()
-    outputs = []
+    outputs: dict[int, list[Tensor]] = {chunk: [] for chunk in range(len(stages))}
+    last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
+    held = 0.0
     # Tensors autograd saves are the activations; some are made where the dispatch mode does not see
     # them (DTensor redistributes its inputs inside its own dispatch: under sequence parallelism the
     # all-gathered inputs of the q/k/v and MLP projections). Count every saved local storage too.
@@ -769,27 +791,34 @@ def _train_step(
         return t
 
     with sync, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for _ in range(in_flight):
-            if first:
-                x: Tensor = tokens
-            else:
-                x = torch.empty(micro_batch, stream_len, hidden, dtype=dtype, device="meta", requires_grad=True)
-            with loss_parallel_step(parallel.loss_parallel), (context.mode() if context else contextlib.nullcontext()):
-                y = stage(x)
-                if last:
-                    y = loss_fn(y, targets)
-            outputs.append(y)
-        # ZeRO-3 keeps some units gathered from forward to backward (the last block, the head): weights, not
-        # activations (the planner prices them with the gathered buffers); the stage's parameters are the
-        # gathered tensors while they are.
-        held = float(live.current - live.held_by(stage.parameters()))
-        live.forward_peak = live.peak
-        live.mark("forward_end")
-        # Each microbatch's output (and with it its graph) is dropped after its backward, as torch's pipeline stage
-        # pops it from its forward cache: what the graph itself keeps beside its saved tensors is freed per
-        # microbatch, not when the last one is done.
-        while outputs:
-            y = outputs.pop(0)
+        for index, (kind, chunk) in enumerate(order):
+            stage = stages[chunk]
+            if kind == "F":
+                if firsts[chunk]:
+                    x: Tensor = tokens
+                else:
+                    x = torch.empty(micro_batch, stream_len, hidden, dtype=dtype, device="meta", requires_grad=True)
+                with loss_parallel_step(parallel.loss_parallel), \
+                        (context.mode() if context else contextlib.nullcontext()):
+                    y = stage(x)
+                    if lasts[chunk]:
+                        y = loss_fn(y, targets)
+                outputs[chunk].append(y)
+                # ZeRO-3 keeps some units gathered from forward to backward (the last block, the head): weights,
+                # not activations (the planner prices them with the gathered buffers); the stages' parameters are
+                # the gathered tensors while they are. Gradients (accumulated, or summed shards) are not either.
+                # (Read after the forward: FSDP2 registers the gathered tensors as the parameters while it keeps them.)
+                weights = [p for s in stages for p in s.parameters()]
+                grads = [p.grad for p in weights if p.grad is not None] + _reduced_shards(parallel)
+                held = max(held, float(live.current - live.held_by(weights) - live.held_by(grads)))
+                if index == last_forward:
+                    live.forward_peak = live.peak
+                    live.mark("forward_end")
+                continue
+            # Each microbatch's output (and with it its graph) is dropped after its backward, as torch's pipeline
+            # stage pops it from its forward cache: what the graph itself keeps beside its saved tensors is freed
+            # per microbatch, not when the last one is done.
+            y = outputs[chunk].pop(0)
             with loss_parallel_backward(parallel.loss_parallel):
                 if y.dim() == 0:
                     y.backward()
@@ -797,7 +826,7 @@ def _train_step(
                     y.backward(torch.empty_like(y))
             del y
             if each_microbatch:
-                data_parallel.reduce_part(0)  # the dry run's pipeline rank runs one stage
+                data_parallel.reduce_part(chunk)
     return held
 
 

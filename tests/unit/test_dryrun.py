@@ -299,3 +299,22 @@ def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_pri
         reduced = sum(c["bytes"] for c in b["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         reduced_once = sum(c["bytes"] for c in a["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         assert reduced == pytest.approx(b["in_flight"] * reduced_once, rel=1e-6)
+
+
+def test_dry_run_walks_the_interleaved_schedule():
+    """The interleaved schedule (pp=4 x v=2, 8 microbatches) runs its whole order on the dry-run rank
+    (`plan.pipeline.compute_order`, every chunk of every microbatch): its tensor-parallel collectives are the step's
+    (the planner's to the call), and its held activations and peak agree with the planner's schedule walk."""
+    code = CHILD.replace("microbatches=8)", "microbatches=8, schedule='interleaved', virtual_stages=2)")
+    for rank in (0, 63):
+        proc = run_code(code, str(rank), "bf16-true")
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+        r = json.loads(line[len("RESULT "):])
+        assert r["whole_schedule"] and r["in_flight"] == 8 and r["step_ran"]
+        comm = {(c["dim"], c["op"]): c["calls"] for c in r["comm"]}
+        planned = {(c["dim"], c["op"]): c["calls"] for c in r["predicted_comm"]}
+        assert comm[("tp", "reduce_scatter")] == planned[("tp", "reduce_scatter")], (comm, planned)
+        measured, predicted = r["measured"], r["predicted"]
+        assert measured["activations"] == pytest.approx(predicted["activations"], rel=0.2), rank
+        assert measured["peak"] == pytest.approx(predicted["peak"], rel=0.1), rank
