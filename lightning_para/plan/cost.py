@@ -309,8 +309,10 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
     ranks = []
     for part in parts:
         kinds = tuple(model.is_moe_layer(i) for i in part.layers)
+        chunks = tuple((tuple(model.is_moe_layer(i) for i in c.layers), c.embedding, c.last_stage, c.sends_forward)
+                       for c in part.chunks)
         key = (kinds, part.embedding, part.head, part.final_norm, part.last_stage, part.sends_forward,
-               part.sends_backward, part.in_flight)
+               part.sends_backward, part.in_flight, chunks)
         if key not in priced:
             priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from lightning_para.options import PLANNED_SCHEDULES
 from lightning_para.options import SCHEDULES as STRATEGY_SCHEDULES
@@ -134,6 +134,16 @@ def _balanced_split(costs: tuple[float, ...], chunks: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class ChunkShare:
+    """One of a rank's pipeline chunks (its virtual stages, in the rank's order): what its activations hold."""
+
+    layers: tuple[int, ...]
+    embedding: bool = False
+    last_stage: bool = False  # the model's last chunk: the head's output and the loss
+    sends_forward: bool = False  # its output goes to another rank
+
+
+@dataclass(frozen=True)
 class RankLayers:
     """What one pipeline rank holds: its layer indices, the embedding, the final norm and/or the
     output head, how many chunk boundaries it sends across, and its peak in-flight microbatches."""
@@ -147,6 +157,7 @@ class RankLayers:
     in_flight: float
     final_norm: bool = False
     last_stage: bool = False  # holds the last chunk: computes the loss
+    chunks: tuple[ChunkShare, ...] = ()  # per local chunk (several under interleaved schedules)
 
 
 def pipeline_ranks(
@@ -186,6 +197,14 @@ def pipeline_ranks(
                 in_flight=in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
                 final_norm=any(u.final_norm for u in held),
                 last_stage=chunks - 1 in owned,
+                chunks=tuple(
+                    ChunkShare(
+                        layers=tuple(i for u in units[starts[c]:starts[c + 1]] for i in u.layers),
+                        embedding=any(u.embedding for u in units[starts[c]:starts[c + 1]]),
+                        last_stage=c == chunks - 1,
+                        sends_forward=c != chunks - 1 and placement[c + 1] != rank,
+                    ) for c in owned
+                ),
             )
         )
     return result
@@ -240,8 +259,20 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int
     return tuple(order)
 
 
-def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, chunk_activations: float,
-                       chunk_gradients: float, freed_after_backward: bool = False) -> float:
+def held_activations_peak(order: Sequence[tuple[str, int]], chunk_activations: Sequence[float]) -> float:
+    """The most activation bytes a rank holds while it runs ``order`` (:func:`compute_order`), with
+    ``chunk_activations[c]`` held per microbatch by its chunk ``c`` (chunks differ: the embedding or the head)."""
+    counts, peak = [0] * len(chunk_activations), 0.0
+    for kind, chunk in order:
+        counts[chunk] += 1 if kind == "F" else -1
+        if kind == "F":
+            peak = max(peak, sum(n * a for n, a in zip(counts, chunk_activations)))
+    return peak
+
+
+def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: Union[int, Sequence[int]],
+                       chunk_activations: Union[float, Sequence[float]], chunk_gradients: Union[float, Sequence[float]],
+                       freed_after_backward: bool = False) -> float:
     """The peak of activations plus this step's gradients while a rank runs ``order`` (:func:`compute_order`),
     when a chunk's gradients come into being at its first backward (autograd allocates ``.grad`` after
     ``zero_grad(set_to_none=True)``: torch's DDP and FSDP, ParaStrategy; not Megatron-LM's persistent buffer).
@@ -251,22 +282,29 @@ def lazy_gradient_peak(order: Sequence[tuple[str, int]], layers_per_chunk: int, 
     gradients exist (the first time), so the largest value is at the first or the last layer.
     ``freed_after_backward``: each backward's gradients are reduce-scattered and freed at its end (ZeRO-2's
     ``"reduce_each_microbatch"``): they exist during every backward, never after.
+    Each of the three is one value for every chunk, or one per chunk.
     """
-    held, grads, peak = 0, 0.0, 0.0
+    chunks = 1 + max(chunk for _, chunk in order)
+
+    def per_chunk(value: Union[float, Sequence[float]]) -> list[float]:
+        return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * chunks
+
+    activations, gradients = per_chunk(chunk_activations), per_chunk(chunk_gradients)
+    layers = [max(1, int(n)) for n in per_chunk(layers_per_chunk)]
+    held, grads, peak = 0.0, 0.0, 0.0
     started: set[int] = set()
-    layer_activations = chunk_activations / max(1, layers_per_chunk)
-    layer_gradients = chunk_gradients / max(1, layers_per_chunk)
     for kind, chunk in order:
         if kind == "F":
-            held += 1
-            peak = max(peak, held * chunk_activations + grads)
+            held += activations[chunk]
+            peak = max(peak, held + grads)
             continue
         first = chunk not in started or freed_after_backward
-        new = chunk_gradients if first else 0.0
-        at_first_layer = held * chunk_activations + grads + (layer_gradients if first else 0.0)
-        at_last_layer = held * chunk_activations - (chunk_activations - layer_activations) + grads + new
+        new = gradients[chunk] if first else 0.0
+        layer_activations, layer_gradients = activations[chunk] / layers[chunk], gradients[chunk] / layers[chunk]
+        at_first_layer = held + grads + (layer_gradients if first else 0.0)
+        at_last_layer = held - (activations[chunk] - layer_activations) + grads + new
         peak = max(peak, at_first_layer, at_last_layer)
         started.add(chunk)
         grads += 0.0 if freed_after_backward else new
-        held -= 1
+        held -= activations[chunk]
     return peak

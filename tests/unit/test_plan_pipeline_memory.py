@@ -18,7 +18,7 @@ import pytest
 from lightning_para.parallel.pipeline.schedules import schedule_action_order
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import compute_order, lazy_gradient_peak
+from lightning_para.plan.pipeline import compute_order, held_activations_peak, lazy_gradient_peak, pipeline_ranks
 from tests.harness import run_code
 
 @pytest.mark.parametrize("schedule,pp,microbatches,virtual_stages", [
@@ -33,6 +33,25 @@ def test_compute_order_is_the_order_torch_runs(schedule, pp, microbatches, virtu
             for action in log
         )
         assert compute_order(schedule, pp, microbatches, virtual_stages, rank) == torch_order, rank
+
+
+def test_uneven_chunks_by_hand():
+    """Interleaved chunks hold different bytes (the embedding's chunk little, the head's much): the walk weighs each."""
+    order = compute_order("interleaved", 2, 4, 2, 0)  # rank 0 of pp=2, v=2, m=4
+    # Warm-up: 2 forwards of chunk 0, 2 of chunk 1, then 1F1B pairs; chunk 0 holds 1 byte, chunk 1 holds 10.
+    assert order[:5] == (("F", 0), ("F", 0), ("F", 1), ("F", 1), ("F", 0))
+    assert held_activations_peak(order, [1.0, 10.0]) == 3 * 1 + 2 * 10
+    # With chunk 0 the heavier, the peak comes later: 4 microbatches of chunk 0 and 1 of chunk 1 (after a B of chunk 1).
+    assert held_activations_peak(order, [10.0, 1.0]) == 4 * 10 + 1 * 1
+    # The gradient walk with per-chunk values equals the even one when the chunks are equal.
+    assert lazy_gradient_peak(order, [2, 2], [5.0, 5.0], [3.0, 3.0]) == lazy_gradient_peak(order, 2, 5.0, 3.0)
+    # Llama 3 405B at pp=16, v=8: rank 0's first chunk is the embedding alone, the last rank's last the head and loss.
+    ranks = pipeline_ranks(preset("llama3-405b"), "interleaved", 16, 8, 32)
+    first, last = ranks[0], ranks[-1]
+    assert first.chunks[0].embedding and first.chunks[0].layers == () and not first.chunks[0].last_stage
+    assert last.chunks[-1].last_stage and not last.chunks[-1].sends_forward
+    for rank in ranks:
+        assert tuple(i for chunk in rank.chunks for i in chunk.layers) == rank.layers and len(rank.chunks) == 8
 
 
 def test_lazy_gradient_peak_by_hand():
