@@ -562,7 +562,8 @@ def _predicted(
 ) -> tuple[MemoryFigures, list[CommFigure], int]:
     """The planner's figures for this pipeline rank. Its per-microbatch collectives (tp, cp, ep) are
     scaled from the step's microbatches to the ``in_flight`` ones the dry run runs, so both sides count
-    the same microbatches; the data-parallel ones are per step on both sides."""
+    the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
+    ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
     est = estimate(model, cluster, training, layout_from_config(config, dims))
     rank = est.ranks[pp_rank]
@@ -572,8 +573,10 @@ def _predicted(
     figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.transient, mem.total)
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
+    each_microbatch = config.zero_accumulation == "reduce_each_microbatch" and config.zero == 2 and dims.pp > 1
     for c in rank.collectives:
-        calls = c.calls * in_flight / microbatches if c.dim in _PER_MICROBATCH_DIMS else c.calls
+        per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (each_microbatch and c.what.startswith("gradient"))
+        calls = c.calls * in_flight / microbatches if per_microbatch else c.calls
         comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
     return figures, comm, rank.layers
 

@@ -299,6 +299,9 @@ def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_pri
         reduced = sum(c["bytes"] for c in b["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         reduced_once = sum(c["bytes"] for c in a["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         assert reduced == pytest.approx(b["in_flight"] * reduced_once, rel=1e-6)
+        # The planner's figure, scaled to the microbatches the dry run ran, as its per-microbatch collectives are.
+        planned = sum(c["bytes"] for c in b["predicted_comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
+        assert reduced == pytest.approx(planned, rel=1e-3), (reduced, planned)
 
 
 def test_dry_run_walks_the_interleaved_schedule():
