@@ -565,7 +565,8 @@ def _predicted(
     the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
     ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
-    est = estimate(model, cluster, training, layout_from_config(config, dims))
+    layout = layout_from_config(config, dims)
+    est = estimate(model, cluster, training, layout)
     rank = est.ranks[pp_rank]
     res, mem = rank.resident, rank.memory
     # The dry run's activations are what the forwards leave held; the layer that full recomputation
@@ -573,9 +574,8 @@ def _predicted(
     figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.transient, mem.total)
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
-    each_microbatch = config.zero_accumulation == "reduce_each_microbatch" and config.zero == 2 and dims.pp > 1
     for c in rank.collectives:
-        per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (each_microbatch and c.what.startswith("gradient"))
+        per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (layout.reduces_each_microbatch and c.what.startswith("gradient"))
         calls = c.calls * in_flight / microbatches if per_microbatch else c.calls
         comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
     return figures, comm, rank.layers

@@ -196,6 +196,12 @@ class Layout:
         _check_choice("fp8", self.fp8, FP8_RECIPES)
 
     @property
+    def reduces_each_microbatch(self) -> bool:
+        """ZeRO-2 reduce-scatters each pipeline microbatch's gradients (``"reduce_each_microbatch"`` with ``pp > 1``;
+        without a pipeline it is ``"reduce_each_step"``)."""
+        return self.zero_accumulation == "reduce_each_microbatch" and self.pp > 1
+
+    @property
     def recompute(self) -> Optional[str]:
         """:attr:`activation_checkpointing` under the cost model's name (recomputation)."""
         return self.activation_checkpointing

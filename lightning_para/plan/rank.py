@@ -313,7 +313,7 @@ def _memory(
     k_bytes = precision.master + training.optimizer_state_bytes
     # Gradients stay whole until reduced: across a pipeline flush (every pipeline engine accumulates its
     # microbatches locally, but ZeRO-2's "reduce_each_microbatch"), and across accumulation steps with "no_sync".
-    each_microbatch = layout.zero_accumulation == "reduce_each_microbatch" and layout.pp > 1
+    each_microbatch = layout.reduces_each_microbatch
     full_grads = layout.zero >= 2 and (
         (layout.pp > 1 and not each_microbatch) or (layout.zero_accumulation == "no_sync" and per_step > 1)
     )
@@ -367,9 +367,12 @@ def _memory(
     if part.last_stage:
         held += head_bytes(model, training, layout)
     activations, recomputed = part.in_flight * held, 0.0
+    # The order this rank runs its forwards and backwards in (one flush; None for the zero-bubble schedules).
+    walk = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
+        if layout.pp > 1 and flushes == 1 else None
     # Several chunks per rank (interleaved): they hold different bytes (the embedding's or the head's chunk), and
-    # the schedule's order decides how many microbatches of each are held at once: walk it (the dry run's walk of
-    # the same order found rank 0 of Llama 3 405B at v=8 7% under the even spread over chunks).
+    # the schedule's order decides how many microbatches of each are held at once: walk it (spread evenly over the
+    # chunks, rank 0 of Llama 3 405B at v=8 was 8% over the dry run's walk of the same order).
     chunk_held: Optional[list[float]] = None
     if len(part.chunks) > 1:
         by_layer = dict(zip(part.layers, per_layer))
@@ -379,8 +382,6 @@ def _memory(
             + (head_bytes(model, training, layout) if chunk.last_stage else 0.0)
             for chunk in part.chunks
         ]
-        walk = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
-            if flushes == 1 else None
         if walk is not None:
             activations = held_activations_peak(walk, chunk_held)
     if layout.activation_checkpointing == "full" and part.layers:
@@ -449,8 +450,7 @@ def _memory(
         step_temporaries = max(step_temporaries, precision.weight * (dense + expert))  # the updated weights' gather
     optimizer_step_total = resident.params + resident.grads + resident.optimizer + step_temporaries
     not_yet = 0.0
-    order = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
-        if lazy and flushes == 1 and part.layers else None
+    order = walk if lazy and part.layers else None
     reducing = 0.0
     if each_microbatch:
         # One chunk's whole gradients exist during each of its backwards, until reduce-scattered
@@ -588,7 +588,7 @@ def _dp_collectives(
     g, w = training.grad_bytes, training.bytes.weight
     each_step = layout.zero_accumulation in ("reduce_each_step", "reduce_each_microbatch") and layout.zero >= 2
     reductions = flushes if each_step else 1
-    each_microbatch = layout.zero_accumulation == "reduce_each_microbatch" and layout.pp > 1 and layout.zero == 2
+    each_microbatch = layout.reduces_each_microbatch
     if each_microbatch:
         reductions = per_step
     grad_sync: list[Collective] = []
