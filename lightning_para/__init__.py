@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_para.checkpoint import ParaModelCheckpoint, consolidate_checkpoint
 from lightning_para.compat import grad_norm
 from lightning_para.config import ParallelConfig
+from lightning_para.integrations import litgpt as _litgpt_integration  # noqa: F401  (registers)
 from lightning_para.integrations import transformers as _transformers_integration  # noqa: F401  (registers)
 from lightning_para.mesh import ParallelDims
 from lightning_para.observe import ParaProfiler

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_para._dtensor import is_strided, tied_parameter_groups
+from lightning_para.parallel.tensor.adapters import tensor_parallel_adapter
 from lightning_para.parallel.tensor.plan import ModulePlan, Style, plan_modules, resolve_plan
 from lightning_para.parallel.tensor.styles import make_style, shard_stage_boundary
 from lightning_para.parallel.tensor.validate import check_plan
@@ -115,9 +116,12 @@ def apply_tensor_parallel(
             is_float8 = float8 is not None and (float8.applies_to(target) or style in ("attention", "mlp"))
             style = make_style(
                 style, sequence_parallel=sp, loss_parallel=lp, head_attributes=heads.get(fqn),
-                keep_shard=sp and keep_sequence_shard, float8=float8 if is_float8 else None,
+                keep_shard=sp and keep_sequence_shard, float8=float8 if is_float8 else None, name=fqn,
             )
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
+        adapter = tensor_parallel_adapter(module.get_submodule(fqn)) if resolved[fqn] == "attention" else None
+        if adapter is not None:
+            adapter.adapt(module.get_submodule(fqn), tp)
 
     _retie(module, tied)
     if hook_grads:

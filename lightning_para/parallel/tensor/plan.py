@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_para._dtensor import parameter_owners
 from lightning_para.moe import MoE
+from lightning_para.parallel.tensor.adapters import tensor_parallel_adapter
 
 Style = Union[str, ParallelStyle]
 PLAN_HOOK = "tensor_parallel_plan"
@@ -225,7 +226,19 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
     def in_moe(fqn: str) -> bool:
         return any(fqn == r or fqn.startswith(r + ".") for r in moe_roots)
 
-    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear) and not in_moe(n)}
+    # --- attention modules a registered adapter knows (LitGPT: head counts in a shared config):
+    # the adapter gives their children's styles; the generic rules below leave them alone.
+    adapted: dict[str, str] = {}
+    for n, m in modules.items():
+        adapter = tensor_parallel_adapter(m) if n and not in_moe(n) else None
+        if adapter is not None:
+            adapted[n] = "attention"
+            plan.update({f"{n}.{child}": style for child, style in adapter.plan(m).items()})
+
+    def in_adapted(fqn: str) -> bool:
+        return any(fqn.startswith(a + ".") for a in adapted)
+
+    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear) and not in_moe(n) and not in_adapted(n)}
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding) and not in_moe(n)}
     owners = {pid: [fqn for fqn, _ in held] for pid, held in parameter_owners(root).items()}
 
@@ -285,6 +298,8 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
         plan.update(styles)
         sublayers[parent] = "attention" if is_attention else "mlp"
     plan.update(sublayers)
+    sublayers.update(adapted)
+    plan.update(adapted)
 
     def in_sublayer(fqn: str) -> bool:
         return any(fqn.startswith(s + ".") for s in sublayers)

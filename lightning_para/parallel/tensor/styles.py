@@ -18,9 +18,10 @@ depends on two switches: ``sequence_parallel`` and ``loss_parallel``. Layout con
 * The row-parallel output projection ends the sublayer with an all-reduce (TP) or a
   reduce-scatter along the sequence (SP) -- Megatron's ``g`` operator.
 
-:class:`FusedColwiseParallel`, :class:`VocabParallelEmbedding`, :class:`SublayerInput` and
-:class:`HeadNorm` are new here, and the styles on the sequence-sharded stream outside the
-sublayers live in :mod:`.sequence`; everything else is a configured torch style.
+:class:`VocabParallelEmbedding`, :class:`SublayerInput` and :class:`HeadNorm` are new here; the
+column-parallel styles (``Colwise`` and the fused projections) live in :mod:`.columns`, the styles
+on the sequence-sharded stream outside the sublayers in :mod:`.sequence`; everything else is a
+configured torch style.
 
 Why this module is long: one ``ParallelStyle`` per shorthand, all bound by the layout contract
 above; split apart, each would have to restate it.
@@ -35,10 +36,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from lightning_para.parallel.tensor.bounds import check_token_ids
+from lightning_para.parallel.tensor.columns import Colwise, FusedBlocksColwise, FusedColwiseParallel
+from lightning_para.parallel.tensor.global_sizes import explain_first_call
 from lightning_para.parallel.tensor.sequence import (
     SEQ_DIM,
     GatherSequence,
@@ -51,74 +53,6 @@ from lightning_para.parallel.tensor.sequence import (
 
 # Names of the hidden-states argument when a sublayer is called with keywords (HF style).
 HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "input", "inputs", "query", "h")
-
-
-class Colwise(ColwiseParallel):
-    """``ColwiseParallel`` that also gathers a DTensor input sharded along the sequence.
-
-    Torch's style only redistributes inputs that arrive as plain tensors; a sequence-sharded
-    DTensor would reach the matmul and be resolved there, once per projection.
-    """
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x = inputs[0]
-        if isinstance(x, DTensor):
-            return x if x.placements == desired_input_layouts else x.redistribute(placements=desired_input_layouts)
-        # private: see docs/architecture.md
-        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-
-class FusedColwiseParallel(Colwise):
-    """Column-parallel for a fused projection whose output is ``parts`` equal blocks side by side.
-
-    ``c_attn`` (q|k|v, ``parts=3``) or ``gate_up_proj`` (gate|up, ``parts=2``): a plain
-    ``Shard(0)`` would give rank 0 all of q and half of k. The weight is laid out as
-    ``_StridedShard(0, split_factor=parts)`` instead: every rank holds its slice of *each*
-    block, so ``split(width / tp)`` of the local output gives this rank's q, k and v heads.
-    The parameter stays a global-shaped DTensor, so checkpoints remain layout-independent.
-
-    The bias (``parts * width`` numbers) stays replicated over tp and each rank adds its
-    slice: a strided 1-D shard could not be sharded again over dp (ZeRO/FSDP split dim 0,
-    which no DTensor placement can describe on top of a strided shard).
-    """
-
-    def __init__(self, parts: int) -> None:
-        super().__init__()
-        self.parts = parts
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        strided = [_StridedShard(0, split_factor=self.parts)]
-        for pname, param in module.named_parameters():
-            placement = strided if pname == "weight" else [Replicate()]
-            dist_param = nn.Parameter(
-                distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(pname, dist_param)
-
-    @staticmethod
-    def _fused_forward(parts: int, module: nn.Linear, x: DTensor) -> torch.Tensor:
-        # No communication: a replicated input times a strided weight is a strided output.
-        out = torch.nn.functional.linear(x, module.weight).to_local()
-        if module.bias is not None:
-            out = out + module.bias.redistribute(placements=[_StridedShard(0, split_factor=parts)]).to_local()
-        return out
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs  # already this rank's [q_r | k_r | v_r], what the model's own split expects
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise ValueError(f"FusedColwiseParallel applies to nn.Linear, not {type(module).__name__}.")
-        module = super()._apply(module, device_mesh)
-        # An instance attribute: the module (and every parameter name) stays the same.
-        module.forward = partial(self._fused_forward, self.parts, module)
-        return module
-
-    def __repr__(self) -> str:
-        return f"FusedColwiseParallel(parts={self.parts})"
 
 
 class _Regathered:
@@ -191,9 +125,10 @@ class SublayerInput(ParallelStyle):
 
     def __init__(
         self, sequence_parallel: bool, head_attributes: Optional[dict[str, int]] = None, keep_shard: bool = False,
-        float8: Any = None,
+        float8: Any = None, name: str = "",
     ) -> None:
         super().__init__()
+        self.name = name  # the module's name in the model, for the first-call error
         self.sequence_parallel = sequence_parallel
         self.head_attributes = dict(head_attributes or {})
         self.keep_shard = keep_shard and sequence_parallel
@@ -248,6 +183,8 @@ class SublayerInput(ParallelStyle):
         tp = device_mesh.size()
         for attr, full in self.head_attributes.items():
             setattr(module, attr, full // tp)
+        divided = {attr: (full, full // tp) for attr, full in self.head_attributes.items()}
+        explain_first_call(module, self.name or type(module).__name__, tp, divided)
         if self.float8 is not None and self.sequence_parallel:
             self._cast = self.float8.gather_cast(module)
             # The float8 children save their float8 input (1 byte/element, a tensor subclass the shard
@@ -405,11 +342,14 @@ def make_style(
     head_attributes: Optional[dict[str, int]] = None,
     keep_shard: bool = True,
     float8: Any = None,
+    name: str = "",
 ) -> ParallelStyle:
     """The ParallelStyle for one shorthand under the given switches.
 
     ``keep_shard`` (SP only): sublayers save their input's sequence shard and all-gather it
     again in backward (Megatron-SP), instead of saving the gathered copy.
+    ``name``: the module's name in the model (named by the first-call error of a sublayer that reshapes with
+    global sizes, :mod:`.global_sizes`).
     ``float8``: torchao's float8 styles (``parallel/fp8.py``'s ``Float8ParallelStyles``) for a module
     converted to float8 training (``fp8="tensorwise"``); for a sublayer, its float8 children's input
     is cast before the sequence all-gather.
@@ -436,7 +376,8 @@ def make_style(
         return FusedColwiseParallel(parts=2)
     if shorthand in ("attention", "mlp"):
         return SublayerInput(
-            sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard, float8=float8
+            sp, head_attributes if shorthand == "attention" else None, keep_shard=keep_shard, float8=float8,
+            name=name,
         )
     if shorthand == "vocab_parallel":
         return VocabParallelEmbedding(sp)
@@ -464,6 +405,6 @@ def make_style(
 
 
 __all__ = [
-    "SHORTHANDS", "make_style", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
+    "SHORTHANDS", "make_style", "FusedBlocksColwise", "FusedColwiseParallel", "VocabParallelEmbedding", "SublayerInput", "SequenceSlice", "GatherSequence",
     "HeadNorm", "SequenceShardedNorm", "shard_stage_boundary",
 ]

@@ -15,6 +15,8 @@ from typing import Any
 from torch import nn
 
 from lightning_para._dtensor import divisors, tied_parameter_groups
+from lightning_para.parallel.tensor.adapters import tensor_parallel_adapter
+from lightning_para.parallel.tensor.columns import FusedBlocksColwise
 from lightning_para.parallel.tensor.plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style, config_head_counts, head_attributes
 from lightning_para.parallel.tensor.styles import COVERS_DESCENDANTS, LINEAR_STYLES, SHORTHANDS
 
@@ -35,6 +37,11 @@ def check_plan(
 
     for fqn, style in plan.items():
         m = modules[fqn]
+        if isinstance(style, FusedBlocksColwise):
+            try:
+                style.check(fqn, getattr(m, "out_features", -1), tp)
+            except ValueError as error:
+                problems.append(str(error))
         if not isinstance(style, str):
             continue
         if style in LINEAR_STYLES and not isinstance(m, nn.Linear):
@@ -52,6 +59,11 @@ def check_plan(
             splits.append((f"width of each of the {parts} fused blocks", fqn, m.out_features // parts))
         elif style == "vocab_parallel":
             splits.append(("vocabulary size", fqn, m.num_embeddings))
+        elif style == "attention" and tensor_parallel_adapter(m) is not None:
+            # Head counts a registered adapter reads from outside the module (LitGPT's shared config).
+            heads[fqn] = {}
+            for attr, value in tensor_parallel_adapter(m).head_counts(m).items():
+                splits.append((f"attention heads `{attr}`", fqn, value))
         elif style == "attention":
             heads[fqn] = head_attributes(m, _attention_width(fqn, m, plan))
             for attr, value in heads[fqn].items():
@@ -111,6 +123,8 @@ def _check_tied(module: nn.Module, plan: Mapping[str, Style], sequence_parallel:
 def _attention_width(fqn: str, attention: nn.Module, plan: Mapping[str, Style]) -> int:
     """Output width of the query projection under an attention module (n_head * head_dim)."""
     for child_fqn, style in plan.items():
+        if child_fqn.startswith(fqn + ".") and isinstance(style, FusedBlocksColwise):
+            return style.rows.blocks[0] if style.rows.layout == "contiguous" else -1
         if child_fqn.startswith(fqn + ".") and style in ("colwise", "fused_qkv"):
             lin = attention.get_submodule(child_fqn[len(fqn) + 1 :])
             return lin.out_features // (3 if style == "fused_qkv" else 1)

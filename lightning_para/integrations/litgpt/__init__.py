@@ -1,0 +1,23 @@
+"""LitGPT models (``litgpt.model.GPT``) under every layout (``pip install lightning-para[litgpt]``).
+
+Public entry points (also used by the Fabric front end):
+
+* tensor / sequence parallelism: nothing to call. ``import lightning_para`` registers a
+  :class:`~lightning_para.parallel.tensor.adapters.TensorParallelAdapter` for LitGPT's
+  ``CausalSelfAttention`` (:mod:`.tensor`): the grouped-query fused ``qkv`` gets explicit block sizes,
+  and each attention module its own config copy with the per-rank head counts;
+* :func:`pipeline_spec`: a ready :class:`~lightning_para.PipelineSpec` for a ``GPT``
+  (``configure_pipeline()`` is one line);
+* :func:`load_checkpoint` / :func:`export`: a LitGPT checkpoint folder (``lit_model.pth`` +
+  ``model_config.yaml``) into a model, and a trained model (any layout) back to that format.
+
+litgpt itself is imported only inside the functions that need it. See ``docs/litgpt.md``.
+"""
+
+from lightning_para.integrations.litgpt.tensor import ADAPTER as _TENSOR_PARALLEL_ADAPTER
+from lightning_para.integrations.litgpt.tensor import is_litgpt_attention, is_litgpt_module
+from lightning_para.parallel.tensor.adapters import register_tensor_parallel_adapter
+
+register_tensor_parallel_adapter(_TENSOR_PARALLEL_ADAPTER)
+
+__all__ = ["is_litgpt_attention", "is_litgpt_module"]

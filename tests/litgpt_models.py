@@ -1,0 +1,80 @@
+"""Tiny LitGPT models (``litgpt.Config(...)``, no download) in ordinary LightningModules.
+
+The module is what a LitGPT user writes: ``self.model = GPT(config)``, a ``training_step`` with
+next-token cross-entropy on the model's logits and, for pipeline parallelism, the one-line
+``configure_pipeline()``. Weights are sharp (std 0.3, tests/sharpness.py): at LitGPT's 0.02
+attention is nearly uniform and wrong heads or positions hide inside the tolerance.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from tests.hf_models import SHARP_LR, SHARP_RANGE
+from tests.tp_models import make_optimizer
+
+VOCAB = 128  # the data uses ids < 64 (tests/tp_models.TokenDataset)
+
+
+def litgpt_config(**overrides):
+    from litgpt import Config
+
+    kwargs = dict(
+        name="tiny-llama", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+        block_size=32, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=96, norm_class_name="RMSNorm",
+        rotary_percentage=1.0, parallel_residual=False,
+    )
+    kwargs.update(overrides)
+    return Config(**kwargs)
+
+
+def sharpen(model: torch.nn.Module, std: float = SHARP_RANGE) -> None:
+    """Normal(0, std) weights for every Linear/Embedding (seeded by the caller); norms stay ones."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                torch.nn.init.zeros_(module.bias)
+
+
+class LitGPTModule(L.LightningModule):
+    """An ordinary LightningModule around ``litgpt.model.GPT`` (the "after" of docs/litgpt.md)."""
+
+    def __init__(self, config=None, lr: float = SHARP_LR) -> None:
+        super().__init__()
+        from litgpt.model import GPT
+
+        self.model = GPT(config if config is not None else litgpt_config())
+        sharpen(self.model)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_pipeline(self):
+        from lightning_para.integrations.litgpt import pipeline_spec
+
+        return pipeline_spec(self.model)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.parameters(), "sgd", self.lr)
+
+
+def gqa():
+    return LitGPTModule(litgpt_config())
+
+
+def mha():
+    return LitGPTModule(litgpt_config(n_query_groups=4))
+
+
+def moe():
+    return LitGPTModule(litgpt_config(
+        mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=48, n_embd=32,
+    ))
