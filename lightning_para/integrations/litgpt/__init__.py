@@ -6,6 +6,8 @@ Public entry points (also used by the Fabric front end):
   :class:`~lightning_para.parallel.tensor.adapters.TensorParallelAdapter` for LitGPT's
   ``CausalSelfAttention`` (:mod:`.tensor`): the grouped-query fused ``qkv`` gets explicit block sizes,
   and each attention module its own config copy with the per-rank head counts;
+* context parallelism: nothing to call. Its ``ContextParallelAdapter`` (:mod:`.context`) gives every
+  block the RoPE tables indexed by this rank's global positions;
 * :func:`pipeline_spec`: a ready :class:`~lightning_para.PipelineSpec` for a ``GPT``
   (``configure_pipeline()`` is one line);
 * :func:`load_checkpoint` / :func:`export`: a LitGPT checkpoint folder (``lit_model.pth`` +
@@ -14,10 +16,12 @@ Public entry points (also used by the Fabric front end):
 litgpt itself is imported only inside the functions that need it. See ``docs/litgpt.md``.
 """
 
+from lightning_para.integrations.litgpt import context as _context  # noqa: F401  (registers its cp adapter)
+from lightning_para.integrations.litgpt.pipeline import pipeline_spec
 from lightning_para.integrations.litgpt.tensor import ADAPTER as _TENSOR_PARALLEL_ADAPTER
 from lightning_para.integrations.litgpt.tensor import is_litgpt_attention, is_litgpt_module
 from lightning_para.parallel.tensor.adapters import register_tensor_parallel_adapter
 
 register_tensor_parallel_adapter(_TENSOR_PARALLEL_ADAPTER)
 
-__all__ = ["is_litgpt_attention", "is_litgpt_module"]
+__all__ = ["is_litgpt_attention", "is_litgpt_module", "pipeline_spec"]

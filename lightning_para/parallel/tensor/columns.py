@@ -193,6 +193,12 @@ class FusedBlocksColwise(Colwise):
                 f" (heads). Choose a tp that divides every block's head count."
             )
 
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):  # equal blocks: the strided forward gave this rank's slices already
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
     @property
     def equal_blocks(self) -> bool:
         return self.rows.layout == "contiguous" and len(set(self.rows.blocks)) == 1

@@ -1,0 +1,285 @@
+"""LitGPT models (``litgpt.Config(...)``, no download) and nanoGPT-style models under every layout.
+
+Each layout trains the same LightningModule (``tests/litgpt_models.py``: ``self.model = GPT(config)``,
+sharp std-0.3 weights, next-token cross-entropy, the one-line ``configure_pipeline()``) for 5 steps on
+the same global batch as a single-process run, and compares per-step losses at FP32_RTOL = 1e-5
+relative (fp32 summation orders only; measured <= 2e-7). Nothing in the modules mentions a layout:
+the LitGPT integration (tensor-parallel and context-parallel adapters, ``import lightning_para``)
+does the rest. World-2 tests first, then world-4, so each pool starts once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("litgpt")
+
+import lightning as L  # noqa: E402
+
+from tests import litgpt_models  # noqa: E402
+from tests.harness import WorkerError  # noqa: E402
+from tests.parity import FP32_RTOL, assert_losses_close, fit_job, fit_reference  # noqa: E402
+from tests.tp_models import make_optimizer, token_dataset  # noqa: E402
+
+pytestmark = pytest.mark.slow
+GLOBAL_BATCH = 8
+STEPS = 5
+_references: dict = {}
+
+
+def reference(factory) -> list[float]:
+    if factory not in _references:
+        _references[factory] = fit_reference(factory, token_dataset, GLOBAL_BATCH, STEPS)["losses"]
+    return _references[factory]
+
+
+def litgpt_job(factory, strategy_kwargs: dict, planted: bool = False) -> dict:
+    """Inside a worker: train; ``planted`` swaps the q and k block sizes of the fused-qkv style (a bug that
+    must fail parity). Reports the losses and this rank's mesh coordinates."""
+    from lightning_para.integrations.litgpt import tensor as litgpt_tensor
+    from lightning_para.parallel.tensor.adapters import register_tensor_parallel_adapter
+    from lightning_para.parallel.tensor.columns import FusedBlocksColwise
+
+    adapter = litgpt_tensor.ADAPTER
+    if planted:
+        def swapped_plan(attention):
+            plan = adapter.plan(attention)
+            q, k, v = plan["qkv"].rows.blocks
+            plan["qkv"] = FusedBlocksColwise((k, q, v), unit=attention.config.head_size)
+            return plan
+
+        register_tensor_parallel_adapter(type(adapter)(
+            name=adapter.name, claims=adapter.claims, plan=swapped_plan, head_counts=adapter.head_counts,
+            adapt=adapter.adapt,
+        ))
+    try:
+        modules: list = []
+
+        def remember():
+            modules.append(factory())
+            return modules[-1]
+
+        result = fit_job(remember, strategy_kwargs, token_dataset, GLOBAL_BATCH, STEPS, collect=("losses",))
+    finally:
+        register_tensor_parallel_adapter(adapter)
+    dims = modules[0].trainer.strategy.parallel_dims
+    result["coords"] = {name: dims.local_rank(name) for name in ("pp", "dp", "tp", "cp")}
+    config = getattr(modules[0].model, "config", None)
+    result["shared_n_head"] = getattr(config, "n_head", None)  # LitGPT's shared Config stays whole
+    return result
+
+
+def losses_over_dp(results: list[dict]) -> list[float]:
+    chosen = {r["coords"]["dp"]: r["losses"] for r in results if r["coords"]["tp"] == 0 and r["coords"]["pp"] == 0}
+    return [sum(step) / len(chosen) for step in zip(*chosen.values())]
+
+
+def run_and_compare(pools, world: int, factory, kwargs: dict) -> list[dict]:
+    results = pools.get(world).run(litgpt_job, factory, kwargs)
+    assert_losses_close(losses_over_dp(results), reference(factory), rtol=FP32_RTOL)
+    n_head = getattr(getattr(factory().model, "config", None), "n_head", None)
+    assert all(r["shared_n_head"] == n_head for r in results)
+    return results
+
+
+# ============================================================================ nanoGPT-style models (real code shape)
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: splits by ``self.n_embd``, views with ``C`` from ``x.size()``."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class NanoAttentionOwnSizes(NanoAttention):
+    """The same attention reshaping with its own attributes only (``self.n_embd``, ``self.n_head``)."""
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        head = self.n_embd // self.n_head
+        q, k, v = (t.view(B, T, self.n_head, head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_embd))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, attention: type) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = attention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = NanoMLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, attention: type, vocab: int = 128, block_size: int = 32, n_embd: int = 64, n_head: int = 4, n_layer: int = 2):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList(NanoBlock(n_embd, n_head, attention) for _ in range(n_layer)), ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.3 / math.sqrt(2) if name.endswith("c_proj.weight") else 0.3)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class NanoGPTModule(L.LightningModule):
+    def __init__(self, attention: type = NanoAttention) -> None:
+        super().__init__()
+        self.model = NanoGPT(attention)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return make_optimizer(self.parameters(), "sgd", litgpt_models.SHARP_LR)
+
+
+def nanogpt():
+    return NanoGPTModule(NanoAttention)
+
+
+def nanogpt_own_sizes():
+    return NanoGPTModule(NanoAttentionOwnSizes)
+
+
+# ============================================================================ the fused style itself
+def _fused_job() -> dict:
+    """A fused projection under each block layout, against the whole Linear on one process: this rank's
+    output must be its slice of every block; gradients summed over ranks must match."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_para.parallel.tensor.columns import BlockRows, FusedBlocksColwise
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    cases = {
+        "gqa-contiguous": (dict(blocks=(32, 16, 16), unit=8), (32, 16, 16)),
+        "mha-contiguous": (dict(blocks=(16, 16, 16), unit=8), (16, 16, 16)),
+        "gqa-interleaved": (dict(blocks=(16, 8, 8), layout="interleaved", groups=2, unit=8), (16, 8, 8)),
+        "planted-swapped": (dict(blocks=(16, 32, 16), unit=8), (32, 16, 16)),
+        "planted-missized": (dict(blocks=(40, 12, 12), unit=2), (32, 16, 16)),
+    }
+    out = {}
+    for name, (kwargs, truth) in cases.items():
+        torch.manual_seed(0)
+        full = nn.Linear(12, sum(truth) if "interleaved" not in name else 2 * sum(truth))
+        x = torch.randn(3, 12)
+        sharded = nn.Linear(12, full.out_features)
+        sharded.load_state_dict(full.state_dict())
+        parallelize_module(sharded, mesh, FusedBlocksColwise(**kwargs))
+        layout = kwargs.get("layout", "contiguous")
+        rows = BlockRows(truth, layout, kwargs.get("groups", 1))
+        expected_rows = torch.cat([torch.arange(s, s + n) for s, n in rows.rank_ranges(rank, 2)])
+        local = sharded(x)
+        local = local.to_local() if isinstance(local, DTensor) else local
+        out[name] = (local - full(x)[:, expected_rows]).abs().max().item()
+    return out
+
+
+def test_fused_blocks_style_layouts_and_planted_bugs(pools):
+    """Contiguous GQA (unequal blocks), contiguous MHA (equal) and interleaved blocks give every rank its slice
+    of each block exactly; swapped or mis-sized blocks (planted bugs) give other rows."""
+    result = pools.get(2).run(_fused_job)
+    for r in result:
+        for name in ("gqa-contiguous", "mha-contiguous", "gqa-interleaved"):
+            assert r[name] < 1e-6, (name, r[name])
+        assert r["planted-swapped"] > 1e-2 and r["planted-missized"] > 1e-2, r
+
+
+# ============================================================================ 2 processes
+LAYOUTS_2 = {
+    "tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_litgpt_gqa_two_ranks(pools, name):
+    run_and_compare(pools, 2, litgpt_models.gqa, LAYOUTS_2[name])
+
+
+@pytest.mark.parametrize("kwargs", [{"tp": 2}, {"tp": 2, "sequence_parallel": True}], ids=["tp2", "tp2-sp"])
+def test_litgpt_mha_two_ranks(pools, kwargs):
+    run_and_compare(pools, 2, litgpt_models.mha, kwargs)
+
+
+def test_litgpt_planted_fused_bug_fails_parity(pools):
+    """Swapping the q and k block sizes of the fused qkv style trains, and parity catches it."""
+    results = pools.get(2).run(litgpt_job, litgpt_models.gqa, {"tp": 2}, True)
+    with pytest.raises(AssertionError, match="per-step loss differs"):
+        assert_losses_close(losses_over_dp(results), reference(litgpt_models.gqa), rtol=FP32_RTOL)
+
+
+def test_nanogpt_global_sizes_fail_in_the_first_step_with_a_named_error(pools):
+    """Real nanoGPT attention views with C from x.size() (the global width): under tp=2 its first forward
+    raises an error naming the module, what it computed and the fixes, not a bare shape error."""
+    with pytest.raises(WorkerError) as caught:
+        pools.get(2).run(litgpt_job, nanogpt, {"tp": 2})
+    text = str(caught.value)
+    assert "GlobalSizeError" in text and "'model.transformer.h.0.attn' (NanoAttention)" in text, text[-3000:]
+    assert "is invalid for input of size" in text and "view(B, T, -1)" in text and "tensor_parallel_plan" in text
+
+
+def test_nanogpt_own_sizes_are_adapted(pools):
+    """The same model reshaping with its own `n_head`/`n_embd` (divided per rank by the plan): parity under
+    tp=2, with and without SP."""
+    run_and_compare(pools, 2, nanogpt_own_sizes, {"tp": 2})
+    run_and_compare(pools, 2, nanogpt_own_sizes, {"tp": 2, "sequence_parallel": True})
+
+
+# ============================================================================ 4 processes
+LAYOUTS_4 = {
+    "dp2-tp2-zero3": {"dp": 2, "tp": 2, "zero": 3}, "dp2-tp2-zero1": {"dp": 2, "tp": 2, "zero": 1},
+    "pp2-tp2": {"pp": 2, "tp": 2}, "cp2-tp2": {"cp": 2, "tp": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_litgpt_gqa_four_ranks(pools, name):
+    run_and_compare(pools, 4, litgpt_models.gqa, LAYOUTS_4[name])
