@@ -69,6 +69,12 @@ def litgpt_job(factory, strategy_kwargs: dict, planted: bool = False) -> dict:
         register_tensor_parallel_adapter(adapter)
     dims = modules[0].trainer.strategy.parallel_dims
     result["coords"] = {name: dims.local_rank(name) for name in ("pp", "dp", "tp", "cp")}
+    from torch.distributed.tensor import DTensor
+
+    result["expert_shares"] = [  # this rank's share of each stacked expert weight
+        p.to_local().numel() / p.numel() for n, p in modules[0].named_parameters()
+        if ".mlp.experts." in n and isinstance(p, DTensor) and p.dim() == 3
+    ]
     config = getattr(modules[0].model, "config", None)
     result["shared_n_head"] = getattr(config, "n_head", None)  # LitGPT's shared Config stays whole
     return result
@@ -283,3 +289,15 @@ LAYOUTS_4 = {
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_litgpt_gqa_four_ranks(pools, name):
     run_and_compare(pools, 4, litgpt_models.gqa, LAYOUTS_4[name])
+
+
+# ============================================================================ LLaMAMoE under expert parallelism
+def test_litgpt_moe_ep2(pools):
+    """ep=2 (= dp=2): each rank keeps 2 of the 4 experts of every LLaMAMoE (stacked fc_1, fc_2, proj)."""
+    results = run_and_compare(pools, 2, litgpt_models.moe, {"ep": 2})
+    assert all(r["expert_shares"] and all(s == 0.5 for s in r["expert_shares"]) for r in results)
+
+
+def test_litgpt_moe_dp2_ep2_tp2(pools):
+    results = run_and_compare(pools, 4, litgpt_models.moe, {"dp": 2, "ep": 2, "tp": 2})
+    assert all(r["expert_shares"] and all(s == 0.5 for s in r["expert_shares"]) for r in results)

@@ -8,6 +8,8 @@ Public entry points (also used by the Fabric front end):
   and each attention module its own config copy with the per-rank head counts;
 * context parallelism: nothing to call. Its ``ContextParallelAdapter`` (:mod:`.context`) gives every
   block the RoPE tables indexed by this rank's global positions;
+* expert parallelism for ``LLaMAMoE``: nothing to call. Its ``ExpertAdapter`` (:mod:`.experts`) stacks
+  each block's experts into expert-major parameters sharded over ep and routes tokens by all-to-all;
 * :func:`pipeline_spec`: a ready :class:`~lightning_para.PipelineSpec` for a ``GPT``
   (``configure_pipeline()`` is one line);
 * :func:`load_checkpoint` / :func:`export`: a LitGPT checkpoint folder (``lit_model.pth`` +
@@ -17,6 +19,7 @@ litgpt itself is imported only inside the functions that need it. See ``docs/lit
 """
 
 from lightning_para.integrations.litgpt import context as _context  # noqa: F401  (registers its cp adapter)
+from lightning_para.integrations.litgpt import experts as _experts  # noqa: F401  (registers its expert adapter)
 from lightning_para.integrations.litgpt.pipeline import pipeline_spec
 from lightning_para.integrations.litgpt.tensor import ADAPTER as _TENSOR_PARALLEL_ADAPTER
 from lightning_para.integrations.litgpt.tensor import is_litgpt_attention, is_litgpt_module

@@ -102,8 +102,11 @@ def check_expert_layout(module: nn.Module, ep: int, dp: int) -> None:
     layers = [layer for _, layer in moe_layers(module)]
     found = _adapted_experts(module)
     if ep > 1:
+        # Experts another adapter found are known to every adapter (one family's check must not refuse another's).
+        found_ids = {id(experts) for _, _, experts in found}
         unsupported = [
-            line for adapter in expert_adapters() for line in adapter.unsupported(module, lambda m: isinstance(m, MoE))
+            line for adapter in expert_adapters()
+            for line in adapter.unsupported(module, lambda m: isinstance(m, MoE) or id(m) in found_ids)
         ]
         listed = "\n  " + "\n  ".join(unsupported) if unsupported else ""
         if not layers and not found:
