@@ -78,3 +78,39 @@ def moe():
     return LitGPTModule(litgpt_config(
         mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=48, n_embd=32,
     ))
+
+
+class LitGPTFromFolder(LitGPTModule):
+    """A LitGPT checkpoint folder loaded in ``__init__`` (``load_checkpoint``), as a fine-tuning user would;
+    ``export_on_start``: export the model, as the strategy laid it out, before the first step."""
+
+    def __init__(self, folder: str, export_on_start: str = "") -> None:
+        L.LightningModule.__init__(self)
+        from lightning_para.integrations.litgpt import load_checkpoint
+
+        self.model = load_checkpoint(folder)
+        self.lr = SHARP_LR
+        self.export_on_start = export_on_start
+
+    def on_train_start(self) -> None:
+        if self.export_on_start:
+            from lightning_para.integrations.litgpt import export
+
+            export(self, self.export_on_start)
+
+
+def write_litgpt_folder(folder: str, config=None, seed: int = 0) -> None:
+    """A LitGPT checkpoint folder as litgpt writes one (``lit_model.pth`` + ``model_config.yaml``), sharp weights."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import yaml
+    from litgpt.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(config if config is not None else litgpt_config())
+    sharpen(model)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), Path(folder) / "lit_model.pth")
+    with open(Path(folder) / "model_config.yaml", "w", encoding="utf-8") as f:
+        yaml.dump(asdict(model.config), f)

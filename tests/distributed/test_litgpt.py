@@ -301,3 +301,83 @@ def test_litgpt_moe_ep2(pools):
 def test_litgpt_moe_dp2_ep2_tp2(pools):
     results = run_and_compare(pools, 4, litgpt_models.moe, {"dp": 2, "ep": 2, "tp": 2})
     assert all(r["expert_shares"] and all(s == 0.5 for s in r["expert_shares"]) for r in results)
+
+
+# ============================================================================ LitGPT checkpoint folders
+def _folder_job(folder: str, out: str, kwargs: dict) -> dict:
+    """Load a LitGPT folder into the layout, export it before the first step and after training (live,
+    collective), save a ParaStrategy checkpoint; report the in-layout logits of the trained model."""
+    import functools
+
+    from lightning_para.integrations.litgpt import export
+
+    modules: list = []
+
+    def build():
+        modules.append(litgpt_models.LitGPTFromFolder(folder, export_on_start=f"{out}/start"))
+        return modules[-1]
+
+    result = fit_job(functools.partial(build), kwargs, token_dataset, GLOBAL_BATCH, STEPS, collect=("losses", "saved"),
+                     ckpt_dir=f"{out}/ckpt")
+    module = modules[0]
+    export(module, f"{out}/end")
+    dims = module.trainer.strategy.parallel_dims
+    result["coords"] = {name: dims.local_rank(name) for name in ("pp", "dp", "tp", "cp")}
+    result["logits"] = None
+    if dims.pp == 1:
+        from torch.distributed.tensor import DTensor
+
+        x = token_dataset().x[:2].to(module.device)
+        with torch.no_grad():
+            logits = module.model(x)
+        result["logits"] = (logits.full_tensor() if isinstance(logits, DTensor) else logits).cpu()
+    return result
+
+
+def _litgpt_state(folder) -> dict:
+    return torch.load(f"{folder}/lit_model.pth", map_location="cpu", weights_only=True)
+
+
+def _load_gpt(folder):
+    from lightning_para.integrations.litgpt import load_checkpoint
+
+    return load_checkpoint(folder).eval()
+
+
+@pytest.mark.parametrize("world,kwargs,config", [
+    (2, {"tp": 2}, {}),
+    (4, {"pp": 2, "tp": 2}, {}),
+    (4, {"dp": 2, "ep": 2, "tp": 2, "zero": 3}, dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2,
+                                                     moe_intermediate_size=48, n_embd=32)),
+], ids=["tp2", "pp2-tp2", "dp2-ep2-tp2-zero3"])
+def test_litgpt_folder_round_trip(pools, tmp_path, world, kwargs, config):
+    """A LitGPT folder loads into the layout unchanged (exported before the first step: bitwise equal),
+    trains as on one device, and exports back -- live or from the ParaStrategy checkpoint, identically --
+    to a folder whose logits are the in-layout model's within 1e-6 (relative to the largest logit)."""
+    import functools
+
+    from lightning_para.integrations.litgpt import export
+
+    folder = tmp_path / "original"
+    litgpt_models.write_litgpt_folder(str(folder), litgpt_models.litgpt_config(**config))
+    results = pools.get(world).run(_folder_job, str(folder), str(tmp_path), kwargs)
+
+    original, start = _litgpt_state(folder), _litgpt_state(tmp_path / "start")
+    assert original.keys() == start.keys()
+    assert all(torch.equal(original[k], start[k]) for k in original), [k for k in original if not torch.equal(original[k], start[k])]
+
+    expected = fit_reference(functools.partial(litgpt_models.LitGPTFromFolder, str(folder)), token_dataset,
+                             GLOBAL_BATCH, STEPS)["losses"]
+    assert_losses_close(losses_over_dp(results), expected, rtol=FP32_RTOL)
+
+    end = _load_gpt(tmp_path / "end")
+    x = token_dataset().x[:2]
+    with torch.no_grad():
+        exported_logits = end(x)
+    if results[0]["logits"] is not None:
+        gap = (exported_logits - results[0]["logits"]).abs().max() / results[0]["logits"].abs().max()
+        assert gap <= 1e-6, gap
+    export(results[0]["saved"][-1], tmp_path / "from_ckpt")
+    from_ckpt, live = _litgpt_state(tmp_path / "from_ckpt"), _litgpt_state(tmp_path / "end")
+    assert from_ckpt.keys() == live.keys() == original.keys()
+    assert all(torch.equal(from_ckpt[k], live[k]) for k in live)

@@ -20,6 +20,7 @@ litgpt itself is imported only inside the functions that need it. See ``docs/lit
 
 from lightning_para.integrations.litgpt import context as _context  # noqa: F401  (registers its cp adapter)
 from lightning_para.integrations.litgpt import experts as _experts  # noqa: F401  (registers its expert adapter)
+from lightning_para.integrations.litgpt.checkpoint import export, litgpt_models, load_checkpoint
 from lightning_para.integrations.litgpt.pipeline import pipeline_spec
 from lightning_para.integrations.litgpt.tensor import ADAPTER as _TENSOR_PARALLEL_ADAPTER
 from lightning_para.integrations.litgpt.tensor import is_litgpt_attention, is_litgpt_module
@@ -27,4 +28,6 @@ from lightning_para.parallel.tensor.adapters import register_tensor_parallel_ada
 
 register_tensor_parallel_adapter(_TENSOR_PARALLEL_ADAPTER)
 
-__all__ = ["is_litgpt_attention", "is_litgpt_module", "pipeline_spec"]
+__all__ = [
+    "export", "is_litgpt_attention", "is_litgpt_module", "litgpt_models", "load_checkpoint", "pipeline_spec",
+]

@@ -64,9 +64,20 @@ def unsupported_blocks(module: nn.Module, known: Callable[[nn.Module], bool]) ->
     ]
 
 
+class StackedExperts(nn.ModuleList):
+    """``LLaMAMoE.experts`` after :func:`stack_experts`: expert-major parameters, called on routed rows.
+
+    The block's forward calls it (``experts(rows, counts)``), so ZeRO-3 (FSDP2, which shards experts in
+    units of their own) gathers its parameters around that call like any module's."""
+
+    def forward(self, rows: Tensor, counts: list[int]) -> Tensor:  # type: ignore[override]
+        return run_local_experts(self, float(getattr(self, "grad_scale", 1.0)), rows, counts)
+
+
 @torch.no_grad()
 def stack_experts(experts: nn.ModuleList) -> None:
-    """Move the per-expert ``LLaMAMLP`` weights into expert-major parameters of ``experts`` (no children left)."""
+    """Move the per-expert ``LLaMAMLP`` weights into expert-major parameters of ``experts`` (no children left);
+    the same object becomes a :class:`StackedExperts` (expert parallelism keeps a reference to it)."""
     mlps = list(experts)
     for part in STACKED:
         for kind in ("weight", "bias"):
@@ -76,6 +87,7 @@ def stack_experts(experts: nn.ModuleList) -> None:
                 experts.register_parameter(name, nn.Parameter(torch.stack([t.detach() for t in tensors])))
     for index in range(len(mlps)):
         del experts._modules[str(index)]  # private: the ModuleList's own registry of children
+    experts.__class__ = StackedExperts  # same object, same names; now callable on routed rows
 
 
 def _local(experts: nn.Module, name: str, grad_scale: float) -> Any:
@@ -99,7 +111,7 @@ def run_local_experts(experts: nn.Module, grad_scale: float, rows: Tensor, count
     return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
 
 
-def _expert_parallel_forward(block: nn.Module, dispatcher: Any, grad_scale: float, x: Tensor) -> Tensor:
+def _expert_parallel_forward(block: nn.Module, dispatcher: Any, x: Tensor) -> Tensor:
     """``LLaMAMoE.forward`` with the experts behind the dispatcher (the same routing math)."""
     config = block.config
     B, T, C = x.size()
@@ -112,8 +124,8 @@ def _expert_parallel_forward(block: nn.Module, dispatcher: Any, grad_scale: floa
     expert_of = indices.reshape(-1)
     order = torch.argsort(expert_of, stable=True)  # (token t, slot j) -> row t*k+j, sorted by expert
     counts = rows_per_expert(expert_of, int(config.n_expert))
-    run = partial(run_local_experts, block.experts, grad_scale)
-    out = dispatcher(lambda rows, local_counts: run(rows, local_counts), flat[order // k], counts)
+    experts = block.experts
+    out = dispatcher(lambda rows, local_counts: experts(rows, local_counts), flat[order // k], counts)
     slots = out.new_zeros(flat.shape[0] * k, C).index_copy(0, order, out)
     y = (slots.view(-1, k, C) * probs.unsqueeze(-1)).sum(1).view(B, T, C)
     if config.n_shared_expert:
@@ -126,7 +138,7 @@ def shard_litgpt_experts(experts: nn.Module, dispatcher: Any, shard: Callable[[n
     block = _BLOCKS[experts]
     stack_experts(experts)
     shard(experts)
-    block.forward = partial(_expert_parallel_forward, block, dispatcher, 1.0 / dispatcher.size)
+    block.forward = partial(_expert_parallel_forward, block, dispatcher)  # experts.grad_scale = 1/ep (shard)
 
 
 def expert_count_field(experts: nn.Module) -> str:
@@ -139,4 +151,4 @@ ADAPTER = ExpertAdapter(
 )
 register_expert_adapter(ADAPTER)
 
-__all__ = ["ADAPTER", "is_llama_moe", "litgpt_experts", "run_local_experts", "shard_litgpt_experts", "stack_experts"]
+__all__ = ["ADAPTER", "StackedExperts", "is_llama_moe", "litgpt_experts", "run_local_experts", "shard_litgpt_experts", "stack_experts"]
