@@ -35,4 +35,7 @@ fi
 
 # torch is now satisfied, so resolving the rest cannot swap it for another build.
 "$PY" -m pip install --quiet -e ".[dev]"
+# litgpt (the LitGPT integration's tests): without its pins (jsonargparse<=4.41, huggingface-hub<1.4), which would
+# downgrade transformers 5; its model code needs only torch, lightning, pyyaml and psutil (installed by [dev]).
+"$PY" -m pip install --quiet --no-deps "litgpt==0.5.13"
 "$PY" -c "import torch, lightning, lightning_para; print('setup: torch', torch.__version__, '| lightning', lightning.__version__, '| lightning_para', lightning_para.__version__)"
