@@ -73,6 +73,7 @@ from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_para
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
 from lightning_para.parallel.tensor import (
     TensorParallelInfo,
+    adapted_fused_projections,
     apply_tensor_parallel,
     fsdp_shard_placement_fn,
     hook_grad_layouts,
@@ -173,7 +174,8 @@ def parallelize(
     if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
         # ZeRO-3: FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16).
         fsdp_float8 = config.zero == 3 and dims.zero_shards > 1
-        float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8)
+        keep = adapted_fused_projections(module) if dims.tp > 1 else None
+        float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8, keep=keep)
         if float8.skipped:
             log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
     cast = _PrecisionCast.choose(param_dtype, master_dtype, config.zero)

@@ -96,12 +96,15 @@ def float8_config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool = 
 
 
 def apply_float8(
-    module: nn.Module, *, recipe: str, emulate: Optional[bool] = None, fsdp_float8_all_gather: bool = False
+    module: nn.Module, *, recipe: str, emulate: Optional[bool] = None, fsdp_float8_all_gather: bool = False,
+    keep: Optional[dict[str, str]] = None,
 ) -> Float8Info:
     """Convert ``module``'s linears (all but the head and widths not multiple of 16) to float8 training, in place.
 
     ``fsdp_float8_all_gather``: the module will be fully sharded (ZeRO-3); its float8 weights are then
     all-gathered in float8 (ignored for ``"rowwise"``, whose weight scales are per row).
+    ``keep``: linears to leave in high precision, name -> reason (under tp, fused projections with explicit
+    block sizes: torchao's float8 tensor-parallel styles are column-/row-wise only).
     """
     if recipe not in FP8_RECIPES:
         raise ValueError(f"`fp8={recipe!r}` is unknown. Choose one of {', '.join(map(repr, FP8_RECIPES))} or None.")
@@ -114,7 +117,7 @@ def apply_float8(
     info = Float8Info(recipe=recipe, emulate=emulate, fsdp_float8_all_gather=fsdp_float8_all_gather)
     for name, child in module.named_modules():
         if isinstance(child, nn.Linear) and type(child) is nn.Linear:
-            reason = _skip_reason(name, child)
+            reason = (keep or {}).get(name) or _skip_reason(name, child)
             if reason is None:
                 info.converted.append(name)
             else:

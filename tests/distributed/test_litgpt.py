@@ -381,3 +381,29 @@ def test_litgpt_folder_round_trip(pools, tmp_path, world, kwargs, config):
     from_ckpt, live = _litgpt_state(tmp_path / "from_ckpt"), _litgpt_state(tmp_path / "end")
     assert from_ckpt.keys() == live.keys() == original.keys()
     assert all(torch.equal(from_ckpt[k], live[k]) for k in live)
+
+
+# ============================================================================ compile and fp8
+def test_litgpt_tp2_sp_compiled(pools):
+    """compile (per block, aot_eager: the graphs without inductor's C++ build) over tp=2 + SP."""
+    run_and_compare(pools, 2, litgpt_models.gqa, {"tp": 2, "sequence_parallel": True, "compile": {"backend": "aot_eager"}})
+
+
+def litgpt_torchao_fp8():
+    """The fp8 reference: torchao's own float8 conversion on one device, the head and the fused qkv in high
+    precision (what ParaStrategy(fp8=...) keeps under tp: torchao's float8 styles are column-/row-wise only)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    module = litgpt_models.gqa()
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    convert_to_float8_training(module, module_filter_fn=lambda m, fqn: "lm_head" not in fqn and "qkv" not in fqn,
+                               config=config)
+    return module
+
+
+def test_litgpt_fp8_tp2_sp_matches_torchao_one_device(pools):
+    pytest.importorskip("torchao")
+    results = pools.get(2).run(litgpt_job, litgpt_models.gqa, {"tp": 2, "sequence_parallel": True, "fp8": "tensorwise"})
+    assert_losses_close(losses_over_dp(results), reference(litgpt_torchao_fp8), rtol=FP32_RTOL)

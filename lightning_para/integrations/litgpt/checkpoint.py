@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_para.checkpoint.consolidate import consolidate_checkpoint
+from lightning_para.checkpoint.format import is_sharded_checkpoint
 from lightning_para.checkpoint.model_info import register_model_info
 from lightning_para.integrations.litgpt.experts import STACKED
 from lightning_para.integrations.litgpt.tensor import is_litgpt_module
@@ -162,9 +164,6 @@ def _choose(models: dict[str, Any], prefix: Optional[str]) -> str:
 
 
 def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
-    from lightning_para.checkpoint.consolidate import consolidate_checkpoint
-    from lightning_para.checkpoint.format import is_sharded_checkpoint
-
     if isinstance(checkpoint, dict):
         return checkpoint
     path = Path(checkpoint)

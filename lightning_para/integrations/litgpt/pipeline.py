@@ -31,7 +31,8 @@ from lightning_para.parallel.pipeline.spec import PipelineSpec
 from lightning_para.parallel.tensor.loss import IGNORE_INDEX
 
 UNSUPPORTED_CONFIG = {"scale_embeddings": False, "final_logit_softcapping": None, "rope_indices": None}
-_HOOKED = "_lightning_para_pipeline_hooked"
+# The GPTs whose blocks already carry the pipeline hook (pipeline_spec may be called more than once).
+_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def check_gpt(model: nn.Module, what: str = "pipeline_spec") -> None:
@@ -89,11 +90,11 @@ def pipeline_spec(
             return pipeline_spec(self.model)   # self.model = litgpt.model.GPT(config)
     """
     check_gpt(model)
-    if not getattr(model, _HOOKED, False):
+    if model not in _HOOKED:
         ref = weakref.ref(model)
         for block in model.transformer.h:
             block.register_forward_pre_hook(lambda b, a, k: _rope_inputs(ref, b, a, k), with_kwargs=True)
-        setattr(model, _HOOKED, True)
+        _HOOKED.add(model)
     layers = [model.transformer.wte, *model.transformer.h, model.transformer.ln_f, model.lm_head]
     return PipelineSpec(layers=layers, split_batch=split_batch, loss_fn=loss_fn, log_name=log_name)
 

@@ -2,6 +2,7 @@
 validation (:mod:`.validate`), applying them (:mod:`.apply`), loss parallel (:mod:`.loss`) and
 checkpointing strided shards (:mod:`.checkpoint`)."""
 
+from lightning_para.parallel.tensor.adapters import adapted_fused_projections
 from lightning_para.parallel.tensor.apply import (
     TensorParallelInfo,
     apply_tensor_parallel,
@@ -17,6 +18,7 @@ from lightning_para.parallel.tensor.validate import check_plan
 __all__ = [
     "ModulePlan",
     "TensorParallelInfo",
+    "adapted_fused_projections",
     "apply_tensor_parallel",
     "auto_plan",
     "check_plan",

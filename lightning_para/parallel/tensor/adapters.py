@@ -62,4 +62,20 @@ def tensor_parallel_adapter(module: nn.Module) -> Optional[TensorParallelAdapter
     return None
 
 
-__all__ = ["TensorParallelAdapter", "register_tensor_parallel_adapter", "tensor_parallel_adapter"]
+def adapted_fused_projections(root: nn.Module) -> dict[str, str]:
+    """``{name: why}`` of the projections registered adapters plan with a style instance (a fused projection
+    with explicit block sizes): float8 training keeps them in high precision under tp."""
+    found = {}
+    for name, module in root.named_modules():
+        adapter = tensor_parallel_adapter(module)
+        if adapter is None:
+            continue
+        for child, style in adapter.plan(module).items():
+            if not isinstance(style, str):
+                found[f"{name}.{child}" if name else child] = (
+                    f"a fused projection ({type(style).__name__}) under tp: torchao's float8 styles are column-/row-wise only"
+                )
+    return found
+
+
+__all__ = ["TensorParallelAdapter", "adapted_fused_projections", "register_tensor_parallel_adapter", "tensor_parallel_adapter"]

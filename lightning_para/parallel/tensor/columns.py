@@ -221,12 +221,17 @@ class FusedBlocksColwise(Colwise):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise ValueError(f"FusedBlocksColwise applies to nn.Linear, not {type(module).__name__}.")
+        if type(module).__name__ == "Float8Linear":
+            raise ValueError(
+                "fp8='tensorwise' with tp: a float8 linear planned with FusedBlocksColwise is not supported (torchao's"
+                " float8 styles are column-/row-wise only). Keep it in high precision, or plan q/k/v as separate Linears."
+            )
         self.check(type(module).__name__, module.out_features, device_mesh.size())
         module = super()._apply(module, device_mesh)
         if self.equal_blocks:
             module.forward = partial(FusedColwiseParallel._fused_forward, len(self.rows.blocks), module)
         elif self.rows.layout == "contiguous" and device_mesh.size() > 1:
-            setattr(module, ROWS_ATTRIBUTE, (self.rows, device_mesh.size()))
+            module.tensor_parallel_rows = (self.rows, device_mesh.size())  # ROWS_ATTRIBUTE
         return module
 
     def __repr__(self) -> str:
