@@ -39,9 +39,14 @@ def check_plan(
         m = modules[fqn]
         if isinstance(style, FusedBlocksColwise):
             try:
-                style.check(fqn, getattr(m, "out_features", -1), tp)
+                style.check(fqn, getattr(m, "out_features", -1), 1)  # the sizes; tp below, with the other splits
             except ValueError as error:
                 problems.append(str(error))
+            rows = style.rows
+            if rows.layout == "interleaved":
+                splits.append(("interleaved groups of the fused blocks", fqn, rows.groups))
+            else:
+                splits += [(f"units ({style.unit}) of fused block {i}", fqn, b // style.unit) for i, b in enumerate(rows.blocks)]
         if not isinstance(style, str):
             continue
         if style in LINEAR_STYLES and not isinstance(m, nn.Linear):
