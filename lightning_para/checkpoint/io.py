@@ -31,6 +31,7 @@ from lightning_para.checkpoint.format import (
 )
 from lightning_para.checkpoint.last import warn_if_newer
 from lightning_para.checkpoint.lock import DirectoryLock
+from lightning_para.checkpoint.model_info import check_model_info
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
@@ -346,6 +347,11 @@ def load_checkpoint_in_place(
         warn_if_newer(path)
     strict = getattr(module, "strict_loading", True)
     if path.is_dir():
+        try:
+            meta = torch.load(path / METADATA_FILENAME, weights_only=False)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+            raise _unreadable(path, f"`{METADATA_FILENAME}`", error) from error
+        check_model_info(module, meta)  # before any tensor is loaded: what integrations recorded fits this layout
         own = module.state_dict()
         available = {k for k in checkpoint_keys(path) if k.startswith("state_dict.")}
         wanted = flat_keys({"state_dict": own})
@@ -358,10 +364,7 @@ def load_checkpoint_in_place(
             data_parallel.reset_masters_from_params()
         for i, optimizer in enumerate(optimizers):
             load_optimizer_state(optimizer, views, path, f"optimizer_{i}", data_parallel)
-        try:
-            return torch.load(path / METADATA_FILENAME, weights_only=False)
-        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
-            raise _unreadable(path, f"`{METADATA_FILENAME}`", error) from error
+        return meta
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
@@ -369,6 +372,7 @@ def load_checkpoint_in_place(
     if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
         # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
         checkpoint = trainer_format(checkpoint)
+    check_model_info(module, checkpoint)
     if pipeline is not None:
         pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
     load_full_checkpoint_into(checkpoint, module, optimizers, views, data_parallel, strict=strict, path=path)

@@ -407,3 +407,23 @@ def test_litgpt_fp8_tp2_sp_matches_torchao_one_device(pools):
     pytest.importorskip("torchao")
     results = pools.get(2).run(litgpt_job, litgpt_models.gqa, {"tp": 2, "sequence_parallel": True, "fp8": "tensorwise"})
     assert_losses_close(losses_over_dp(results), reference(litgpt_torchao_fp8), rtol=FP32_RTOL)
+
+
+def _resume_job(folder: str, ckpt: str, kwargs: dict) -> dict:
+    """Resume from a ParaStrategy checkpoint under another layout."""
+    import functools
+
+    return fit_job(functools.partial(litgpt_models.LitGPTFromFolder, folder), kwargs, token_dataset, GLOBAL_BATCH,
+                   STEPS + 1, collect=("losses",), resume=ckpt)
+
+
+def test_resuming_rank_major_qkv_under_another_tp_is_refused(pools, tmp_path):
+    """A tp=2 checkpoint of a grouped-query qkv holds tp=2's rank-major rows: resuming it under tp=1 (dp=2)
+    raises before anything is loaded, naming the fix; under tp=2 it resumes."""
+    folder = tmp_path / "original"
+    litgpt_models.write_litgpt_folder(str(folder))
+    saved = pools.get(2).run(_folder_job, str(folder), str(tmp_path), {"tp": 2})[0]["saved"][-1]
+    with pytest.raises(WorkerError, match="rank-major order"):
+        pools.get(2).run(_resume_job, str(folder), saved, {"dp": 2})
+    resumed = pools.get(2).run(_resume_job, str(folder), saved, {"tp": 2})
+    assert len(resumed[0]["losses"]) == 1

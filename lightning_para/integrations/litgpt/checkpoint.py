@@ -15,8 +15,9 @@ What differs between a layout's parameters and LitGPT's names is recorded in eve
   its rows are put back in LitGPT's ``[q | k | v]`` order;
 * ``LLaMAMoE`` experts under ep are stacked (:mod:`.experts`): unstacked into ``experts.{i}.fc_1.weight``, ...
 
-Caveat: a sharded checkpoint of a grouped-query ``qkv`` saved under ``tp = t`` holds its rows in
-``t``'s rank-major order, so resume it with the same tp (or export it, then load the folder).
+Caveat: a checkpoint of a grouped-query ``qkv`` saved under ``tp = t`` holds its rows in ``t``'s rank-major
+order: resume it with the same tp (:func:`check_layout` refuses another, before anything is loaded), or export
+it, then load the folder.
 """
 
 from __future__ import annotations
@@ -174,6 +175,23 @@ def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     raise ValueError(f"`{path}` is neither a checkpoint file nor a sharded lightning-para checkpoint directory.")
 
 
-register_model_info(CHECKPOINT_KEY, litgpt_models)
+def check_layout(module: nn.Module, recorded: Optional[dict[str, dict[str, Any]]]) -> None:
+    """Refuse a checkpoint whose grouped-query ``qkv`` rows are in another tp's rank-major order than this run's
+    (loading it would put q, k and v rows in the wrong places silently)."""
+    for prefix, entry in litgpt_models(module).items():
+        saved = int((recorded or {}).get(prefix, {}).get("qkv_rank_major_tp", 0))
+        now = int(entry["qkv_rank_major_tp"])
+        if saved != now:
+            stored = f"tp={saved}'s rank-major order" if saved else "LitGPT's order"
+            wanted = f"tp={now}'s rank-major order" if now else "LitGPT's order"
+            raise ValueError(
+                f"This checkpoint stores the grouped-query `qkv` rows of the LitGPT model at {prefix or 'the root'!r}"
+                f" in {stored}; this run needs {wanted}. Resume with the tp the checkpoint was saved with, or export it"
+                " to a LitGPT folder (lightning_para.integrations.litgpt.export(checkpoint, folder)) and start from"
+                " load_checkpoint(folder)."
+            )
+
+
+register_model_info(CHECKPOINT_KEY, litgpt_models, check=check_layout)
 
 __all__ = ["CHECKPOINT_KEY", "export", "litgpt_models", "load_checkpoint", "to_litgpt_state"]
