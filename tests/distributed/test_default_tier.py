@@ -65,6 +65,16 @@ def test_transformers_llama_tensor_parallel(pools):
     _hf(pools, kwargs={"tp": 2, "sequence_parallel": True})
 
 
+def test_litgpt_gqa_tensor_and_sequence_parallel(pools):
+    """A LitGPT grouped-query model under tp=2 + SP: the fused qkv blocks and the per-module head counts."""
+    import pytest
+
+    pytest.importorskip("litgpt")
+    from tests.distributed.test_litgpt import test_litgpt_gqa_two_ranks
+
+    test_litgpt_gqa_two_ranks(pools, "tp2-sp")
+
+
 def test_planted_position_bug_fails_parity(pools):
     """The parity check can fail: cp positions shifted by one (tests/distributed/test_planted_bugs.py)."""
     _planted(pools)

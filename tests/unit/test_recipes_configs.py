@@ -20,6 +20,8 @@ EXPECTED = {
     # transformers models from a tiny random config (no preset): tp=2 x pp=2 with SP; tp=2 x ep=2 in dp=2
     "hf-llama-cpu-demo.yaml": (4, (2, 1, 2, 1), "HFCausalLM", None),
     "hf-mixtral-cpu-demo.yaml": (4, (1, 2, 2, 2), "HFCausalLM", None),
+    # a LitGPT model from litgpt.Config fields (n_layer, block_size: the tiny preset's names): tp=2 x pp=2 with SP
+    "litgpt-cpu-demo.yaml": (4, (2, 1, 2, 1), "LitGPTCausalLM", "litgpt"),
 }
 
 
@@ -31,9 +33,11 @@ def test_every_recipe_config_is_covered():
 def test_recipe_config_resolves(name, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["lightning-para"])  # pytest's own argv is not the CLI's
     devices, layout, model_class, preset = EXPECTED[name]
+    if preset == "litgpt":
+        pytest.importorskip("litgpt")
     # GPU files are checked on CPU with a tiny model: the layout, not the weights, is under test.
     args = ["--config", str(RECIPES / name), "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
-    if preset not in ("tiny", None):
+    if preset not in ("tiny", "litgpt", None):
         args += ["--model.init_args.preset", "tiny"]
     cli = ParaCLI(args=args, run=False)
     strategy = cli.trainer.strategy
