@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 PRELOADED_MODULES = [
     "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
     "torch.distributed.pipelining", "lightning", "lightning.pytorch", "lightning_para", "lightning_para.strategy",
-    "transformers", "transformers.models.llama.modeling_llama", "tests.hf_models",
+    "transformers", "transformers.models.llama.modeling_llama", "tests.hf_models", "litgpt.model",
 ]
 _CONTEXT = None
 

@@ -4,10 +4,10 @@ Under tensor parallelism an attention module's projections give each rank ``1/tp
 and of the features. Model code that reshapes with sizes it takes from elsewhere -- nanoGPT's
 ``B, T, C = x.size()`` then ``k.view(B, T, self.n_head, C // self.n_head)`` (``C`` is the model
 width, not this rank's share), a head count read from a shared config -- fails deep inside the
-model with ``shape '[8, 32, 2, 32]' is invalid for input of size 8192``. The first call of every
+model with ``shape '[8, 32, 2, 32]' is invalid for input of size 8192``. Every call of every
 planned sublayer runs inside :func:`explain_first_call`, which turns such an error into a
-``ValueError`` that names the module, what it computed, the per-rank sizes and the fixes. After
-the first successful call the module's own ``forward`` is back: nothing on the hot path.
+``ValueError`` that names the module, what it computed, the per-rank sizes and the fixes. Such an
+error comes from the sizes, so it is raised in the first step (the first call of the module).
 """
 
 from __future__ import annotations
@@ -29,23 +29,23 @@ class GlobalSizeError(ValueError):
 
 
 def explain_first_call(module: nn.Module, name: str, tp: int, divided: dict[str, tuple[int, int]]) -> None:
-    """Wrap ``module.forward`` for its first call (see module docstring).
+    """Wrap ``module.forward`` so that a shape error becomes a :class:`GlobalSizeError` (see module docstring).
 
     ``divided``: the attributes already divided by tp, ``{attr: (global, per rank)}``.
     """
     original: Callable[..., Any] = module.forward
 
-    def first_forward(*args: Any, **kwargs: Any) -> Any:
+    def explained_forward(*args: Any, **kwargs: Any) -> Any:
         try:
-            out = original(*args, **kwargs)
+            return original(*args, **kwargs)
         except RuntimeError as error:
             if not _SHAPE_ERRORS.search(str(error)):
                 raise
             raise GlobalSizeError(_message(module, name, tp, divided, error)) from error
-        module.forward = original  # an instance attribute again: the first call went through
-        return out
 
-    module.forward = first_forward
+    # Kept for good (a try costs nothing until something raises): swapping it back after the first call changed
+    # the code object torch.compile guards on, so every compiled block compiled twice.
+    module.forward = explained_forward
 
 
 def _message(module: nn.Module, name: str, tp: int, divided: dict[str, tuple[int, int]], error: Exception) -> str:
