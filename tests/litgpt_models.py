@@ -114,3 +114,11 @@ def write_litgpt_folder(folder: str, config=None, seed: int = 0) -> None:
     torch.save(model.state_dict(), Path(folder) / "lit_model.pth")
     with open(Path(folder) / "model_config.yaml", "w", encoding="utf-8") as f:
         yaml.dump(asdict(model.config), f)
+
+
+def neox():
+    """Pythia / GPT-NeoX shape: parallel residual, LayerNorm, biases, GELU MLP, rotary on a quarter of each head."""
+    return LitGPTModule(litgpt_config(
+        n_query_groups=4, bias=True, parallel_residual=True, shared_attention_norm=False, mlp_class_name="GptNeoxMLP",
+        norm_class_name="LayerNorm", rotary_percentage=0.25, intermediate_size=128,
+    ))

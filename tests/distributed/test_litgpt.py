@@ -255,6 +255,12 @@ def test_litgpt_mha_two_ranks(pools, kwargs):
     run_and_compare(pools, 2, litgpt_models.mha, kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"tp": 2, "sequence_parallel": True}, {"cp": 2}], ids=["tp2-sp", "cp2"])
+def test_litgpt_neox_shape_two_ranks(pools, kwargs):
+    """Pythia / GPT-NeoX shape: parallel residual, LayerNorm, biases (the fused qkv bias), partial rotary."""
+    run_and_compare(pools, 2, litgpt_models.neox, kwargs)
+
+
 def test_litgpt_planted_fused_bug_fails_parity(pools):
     """Swapping the q and k block sizes of the fused qkv style trains, and parity catches it."""
     results = pools.get(2).run(litgpt_job, litgpt_models.gqa, {"tp": 2}, True)
