@@ -6,7 +6,9 @@ The package map is in ``docs/architecture.md``.
 
 This module is the public facade, the one place that wires the built-in integrations in: importing
 :mod:`lightning_para.integrations.transformers` registers its expert-parallel adapter and its
-checkpoint record (generic code never imports an integration; transformers itself stays optional).
+checkpoint record, :mod:`lightning_para.integrations.litgpt` its tensor-, context- and expert-parallel
+adapters and its checkpoint record (generic code never imports an integration; transformers and litgpt
+themselves stay optional).
 """
 
 __version__ = "0.1.0"
