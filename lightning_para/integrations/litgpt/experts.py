@@ -101,13 +101,14 @@ def _local(experts: nn.Module, name: str, grad_scale: float) -> Any:
 def run_local_experts(experts: nn.Module, grad_scale: float, rows: Tensor, counts: list[int]) -> Tensor:
     """This rank's experts on ``rows`` grouped by local expert: ``proj(silu(fc_1 x) * fc_2 x)`` (LLaMAMLP)."""
     w = {name: _local(experts, name, grad_scale) for name in (*STACKED, *(f"{p}_bias" for p in STACKED))}
+
+    def linear(part: str, e: int, x: Tensor) -> Tensor:
+        bias = w[f"{part}_bias"]
+        return F.linear(x, w[part][e], bias[e] if bias is not None else None)
+
     outputs = []
     for e, chunk in enumerate(rows.split(counts)):  # every local expert runs, so each weight gets a gradient
-        def linear(part: str, x: Tensor) -> Tensor:
-            bias = w[f"{part}_bias"]
-            return F.linear(x, w[part][e], bias[e] if bias is not None else None)
-
-        outputs.append(linear("proj", F.silu(linear("fc_1", chunk)) * linear("fc_2", chunk)))
+        outputs.append(linear("proj", e, F.silu(linear("fc_1", e, chunk)) * linear("fc_2", e, chunk)))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
 
 
