@@ -9,6 +9,7 @@
     lightning-para parity --config recipes/gpt-cpu-demo.yaml --layout "tp=2,pp=2" --steps 20
     lightning-para dryrun --model llama3-405b --gpus 16384 --layout "tp=8,pp=16,zero=1,sp=true" --ranks first,last
     lightning-para dryrun --config recipes/gpt-cpu-demo.yaml --gpus 8 --ranks first,last
+    lightning-para prepare --tokenizer TOKENIZER_DIR --output OUT_DIR data/*.jsonl --workers 8   # token shards
     lightning-para calibrate 1                                       # this machine's CPU step-time figures
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI's subcommands with ParaStrategy, the
@@ -37,8 +38,10 @@ from lightning_para.cli.calibrate import main as calibrate_main
 from lightning_para.cli.dryrun import main as dryrun_main
 from lightning_para.cli.parity import main as parity_main
 from lightning_para.cli.plan import main as plan_main
+from lightning_para.cli.prepare import main as prepare_main
 
-SUBCOMMANDS = {"plan": plan_main, "parity": parity_main, "dryrun": dryrun_main, "calibrate": calibrate_main}
+SUBCOMMANDS = {"plan": plan_main, "parity": parity_main, "dryrun": dryrun_main, "calibrate": calibrate_main,
+               "prepare": prepare_main}
 
 
 def main(args: Optional[list[str]] = None) -> int:

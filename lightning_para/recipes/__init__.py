@@ -1,5 +1,5 @@
 """Ready-to-train recipes shipped with the package: ``lightning_para.recipes.GPT``, ``MoEGPT``,
-``HFCausalLM`` (a transformers causal LM), ``LitGPTCausalLM`` (a LitGPT model) and ``TextDataModule``, and their LightningCLI configs
+``HFCausalLM`` (a transformers causal LM), ``LitGPTCausalLM`` (a LitGPT model), ``TextDataModule`` and ``TokenDataModule`` (tokenized corpora), and their LightningCLI configs
 (``configs/*.yaml``, also linked from the repository's ``recipes/``), found by short name with
 :func:`config_path`."""
 
@@ -10,6 +10,7 @@ from lightning_para.recipes.gpt import GPT, GPTConfig
 from lightning_para.recipes.hf import HFCausalLM
 from lightning_para.recipes.litgpt import LitGPTCausalLM
 from lightning_para.recipes.moe import MoEGPT
+from lightning_para.recipes.tokens import TokenDataModule
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -28,4 +29,4 @@ def config_path(name: str) -> Path:
     return path
 
 
-__all__ = ["ByteTokenizer", "CONFIG_DIR", "GPT", "GPTConfig", "HFCausalLM", "LitGPTCausalLM", "MoEGPT", "TextDataModule", "check_vocab", "config_names", "config_path"]
+__all__ = ["ByteTokenizer", "CONFIG_DIR", "GPT", "GPTConfig", "HFCausalLM", "LitGPTCausalLM", "MoEGPT", "TextDataModule", "TokenDataModule", "check_vocab", "config_names", "config_path"]

@@ -251,9 +251,7 @@ class TextDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def _replicas(self) -> dict[str, int]:
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
-        return dict(kwargs) if kwargs else {"num_replicas": 1, "rank": 0}
+        return data_parallel_replicas(self.trainer)
 
     def per_rank_batch_size(self) -> int:
         dp = self._replicas()["num_replicas"]
@@ -294,6 +292,24 @@ class TextDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("test", False)
+
+
+def data_parallel_replicas(trainer: object) -> dict[str, int]:
+    """``{"num_replicas": dp, "rank": dp coordinate}`` from the strategy (tp/pp ranks of one dp slot share it)."""
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+    return dict(kwargs) if kwargs else {"num_replicas": 1, "rank": 0}
+
+
+def check_positions(model_positions: Optional[int], datamodule: object) -> None:
+    """Sequences longer than the model's positions would index past its position table (or its RoPE range)."""
+    seq_len = getattr(datamodule, "seq_len", None)
+    if model_positions is not None and isinstance(seq_len, int) and seq_len > model_positions:
+        raise ValueError(
+            f"`data.seq_len={seq_len}` is longer than the model's {model_positions} positions. Set `data.seq_len` to at"
+            f" most {model_positions}, or build the model with more positions (`block_size` /"
+            " `max_position_embeddings`)."
+        )
 
 
 def check_vocab(model_vocab_size: int, datamodule: object) -> None:

@@ -40,7 +40,7 @@ from torchmetrics.text import Perplexity
 from lightning_para._dtensor import full_tensor
 from lightning_para.parallel.context import ContextParallelShard
 from lightning_para.parallel.pipeline.spec import PipelineSpec
-from lightning_para.recipes.data import ByteTokenizer, check_vocab
+from lightning_para.recipes.data import ByteTokenizer, check_positions, check_vocab
 from lightning_para.recipes.optim import adamw_warmup_cosine
 
 NORMS = ("rmsnorm", "layernorm")
@@ -447,6 +447,7 @@ class GPT(L.LightningModule):
         # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
+        check_positions(self.config.block_size, datamodule)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = self.split_batch(batch)

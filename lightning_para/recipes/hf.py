@@ -23,7 +23,7 @@ import lightning as L
 from torch import Tensor
 
 from lightning_para.integrations.transformers.pipeline import pipeline_spec, split_causal_lm_batch
-from lightning_para.recipes.data import check_vocab
+from lightning_para.recipes.data import check_positions, check_vocab
 from lightning_para.recipes.optim import adamw_warmup_cosine
 
 
@@ -85,6 +85,7 @@ class HFCausalLM(L.LightningModule):
         # private: see docs/architecture.md
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.vocab_size, datamodule)
+        check_positions(getattr(self.config, "max_position_embeddings", None), datamodule)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids=input_ids).logits
