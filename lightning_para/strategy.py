@@ -38,6 +38,7 @@ from torch import Tensor, nn
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
+from lightning_para.checkpoint.pretrained import load_pretrained_into, materialize_for_loading, pending_weights, real_buffers
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
@@ -405,7 +406,13 @@ class ParaStrategy(ParallelStrategy):
         self._report("setup: parallelize the model", exempt=True)
         existing = _PARALLELIZED.get(module)
         if existing is None:
-            if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
+            # Pretrained weights the module asks for are read after parallelizing: each rank reads its slices only.
+            weights = pending_weights(module) if any(p.is_meta for p in module.parameters()) else None
+            kept_buffers = real_buffers(module) if weights is not None else {}
+            if weights is not None and self.config.zero < 3 and not self.parallel_dims.pp_enabled:
+                # ZeRO 0-2 replicate the weights over dp: empty storage now (no random init), read after tp.
+                materialize_for_loading(module, self.root_device, kept_buffers)
+            elif weights is None and not self.parallel_dims.pp_enabled:  # a pipeline split builds only its stages
                 _materialize_distributed_module(module, self.root_device)
                 module.to(self.root_device)
             self._sync_batchnorm(module)
@@ -413,6 +420,10 @@ class ParaStrategy(ParallelStrategy):
                 module, self.parallel_dims, self.config,
                 param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
             )
+            if weights is not None:
+                materialize_for_loading(module, self.root_device, kept_buffers)
+                self._report("setup: load pretrained weights, each rank its own slices", exempt=True)
+                load_pretrained_into(module, weights)
             _PARALLELIZED[module] = self._parallel
             if self._parallel.compiled:  # counts from here: the first compilation of each block class is expected
                 types = sorted({t for info in self._parallel.compiled for t in info.block_types})

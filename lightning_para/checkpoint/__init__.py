@@ -10,6 +10,7 @@
 * :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
 * :mod:`.lock`: one run per checkpoint directory;
 * :mod:`.last`: ``ckpt_path="last"`` as the newest complete checkpoint (``ParaModelCheckpoint``);
+* :mod:`.pretrained`: pretrained safetensors read sharded after parallelizing (each rank its slices);
 * :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
@@ -29,6 +30,7 @@ from lightning_para.checkpoint.last import ParaModelCheckpoint
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock
 from lightning_para.checkpoint.model_info import model_info, register_model_info
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
+from lightning_para.checkpoint.pretrained import PretrainedWeights, load_pretrained_into, stored_tensors
 
 __all__ = [
     "CheckpointDirectoryLockedError",
@@ -38,10 +40,12 @@ __all__ = [
     "DirectoryLock",
     "IncompleteCheckpointError",
     "ParaModelCheckpoint",
+    "PretrainedWeights",
     "consolidate_checkpoint",
     "full_model_state",
     "full_optimizer_state",
     "load_checkpoint_in_place",
+    "load_pretrained_into",
     "mark_checkpoint_complete",
     "model_info",
     "new_token",
@@ -51,5 +55,6 @@ __all__ = [
     "register_model_info",
     "remove_checkpoint",
     "save_checkpoint",
+    "stored_tensors",
     "verify_checkpoint",
 ]

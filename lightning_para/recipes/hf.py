@@ -19,8 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from pathlib import Path
+
 import lightning as L
+import torch
 from torch import Tensor
+
+from lightning_para.checkpoint.pretrained import PretrainedWeights, stored_tensors
+from lightning_para.integrations.transformers.weights import empty_causal_lm, load_config, pretrained_weights
 
 from lightning_para.integrations.transformers.pipeline import pipeline_spec, split_causal_lm_batch
 from lightning_para.recipes.data import check_positions, check_vocab
@@ -45,6 +51,10 @@ class HFCausalLM(L.LightningModule):
         config: fields of that model type's config (``hidden_size``, ``num_hidden_layers``, ...).
         pretrained: a local folder written by ``save_pretrained`` (or ``lightning_para.integrations.
             transformers.export``) to start from instead; ``model_type``/``config`` are then ignored.
+        sharded_load: read ``pretrained`` sharded: the model is built with its parameters on the meta
+            device and ``ParaStrategy`` reads each rank's slices of the safetensors after parallelizing
+            (a rank holds its shard, never the whole model). ``None`` (default): sharded when the module is
+            built inside ``trainer.init_module(empty_init=True)``, else ``from_pretrained`` in every process.
         lr, weight_decay, betas: AdamW (no decay on norms and biases).
         warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``.
     """
@@ -59,14 +69,26 @@ class HFCausalLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        sharded_load: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         # optional: transformers is needed only by this recipe
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        self._pretrained_weights: Optional[PretrainedWeights] = None
         if pretrained is not None:
-            self.model = AutoModelForCausalLM.from_pretrained(pretrained)
+            if sharded_load is None:
+                sharded_load = torch.empty(0).is_meta  # inside init_module(empty_init=True)'s meta context
+            if sharded_load:
+                self.model = empty_causal_lm(pretrained)
+                self._pretrained_weights = pretrained_weights(pretrained, prefix="model.")
+            else:
+                load_config(pretrained)  # a clear error for a folder without config.json
+                folder = Path(pretrained).expanduser()
+                if not any(folder.glob("*.bin")):  # ... without weights, or with a missing or truncated shard
+                    stored_tensors(folder)
+                self.model = AutoModelForCausalLM.from_pretrained(pretrained)
         else:
             try:
                 hf_config = AutoConfig.for_model(model_type, **(config or {}))
@@ -75,6 +97,20 @@ class HFCausalLM(L.LightningModule):
             self.model = AutoModelForCausalLM.from_config(hf_config)
         # Counted now, on the whole model: after a pipeline split a rank holds only its stages.
         self.flops_params = self._active_params()
+
+    def pretrained_weights(self) -> Optional[PretrainedWeights]:
+        """The weights ``ParaStrategy`` reads sharded after parallelizing (None once they are in place)."""
+        if self._pretrained_weights is not None and not any(p.is_meta for p in self.model.parameters()):
+            self._pretrained_weights = None
+        return self._pretrained_weights
+
+    def on_fit_start(self) -> None:
+        if any(p.is_meta for p in self.model.parameters()):
+            raise ValueError(
+                "HFCausalLM(pretrained=..., sharded_load=True) is loaded by ParaStrategy after it parallelized the"
+                " model; this trainer's strategy left the weights on the meta device. Train it with"
+                " `strategy=ParaStrategy(...)`, or set `sharded_load=False`."
+            )
 
     @property
     def config(self) -> Any:
