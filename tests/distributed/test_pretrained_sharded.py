@@ -28,8 +28,8 @@ from tests.parity import FP32_RTOL, LossRecorder, ShardedData, assert_losses_clo
 
 STEPS = 4
 GLOBAL_BATCH = 8
-# 76.0M parameters (as in issue 36): a 32k vocabulary, untied head, 8 layers of width 512.
-LLAMA_76M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+# 76.0M parameters (as in issue 36): a 32k vocabulary, untied head, 12 layers of width 512.
+LLAMA_76M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1664, num_hidden_layers=12, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=64, initializer_range=0.02)
 # Fixed allowance over shard + largest slice: gloo buffers, DCP's load plan, Python objects of the model.
 MARGIN_BYTES = 24 * 2**20

@@ -16,9 +16,11 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_para.checkpoint.consolidate import consolidate_checkpoint
-from lightning_para.checkpoint.format import is_sharded_checkpoint
+from lightning_para.checkpoint.atomic import verify_checkpoint
+from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
+from lightning_para.checkpoint.safetensors_writer import DEFAULT_SHARD_BYTES, tensor_bytes, write_sharded_safetensors
 from lightning_para.checkpoint.model_info import register_model_info
 
 CHECKPOINT_KEY = "transformers_models"
@@ -48,15 +50,65 @@ def transformers_models(module: nn.Module) -> dict[str, dict[str, Any]]:
 register_model_info(CHECKPOINT_KEY, transformers_models)
 
 
-def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
-    if isinstance(checkpoint, dict):
-        return checkpoint
-    path = Path(checkpoint)
-    if is_sharded_checkpoint(path):
-        return consolidate_checkpoint(path)
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    raise ValueError(f"`{path}` is neither a checkpoint file nor a sharded lightning-para checkpoint directory.")
+class _Source:
+    """What export reads: the record of the transformers models, each model tensor's shape and dtype, and
+    ``fetch(names)`` for some of them. A sharded directory is read tensor by tensor (DCP, no process group):
+    no process ever holds the whole model; a file or dict is already in memory."""
+
+    def __init__(self, checkpoint: Union[str, Path, dict[str, Any]]) -> None:
+        self.path: Optional[Path] = None
+        if isinstance(checkpoint, dict):
+            self.loaded: Optional[dict[str, Any]] = checkpoint
+        else:
+            path = Path(checkpoint)
+            if is_sharded_checkpoint(path):
+                verify_checkpoint(path)  # raises, naming a missing or truncated file
+                self.path, self.loaded = path, None
+                self.meta = torch.load(path / METADATA_FILENAME, weights_only=False)
+                self._storage = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            elif path.is_file():
+                self.loaded = torch.load(path, map_location="cpu", weights_only=False)
+            else:
+                raise ValueError(f"`{path}` is neither a checkpoint file nor a sharded lightning-para checkpoint directory.")
+
+    @property
+    def models(self) -> dict[str, Any]:
+        return (self.loaded if self.loaded is not None else self.meta).get(CHECKPOINT_KEY) or {}
+
+    def _master_key(self, fqn: str) -> Optional[str]:
+        """The fp32 master of ``fqn`` in a sharded directory's optimizer state (bf16-true runs keep one)."""
+        suffix = f".state.{fqn}.{MASTER_KEY}"
+        return next((k for k in self._storage if k.startswith("optimizer_") and k.endswith(suffix)), None)
+
+    def shapes(self, prefix: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name without prefix: (shape, dtype)}`` of the model's tensors (masters' dtype where kept)."""
+        if self.loaded is not None:
+            return {k[len(prefix):]: (tuple(v.shape), v.dtype) for k, v in self.loaded["state_dict"].items()
+                    if k.startswith(prefix) and isinstance(v, torch.Tensor)}
+        out = {}
+        for key, md in self._storage.items():
+            if key.startswith(f"state_dict.{prefix}") and hasattr(md, "size"):
+                fqn = key[len("state_dict."):]
+                master = self._master_key(fqn)
+                dtype = self._storage[master].properties.dtype if master else md.properties.dtype
+                out[fqn[len(prefix):]] = (tuple(md.size), dtype)
+        return out
+
+    def fetch(self, prefix: str, names: list[str]) -> dict[str, torch.Tensor]:
+        if self.loaded is not None:
+            return {n: self.loaded["state_dict"][prefix + n] for n in names}
+        import torch.distributed.checkpoint as dcp
+
+        assert self.path is not None
+        keys = {}
+        for n in names:
+            master = self._master_key(prefix + n)
+            keys[n] = master or f"state_dict.{prefix}{n}"
+        state = {keys[n]: torch.empty(tuple(self._storage[keys[n]].size), dtype=self._storage[keys[n]].properties.dtype)
+                 for n in names}
+        dcp.load(state, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        shapes = self.shapes(prefix)
+        return {n: state[keys[n]].reshape(shapes[n][0]) for n in names}
 
 
 def export(
@@ -65,9 +117,16 @@ def export(
     *,
     prefix: Optional[str] = None,
     dtype: Optional[torch.dtype] = None,
+    max_shard_size: int = DEFAULT_SHARD_BYTES,
+    workers: int = 4,
 ) -> Path:
     """Write the transformers model of a Lightning checkpoint as a folder that
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` (or its own class) opens.
+
+    The weights are written as sharded safetensors with the standard ``model.safetensors.index.json``
+    (one ``model.safetensors`` when they fit in one shard), ``workers`` shard files at a time; from a
+    sharded checkpoint directory each shard's tensors are read on their own, so the whole model is never in
+    memory. ``HFCausalLM(pretrained=out_dir, sharded_load=True)`` reads it back sharded.
 
     Args:
         checkpoint: a sharded checkpoint directory of any layout, a single-file checkpoint, or a
@@ -76,13 +135,15 @@ def export(
         prefix: where the model sits in the LightningModule (e.g. ``"model."``); needed only when
             the checkpoint holds several transformers models.
         dtype: cast floating-point weights (default: as trained; fp32 masters when the run kept them).
+        max_shard_size: bytes per shard file at most (transformers' default, 5 GiB).
+        workers: shard files written at the same time (threads).
     """
     # optional: transformers is needed only to write its folder format
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    ckpt = _load(checkpoint)
-    models = ckpt.get(CHECKPOINT_KEY) or {}
+    source = _Source(checkpoint)
+    models = source.models
     if not models:
         raise ValueError(
             "This checkpoint records no transformers model (it was not saved by ParaStrategy from a LightningModule"
@@ -100,22 +161,32 @@ def export(
     model_class = getattr(transformers, entry["architecture"], None)
     if model_class is None:
         raise ValueError(f"transformers {transformers.__version__} has no class `{entry['architecture']}`; upgrade it.")
-    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     with torch.device("meta"):
         model = model_class(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = {k for k in missing if _tied_key(model, k)}
-    if set(missing) - tied or unexpected:
+    expected = model.state_dict()
+    stored = source.shapes(prefix)
+    tied = {k for k in expected if k not in stored and _tied_key(model, k)}
+    missing = sorted(set(expected) - set(stored) - tied)
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
         raise ValueError(
             f"The checkpoint's `{prefix}*` weights do not match `{entry['architecture']}`: missing"
-            f" {sorted(set(missing) - tied)[:8]}, unexpected {sorted(unexpected)[:8]}."
+            f" {missing[:8]}, unexpected {unexpected[:8]}."
         )
-    if tied:
-        model.tie_weights()
+    # save_pretrained's rule: a tied weight is written once, under its first name.
+    written = [k for k in expected if k in stored and not (_tied_key(model, k) and getattr(config, "tie_word_embeddings", False))]
+
+    def out_dtype(name: str) -> torch.dtype:
+        kept = stored[name][1]
+        return dtype if dtype is not None and kept.is_floating_point else kept
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: t.to(out_dtype(n)) for n, t in source.fetch(prefix, names).items()}
+
     out = Path(out_dir)
-    model.save_pretrained(out)
+    write_sharded_safetensors(out, [(n, tensor_bytes(stored[n][0], out_dtype(n))) for n in written], fetch,
+                              max_shard_bytes=max_shard_size, workers=workers)
+    config.save_pretrained(out)
     return out
 
 
