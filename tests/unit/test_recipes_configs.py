@@ -22,7 +22,33 @@ EXPECTED = {
     "hf-mixtral-cpu-demo.yaml": (4, (1, 2, 2, 2), "HFCausalLM", None),
     # a LitGPT model from litgpt.Config fields (n_layer, block_size: the tiny preset's names): tp=2 x pp=2 with SP
     "litgpt-cpu-demo.yaml": (4, (2, 1, 2, 1), "LitGPTCausalLM", "litgpt"),
+    # real-run recipes (issue 36): a prepared token corpus; a pretrained Llama folder read sharded
+    "gpt2-124m-8gpu.yaml": (8, (1, 8, 1, 1), "GPT", "gpt-125m"),
+    "llama-finetune-8gpu.yaml": (8, (1, 4, 2, 1), "HFCausalLM", None),
 }
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tokenized corpus (512-token BPE trained here) and a tiny Llama folder, for the recipes that need them."""
+    from lightning_para.cli.prepare import prepare
+    from tests.token_data import stdlib_documents, text_folder, train_bpe
+
+    root = tmp_path_factory.mktemp("recipes")
+    texts = stdlib_documents(8)
+    tokenizer = train_bpe(root / "tokenizer", texts)
+    prepare(str(tokenizer), str(root / "corpus"), [str(text_folder(root / "text", texts))], progress=False)
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import llama_config
+
+    AutoModelForCausalLM.from_config(
+        llama_config(vocab_size=512, num_hidden_layers=4, max_position_embeddings=2048)
+    ).save_pretrained(root / "llama")
+    return {"gpt2-124m-8gpu.yaml": ["--data.init_args.path", str(root / "corpus")],
+            "llama-finetune-8gpu.yaml": ["--data.init_args.path", str(root / "corpus"),
+                                         "--model.init_args.pretrained", str(root / "llama")]}
 
 
 def test_every_recipe_config_is_covered():
@@ -30,7 +56,7 @@ def test_every_recipe_config_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_recipe_config_resolves(name, tmp_path, monkeypatch):
+def test_recipe_config_resolves(name, tmp_path, monkeypatch, request):
     monkeypatch.setattr("sys.argv", ["lightning-para"])  # pytest's own argv is not the CLI's
     devices, layout, model_class, preset = EXPECTED[name]
     if preset == "litgpt":
@@ -39,6 +65,8 @@ def test_recipe_config_resolves(name, tmp_path, monkeypatch):
     args = ["--config", str(RECIPES / name), "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
     if preset not in ("tiny", "litgpt", None):
         args += ["--model.init_args.preset", "tiny"]
+    if "8gpu" in name and name.startswith(("gpt2-", "llama-")):
+        args += request.getfixturevalue("prepared")[name]
     cli = ParaCLI(args=args, run=False)
     strategy = cli.trainer.strategy
     dims = strategy.parallel_dims  # resolved by the strategy before any launch
