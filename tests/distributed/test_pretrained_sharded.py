@@ -26,6 +26,7 @@ from tests.harness import WorkerPool  # noqa: E402
 from tests.hf_models import hf_tokens, llama_config  # noqa: E402
 from tests.parity import FP32_RTOL, LossRecorder, ShardedData, assert_losses_close, trainer_kwargs  # noqa: E402
 
+DEFAULT_TIER = True  # the small dp2 ZeRO-3 check; the 76M measurements and the planted bug are marked slow
 STEPS = 4
 GLOBAL_BATCH = 8
 # 76.0M parameters (as in issue 36): a 32k vocabulary, untied head, 12 layers of width 512.
@@ -76,7 +77,21 @@ def write_llama(folder: Path, **config: Any) -> Path:
     return folder
 
 
-def sharded_fit_job(folder: str, strategy_kwargs: dict, empty_init: bool = True) -> dict:
+def plant_first_slice_everywhere() -> None:
+    """The planted bug: every rank reads the box at offset 0 (rank 0's slice) instead of its own."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    read = HuggingFaceStorageReader._process_read_request
+
+    def first_slice(self, f, req, planner):
+        import dataclasses
+
+        return read(self, f, dataclasses.replace(req, storage_offsets=torch.Size([0] * len(req.storage_offsets))), planner)
+
+    HuggingFaceStorageReader._process_read_request = first_slice
+
+
+def sharded_fit_job(folder: str, strategy_kwargs: dict, empty_init: bool = True, planted: bool = False) -> dict:
     """In every worker: build inside init_module(empty_init), fit STEPS steps, report losses and memory."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
@@ -89,6 +104,8 @@ def sharded_fit_job(folder: str, strategy_kwargs: dict, empty_init: bool = True)
             self.memory = probe.stop()
             self.local_bytes = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in pl_module.parameters())
 
+    if planted:
+        plant_first_slice_everywhere()
     strategy = ParaStrategy(**strategy_kwargs)
     recorder, stop = LossRecorder(), StopProbe()
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[recorder, stop],
@@ -146,6 +163,36 @@ def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(tmp_path):
     finally:
         pool.close()
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout", [{"zero": 1, "tp": 2}, {"pp": 2, "zero": 1}, {"cp": 2, "zero": 3}, {"tp": 2, "pp": 2}],
+    ids=["tp2-zero1", "pp2-zero1", "cp2-zero3", "tp2-pp2"],
+)
+def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
+    folder = write_llama(tmp_path / "llama")
+    expected = reference(folder)
+    world = 4 if layout.get("tp", 1) * layout.get("pp", 1) == 4 else 2
+    pool = WorkerPool(world)
+    try:
+        results = pool.run(sharded_fit_job, str(folder), layout)
+    finally:
+        pool.close()
+    assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
+
+
+@pytest.mark.slow
+def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(tmp_path):
+    folder = write_llama(tmp_path / "llama")
+    expected = reference(folder)
+    pool = WorkerPool(2)  # its own processes: the planted reader must not outlive this test
+    try:
+        results = pool.run(sharded_fit_job, str(folder), {"zero": 3}, planted=True)
+    finally:
+        pool.close()
+    with pytest.raises(AssertionError, match="per-step loss differs"):
+        assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
 @pytest.mark.slow
