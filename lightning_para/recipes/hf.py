@@ -17,18 +17,23 @@ gives ``input_ids = labels = x`` (``seq_len - 1`` predictions per window). Dict 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
-
 from pathlib import Path
+from typing import Any, Optional
 
 import lightning as L
 import torch
 from torch import Tensor
 
 from lightning_para.checkpoint.pretrained import PretrainedWeights, stored_tensors
-from lightning_para.integrations.transformers.weights import empty_causal_lm, load_config, pretrained_weights
-
-from lightning_para.integrations.transformers.pipeline import pipeline_spec, split_causal_lm_batch
+from lightning_para.integrations.transformers.pipeline import (
+    pipeline_spec,
+    split_causal_lm_batch,
+)
+from lightning_para.integrations.transformers.weights import (
+    empty_causal_lm,
+    load_config,
+    pretrained_weights,
+)
 from lightning_para.recipes.data import check_positions, check_vocab
 from lightning_para.recipes.optim import adamw_warmup_cosine
 

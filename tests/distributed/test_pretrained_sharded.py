@@ -24,7 +24,13 @@ pytest.importorskip("transformers")
 
 from tests.harness import WorkerPool  # noqa: E402
 from tests.hf_models import hf_tokens, llama_config  # noqa: E402
-from tests.parity import FP32_RTOL, LossRecorder, ShardedData, assert_losses_close, trainer_kwargs  # noqa: E402
+from tests.parity import (  # noqa: E402
+    FP32_RTOL,
+    LossRecorder,
+    ShardedData,
+    assert_losses_close,
+    trainer_kwargs,
+)
 
 DEFAULT_TIER = True  # the small dp2 ZeRO-3 check; the 76M measurements and the planted bug are marked slow
 STEPS = 4

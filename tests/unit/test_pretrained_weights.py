@@ -11,9 +11,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_para.checkpoint import PretrainedWeights, load_pretrained_into, stored_tensors  # noqa: E402
-from lightning_para.checkpoint.format import save_sharded  # noqa: E402
+from lightning_para.checkpoint import (  # noqa: E402
+    PretrainedWeights,
+    load_pretrained_into,
+    stored_tensors,
+)
 from lightning_para.checkpoint.atomic import mark_checkpoint_complete  # noqa: E402
+from lightning_para.checkpoint.format import save_sharded  # noqa: E402
 from lightning_para.checkpoint.pretrained import materialize_for_loading, real_buffers  # noqa: E402
 from lightning_para.integrations.transformers import export, transformers_models  # noqa: E402
 from lightning_para.integrations.transformers.weights import empty_causal_lm  # noqa: E402
@@ -30,7 +34,7 @@ def _llama(**overrides):
 def _checkpoint(model) -> dict:
     wrapper = torch.nn.Module()
     wrapper.model = model
-    return {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, **{"transformers_models": transformers_models(wrapper)}}
+    return {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "transformers_models": transformers_models(wrapper)}
 
 
 def _logits(model, ids):

@@ -19,9 +19,17 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_para.checkpoint.atomic import verify_checkpoint
-from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
-from lightning_para.checkpoint.safetensors_writer import DEFAULT_SHARD_BYTES, tensor_bytes, write_sharded_safetensors
+from lightning_para.checkpoint.format import (
+    MASTER_KEY,
+    METADATA_FILENAME,
+    is_sharded_checkpoint,
+)
 from lightning_para.checkpoint.model_info import register_model_info
+from lightning_para.checkpoint.safetensors_writer import (
+    DEFAULT_SHARD_BYTES,
+    tensor_bytes,
+    write_sharded_safetensors,
+)
 
 CHECKPOINT_KEY = "transformers_models"
 
