@@ -173,8 +173,8 @@ def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", [{"zero": 1, "tp": 2}, {"pp": 2, "zero": 1}, {"cp": 2, "zero": 3}, {"tp": 2, "pp": 2}],
-    ids=["tp2-zero1", "pp2-zero1", "cp2-zero3", "tp2-pp2"],
+    "layout", [{"zero": 1, "tp": 2}, {"zero": 1}, {"zero": 2}, {"zero": 0, "tp": 2}, {"pp": 2, "zero": 1}, {"cp": 2, "zero": 3}, {"tp": 2, "pp": 2}],
+    ids=["tp2-zero1", "dp2-zero1", "dp2-zero2", "tp2-zero0", "pp2-zero1", "cp2-zero3", "tp2-pp2"],
 )
 def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
     folder = write_llama(tmp_path / "llama")
