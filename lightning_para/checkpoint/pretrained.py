@@ -211,7 +211,14 @@ def materialize_for_loading(module: nn.Module, device: torch.device, buffers: Ma
             " loaded. Build the model's buffers on a real device (only its parameters on meta)."
         )
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module.to_empty(device=device)
+        # Swapped in place: a parameter stays the same object, so tied weights (an embedding and its head)
+        # stay tied; without it `to_empty` makes one new parameter per module (FSDP2 swaps by itself).
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            module.to_empty(device=device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
     owners = {_clean(n): (m, n.rsplit(".", 1)[-1]) for n, m in _buffer_owners(module)}
     for name, value in buffers.items():
         if name in owners:  # a pipeline rank no longer holds the other stages' buffers

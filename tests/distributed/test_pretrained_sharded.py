@@ -189,6 +189,20 @@ def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"zero": 3}, {"zero": 1}, {"zero": 3, "tp": 2}], ids=["dp2-zero3", "dp2-zero1", "dp2-tp2-zero3"])
+def test_tied_embeddings_stay_tied(tmp_path, layout):
+    """Llama 3.2's head is its embedding: the files hold it once; every layout keeps one parameter for both."""
+    folder = write_llama(tmp_path / "llama", tie_word_embeddings=True)
+    expected = reference(folder)
+    pool = WorkerPool(4 if "tp" in layout else 2)
+    try:
+        results = pool.run(sharded_fit_job, str(folder), layout)
+    finally:
+        pool.close()
+    assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
+
+
+@pytest.mark.slow
 def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(tmp_path):
     folder = write_llama(tmp_path / "llama")
     expected = reference(folder)
