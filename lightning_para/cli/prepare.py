@@ -12,7 +12,8 @@ into one stream). One shard per input, in the format of :mod:`lightning_para.rec
 
 Resumable: a shard's completion record is written last, atomically; a rerun with the same output skips
 every input whose record matches (same file size and modification time, same tokenizer) and redoes the
-rest, so an interrupted shard is never counted half. ``meta.json`` is rewritten at the end.
+rest, so an interrupted shard is never counted half. ``meta.json`` is rewritten at the end. One ``prepare``
+per output folder at a time: a run starts by removing the unfinished files an interrupted one left.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def tokenize_file(path: Path, out_dir: Path, text_field: str) -> dict[str, Any]:
     assert tokenizer is not None
     name = shard_name(path)
     shard_dir = out_dir / SHARD_DIR
-    tmp = shard_dir / f".{name}.bin.tmp"
+    tmp = shard_dir / f".{name}.{os.getpid()}.bin.tmp"  # per process: never two writers on one file
     dtype = token_dtype(tokenizer.vocab_size)
     tokens = docs = 0
     with open(tmp, "wb") as f:
@@ -236,6 +237,8 @@ def prepare(
         raise ValueError("An input is listed twice (directly or inside a folder); list each file once.")
     out_dir = Path(output).expanduser()
     (out_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    for partial in (out_dir / SHARD_DIR).glob(".*.tmp"):  # an interrupted run's unfinished files
+        partial.unlink(missing_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     records: dict[Path, dict[str, Any]] = {}
     for path in files:

@@ -78,7 +78,7 @@ def test_prepare_rerun_skips_finished_inputs_and_redoes_an_interrupted_shard(cor
     # What an interrupt leaves: the record not yet written, the shard partly written under its hidden name,
     # and (an older crash) a finished-looking shard cut short.
     (out / victim["file"]).with_suffix(".json").unlink()
-    (out / victim["file"]).rename(out / "shards" / f".{Path(victim['file']).name}.tmp")
+    (out / victim["file"]).rename(out / "shards" / f".{Path(victim['file']).stem}.12345.bin.tmp")
     other = first["shards"][5]
     with open(out / other["file"], "r+b") as f:
         f.truncate(10)
@@ -96,6 +96,7 @@ def test_token_datamodule_windows_dp_sharding_and_resume_at_another_dp(corpus):
     stream = np.concatenate([np.fromfile(corpus.out / s["file"], dtype=np.uint16) for s in corpus.meta["shards"]])
     dm = TokenDataModule(str(corpus.out), seq_len=seq, global_batch_size=8, val_fraction=0.1)
     assert dm.vocab_size == 512
+    assert dm.tokenizer.decode(dm.tokenizer.encode("def main():\n")) == "def main():\n"  # the recipes' text samples
     dm.setup()
     x, y = dm.splits["train"][7]  # consecutive windows of the packed stream, across shard boundaries
     np.testing.assert_array_equal(x.numpy(), stream[7 * seq : 8 * seq])
@@ -187,3 +188,32 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path):
     (no_eos / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="--eos-token"):
         prepare(str(no_eos), str(tmp_path / "o"), [str(corpus.inputs)], eos_token="<nope>", progress=False)
+
+
+def test_prepare_killed_midway_then_rerun_counts_every_document_once(corpus, tmp_path):
+    """A real interruption: `lightning-para prepare` is killed (SIGKILL) once its first shard is recorded."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    texts = [t * 20 for t in corpus.texts]  # ~120 KB per file: tokenizing them all takes seconds
+    inputs = text_folder(tmp_path / "big", texts * 2)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "lightning_para.cli", "prepare", "--tokenizer", str(corpus.tokenizer),
+               "--output", str(out), "--no-progress", str(inputs)]
+    # its own process group, killed whole, as Ctrl-C or a scheduler's cancel stops it and its workers
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((out / "shards").glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list((out / "shards").glob("*.json")))
+    assert not (out / "meta.json").exists() and 1 <= done < len(texts) * 2, done  # really cut short
+    meta = prepare(str(corpus.tokenizer), str(out), [str(inputs)], progress=False)
+    tok = _tokenizer(corpus.tokenizer)
+    expected = 2 * sum(len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in texts)
+    assert meta["documents"] == len(texts) * 2 and meta["tokens"] == expected
+    assert not list((out / "shards").glob(".*"))  # no partial files left behind
