@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_para.checkpoint.stacked import Stacked, load_stacked
 from lightning_para.parallel.tensor.checkpoint import for_dcp
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,11 +49,14 @@ class PretrainedWeights:
             the LightningModule's ``self.model``).
         rename: the module's name (without ``prefix``) of a name in the files, when they differ (a
             library's renamed layers); ``None`` keeps names as they are.
+        stacked: for a module name (after ``rename``), the per-index pieces the files store it as
+            (:class:`~lightning_para.checkpoint.stacked.Stacked`: stacked experts), or ``None``.
     """
 
     folder: Path
     prefix: str = ""
     rename: Optional[Callable[[str], str]] = field(default=None, compare=False)
+    stacked: Optional[Callable[[str], Optional[Stacked]]] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -147,19 +151,30 @@ def _everywhere(value: Any) -> list[Any]:
     return out
 
 
-def check_weights(folder: Path, stored: Mapping[str, StoredTensor], targets: Mapping[str, Tensor], tied: set[str]) -> None:
+def check_weights(
+    folder: Path, stored: Mapping[str, StoredTensor], targets: Mapping[str, Tensor], tied: set[str],
+    stacked: Optional[Mapping[str, Stacked]] = None,
+) -> None:
     """Names and global shapes of the files against the module on every rank (a pipeline rank holds only
-    its stages); the same ``ValueError`` on every rank, listing what differs."""
+    its stages); the same ``ValueError`` on every rank, listing what differs. ``stacked`` module tensors are
+    compared with the shape their pieces make."""
     mine = {k: tuple(t.shape) for k, t in targets.items()}
     wanted: dict[str, tuple[int, ...]] = {}
     tied_all: set[str] = set()
-    for shapes, tied_rank in _everywhere((mine, sorted(tied))):
+    stacks: dict[str, Stacked] = {}
+    for shapes, tied_rank, stacks_rank in _everywhere((mine, sorted(tied), dict(stacked or {}))):
         wanted.update(shapes)
         tied_all.update(tied_rank)
-    missing = sorted(k for k in wanted if k not in stored and k not in tied_all)
-    unexpected = sorted(k for k in stored if k not in wanted)
+        stacks.update(stacks_rank)
+    pieces = {n for st in stacks.values() for n in st.names()}
+    missing = sorted(k for k in wanted if k not in stored and k not in tied_all and k not in stacks)
+    missing += sorted(n for n in pieces if n not in stored)
+    unexpected = sorted(k for k in stored if k not in wanted and k not in pieces)
     shapes = sorted(f"{k}: {list(stored[k].shape)} in the files, {list(s)} in the model"
-                    for k, s in wanted.items() if k in stored and stored[k].shape != s)
+                    for k, s in wanted.items() if k not in stacks and k in stored and stored[k].shape != s)
+    if not missing:
+        shapes += sorted(f"{k}: {list(st.global_shape(stored))} from its pieces, {list(wanted[k])} in the model"
+                         for k, st in stacks.items() if st.global_shape(stored) != wanted[k])
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -186,10 +201,13 @@ def load_pretrained_into(module: nn.Module, weights: PretrainedWeights) -> list[
     folder = Path(weights.folder)
     stored = stored_tensors(folder)
     targets, tied = _targets(module, weights)
-    check_weights(folder, stored, targets, tied)
+    stacks = {k: st for k in targets if weights.stacked is not None and (st := weights.stacked(k)) is not None}
+    check_weights(folder, stored, targets, tied, stacks)
     state = {k: t.detach() if isinstance(t, nn.Parameter) else t for k, t in targets.items() if k in stored}
     load(for_dcp(state), storage_reader=HuggingFaceStorageReader(str(folder)))
-    return sorted(state)
+    for key, stack in stacks.items():
+        load_stacked(targets[key].detach(), stack, folder, {n: stored[n].file for n in stack.names()})
+    return sorted([*state, *stacks])
 
 
 def real_buffers(module: nn.Module) -> dict[str, Tensor]:

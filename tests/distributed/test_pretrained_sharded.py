@@ -23,7 +23,7 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from tests.harness import WorkerPool  # noqa: E402
-from tests.hf_models import hf_tokens, llama_config  # noqa: E402
+from tests.hf_models import hf_tokens, llama_config, mixtral_config  # noqa: E402
 from tests.parity import (  # noqa: E402
     FP32_RTOL,
     LossRecorder,
@@ -74,11 +74,11 @@ class AnonPeak:
         return {"anon": self.peak - self.base, "hwm": _status("VmHWM") - self.hwm_base}
 
 
-def write_llama(folder: Path, **config: Any) -> Path:
+def write_llama(folder: Path, factory=llama_config, **config: Any) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(llama_config(**config))
+    model = AutoModelForCausalLM.from_config(factory(**config))
     model.save_pretrained(folder, max_shard_size="40MB")  # several shards and the index file
     return folder
 
@@ -195,6 +195,21 @@ def test_tied_embeddings_stay_tied(tmp_path, layout):
     folder = write_llama(tmp_path / "llama", tie_word_embeddings=True)
     expected = reference(folder)
     pool = WorkerPool(4 if "tp" in layout else 2)
+    try:
+        results = pool.run(sharded_fit_job, str(folder), layout)
+    finally:
+        pool.close()
+    assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"ep": 2, "zero": 3}, {"ep": 2, "zero": 1}],
+                         ids=["ep2", "ep2-zero3", "dp4-ep2-zero1"])
+def test_mixtral_per_expert_files_load_into_stacked_experts_under_ep(tmp_path, layout):
+    """transformers writes Mixtral one tensor per expert; each ep rank reads only its experts' pieces."""
+    folder = write_llama(tmp_path / "mixtral", factory=mixtral_config)
+    expected = reference(folder)
+    pool = WorkerPool(4 if layout.get("zero") == 1 else 2)
     try:
         results = pool.run(sharded_fit_job, str(folder), layout)
     finally:

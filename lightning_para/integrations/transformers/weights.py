@@ -11,6 +11,7 @@ are; :func:`lightning_para.checkpoint.pretrained.load_pretrained_into` reads eac
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,7 +19,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_para.checkpoint.pretrained import PretrainedWeights
+from lightning_para.checkpoint.pretrained import PretrainedWeights, stored_tensors
+from lightning_para.checkpoint.stacked import Stacked
 
 
 @contextlib.contextmanager
@@ -63,11 +65,39 @@ def empty_causal_lm(folder: Union[str, Path]) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+# transformers 5 stacks Mixtral-style experts in the model (``mlp.experts.gate_up_proj[E, 2I, H]``,
+# ``mlp.experts.down_proj[E, H, I]``) and writes checkpoints in the per-expert layout of the Hub
+# (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``; conversion_mapping.py, "mixtral"). Model name -> pieces:
+_PER_EXPERT_FILES = re.compile(r"^(?P<layer>.+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.w1\.weight$")
+_STACKS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+
 def pretrained_weights(folder: Union[str, Path], prefix: str) -> PretrainedWeights:
     """Where the weights of the model at ``prefix`` in the LightningModule are. The files' names are the
-    model's ``state_dict`` names (what ``save_pretrained`` writes for the decoder-only models of
-    docs/transformers.md); a folder whose names differ is reported name by name before anything is read."""
-    return PretrainedWeights(Path(folder).expanduser(), prefix)
+    model's ``state_dict`` names (what ``save_pretrained`` writes for dense decoder-only models), except for
+    Mixtral-style experts, stored one tensor per expert (``block_sparse_moe.experts.{e}.w1``): those are
+    mapped onto the model's stacked experts, each rank reading only its experts' pieces. Anything else
+    that differs is reported name by name before anything is read."""
+    path = Path(folder).expanduser()
+    experts: dict[str, int] = {}
+    for name in stored_tensors(path):
+        match = _PER_EXPERT_FILES.match(name)
+        if match:
+            experts[match["layer"]] = max(experts.get(match["layer"], 0), int(match["e"]) + 1)
+    if not experts:
+        return PretrainedWeights(path, prefix)
+
+    def rename(name: str) -> str:  # the router: `<layer>.mlp.gate.weight` is `<layer>.block_sparse_moe.gate.weight`
+        layer, sep, rest = name.partition(".mlp.")
+        return f"{layer}.block_sparse_moe.{rest}" if sep and layer in experts and not rest.startswith("experts.") else name
+
+    def stacked(name: str) -> Optional[Stacked]:
+        layer, sep, rest = name.partition(".mlp.experts.")
+        if not sep or layer not in experts or rest not in _STACKS:
+            return None
+        return Stacked(experts[layer], tuple(f"{layer}.block_sparse_moe.experts.{{}}.{w}.weight" for w in _STACKS[rest]))
+
+    return PretrainedWeights(path, prefix, rename=rename, stacked=stacked)
 
 
 __all__ = ["empty_causal_lm", "load_config", "pretrained_weights"]
