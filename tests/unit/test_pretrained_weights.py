@@ -130,3 +130,15 @@ def test_hf_recipe_loads_sharded_inside_a_meta_context_and_whole_outside(tmp_pat
     assert eager.pretrained_weights() is None
     ids = torch.randint(0, 64, (2, 12))
     torch.testing.assert_close(_logits(eager.model, ids), _logits(model, ids), rtol=0, atol=0)
+
+
+def test_bf16_files_load_as_from_pretrained_loads_them(tmp_path):
+    """Hub checkpoints are bf16: the sharded path builds the model in the config's dtype, as from_pretrained does."""
+    from transformers import AutoModelForCausalLM
+
+    model = _llama().to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf")
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    sharded = _read_back(tmp_path / "hf")
+    for (name, a), b in zip(eager.state_dict().items(), sharded.state_dict().values()):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
