@@ -43,7 +43,7 @@ from lightning_para.parallel.tensor import (  # noqa: E402
     step_mixed_groups_per_tensor,
 )
 from lightning_para.plan import Cluster, Layout, Training, estimate  # noqa: E402
-from lightning_para.plan.dryrun import start_fake_world  # noqa: E402
+from lightning_para.simulate import start_fake_world  # noqa: E402
 from lightning_para.plan.model import ModelDesc  # noqa: E402
 from lightning_para.precision import ParaPrecision  # noqa: E402
 from lightning_para.recipes import GPT  # noqa: E402

@@ -10,7 +10,7 @@ measures, on the device at hand, each term the planner needs, then the real thin
 
 1. **matmul efficiency**: bf16 GEMMs of the model's own shapes (the layer's projections at the
    microbatch's tokens), as a fraction of the preset's dense peak;
-2. **element-wise bandwidth**: ``plan.calibrate._elementwise_chain`` (an RMS norm, a SwiGLU product,
+2. **element-wise bandwidth**: ``calibrate.measure._elementwise_chain`` (an RMS norm, a SwiGLU product,
    a residual add), forward and backward at the layer's size, its bytes (``TrafficCounter``) over its time;
 3. **the real step**: the GPT recipe at that shape under ``ParaStrategy()`` at ``devices=1``
    (``bf16-mixed``, torchtitan's per-op selective recomputation, AdamW), steps timed after warm-up,
@@ -47,7 +47,8 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from benchmarks.common import TokenData, quiet_trainer_kwargs  # noqa: E402
 from lightning_para import ParaStrategy  # noqa: E402
 from lightning_para.plan import Cluster, Layout, Training, estimate  # noqa: E402
-from lightning_para.plan.calibrate import TrafficCounter, _elementwise_chain  # noqa: E402
+from lightning_para.calibrate.measure import _elementwise_chain  # noqa: E402
+from lightning_para.instrument.operators import TrafficCounter  # noqa: E402
 from lightning_para.plan.model import ModelDesc  # noqa: E402
 from lightning_para.recipes import GPT  # noqa: E402
 
@@ -227,11 +228,11 @@ def run_recipe(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
 
 def count_coefficients(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """:func:`~lightning_para.plan.traffic.count_traffic_coefficients` at each ``--count-widths`` entry
+    """:func:`~lightning_para.calibrate.traffic.count_traffic_coefficients` at each ``--count-widths`` entry
     (``hidden:heads:kv_heads:ffn``), one block, ``--vocab``, under bf16-mixed and bf16-true."""
     from dataclasses import asdict
 
-    from lightning_para.plan.traffic import count_traffic_coefficients
+    from lightning_para.calibrate.traffic import count_traffic_coefficients
 
     shapes = ((2, 64), (1, 16)) if args.tiny else ((2, 8192), (1, 2048))
     out: dict[str, Any] = {}

@@ -210,8 +210,30 @@ class ParallelDims:
         return self.get_mesh(name).get_group()
 
     def local_rank(self, name: str) -> int:
-        """This rank's coordinate along one (possibly flattened) mesh dimension."""
+        """This rank's coordinate along one (possibly flattened) mesh dimension. Before the mesh exists (e.g. while
+        ``layout="auto"`` reads the first batch, whose loader may ask for the sampler's rank), the coordinate the
+        mesh will give it: :meth:`coordinate` of the default group's rank."""
+        if self.mesh is None and dist.is_initialized():
+            return self.coordinate(name, dist.get_rank())
         return self.get_mesh(name).get_local_rank()
+
+    def coordinate(self, name: str, global_rank: int) -> int:
+        """``global_rank``'s coordinate along ``name`` in the mesh :meth:`build_mesh` builds (row-major over
+        :data:`MESH_DIM_NAMES`, as ``init_device_mesh`` lays ranks out; a flattened dimension is the row-major
+        index over its parts), computed from the degrees alone."""
+        name = LIGHTNING_ALIASES.get(name, name)
+        parts = FLATTENED_DIMS.get(name, (name,))
+        if any(part not in MESH_DIM_NAMES for part in parts):
+            raise ValueError(f"Unknown mesh dimension {name!r}. Valid names: {', '.join(self.valid_mesh_names)}.")
+        if not 0 <= global_rank < self.world_size:
+            raise ValueError(f"`global_rank={global_rank}` is outside the world of {self.world_size} ranks.")
+        coords, rest = {}, global_rank
+        for dim, size in reversed(list(zip(MESH_DIM_NAMES, self.shape))):
+            coords[dim], rest = rest % size, rest // size
+        index = 0
+        for part in parts:
+            index = index * dict(zip(MESH_DIM_NAMES, self.shape))[part] + coords[part]
+        return index
 
     def zero_mesh(self, expert: bool = False) -> DeviceMesh:
         """The 1-D mesh ZeRO shards a parameter's state over: ``dp_shard x cp`` (dense) or ``edp x cp`` (experts).

@@ -164,7 +164,7 @@ def parallelize(
     are); ``master_dtype`` the dtype of separate optimizer copies of the weights (fp32 then).
     ``recompute_context``: a context entered around each activation recomputation (besides context
     parallelism's): torch-function modes active in the forward are not active in backward (the dry
-    run's fused-kernel mode, :mod:`lightning_para.plan.dryrun`).
+    run's fused-kernel mode, :mod:`lightning_para.simulate.rank`).
     """
     user = detect_user_parallelism(module, dims, config)
     if user.fully_sharded:

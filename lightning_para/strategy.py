@@ -48,7 +48,7 @@ from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
 from lightning_para.parallelize import ParallelModel, parallelize
-from lightning_para.plan.auto import LayoutChoice, auto_configure
+from lightning_para.auto_layout import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
 from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
@@ -654,6 +654,7 @@ class ParaStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._guard.settle()  # the last step's finite check (read a step late)
         step = self.lightning_module.trainer.global_step
         if self._integrity is not None and step != self._integrity.last_checked_step:
             self.check_integrity(step)
@@ -749,6 +750,7 @@ class ParaStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
+        self._guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
         path, token = self.broadcast((str(filepath), ckpt.new_token()))
         # What integrations record about the model (transformers: each model's class and config, so

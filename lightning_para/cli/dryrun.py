@@ -6,7 +6,7 @@
         --seq-len 8192 --global-batch 2048 --ranks first,last
     lightning-para dryrun --model llama3-8b --gpus 64 --layout "tp=4,pp=2" --ranks 0,63 --json
 
-Each chosen rank runs in a process of its own (:mod:`lightning_para.plan.dryrun`: torch's fake
+Each chosen rank runs in a process of its own (:mod:`lightning_para.simulate.rank`: torch's fake
 process group of ``--gpus`` ranks, the real mesh, stage split, TP/SP plans and ZeRO sharding, one
 training step on meta tensors) and is printed beside the planner's prediction for its pipeline
 rank, with the difference in %. ``--ranks first,last`` means global rank 0 and ``--gpus - 1``
@@ -61,7 +61,7 @@ from torch import nn
 from lightning_para.config import ParallelConfig
 from lightning_para.options import PRECISIONS
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import RankDryRun, dry_run_rank
+from lightning_para.simulate.rank import RankDryRun, dry_run_rank
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
 from lightning_para.cli.run_config import (
     RunConfigError,

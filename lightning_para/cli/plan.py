@@ -59,12 +59,13 @@ from lightning_para.cli.run_config import (
     trainer_value,
 )
 from lightning_para.observe.profiler import ParaProfiler
-from lightning_para.plan.auto import search_space
-from lightning_para.plan.check import PredictionCheck
+from lightning_para.auto_layout import search_space
+from lightning_para.instrument.compare import PredictionCheck
 from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.layout import RECOMPUTE
 from lightning_para.plan.model import PRESETS, ModelDesc
-from lightning_para.plan.run import layout_arguments, local_cluster, parse_layout, strategy_overrides
+from lightning_para.calibrate.machine import local_cluster
+from lightning_para.plan.run import layout_arguments, parse_layout, strategy_overrides
 from lightning_para.plan.search import SearchSpace, search
 
 PROG = "lightning-para plan"

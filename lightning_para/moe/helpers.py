@@ -59,7 +59,7 @@ def moe_stats_paused(module: nn.Module) -> Iterator[None]:
 def balanced_routing(*modules: nn.Module) -> Iterator[None]:
     """Inside, every MoE layer of ``modules`` (e.g. a rank's pipeline stages) routes with a fixed, perfectly balanced assignment.
 
-    For the dry run (``lightning_para.plan.dryrun``) only: on the meta device the router's top-k and
+    For the dry run (``lightning_para.simulate.rank``) only: on the meta device the router's top-k and
     expert parallelism's all-to-all split sizes would read tensor values, which meta tensors do not
     have. Here token ``t``'s ``j``-th choice is expert ``(t * top_k + j) mod E``
     (:func:`~lightning_para.moe.layer.balanced_assignment`), the gates are the router's probabilities

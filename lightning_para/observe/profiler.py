@@ -10,12 +10,12 @@ the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
 * ``memory/rank{r}/...``: each rank's :meth:`ParaStrategy.memory_breakdown` (params, grads,
   optimizer state) against the ZeRO formula's expectation;
 * ``comm/{dim}/{kind}_MB`` and ``_ms``: bytes and time per mesh dimension and collective,
-  measured by :class:`~lightning_para.observe.comm_trace.CommTracer` on sampled steps;
+  measured by :class:`~lightning_para.instrument.collectives.CollectiveCounter` on sampled steps;
 * ``pipeline/idle_fraction/stage{s}`` and a ``pipeline/timeline`` image drawn from the
   measured schedule events (``pp > 1``);
 * ``plan/...``: the planner's prediction for this run against what was measured, per rank:
   memory per component, comm bytes per mesh dimension, the pipeline idle fraction, step time
-  (``check_predictions``; :mod:`.prediction`, :mod:`lightning_para.plan.check`), and a
+  (``check_predictions``; :mod:`.prediction`, :mod:`lightning_para.instrument.compare`), and a
   ``plan/predicted_vs_measured`` table;
 * optional ``torch.profiler`` traces for a window of steps (``trace_start_step``), written
   per rank to ``<log_dir>/traces`` (open in TensorBoard's profiler plugin or Perfetto);
@@ -46,14 +46,14 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_para.moe import MoEStats, moe_layers
-from lightning_para.observe.comm_trace import CommTracer, group_labels
+from lightning_para.instrument.collectives import CollectiveCounter, group_labels
 from lightning_para.observe.prediction import check_run, describe_for_prediction, measure_rank
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 from lightning_para.parallel.data import MemoryBreakdown
 from lightning_para.parallel.pipeline import PipelineStats
-from lightning_para.plan.check import IDLE_KINDS, PredictionCheck
+from lightning_para.instrument.compare import IDLE_KINDS, PredictionCheck
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.run import detect_peak_flops
+from lightning_para.calibrate.machine import detect_peak_flops
 
 MIB = 2**20
 
@@ -162,7 +162,7 @@ class ParaProfiler(Callback):
         self._window: list[tuple[float, int]] = []  # (seconds, global tokens) of untraced batches
         self._all_steps: list[tuple[float, int]] = []
         self._untraced_seconds: list[float] = []  # steps without the collective tracer (what the planner prices)
-        self._tracer: Optional[CommTracer] = None
+        self._tracer: Optional[CollectiveCounter] = None
         self._labels: dict[str, str] = {}
         self._torch_profiler: Optional[Any] = None
         self._start = 0.0
@@ -217,7 +217,7 @@ class ParaProfiler(Callback):
         if runner is not None and (self._timeline_pending or self._due(self.timeline_every_n_steps)):
             runner.measure_timing = True  # per-action device events for this step's timeline (no host sync)
         if self._due(self.comm_every_n_steps) and _world() > 1:
-            self._tracer = CommTracer(self._labels, self.time_collectives)
+            self._tracer = CollectiveCounter(self._labels, self.time_collectives)
             self._tracer.__enter__()
             self._traced = True
         self._start = time.perf_counter()
@@ -333,7 +333,7 @@ class ParaProfiler(Callback):
                 metrics["perf/mfu"] = achieved / (self.peak_flops * trainer.world_size)
         self._log_scalars(trainer, metrics)
 
-    def _log_comm(self, trainer: L.Trainer, tracer: CommTracer, step_seconds: float) -> None:
+    def _log_comm(self, trainer: L.Trainer, tracer: CollectiveCounter, step_seconds: float) -> None:
         per_rank = gather_objects(tracer.summary())
         if not trainer.is_global_zero:
             return

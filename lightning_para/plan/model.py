@@ -389,7 +389,12 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
     ``first_k_dense_replace``; MoE every ``decoder_sparse_step`` / ``moe_layer_freq`` layers.
     DeepSeek's MLA (``kv_lora_rank``) is counted by :func:`mla_attention_params`, with the value
     head dim as the head dim (as the ``deepseek-v3`` preset). These architectures use SwiGLU,
-    RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults)."""
+    RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults).
+
+    GPT-2-style keys (GPT-2, Megatron's GPT and the many configs written like them): ``n_layer``, ``n_embd``,
+    ``n_head``, ``n_inner`` (``null``: ``4 n_embd``), ``n_positions`` (or ``n_ctx``), ``vocab_size``: a GELU MLP of
+    two matrices, LayerNorm, biases, learned positions and a tied head (GPT-2's; ``tie_word_embeddings``
+    overrides it); ``multi_query`` (GPT-BigCode) is one key/value head."""
     import json
     import os
 
@@ -398,10 +403,16 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
         with open(path) as f:
             config = json.load(f)
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
+    if "n_embd" in config or "n_layer" in config:
+        return _from_gpt2_config(config, name)
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [key for key in required if key not in config]
     if missing:
-        raise ValueError(f"The Hugging Face config lacks {missing}: give a decoder-only (Llama-style) config.json.")
+        raise ValueError(
+            f"The Hugging Face config lacks {missing}: give a decoder-only config.json, Llama-style (num_hidden_layers,"
+            " hidden_size, num_attention_heads, intermediate_size, vocab_size: Llama, Mistral, Qwen2/3, Mixtral,"
+            " DeepSeek) or GPT-2-style (n_layer, n_embd, n_head, n_positions, vocab_size)."
+        )
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     experts = int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0)
     moe: dict[str, Any] = {}
@@ -429,6 +440,29 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
         kv_heads=config.get("num_key_value_heads"), head_dim=head_dim, ffn=int(config["intermediate_size"]),
         vocab=int(config["vocab_size"]), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=name or "hf-model", **moe, **attention,
+    )
+
+
+GPT2_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size")
+
+
+def _from_gpt2_config(config: dict[str, Any], name: Optional[str]) -> ModelDesc:
+    """GPT-2-style keys (see :func:`from_hf_config`)."""
+    missing = [key for key in GPT2_REQUIRED if key not in config]
+    positions = config.get("n_positions", config.get("n_ctx"))
+    if positions is None:
+        missing.append("n_positions")
+    if missing:
+        raise ValueError(
+            f"The GPT-2-style config lacks {missing}: give n_layer, n_embd, n_head, n_positions and vocab_size"
+            " (n_inner is optional: 4 n_embd)."
+        )
+    hidden = int(config["n_embd"])
+    return ModelDesc(
+        layers=int(config["n_layer"]), hidden=hidden, heads=int(config["n_head"]),
+        kv_heads=1 if config.get("multi_query") else None, ffn=int(config.get("n_inner") or 4 * hidden),
+        vocab=int(config["vocab_size"]), tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        gated_mlp=False, norm="layernorm", bias=True, learned_positions=int(positions), name=name or "hf-model",
     )
 
 

@@ -7,7 +7,7 @@ with a tiny model (the README demo: h=128, 64 tokens x 4 sequences per microbatc
 the step, which the roofline alone under-predicted by 2.6x (docs/planner.md).
 
 The planner prices it as ``ops x op_seconds``: ``op_seconds`` is measured once per machine
-(:func:`lightning_para.plan.calibrate.measure_op_seconds`: a chain of tiny operators, forward
+(:func:`lightning_para.calibrate.measure.measure_op_seconds`: a chain of tiny operators, forward
 and backward, divided by the aten operators it dispatched), and the operator counts below were
 counted with ``TorchDispatchMode`` on the project's GPT recipe (``tests/unit/test_plan_overhead.py``
 recounts them, so a change to the recipe that moves them fails a test instead of silently
@@ -17,7 +17,7 @@ Under tensor parallelism many of those operators go through DTensor's dispatch i
 propagation, redistribution, re-wrapping its local result), which costs ~15x a plain operator's
 fixed cost on CPU; with sequence parallelism the whole block between the norms runs on DTensors.
 The planner prices those separately, ``dtensor_ops x dtensor_op_seconds``
-(:func:`lightning_para.plan.calibrate.measure_dtensor_op_seconds`). Their counts (the ``TP_*``
+(:func:`lightning_para.calibrate.measure.measure_dtensor_op_seconds`). Their counts (the ``TP_*``
 tables, ``(DTensor operators, plain operators)``) were counted on the GPT recipe at tp=2 under
 torch's fake process group (``tests/unit/tp_op_counts.py``; ``tests/unit/test_plan_overhead.py``
 recounts them). They do not depend on the tp degree: each rank runs the same operators on its shard.
@@ -51,7 +51,7 @@ class TrafficCoefficients:
     layer_per_param_byte x`` its parameter bytes (activations are written once and read several times; the
     weight gradients are written and accumulated; autocast casts the weights), the same for the head (final
     norm, output projection, loss) and the embedding and head weights, and AdamW's bytes per element stepped.
-    Counted with :func:`lightning_para.plan.traffic.count_traffic_coefficients`."""
+    Counted with :func:`lightning_para.calibrate.traffic.count_traffic_coefficients`."""
 
     layer_per_activation_byte: float
     layer_per_param_byte: float

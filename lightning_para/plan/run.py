@@ -9,120 +9,29 @@ This module translates between the two, so that
 * ``ParaStrategy(layout="auto")`` can turn the planner's choice into a config
   (:meth:`ParallelConfig.with_layout`, through :meth:`Layout.strategy_kwargs`: the one mapping);
 * the profiler and ``lightning-para plan --validate`` can ask the planner about *this* run
-  (:func:`layout_from_config`, :func:`run_training`, :func:`local_cluster`) and compare.
+  (:func:`layout_from_config`, :func:`run_training`) and compare;
+* ``--layout`` strings are read the one way (:func:`parse_layout`).
 
-Hardware figures for the local machine: a GPU's memory from the device, its peak from
-Lightning's FLOPs table (``get_available_flops``) and its links from :data:`GPU_SPECS` when
-its name is known; on CPU, the machine's RAM divided among the processes on it and nominal
-figures for a gloo process (:data:`CPU_PROCESS`), which only the step-time estimate uses.
+The local machine's figures (a :class:`Cluster` of this machine) are measured, not modelled:
+:func:`lightning_para.calibrate.local_cluster`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import fields
 from typing import Any, Optional
 
-import torch
-from lightning.fabric.utilities.throughput import get_available_flops
-
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data import layout as data_layout
-from lightning_para.plan.calibrate import cached_calibration
-from lightning_para.plan.cluster import GPU_SPECS, Cluster, Training
+from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.threads import available_cores, thread_budget, user_chose_threads
-
-# One CPU process talking gloo over the loopback device: rough figures (dense fp32 matmul FLOP/s of
-# one core, memcpy-bound socket bandwidth, per-message latency). Only step-time estimates use them.
-# op_seconds: ~10 us per eager aten operator, forward and backward (measured by `calibrate` on the
-# development VM, AMD EPYC, 1 thread); dtensor_op_seconds: ~150 us per operator through DTensor's
-# dispatch (`measure_dtensor_op_seconds`, same VM); elementwise_bandwidth: ~10 GB/s moved by the non-matmul
-# operators on activation-sized tensors (`measure_elementwise_bandwidth`, same VM); a calibration replaces all of these.
-CPU_PROCESS = {"peak_flops": 5e10, "intra_node_bw": 2e9, "inter_node_bw": 1e9,
-               "intra_node_latency": 5e-5, "inter_node_latency": 2e-4, "op_seconds": 1e-5,
-               "dtensor_op_seconds": 1.5e-4, "dtensor_optimizer_op_seconds": 0.0, "step_overhead_seconds": 0.0,
-               "elementwise_bandwidth": 1e10}
-# A GPU not in GPU_SPECS: PCIe-class links.
-UNKNOWN_GPU_LINKS = {"intra_node_bw": 5e10, "inter_node_bw": 1.25e10}
-
-
-def detect_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
-    """The device's peak FLOP/s for ``dtype`` from Lightning's table (``get_available_flops``), or
-    ``None`` for CPUs and devices it does not know."""
-    if device.type == "cpu":
-        return None
-    flops = get_available_flops(device, dtype)
-    return float(flops) if flops else None
-
-
-def device_memory_bytes(device: torch.device, processes_per_node: int = 1) -> float:
-    """Memory one process may use: the accelerator's total memory, or on CPU the machine's
-    physical RAM divided among the ``processes_per_node`` processes sharing it."""
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return float(ram) / max(1, processes_per_node)
-
-
-def local_cluster(
-    world_size: int,
-    processes_per_node: int,
-    device: torch.device,
-    *,
-    memory_bytes: Optional[float] = None,
-    peak_flops: Optional[float] = None,
-) -> Cluster:
-    """A :class:`Cluster` describing ``world_size`` processes of this kind of machine, ``processes_per_node``
-    per node (memory and peak of ``device`` unless given)."""
-    per_node = max(1, min(processes_per_node, world_size))
-    if world_size % per_node:
-        per_node = 1
-    memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
-    if device.type == "cpu":
-        figures: dict[str, Any] = dict(CPU_PROCESS)
-        # A rank's intra-op threads: this process's inside a run (the launcher gave it its budget);
-        # outside one (the `plan` CLI), the budget `apply_thread_budget` will give each rank.
-        inside = torch.distributed.is_available() and torch.distributed.is_initialized()
-        threads = torch.get_num_threads() if inside or user_chose_threads() else thread_budget(per_node)
-        # This machine's measured figures, when `calibrate()` has cached them for this thread budget.
-        calibration = cached_calibration(threads)
-        if calibration is not None:
-            figures.update(calibration.cluster_figures())
-        # More rank threads than cores (the README demo: 4 one-thread ranks on 2 cores): the cores
-        # are time-shared, so each rank computes at cores / threads of its calibrated (alone) rate.
-        share = min(1.0, available_cores() / (per_node * threads))
-        figures["peak_flops"] *= share
-        figures["elementwise_bandwidth"] *= share
-        figures["op_seconds"] /= share
-        figures["dtensor_op_seconds"] /= share
-        figures["dtensor_optimizer_op_seconds"] /= share  # 0 (not timed apart): dtensor_op_seconds is used
-        figures["step_overhead_seconds"] /= share
-        # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
-        figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE
-    else:
-        name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
-        known = next((spec for key, spec in GPU_SPECS.items() if key.split("-")[0] in name), None)
-        figures = {k: v for k, v in (known or UNKNOWN_GPU_LINKS).items() if k != "memory_bytes"}
-        figures.pop("peak_flops", None)
-        figures["peak_flops"] = detect_peak_flops(device) or (known or {}).get("peak_flops", 1e14)
-    if peak_flops is not None:
-        figures["peak_flops"] = peak_flops
-    return Cluster(nodes=world_size // per_node, gpus_per_node=per_node, memory_bytes=memory, **figures)
-
 
 def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
     """The planner's :class:`Layout` of a resolved ParaStrategy configuration (:meth:`Layout.from_config`)."""
     return Layout.from_config(config, dims)
-
-
-def config_from_layout(config: ParallelConfig, layout: Layout) -> ParallelConfig:
-    """``config`` with the planner's degrees and options (:meth:`ParallelConfig.with_layout`)."""
-    return config.with_layout(layout)
 
 
 # Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
@@ -265,7 +174,7 @@ def predict_run(
 
 
 __all__ = [
-    "CPU_PROCESS", "LAYOUT_ALIASES", "LAYOUT_KEYS", "config_from_layout", "detect_peak_flops", "device_memory_bytes", "layout_arguments",
-    "layout_from_config", "local_cluster", "optimizer_kind", "parse_layout", "predict_run", "run_training",
+    "LAYOUT_ALIASES", "LAYOUT_KEYS", "layout_arguments",
+    "layout_from_config", "optimizer_kind", "parse_layout", "predict_run", "run_training",
     "strategy_overrides",
 ]

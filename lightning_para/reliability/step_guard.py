@@ -15,21 +15,30 @@ the same decision at the same step (issue 24):
 
 Both go into **one all-reduce (MAX) of two integers over the world**, issued once per optimizer
 step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer
-step. So every rank learns the same thing at the same step:
+step. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
+on an accelerator its result is copied to host memory behind the step's work and an event marks
+it) and step ``N + 1``'s check reads it, long finished by then. So the hot path has no
+device-to-host sync of its own (Lightning's loop has none either), and every rank still learns
+the same thing at the same step:
 
-* a non-finite value: one small all-gather of each rank's notes, then every rank raises the same
-  :class:`NonFiniteError` naming the step, the rank(s) where it first appeared and, under
-  pipeline parallelism, the stage that produced it (the first stage in pipeline order whose
-  forward output was not finite; else the last stage's loss; else, for gradients, the stage where
-  backward starts). The optimizer has not stepped: the parameters are still finite.
-* a signal: after this step's optimizer step, at the next step boundary, every rank saves a
+* a non-finite value appearing at step ``N``: at step ``N + 1``'s check (before its optimizer
+  step), one small all-gather of each rank's notes, then every rank raises the same
+  :class:`NonFiniteError` naming step ``N`` (the step it appeared at), the rank(s) where it first
+  appeared and, under pipeline parallelism, the stage that produced it (the first stage in
+  pipeline order whose forward output was not finite; else the last stage's loss; else, for
+  gradients, the stage where backward starts). Step ``N``'s optimizer step has run, so the
+  parameters may be non-finite; **no checkpoint holds them**: a save first settles the agreement in
+  flight (:meth:`StepGuard.settle`, a sync on checkpoint steps only), and so does the end of ``fit``,
+  so a non-finite last step still raises.
+* a signal: after the optimizer step of the step that agreed on it, at that step boundary, every rank saves a
   checkpoint through the normal (atomic) save path and raises :class:`Preempted`, a
   ``SIGTERMException`` (``SystemExit``) with code :data:`PREEMPTED_EXIT_CODE` (143 = 128 +
   SIGTERM, what a process ended by SIGTERM reports, so schedulers and ``torchrun`` restart it).
+  A signal received during step ``N`` stops the run at the end of step ``N + 1``.
 
 The cost per optimizer step: one pass over the local gradients (memory-bound), an ``isfinite``
-on each stage's output (pipeline only), one all-reduce of 16 bytes and one host read of its
-result (``docs/reliability.md`` has the measured figures).
+on each stage's output (pipeline only), one asynchronous all-reduce of 16 bytes and, on an
+accelerator, one non-blocking 16-byte copy to host (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -102,6 +112,28 @@ def _tensors(output: Any) -> list[Tensor]:
     return []
 
 
+@dataclass
+class _Agreement:
+    """One step's flags on their way to the host: the all-reduce (``work``, ``None`` without a process group),
+    the host copy and the event after it (accelerators; on CPU the flags are host memory), the step and its notes."""
+
+    step: int
+    flags: Tensor
+    grad_bad: Tensor
+    work: Any = None
+    host: Optional[Tensor] = None
+    event: Any = None
+
+    def read(self) -> list[int]:
+        """``[non-finite, signal]``: waits only for this agreement, launched a step ago."""
+        if self.event is not None:
+            self.event.synchronize()
+            return self.host.tolist()  # host memory, written before the event: no device sync
+        if self.work is not None:
+            self.work.wait()
+        return self.flags.tolist()  # CPU flags: the device is the host
+
+
 class StepGuard:
     """The per-step agreement described in the module docstring.
 
@@ -134,6 +166,7 @@ class StepGuard:
         self._loss_step = self._new(_NONE)  # first step with a non-finite local loss
         self._stage = self._new(_BIG)  # first pipeline stage (in pipeline order) with a non-finite output
         self._stage_step = self._new(_NONE)
+        self._in_flight: Optional[_Agreement] = None  # the last check's agreement, read at the next
 
     def _new(self, value: int) -> Tensor:
         return torch.full((), value, dtype=torch.int64, device=self.device)
@@ -183,8 +216,9 @@ class StepGuard:
     # ---------------------------------------------------------------- the agreement (collective)
     @torch.no_grad()
     def check(self, step: int, params: Optional[Iterable[Tensor]] = None) -> None:
-        """Every rank, once per optimizer step (and at a step boundary if a loss was noted since):
-        one all-reduce; raises :class:`NonFiniteError` on every rank, or records an agreed signal.
+        """Every rank, once per optimizer step (and at a step boundary if a loss was noted since): launch this
+        step's all-reduce and read the previous step's; raises :class:`NonFiniteError` on every rank (naming the
+        step the value appeared at), or records an agreed signal.
 
         ``params``: the optimizer's parameters whose local gradients are checked (``None``: none, e.g.
         under fp16 loss scaling, where an inf gradient only skips the step)."""
@@ -203,13 +237,38 @@ class StepGuard:
             ((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad,
             self._new(self.signal_received or 0),
         ])
+        previous, self._in_flight = self._in_flight, self._launch(step, flags, grad_bad)
+        if previous is not None:
+            self._act(previous)
+
+    def _launch(self, step: int, flags: Tensor, grad_bad: Tensor) -> _Agreement:
+        agreement = _Agreement(step, flags, grad_bad)
         if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, signum = flags.tolist()
+            agreement.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        if flags.device.type != "cpu":
+            if agreement.work is not None:
+                agreement.work.wait()  # accelerators: orders the current stream after the collective, no host wait
+            agreement.host = flags.to("cpu", non_blocking=True)
+            agreement.event = torch.Event(flags.device)
+            agreement.event.record()
+        return agreement
+
+    def settle(self) -> None:
+        """Read the agreement in flight now (every rank): before a checkpoint is saved and when ``fit`` ends, so no
+        checkpoint holds parameters a non-finite step made and the last step's values are checked too."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._act(previous)
+
+    def _act(self, agreement: _Agreement) -> None:
+        nonfinite, signum = agreement.read()
         if signum and self.stop_signal is None:
             self.stop_signal = int(signum)
         if nonfinite:
-            raise NonFiniteError(self._where(step, grad_bad))
+            if self._in_flight is not None and self._in_flight.work is not None:
+                self._in_flight.work.wait()  # the collective launched after it completes before the next one
+            self._in_flight = None
+            raise NonFiniteError(self._where(agreement.step, agreement.grad_bad))
 
     def _where(self, step: int, grad_bad: Tensor) -> str:
         """Gather every rank's notes; the same message on every rank."""
@@ -237,9 +296,11 @@ class StepGuard:
             ranks = [i for i, r in enumerate(rows) if r[3]]
             what = f"the gradients were not finite at step {step} (after synchronisation), on {self._ranks(ranks)}"
         return (
-            f"lightning-para: {what}. Training stopped before the optimizer step, so the parameters are still finite"
-            " (the last checkpoint is intact). Look for the cause in that step's batch or in the model; to train on"
-            " regardless, pass `ParaStrategy(check_finite=False)`."
+            f"lightning-para: {what}. Every rank agreed on it one step later (the check is read a step late, so the"
+            " hot path never waits for the device) and stopped there: that step's optimizer step ran, so the parameters"
+            " may be non-finite, but no checkpoint holds them (a save settles the check first), so the last checkpoint"
+            " is intact. Look for the cause in that step's batch or in the model; to train on regardless, pass"
+            " `ParaStrategy(check_finite=False)`."
         )
 
     def _ranks(self, ranks: list[int]) -> str:

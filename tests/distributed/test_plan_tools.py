@@ -111,7 +111,7 @@ def test_predictions_are_within_tolerance_of_measurement(pools):
         for r in rows:
             if r["kind"] in ("memory", "comm"):
                 # Acceptance: within 10% per rank, per component and per dimension ("world" carries only
-                # the logged loss's scalar all-reduce: an error of 0, see `plan.check.COMM_SCALAR_BYTES`).
+                # the logged loss's scalar all-reduce: an error of 0, see `instrument.compare.COMM_SCALAR_BYTES`).
                 assert abs(r["error"]) <= 0.10, f"{label}: {r}\n{result['table']}"
             if r["kind"] == "bubble":
                 # Acceptance: the idle fraction within 0.05 -- the pipeline's, the mean over its stages
@@ -281,9 +281,11 @@ def _sharp_gpt() -> GPT:
     return GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, sample_tokens=0, warmup_steps=2)
 
 
-def auto_fixed_job(fixed: dict, steps: int) -> dict:
+def auto_fixed_job(fixed: dict, steps: int, own_sampler: bool = False) -> dict:
     """``ParaStrategy(layout="auto", **fixed)`` on a plain datamodule (no ``seq_len``/batch attributes:
-    the planner reads the first batch); returns the losses, this rank's dp slice and the layout."""
+    the planner reads the first batch); returns the losses, this rank's dp slice and the layout.
+    ``own_sampler``: the datamodule builds its ``DistributedSampler`` from the strategy's
+    ``distributed_sampler_kwargs`` (the common pattern), also while the planner reads the first batch."""
     import lightning as L
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -292,8 +294,13 @@ def auto_fixed_job(fixed: dict, steps: int) -> dict:
     from tests.parity import LossRecorder, trainer_kwargs
     from tests.tp_models import token_dataset
 
+    from torch.utils.data.distributed import DistributedSampler
+
     class PlainData(L.LightningDataModule):
         def train_dataloader(self):  # Lightning adds its shuffling DistributedSampler over the dp ranks
+            if own_sampler:  # the same order as Lightning's (shuffled, seed 0)
+                sampler = DistributedSampler(token_dataset(), **self.trainer.strategy.distributed_sampler_kwargs)
+                return DataLoader(token_dataset(), batch_size=AUTO_BATCH_PER_RANK, sampler=sampler)
             return DataLoader(token_dataset(), batch_size=AUTO_BATCH_PER_RANK)
 
     strategy = ParaStrategy(layout="auto", **fixed)
@@ -309,6 +316,7 @@ def auto_fixed_job(fixed: dict, steps: int) -> dict:
         "label": strategy.layout_choice.layout.label(), "report": strategy.layout_choice.report,
         "dims": {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate},
         "zero": strategy.config.zero, "cp_method": strategy.config.cp_method,
+        "dp_from_degrees": dims.coordinate("dp", dist.get_rank()),
     }
 
 
@@ -326,10 +334,11 @@ def _in_lightning_order():
     return Subset(dataset, order)
 
 
-def _auto_keeps(pools, fixed: dict) -> dict:
+def _auto_keeps(pools, fixed: dict, own_sampler: bool = False) -> dict:
     from tests.parity import assert_losses_close, fit_reference
 
-    results = pools.get(4).run(auto_fixed_job, fixed, AUTO_STEPS)
+    results = pools.get(4).run(auto_fixed_job, fixed, AUTO_STEPS, own_sampler)
+    assert all(r["dp_from_degrees"] == r["dp_rank"] for r in results)  # the mesh's coordinate, from the degrees
     first = results[0]
     assert all(r["label"] == first["label"] for r in results), [r["label"] for r in results]  # one layout
     dims = first["dims"]
@@ -347,6 +356,14 @@ def test_layout_auto_keeps_cp_and_matches_one_device(pools):
     pp=1 x dp=4 x cp=2 x tp=1 = 8); now cp and cp_method are kept and it trains like one device."""
     first = _auto_keeps(pools, {"cp": 2, "cp_method": "all_to_all"})
     assert first["dims"]["cp"] == 2 and first["cp_method"] == "all_to_all", first["report"]
+
+
+def test_layout_auto_with_a_sampler_from_the_strategy_matches_one_device(pools):
+    """A ``train_dataloader`` building its ``DistributedSampler`` from ``trainer.strategy.distributed_sampler_kwargs``
+    failed under ``layout="auto"``: the planner reads the first batch before the mesh exists ("The device mesh is
+    built in `ParaStrategy.setup_environment`; it does not exist yet."). The kwargs now come from the degrees."""
+    first = _auto_keeps(pools, {"cp": 2}, own_sampler=True)
+    assert first["dims"]["cp"] == 2, first["report"]
 
 
 def test_layout_auto_keeps_dp_replicate_and_matches_one_device(pools):

@@ -41,18 +41,18 @@ def comm_job(strategy_kwargs: dict) -> dict:
     import torch.distributed as dist
 
     from lightning_para import ParaStrategy
-    from lightning_para.observe.comm_trace import CommTracer
+    from lightning_para.instrument.collectives import CollectiveCounter
     from lightning_para.recipes.data import TextDataModule
     from lightning_para.observe.profiler import ParaProfiler
 
     captured = {}
-    original_summary = CommTracer.summary
+    original_summary = CollectiveCounter.summary
 
     def keep(self):  # the profiler's own numbers, as it logs them
         captured.update(original_summary(self))
         return original_summary(self)
 
-    CommTracer.summary = keep
+    CollectiveCounter.summary = keep
     try:
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(
@@ -63,7 +63,7 @@ def comm_job(strategy_kwargs: dict) -> dict:
         model = CountedGPT()
         trainer.fit(model, datamodule=TextDataModule(max_bytes=40_000, seq_len=16, global_batch_size=8))
     finally:
-        CommTracer.summary = original_summary
+        CollectiveCounter.summary = original_summary
     return {"tracer": captured, "counter": dict(model.counter.bytes_by_kind)}
 
 

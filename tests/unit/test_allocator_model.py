@@ -138,7 +138,7 @@ from dataclasses import replace
 from lightning_para.cli.dryrun import gpt_arguments
 from lightning_para.config import ParallelConfig
 from lightning_para.plan import Training, preset
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.recipes import GPT
 
 world, layers, upcast = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
@@ -181,7 +181,7 @@ def test_the_dry_run_reserves_what_the_gpu_reserved(record: str):
 
 CONSISTENCY = r"""
 import json, sys
-import lightning_para.plan.dryrun as dryrun
+import lightning_para.simulate.rank as dryrun
 from lightning_para.cli import dryrun as cli
 
 modelled = []

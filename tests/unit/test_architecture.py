@@ -38,8 +38,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config", "options", "compat")),
     ("composition", ("parallelize", "precision", "scaler", "checkpoint", "reliability")),
     ("planner", ("plan",)),
+    ("instrument", ("instrument",)),
+    ("calibrate", ("calibrate",)),
+    ("simulate", ("simulate",)),
     ("observe", ("observe",)),
-    ("strategy", ("strategy",)),
+    ("strategy", ("strategy", "auto_layout")),
     ("tools", ("parity",)),
     ("integrations", ("integrations",)),
     ("api", ("",)),  # lightning_para/__init__.py: the public facade, wires the integrations in
@@ -294,12 +297,12 @@ def test_no_function_level_imports_of_the_package():
 
 # Lightning's own protocol between a strategy and the LightningModule: `LightningModule.device_mesh`
 # reads `_device_mesh`, which every strategy that builds a mesh sets (as ModelParallelStrategy does).
-# The dry run (issue 23) trains FSDP2 on meta parameters, which FSDP2 refuses in its lazy init and has no public
+# The dry run trains FSDP2 on meta parameters, which FSDP2 refuses in its lazy init and has no public
 # switch for; the dry run lifts that one check for the step it runs and puts it back (`_fsdp_on_meta`), in a
 # process of its own. `test_dry_run_runs_zero3_on_fsdp2` fails if torch renames it.
 ALLOWED_PRIVATE_WRITES = {
     ("lightning_para.strategy", "self.lightning_module._device_mesh"),
-    ("lightning_para.plan.dryrun", "group_cls._validate_no_meta_params"),
+    ("lightning_para.simulate.world", "group_cls._validate_no_meta_params"),
 }
 
 
@@ -440,3 +443,66 @@ def test_data_parallel_has_one_interface_that_the_strategy_uses():
             if isinstance(node, ast.ImportFrom):
                 assert node.module != f"{PACKAGE}.parallel.data.zero", name
                 assert "ZeroDataParallel" not in {a.name for a in node.names}, name
+
+
+# ----------------------------------------------------------------------------- the planner is the pure cost model
+# What ``plan/`` may not import: a process group, Lightning, and the runtime that applies a layout. Pure helpers of
+# ``parallel/`` (schedule order, split math, layout math) are fine: they are the one source of that math.
+PLAN_FORBIDDEN = ("torch.distributed", "lightning", f"{PACKAGE}.parallelize", f"{PACKAGE}.strategy",
+                  f"{PACKAGE}.precision", f"{PACKAGE}.moe")
+
+
+def _import_statements(tree: ast.AST, name: str, is_package: bool) -> list[tuple[int, set[str]]]:
+    """``(line, module names)`` of each ``import`` / ``from ... import`` of ``tree`` (resolved, with the imported names)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.append((node.lineno, {alias.name for alias in node.names}))
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_package, node)
+            found.append((node.lineno, {base} | {f"{base}.{alias.name}" for alias in node.names}))
+    return found
+
+
+def plan_impurities(modules: dict[str, Path]) -> list[str]:
+    """``plan/`` import statements naming what :data:`PLAN_FORBIDDEN` names (every import counts: module level,
+    ``TYPE_CHECKING`` blocks, functions)."""
+    found = []
+    for name, path in sorted(modules.items()):
+        if not (name == f"{PACKAGE}.plan" or name.startswith(f"{PACKAGE}.plan.")):
+            continue
+        for line, targets in _import_statements(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+            bad = sorted(t for t in targets if any(t == b or t.startswith(b + ".") for b in PLAN_FORBIDDEN))
+            if bad:
+                found.append(f"{name}:{line} imports {bad[0]}")
+    return found
+
+
+def test_plan_check_sees_forbidden_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\n"
+                   "def f():\n    from lightning_para.parallelize import parallelize\n    from lightning_para import moe\n")
+    found = plan_impurities({f"{PACKAGE}.plan.bad": bad})
+    assert len(found) == 4, found
+
+
+def test_plan_is_the_pure_cost_model():
+    found = plan_impurities(_modules())
+    assert not found, "plan/ is the pure cost model:\n" + "\n".join(found)
+
+
+def collective_counters(modules: dict[str, Path]) -> list[str]:
+    """Classes that intercept collectives: a dispatch mode whose body names c10d's namespaces."""
+    found = []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any("DispatchMode" in ast.unparse(b) for b in node.bases):
+                body = ast.unparse(node)
+                if "c10d" in body or "_COLLECTIVE_NAMESPACES" in body or "_PAYLOAD_KINDS" in body:
+                    found.append(f"{name}.{node.name}")
+    return found
+
+
+def test_one_collective_counting_class():
+    assert collective_counters(_modules()) == [f"{PACKAGE}.instrument.collectives.CollectiveCounter"]

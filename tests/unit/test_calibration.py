@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_para.plan import calibrate as cal
-from lightning_para.plan.run import CPU_PROCESS, local_cluster
+from lightning_para import calibrate as cal
+from lightning_para.instrument.operators import TrafficCounter
+from lightning_para.calibrate.machine import CPU_PROCESS, local_cluster
 
 
 def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_path, monkeypatch):
@@ -48,7 +49,7 @@ def test_matmul_efficiency_is_interpolated_in_log_tokens_and_held_at_the_ends():
 
 def test_elementwise_bandwidth_counts_bytes_read_and_written():
     x = torch.randn(1000, requires_grad=True)
-    with cal.TrafficCounter() as counter:
+    with TrafficCounter() as counter:
         y = x * 2.0  # reads 4,000 bytes, writes 4,000 (the scalar is not a tensor)
         y.view(10, 100).transpose(0, 1)  # views move nothing
         torch.mm(torch.randn(4, 4), torch.randn(4, 4))  # matmuls are priced by their FLOPs

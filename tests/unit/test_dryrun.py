@@ -1,4 +1,4 @@
-"""The dry run (``lightning_para.plan.dryrun``): one rank of a 64-rank job (pp=4 x dp=4 x tp=4 with
+"""The dry run (``lightning_para.simulate.rank``): one rank of a 64-rank job (pp=4 x dp=4 x tp=4 with
 sequence parallelism, ZeRO-1) on the meta device, in a child process (the fake process group is
 process-wide). Its states must equal the bytes computed by hand and the planner's prediction."""
 
@@ -16,7 +16,7 @@ CHILD = r"""
 import json, sys
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 
@@ -87,7 +87,7 @@ import json
 import torch.distributed as dist
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 
@@ -141,7 +141,8 @@ def test_meta_block_saves_what_fused_kernels_save():
     repeated to the query heads), up to RoPE's cos/sin and the norms' rstd."""
     import torch
 
-    from lightning_para.plan.dryrun import _FusedAttention, _storage_key
+    from lightning_para.instrument.live_bytes import storage_key as _storage_key
+    from lightning_para.simulate.kernels import FusedKernels as _FusedAttention
     from lightning_para.plan.memory import layer_activation_bytes
     from lightning_para.plan.model import ModelDesc
     from lightning_para.recipes.gpt import Block, GPTConfig
@@ -171,7 +172,7 @@ MOE_CHILD = r"""
 import json, sys
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.moe import MoEGPT
 
@@ -218,7 +219,7 @@ import json
 import torch.distributed as dist
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 

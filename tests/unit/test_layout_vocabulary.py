@@ -20,7 +20,7 @@ from lightning_para.options import ACTIVATION_CHECKPOINTING, PRECISIONS, SCHEDUL
 from lightning_para.parity import strategy_arguments
 from lightning_para.parity.run import world_of
 from lightning_para.plan import Cluster, Layout, Training, describe_module, estimate, preset
-from lightning_para.plan.auto import batch_shape, plan_layout, run_training_of, search_space
+from lightning_para.auto_layout import batch_shape, plan_layout, run_training_of, search_space
 from lightning_para.plan.cost import layout_problems
 from lightning_para.plan.layout import NOT_LAYOUT_ARGUMENTS
 from lightning_para.plan.run import LAYOUT_ALIASES, LAYOUT_KEYS, parse_layout

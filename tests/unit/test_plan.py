@@ -463,7 +463,8 @@ import torch, torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
-from lightning_para.plan.dryrun import _LiveBytes, start_fake_world
+from lightning_para.instrument.live_bytes import LiveBytes as _LiveBytes
+from lightning_para.simulate import start_fake_world
 
 start_fake_world(2, 0)
 mesh = init_device_mesh("meta", (2,), mesh_dim_names=("tp",))

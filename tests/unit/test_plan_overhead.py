@@ -152,7 +152,7 @@ def test_step_overhead_is_added_once_per_step():
 
 
 def _traffic(fn) -> float:
-    from lightning_para.plan.calibrate import TrafficCounter
+    from lightning_para.instrument.operators import TrafficCounter
 
     with TrafficCounter() as counter:
         fn()
@@ -163,7 +163,7 @@ def test_elementwise_traffic_coefficients_match_the_gpt_recipe():
     """plan/overhead.py's fp32 traffic coefficients, recounted on the recipe's block and head at two batch shapes
     (traffic = a x activation bytes + c x parameter bytes), its accumulation and AdamW's bytes per element."""
     from lightning_para.plan import overhead
-    from lightning_para.plan.traffic import count_traffic_coefficients
+    from lightning_para.calibrate.traffic import count_traffic_coefficients
 
     torch.manual_seed(0)
     counted = count_traffic_coefficients(GPT(preset="tiny", sample_tokens=0), "32-true")
@@ -181,7 +181,7 @@ def test_elementwise_traffic_coefficients_match_the_gpt_recipe():
 
 
 def test_count_traffic_coefficients_rejects_other_precisions():
-    from lightning_para.plan.traffic import count_traffic_coefficients
+    from lightning_para.calibrate.traffic import count_traffic_coefficients
 
     with pytest.raises(ValueError, match="precision='16-true'"):
         count_traffic_coefficients(GPT(preset="tiny", sample_tokens=0), "16-true")

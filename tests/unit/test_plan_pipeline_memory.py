@@ -89,7 +89,7 @@ CHILD = r"""
 import json, sys
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 

@@ -18,8 +18,8 @@ from lightning_para.observe.timeline import PipelineEvent, replayed_idle_fractio
 from lightning_para.parallel.pipeline.schedules import schedule_action_order
 from lightning_para.parity import RunRecord, compare_records, strategy_arguments, tolerances
 from lightning_para.plan import Cluster, Layout, Training, bubble_fraction, describe_module, estimate, preset
-from lightning_para.plan.auto import auto_configure, choose, run_training_of, search_space
-from lightning_para.plan.check import Comparison, PredictionCheck
+from lightning_para.auto_layout import auto_configure, choose, run_training_of, search_space
+from lightning_para.instrument.compare import Comparison, PredictionCheck
 from lightning_para.plan.cost import layout_problems, resolve_batch
 from lightning_para.plan.model import default_pipeline_units
 from lightning_para.plan.run import parse_layout, run_training
@@ -141,7 +141,7 @@ def test_idle_fractions_reduce_to_the_papers_bubble_for_equal_stages():
 def test_prediction_check_gates_the_bubble_and_each_stage_separately():
     """The bubble (mean over stages) at 0.05, a stage's idle fraction at 0.10: a CI run once shifted the
     demo's two stages by -0.068 and +0.027 against each other (a timing ratio) with the bubble 0.021 off."""
-    from lightning_para.plan.check import BUBBLE_TOLERANCE, IDLE_TOLERANCE, MeasuredRank, compare
+    from lightning_para.instrument.compare import BUBBLE_TOLERANCE, IDLE_TOLERANCE, MeasuredRank, compare
 
     cluster, training = Cluster.of("h100", nodes=1), Training(seq_len=1024, global_batch=8, precision="bf16-true")
     priced = estimate(preset("llama3-8b").with_changes(layers=4), cluster, training, Layout(dp=4, pp=2))

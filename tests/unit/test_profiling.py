@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_para.observe.comm_trace import classify
+from lightning_para.instrument.collectives import classify
 from lightning_para.recipes.data import TextDataModule
 from lightning_para.observe.profiler import ParaProfiler, detect_peak_flops
 from lightning_para.observe.timeline import (

@@ -24,16 +24,20 @@ def test_a_nan_loss_or_gradient_raises_at_the_check_and_names_the_step():
     guard.observe_loss(torch.tensor(1.0), step=2)
     guard.check(2)  # finite: nothing
     guard.observe_loss(torch.tensor(float("nan")), step=3)
+    guard.check(3)  # launched: read at the next check (no host sync on the step's own flags)
     with pytest.raises(NonFiniteError, match=r"the loss was not finite first at step 3, on rank 0 \(their local batch\)"):
-        guard.check(3)
+        guard.check(4)
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.tensor([1.0, float("inf"), 0.0])
     guard = StepGuard()
+    guard.check(7, [p])
     with pytest.raises(NonFiniteError, match="the gradients were not finite at step 7"):
-        guard.check(7, [p])
+        guard.settle()  # before a checkpoint save and at the end of fit
+    guard.settle()  # nothing in flight any more
     guard = StepGuard(check_finite=False)  # opted out: trains on
     guard.observe_loss(torch.tensor(float("nan")), step=3)
     guard.check(3, [p])
+    guard.settle()
 
 
 def test_pipeline_stage_outputs_name_the_first_stage_and_skip_shape_inference():
@@ -48,8 +52,9 @@ def test_pipeline_stage_outputs_name_the_first_stage_and_skip_shape_inference():
     stages[0](torch.full((2,), float("nan")))
     with torch.no_grad():  # validation: ignored
         stages[0](torch.full((2,), float("nan")))
+    guard.check(5)
     with pytest.raises(NonFiniteError, match="the forward output of pipeline stage 0 was not finite first at step 5"):
-        guard.check(5)
+        guard.check(6)
 
 
 def test_sigterm_is_recorded_agreed_at_the_check_and_stops_at_the_next_boundary_after_a_save():
@@ -61,9 +66,12 @@ def test_sigterm_is_recorded_agreed_at_the_check_and_stops_at_the_next_boundary_
         assert guard.signal_received == signal.SIGTERM and guard.stop_signal is None
         saved = []
         guard.at_step_boundary(4, lambda: saved.append(1) or "/ckpt/hpc_ckpt_1.ckpt")  # not agreed yet: goes on
-        guard.check(5, [])  # the step's agreement
+        guard.check(5, [])  # the step's agreement, launched
+        guard.at_step_boundary(5, lambda: saved.append(1) or "/ckpt/hpc_ckpt_1.ckpt")  # read at the next check
+        assert saved == []
+        guard.check(6, [])  # reads step 5's: every rank agreed on the signal
         with pytest.raises(Preempted) as info:
-            guard.at_step_boundary(5, lambda: saved.append(1) or "/ckpt/hpc_ckpt_1.ckpt")
+            guard.at_step_boundary(6, lambda: saved.append(1) or "/ckpt/hpc_ckpt_1.ckpt")
     finally:
         guard.restore_signal_handler()
     assert signal.getsignal(signal.SIGTERM) == previous

@@ -21,7 +21,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.styles import _KeepShardSaveGathered
 from lightning_para.parallelize import parallelize
-from lightning_para.plan.dryrun import start_fake_world
+from lightning_para.simulate import start_fake_world
 from lightning_para.recipes.gpt import GPT
 
 start_fake_world(2, 0)
@@ -57,7 +57,7 @@ META_CHILD = r"""
 import json
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.dryrun import dry_run_rank
+from lightning_para.simulate.rank import dry_run_rank
 from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_para.plan.calibrate import DTensorOpCounter
+from lightning_para.instrument.operators import DTensorOpCounter
 
 
 def count_gpt_tensor_parallel(sequence_parallel: bool, tp: int = 2) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def count_gpt_tensor_parallel(sequence_parallel: bool, tp: int = 2) -> dict[str,
     from lightning_para.config import ParallelConfig
     from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
     from lightning_para.parallelize import parallelize
-    from lightning_para.plan.dryrun import start_fake_world
+    from lightning_para.simulate import start_fake_world
     from lightning_para.recipes import GPT
 
     torch.set_num_threads(1)

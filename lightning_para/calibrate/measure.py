@@ -1,6 +1,6 @@
 """Calibrate the planner's step-time model on this machine, once, and cache it (issue 23, item 3).
 
-The CPU figures of :data:`~lightning_para.plan.run.CPU_PROCESS` are nominal; on a real machine the
+The CPU figures of :data:`~lightning_para.calibrate.machine.CPU_PROCESS` are nominal; on a real machine the
 step-time prediction was off by 165% (README demo). :func:`calibrate` measures, for one thread
 budget (``torch.get_num_threads()`` of a rank):
 
@@ -16,7 +16,7 @@ budget (``torch.get_num_threads()`` of a rank):
 * the bandwidth of the non-matmul operators (norms, activations, residual adds, the optimizer's
   element-wise arithmetic): a chain of those on activation-sized tensors (a norm on 1,024 x 128, a
   gated activation on 1,024 x 384: the README demo's sizes), forward and backward, its bytes read
-  and written (counted with :class:`TrafficCounter`) over its time less its operators' fixed cost;
+  and written (counted with :class:`~lightning_para.instrument.operators.TrafficCounter`) over its time less its operators' fixed cost;
   freshly allocated outputs, as in a step, so page faults and cache misses are in the figure;
   :mod:`lightning_para.plan.overhead` multiplies it by a step's traffic;
 * the matmul efficiency: the fraction of that FLOP/s a real model's matmuls and attention reach, from
@@ -40,7 +40,7 @@ Medians of repeats keep one preempted run (a loaded machine) from skewing the fi
 is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
 keyed by host, CPU model, torch version and thread count; :func:`cached_calibration` only reads
 it, so ``local_cluster`` never measures inside a training run. Run
-``python -m lightning_para.plan.calibrate`` once per machine (or ``calibrate()``).
+``lightning-para calibrate`` once per machine (or ``calibrate()``).
 
 Why this module is long: it holds seven measurements (matmul, operator, bandwidth, efficiency, DTensor
 dispatch, gloo, and the alpha-beta fit), all but the last run in processes of their own (the fake process group and gloo are
@@ -60,13 +60,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
 from lightning_para.threads import available_cores
 
-__all__ = ["Calibration", "DTensorOpCounter", "measure_dtensor_op_costs", "TrafficCounter", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
+__all__ = ["Calibration", "measure_dtensor_op_costs", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
            "measure_rank_rates", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
            "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
 
@@ -198,41 +196,6 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
     finally:
         torch.set_num_threads(before)
     return seconds / counter.ops
-
-
-# Operators whose cost is priced elsewhere (matmuls and CPU's and CUDA's fused attention, by their FLOPs), and
-# those that move no data (views are caught by their schema; these create or alias without reading).
-_PRICED_BY_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-                              "_scaled_dot_product_flash_attention_for_cpu_backward",
-                              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-                              "_scaled_dot_product_efficient_attention",
-                              "_scaled_dot_product_efficient_attention_backward",
-                              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"})
-_NO_TRAFFIC = frozenset({"detach", "alias", "_unsafe_view", "_reshape_alias", "empty", "empty_like", "empty_strided",
-                         "new_empty", "new_empty_strided", "lift_fresh"})
-
-
-class TrafficCounter(TorchDispatchMode):
-    """Bytes read and written by the non-matmul aten operators (inputs plus outputs of each; views,
-    allocations and the operators priced by FLOPs excluded), and how many there were. Used by
-    :func:`measure_elementwise_bandwidth` and by the tests that recount ``plan/overhead.py``'s traffic
-    coefficients."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        if func.is_view or name in _NO_TRAFFIC or name in _PRICED_BY_FLOPS:
-            return out
-        self.ops += 1
-        for value in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(value, torch.Tensor):
-                self.bytes += value.numel() * value.element_size()
-        return out
 
 
 def _elementwise_chain(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -423,27 +386,6 @@ def synthetic_tp_workload() -> tuple[Callable[[], None], Callable[[], None]]:
     return forward_backward, optimizer_step
 
 
-class DTensorOpCounter(TorchDispatchMode):
-    """Counts top-level aten operators, split into those with a DTensor argument (they go through DTensor's
-    dispatch) and plain ones. Also used by the tests that recount ``plan/overhead.py``'s TP tables."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtensor = 0
-        self.plain = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if any(isinstance(v, DTensor) for v in tree_flatten((args, kwargs))[0]):
-            self.dtensor += 1
-        else:
-            self.plain += 1
-        return func(*args, **(kwargs or {}))
-
-    def pair(self) -> tuple[int, int]:
-        """``(DTensor operators, plain operators)``."""
-        return self.dtensor, self.plain
-
-
 def _dtensor_worker(threads: int, workload: Callable[[], tuple[Callable[[], None], Callable[[], None]]],
                     repeats: int, start_together: Any, out: Any) -> None:
     import torch.distributed as dist
@@ -620,9 +562,3 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
     os.replace(tmp, path)
     return result
 
-
-if __name__ == "__main__":  # python -m lightning_para.plan.calibrate [threads]
-    import sys
-
-    cal = calibrate(int(sys.argv[1]) if len(sys.argv) > 1 else None, refresh=True)
-    print(json.dumps(asdict(cal), indent=2))

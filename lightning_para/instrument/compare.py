@@ -6,7 +6,7 @@ What is compared, per rank (the measurement's source in brackets):
   state with fp32 masters (``ParaStrategy.memory_breakdown()``) against
   :attr:`RankEstimate.resident <lightning_para.plan.rank.RankEstimate>`;
 * communication bytes per mesh dimension over one optimizer step, in the ZeRO paper's
-  accounting (the profiler's :class:`~lightning_para.observe.comm_trace.CommTracer`) against
+  accounting (the profiler's :class:`~lightning_para.instrument.collectives.CollectiveCounter`, bus bytes) against
   the planner's collectives of that rank (dimensions of size 1 move nothing and are skipped);
 * the pipeline idle fraction against :meth:`Estimate.idle_fractions
   <lightning_para.plan.cost.Estimate.idle_fractions>`: the measured schedule re-timed with each
@@ -28,6 +28,9 @@ stage 0 of the demo's tp2 x pp2 1F1B layout 0.068 under its prediction and stage
 (the bubble 0.021 under), where four local runs had given -0.02 to -0.035 and -0.01 to +0.01. Traffic below :data:`COMM_SCALAR_BYTES` per step on a
 dimension where the planner predicts none counts as no error: that is scalars (a metric logged
 with ``sync_dist=True``, the clipping norm), not the layout's traffic.
+
+The dry run's side (:func:`predicted_rank`): the planner's memory and collectives of one pipeline rank as the
+records the dry run measures (:mod:`lightning_para.instrument.records`), its collectives in payload bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_para.plan.cost import Estimate
+from lightning_para.config import ParallelConfig
+from lightning_para.instrument.records import CommFigure, MemoryFigures
+from lightning_para.mesh import ParallelDims
+from lightning_para.plan.cluster import Cluster, Training
+from lightning_para.plan.cost import Estimate, estimate
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.run import layout_from_config
 
 MEMORY_PARTS = ("params", "grads", "optimizer")
 MEMORY_TOLERANCE = 0.10
@@ -161,7 +170,7 @@ class PredictionCheck:
 
 
 def comm_by_dimension(tracer_summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """``{"tp/all_reduce": {"bytes": ...}, ...}`` (a CommTracer summary) -> bytes per dimension."""
+    """``{"tp/all_reduce": {"bytes": ...}, ...}`` (a CollectiveCounter summary) -> bytes per dimension."""
     out: dict[str, float] = {}
     for key, entry in tracer_summary.items():
         dim = key.split("/", 1)[0]
@@ -210,4 +219,32 @@ def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: M
     return PredictionCheck(estimate.layout.label(), rows, estimate)
 
 
-__all__ = ["BUBBLE_TOLERANCE", "IDLE_TOLERANCE", "Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare"]
+# Collectives the planner prices per microbatch (the rest, dp/edp/dp_replicate, once per step).
+_PER_MICROBATCH_DIMS = ("tp", "cp", "ep")
+
+
+def predicted_rank(
+    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, in_flight: int
+) -> tuple[MemoryFigures, list[CommFigure], int]:
+    """The planner's figures for pipeline rank ``pp_rank`` of a dry run (the predicted record beside its measured one). Its per-microbatch collectives (tp, cp, ep) are
+    scaled from the step's microbatches to the ``in_flight`` ones the dry run runs, so both sides count
+    the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
+    ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
+    cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
+    layout = layout_from_config(config, dims)
+    est = estimate(model, cluster, training, layout)
+    rank = est.ranks[pp_rank]
+    res, mem = rank.resident, rank.memory
+    # The dry run's activations are what the forwards leave held; the layer that full recomputation
+    # rebuilds in backward comes later (it is in both peaks).
+    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.transient, mem.total)
+    microbatches = training.global_batch // (training.micro_batch * dims.dp)
+    comm = []
+    for c in rank.collectives:
+        per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (layout.reduces_each_microbatch and c.what.startswith("gradient"))
+        calls = c.calls * in_flight / microbatches if per_microbatch else c.calls
+        comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
+    return figures, comm, rank.layers
+
+
+__all__ = ["predicted_rank", "BUBBLE_TOLERANCE", "IDLE_TOLERANCE", "Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare"]

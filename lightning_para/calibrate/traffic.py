@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_para.plan.calibrate import TrafficCounter
+from lightning_para.instrument.operators import TrafficCounter
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout

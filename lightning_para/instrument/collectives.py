@@ -1,6 +1,9 @@
-"""Communication per mesh dimension and collective kind, measured while it happens.
+"""The one collective counter: communication per mesh dimension and collective kind, measured while it happens.
 
-:class:`CommTracer` is a ``TorchDispatchMode``: every c10d op (``dist.all_reduce`` ..., the
+Used by the profiler (bus bytes, timed), the dry run (payload bytes, on the fake process group) and the
+planner's check (:mod:`lightning_para.instrument.compare`).
+
+:class:`CollectiveCounter` is a ``TorchDispatchMode``: every c10d op (``dist.all_reduce`` ..., the
 ones ZeRO and FSDP2 issue from backward hooks, pipeline send/recv) and every functional
 collective (DTensor / tensor parallel) passes through it. Each op's process group is mapped
 to the name of the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``ep``,
@@ -8,10 +11,16 @@ to the name of the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``,
 ``dp_shard_cp``; or ``world`` for the default group), so the counts read "tp all_reduce:
 1.2 MB, 3.4 ms" and the bytes that cross nodes (``dp_replicate``, ``pp``) stand apart.
 
-Volumes follow the ZeRO paper's accounting (Rajbhandari et al. 2020, Sec. 7), which the
-docs' formulas use: an all-reduce of psi bytes counts 2 psi (reduce-scatter + all-gather),
-a reduce-scatter its input, an all-gather its output, all-to-all / broadcast / send / recv
-the bytes they pass.
+Two byte conventions, both counted for every call:
+
+* **bus bytes** (``bytes``, :meth:`CollectiveCounter.summary`) follow the ZeRO paper's accounting
+  (Rajbhandari et al. 2020, Sec. 7), which the docs' formulas use: an all-reduce of psi bytes counts
+  2 psi (reduce-scatter + all-gather), a reduce-scatter its input, an all-gather its output,
+  all-to-all / broadcast / send / recv the bytes they pass;
+* **payload bytes** (``payload_bytes``, :meth:`CollectiveCounter.payload_figures`): the local tensor a
+  rank hands the call (a reduce-scatter's input, an all-to-all's input, the others' first tensor; a
+  receive carries the sender's bytes, so point-to-point counts once, as ``send_recv``), which is what
+  the planner's ``Collective.payload`` prices per call.
 
 Time, when ``time_collectives`` is on, is measured by *waiting* for each collective right
 after issuing it (and synchronising the device), so it is the collective's own duration,
@@ -33,6 +42,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from lightning_para.instrument.records import CommFigure
 
 import torch
 import torch.distributed as dist
@@ -107,16 +118,70 @@ def classify(op: str, args: tuple) -> Optional[tuple[str, int]]:
     return op, _nbytes(args[0]) if args else 0
 
 
+# The dry run's dimension names: ZeRO's gradient group spans dp x cp under context parallelism, which the
+# planner calls "dp" ("edp"); only groups of more than one rank are named.
+_DRY_RUN_DIMS = ("tp", "cp", "ep", "pp", "dp_replicate", "dp", "edp", "dp_shard_cp", "edp_cp", "dp_cp")
+_DRY_RUN_ALIASES = {"dp_shard_cp": "dp", "dp_cp": "dp", "edp_cp": "edp"}
+
+
+def dry_run_labels(dims: Any) -> dict[str, str]:
+    """Process-group name -> the planner's dimension name, for a :class:`~lightning_para.mesh.ParallelDims`
+    (groups of one rank left out; ``dp_shard_cp`` / ``edp_cp`` named ``dp`` / ``edp``, as the planner prices them)."""
+    names: dict[str, str] = {}
+    for name in _DRY_RUN_DIMS:
+        if name not in dims.valid_mesh_names:
+            continue
+        try:
+            mesh = dims.get_mesh(name)
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        if mesh.size() > 1:
+            names.setdefault(mesh.get_group().group_name, _DRY_RUN_ALIASES.get(name, name))
+    if dist.is_initialized():
+        names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+# c10d ops (what torch.distributed's calls reach through the dispatcher) and functional collectives (DTensor)
+# the payload convention counts, by their schema names.
+_PAYLOAD_KINDS = {
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
+    "broadcast": "broadcast", "send": "send_recv",  # a receive carries the sender's bytes: counted once, sent
+}
+
+
+def payload(namespace: str, op: str, args: tuple, kwargs: dict) -> Optional[tuple[str, int]]:
+    """``(kind, bytes)`` of the local tensor a rank hands collective ``op``, or ``None`` if the payload
+    convention does not count it (see the module docstring)."""
+    kind = _PAYLOAD_KINDS.get(op)
+    if kind is None:
+        return None
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if namespace != "c10d":
+        tensors = tensors[:1]
+    else:
+        # reduce-scatter's input is its last tensor argument, alltoall_base_'s its second (after the output).
+        tensors = tensors[-1:] if kind == "reduce_scatter" else tensors[1:2] if kind == "all_to_all" else tensors[:1]
+    return kind, sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass
 class CommStat:
+    """Calls of one kind over one dimension: bus bytes, payload bytes and (when timed) seconds."""
+
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
     timed: bool = False
 
 
-class CommTracer(TorchDispatchMode):
-    """Counts (and optionally times) collectives per ``(mesh dim, kind)`` while active.
+class CollectiveCounter(TorchDispatchMode):
+    """Counts (and optionally times) collectives per ``(mesh dim, kind)`` while active: bus bytes in
+    :attr:`stats` and payload bytes in :attr:`payload` (see the module docstring).
 
     Args:
         labels: process-group name -> dimension name (see :func:`group_labels`).
@@ -128,6 +193,7 @@ class CommTracer(TorchDispatchMode):
         self.labels = dict(labels)
         self.time_collectives = time_collectives
         self.stats: dict[tuple[str, str], CommStat] = defaultdict(CommStat)
+        self.payload: dict[tuple[str, str], CommStat] = defaultdict(CommStat)
         # Rank set -> dimension, in the labels' priority order, for groups the mesh does not name.
         self._by_ranks: dict[tuple[int, ...], str] = {}
         for name, dim in self.labels.items():
@@ -137,6 +203,7 @@ class CommTracer(TorchDispatchMode):
 
     def reset(self) -> None:
         self.stats = defaultdict(CommStat)
+        self.payload = defaultdict(CommStat)
 
     def _label(self, args: tuple, kwargs: dict) -> str:
         for a in list(args) + list(kwargs.values()):
@@ -171,9 +238,15 @@ class CommTracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if timed:
             _wait(out, namespace, args)
-        stat = self.stats[(self._label(args, kwargs), kind)]
+        label = self._label(args, kwargs)
+        stat = self.stats[(label, kind)]
         stat.calls += 1
         stat.bytes += volume
+        sent = payload(namespace, op, args, kwargs)
+        if sent is not None:
+            entry = self.payload[(label, sent[0])]
+            entry.calls += 1
+            entry.bytes += sent[1]
         if timed:
             stat.seconds += time.perf_counter() - start
             stat.timed = True
@@ -188,6 +261,10 @@ class CommTracer(TorchDispatchMode):
                 entry["seconds"] = s.seconds
             out[f"{dim}/{kind}"] = entry
         return out
+
+    def payload_figures(self) -> list[CommFigure]:
+        """Calls and payload bytes per ``(dimension, kind)``, sorted (the dry run's record)."""
+        return [CommFigure(dim, kind, int(s.calls), float(s.bytes)) for (dim, kind), s in sorted(self.payload.items())]
 
 
 def _group_ranks(group_name: str) -> Optional[tuple[int, ...]]:

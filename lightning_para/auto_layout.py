@@ -51,7 +51,7 @@ from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import FIXED_OPTIONS, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.result import PlanResult
-from lightning_para.plan.run import local_cluster
+from lightning_para.calibrate.machine import local_cluster
 from lightning_para.plan.search import SearchSpace, search
 
 SEQ_ATTRIBUTES = ("seq_len", "seq_length", "max_seq_length", "sequence_length", "block_size")

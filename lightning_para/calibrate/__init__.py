@@ -1,0 +1,48 @@
+"""Machine calibration: measure this machine once, cache it, and describe it to the planner.
+
+* :mod:`.measure`: the measurements (matmul FLOP/s and efficiency, an operator's fixed cost, element-wise
+  bandwidth, DTensor's dispatch, gloo's alpha-beta), each in processes of its own, and the cache;
+* :mod:`.machine`: this machine as the planner's ``Cluster`` (:func:`local_cluster`), the cache's figures
+  when there are some;
+* :mod:`.traffic`: the non-matmul bytes of a model, fitted to the planner's traffic coefficients.
+
+A package of its own, above the planner and the instrumentation layer: it starts processes and runs
+models, which the pure cost model (``plan/``) never does; ``plan/`` only reads the figures it produces
+(as :class:`~lightning_para.plan.cluster.Cluster` fields). The command line is ``lightning-para calibrate``.
+"""
+
+from lightning_para.calibrate.machine import (
+    CPU_PROCESS,
+    UNKNOWN_GPU_LINKS,
+    detect_peak_flops,
+    device_memory_bytes,
+    local_cluster,
+)
+from lightning_para.calibrate.measure import (
+    EFFICIENCY_BATCHES,
+    EFFICIENCY_SEQ_LEN,
+    Calibration,
+    cache_path,
+    cached_calibration,
+    calibrate,
+    fit_alpha_beta,
+    machine_key,
+    measure_dtensor_op_costs,
+    measure_dtensor_op_seconds,
+    measure_elementwise_bandwidth,
+    measure_gloo,
+    measure_matmul_efficiency,
+    measure_matmul_flops,
+    measure_op_seconds,
+    measure_rank_rates,
+    run_measurement,
+    synthetic_tp_workload,
+)
+
+__all__ = [
+    "CPU_PROCESS", "EFFICIENCY_BATCHES", "EFFICIENCY_SEQ_LEN", "UNKNOWN_GPU_LINKS", "Calibration", "cache_path",
+    "cached_calibration", "calibrate", "detect_peak_flops", "device_memory_bytes", "fit_alpha_beta",
+    "local_cluster", "machine_key", "measure_dtensor_op_costs", "measure_dtensor_op_seconds",
+    "measure_elementwise_bandwidth", "measure_gloo", "measure_matmul_efficiency", "measure_matmul_flops",
+    "measure_op_seconds", "measure_rank_rates", "run_measurement", "synthetic_tp_workload",
+]

@@ -1,0 +1,125 @@
+"""The one live-bytes counter: storages created while it is active and still alive, their peak, and the
+allocation trace the caching-allocator model replays (:mod:`lightning_para.plan.allocator`); plus the bytes of
+the distinct storages a rank holds (:func:`measure_states`). Used by the dry run (:mod:`lightning_para.simulate`).
+
+Storages are told apart by their StorageImpl (meta tensors all have ``data_ptr() == 0``), and a DTensor counts
+its local shard (its wrapper's storage has the global size)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
+
+from lightning_para.parallel.data.memory import StorageCounter
+from lightning_para.plan.allocator import AllocationTrace
+
+
+def storage_key(t: Tensor) -> int:
+    # Meta tensors all have data_ptr 0: tell storages apart by their StorageImpl instead.
+    return t.untyped_storage()._cdata  # private: the only identity a meta storage has
+
+
+
+
+def measure_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """``(params, grads, optimizer)`` bytes of distinct storages this rank holds (masters count as optimizer)."""
+    counter = StorageCounter(key=storage_key)
+    params = [p for p in module.parameters()]
+    param_bytes = sum(counter.add(p.data) for p in params)
+    grads = sum(counter.add(p.grad) for p in params)
+    opt_params = [q for g in optimizer.param_groups for q in g["params"]]
+    grads += sum(counter.add(q.grad) for q in opt_params)
+    opt = sum(counter.add(q.data) for q in opt_params)
+    for state in optimizer.state.values():
+        opt += sum(counter.add(v) for v in state.values() if isinstance(v, Tensor))
+    return param_bytes, grads, opt
+
+def local_shard(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the tensor that holds its memory); any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created under this mode and still alive; and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+        self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
+        self.forward_peak = 0  # the peak when the forwards are done (set by the dry run's step)
+        self.trace: Optional[AllocationTrace] = None  # every allocation and free in order, when set
+
+    def mark(self, name: str) -> None:
+        """A point of the step the allocator model needs (``plan.allocator.AllocationTrace``)."""
+        if self.trace is not None:
+            self.trace.mark(name)
+
+    def _release(self, key: int) -> None:
+        nbytes = self.live.pop(key, 0)
+        if self.trace is not None and nbytes:
+            self.trace.free(key, nbytes)
+
+    def _hold(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` at its size now, until it is freed."""
+        key = storage._cdata  # private: see storage_key
+        if key not in self.live:
+            weakref.finalize(storage, self._release, key)
+        nbytes = storage.nbytes()
+        if self.trace is not None:  # a resize (FSDP2's gathered weights) frees the old size and takes the new
+            if self.live.get(key):
+                self.trace.free(key, self.live[key])
+            if nbytes:
+                # FSDP2 gathers and reduce-scatters on streams of its own, whose cached blocks a GPU keeps apart;
+                # on meta the device module's streams are CPU's, which still say which one is current.
+                self.trace.alloc(key, nbytes, id(torch.cpu.current_stream()))
+        self.live[key] = nbytes
+
+    def track(self, t: Tensor) -> None:
+        """Count ``t``'s storage (its local shard's) if it is not yet counted and not excluded."""
+        t = local_shard(t)
+        if t.is_sparse:
+            return
+        storage = t.untyped_storage()
+        if storage._cdata not in self.live and storage._cdata not in self.exclude:
+            self._hold(storage)
+            self.peak = max(self.peak, self.current)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place (FSDP2's gathered weights): count its new size."""
+        if storage._cdata not in self.exclude:
+            self._hold(storage)
+            self.peak = max(self.peak, self.current)
+
+    def held_by(self, tensors: Any) -> int:
+        """Live bytes of the distinct storages of ``tensors`` (their local shards') that this mode counts."""
+        keys = {storage_key(local_shard(t)) for t in tensors}
+        return sum(self.live.get(key, 0) for key in keys)
+
+    @property
+    def current(self) -> int:
+        return sum(self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an input's storage: only new storages are allocations.
+        # A DTensor is a wrapper whose storage has the *global* size; the memory is its local shard's
+        # (issue 23: counting the wrappers made sequence-parallel activations and the vocab-parallel
+        # log-softmax look t times larger).
+        inputs = {storage_key(local_shard(t)) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, Tensor) and not t.is_sparse:
+                storage = local_shard(t).untyped_storage()
+                if storage._cdata not in self.live and storage._cdata not in inputs:
+                    self._hold(storage)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+
+__all__ = ["LiveBytes", "local_shard", "measure_states", "storage_key"]

@@ -1,0 +1,18 @@
+"""The dry run: one rank of an N-rank job, the real code on torch's fake process group and the meta device.
+
+It sits above :func:`~lightning_para.parallelize.parallelize` (it calls it, as ``ParaStrategy`` does):
+:mod:`.world` (the fake world and the lifts for meta), :mod:`.kernels` (the fused kernels' saved tensors),
+:mod:`.step` (one rank's forwards and backwards), :mod:`.rank` (:func:`dry_run_rank`: the driver and the
+record). What it counts, and the planner's prediction beside it, are :mod:`lightning_para.instrument`'s.
+The command line is ``lightning-para dryrun``.
+"""
+
+from lightning_para.instrument.records import CommFigure, MemoryFigures
+from lightning_para.simulate.rank import RankDryRun, dry_run_rank, measure_states
+from lightning_para.simulate.step import causal_lm_step_loss, in_flight_microbatches
+from lightning_para.simulate.world import start_fake_world
+
+__all__ = [
+    "CommFigure", "MemoryFigures", "RankDryRun", "causal_lm_step_loss", "dry_run_rank", "in_flight_microbatches",
+    "measure_states", "start_fake_world",
+]
