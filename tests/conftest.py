@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Before the test workers' fork server imports transformers (tests/harness.py): the tests never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The planner's per-machine calibration cache (lightning_para/plan/calibrate.py) changes CPU step-time
+# The planner's per-machine calibration cache (lightning_para/calibrate/measure.py) changes CPU step-time
 # predictions; tests use an empty one unless they set their own, so they do not depend on the machine.
 os.environ["LIGHTNING_PARA_CACHE"] = tempfile.mkdtemp(prefix="lightning-para-cache-")
 

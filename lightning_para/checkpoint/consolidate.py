@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -129,22 +128,3 @@ def number_optimizer_state(
 
 
 __all__ = ["consolidate_checkpoint", "number_optimizer_state", "trainer_format", "write_file_atomically"]
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m lightning_para.checkpoint.consolidate DIR [--output_file FILE]`` (the arguments of
-    Lightning's ``lightning.pytorch.utilities.consolidate_checkpoint``): one Trainer-loadable file."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("checkpoint_folder", type=Path)
-    parser.add_argument("--output_file", type=Path, default=None)
-    args = parser.parse_args(argv)
-    output = args.output_file or args.checkpoint_folder.with_suffix(args.checkpoint_folder.suffix + ".consolidated")
-    if output.exists():
-        parser.error(f"{output} exists already; choose another --output_file or move it away.")
-    consolidate_checkpoint(args.checkpoint_folder, output)
-    print(f"wrote {output}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

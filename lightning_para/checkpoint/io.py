@@ -44,11 +44,6 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _from_rank0(compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, the same value on every rank (so all ranks take the same branch)."""
     if not dist.is_initialized():

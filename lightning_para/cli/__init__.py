@@ -11,6 +11,7 @@
     lightning-para dryrun --config recipes/gpt-cpu-demo.yaml --gpus 8 --ranks first,last
     lightning-para prepare --tokenizer TOKENIZER_DIR --output OUT_DIR data/*.jsonl --workers 8   # token shards
     lightning-para calibrate 1                                       # this machine's CPU step-time figures
+    lightning-para consolidate checkpoints/last.ckpt --output_file model.ckpt   # one file from a sharded folder
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI's subcommands with ParaStrategy, the
 text data module and the profiler as defaults (:mod:`lightning_para.cli.fit`); ``plan`` is
@@ -35,13 +36,14 @@ from lightning_para.cli.fit import (
     run_cli,
 )
 from lightning_para.cli.calibrate import main as calibrate_main
+from lightning_para.cli.consolidate import main as consolidate_main
 from lightning_para.cli.dryrun import main as dryrun_main
 from lightning_para.cli.parity import main as parity_main
 from lightning_para.cli.plan import main as plan_main
 from lightning_para.cli.prepare import main as prepare_main
 
 SUBCOMMANDS = {"plan": plan_main, "parity": parity_main, "dryrun": dryrun_main, "calibrate": calibrate_main,
-               "prepare": prepare_main}
+               "prepare": prepare_main, "consolidate": consolidate_main}
 
 
 def main(args: Optional[list[str]] = None) -> int:

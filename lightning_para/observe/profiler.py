@@ -27,7 +27,7 @@ it needs is issued by all ranks at the same step; with everything off the per-st
 two clock reads.
 
 Why this module is long: it is one Lightning callback whose hooks share the sampling state;
-what it measures lives in :mod:`.comm_trace`, :mod:`.memory` and :mod:`.timeline`.
+what it measures lives in :mod:`lightning_para.instrument`, :mod:`.memory` and :mod:`.timeline`.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ParaProfiler(Callback):
         peak_flops: peak FLOP/s of one device for MFU; default: detected for known GPUs.
         memory_every_n_steps: log ``memory_breakdown()`` after step 1 and then every n steps (0: off).
         comm_every_n_steps: trace collectives on one step in every n (0: off).
-        time_collectives: also time each traced collective (waits for it; see ``comm_trace``).
+        time_collectives: also time each traced collective (waits for it; see ``instrument.collectives``).
         timeline_every_n_steps: log pipeline idle fractions and the timeline image (0: off).
         trace_start_step, trace_steps: ``torch.profiler`` trace of batches
             ``[start, start + steps)``; ``None`` (default) records no trace.

@@ -101,7 +101,6 @@ class Layout:
             again (ParaStrategy's default). Priced as ``True`` (the planner's SP activations).
         loss_parallel: cross-entropy on vocabulary-sharded logits. Priced as ``True``.
         activation_checkpointing: activation recomputation, ``None``, ``"selective"``, ``"selective_op"`` or ``"full"``
-            (also readable as :attr:`recompute`).
         schedule: a pipeline schedule of ParaStrategy (:data:`~lightning_para.options.SCHEDULES`);
             the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.
         microbatches: microbatches per pipeline flush (``None``: all microbatches of the step
@@ -200,11 +199,6 @@ class Layout:
         """ZeRO-2 reduce-scatters each pipeline microbatch's gradients (``"reduce_each_microbatch"`` with ``pp > 1``;
         without a pipeline it is ``"reduce_each_step"``)."""
         return self.zero_accumulation == "reduce_each_microbatch" and self.pp > 1
-
-    @property
-    def recompute(self) -> Optional[str]:
-        """:attr:`activation_checkpointing` under the cost model's name (recomputation)."""
-        return self.activation_checkpointing
 
     # ------------------------------------------------------------------ the one mapping
     def strategy_kwargs(self) -> dict[str, Any]:

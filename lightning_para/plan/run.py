@@ -35,8 +35,7 @@ def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
 
 
 # Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
-LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages",
-                  "recompute": "activation_checkpointing", "bucket_mb": "bucket_size_mb"}
+LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages", "bucket_mb": "bucket_size_mb"}
 
 
 def _field_kind(annotation: Any) -> type:
@@ -62,7 +61,7 @@ def parse_layout(text: str) -> dict[str, Any]:
 
     Keys: every :class:`Layout` field, which are ParaStrategy's layout arguments (``dp tp pp ep cp
     cp_method cp_load_balance dp_replicate dp_shard zero zero3_units sequence_parallel ... ``), and
-    the aliases ``sp m v recompute bucket_mb``. Booleans take ``1``/``0``/``true``/``false``; lists
+    the aliases ``sp m v bucket_mb``. Booleans take ``1``/``0``/``true``/``false``; lists
     (``pipeline_split``) are written with ``:`` (``pipeline_split=0:3``); ``none`` is ``None`` where
     the argument may be ``None``. The values are checked as a :class:`Layout` checks them.
     """

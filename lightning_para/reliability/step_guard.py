@@ -43,8 +43,6 @@ accelerator, one non-blocking 16-byte copy to host (``docs/reliability.md``).
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import sys
 import threading
@@ -54,14 +52,18 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from lightning_para._dtensor import local_tensor
 from lightning_para.reliability.integrity import IntegrityError
+from lightning_para.reliability.preemption import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    StepBoundary,
+    hpc_checkpoint_path,
+    save_hpc_checkpoint,
+)
 
-PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)  # 143: "terminated by SIGTERM" for shells, SLURM, Kubernetes
 SIGNAL_ACTIONS = ("checkpoint", "exit")
 _NONE = -1
 _BIG = 1 << 30
@@ -69,19 +71,6 @@ _BIG = 1 << 30
 
 class NonFiniteError(IntegrityError):
     """A loss or gradient was not finite (inf/NaN); raised on every rank before the optimizer step."""
-
-
-class Preempted(SIGTERMException):
-    """Every rank agreed to stop after a signal (SIGTERM): raised at a step boundary, after the
-    checkpoint was saved; exits the process with :data:`PREEMPTED_EXIT_CODE`."""
-
-    def __init__(self, message: str, checkpoint: Optional[str]) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.message = message
-        self.checkpoint = checkpoint
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def check_step_guard_options(check_finite: bool, on_sigterm: Optional[str]) -> None:
@@ -281,12 +270,14 @@ class StepGuard:
             rows = table.view(world, 4).tolist()
         else:
             rows = [local.tolist()]
-        stages = [r[1] for r in rows if r[1] >= 0]
-        losses = [r[0] for r in rows if r[0] >= 0]
+        # Notes made up to the agreed step only: the step after it (run before the agreement was read) may have
+        # spread the value to other ranks through the updated parameters.
+        stages = [r[1] for r in rows if r[1] >= 0 and r[2] <= step]
+        losses = [r[0] for r in rows if 0 <= r[0] <= step]
         if stages:
             first = min(stages)
-            ranks = [i for i, r in enumerate(rows) if r[1] == first]
-            at = min(rows[i][2] for i in ranks)
+            at = min(r[2] for r in rows if r[1] == first and r[2] <= step)
+            ranks = [i for i, r in enumerate(rows) if r[1] == first and r[2] == at]
             what = f"the forward output of pipeline stage {first} was not finite first at step {at}, on {self._ranks(ranks)}"
         elif losses:
             at = min(losses)
@@ -371,47 +362,6 @@ class StepGuard:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-class StepBoundary(Callback):
-    """Runs :meth:`StepGuard.at_step_boundary` where Lightning's ``ModelCheckpoint`` saves (the end of a
-    training batch, after it: callbacks run in list order and Lightning puts checkpoint callbacks last),
-    so a preemption checkpoint resumes exactly as a periodic one does."""
-
-    def __init__(self, guard: StepGuard, save: Callable[[], Optional[str]]) -> None:
-        self.guard, self.save = guard, save
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # An accumulation micro-step (automatic optimization, no optimizer step yet) issues no collective: the
-        # loss it noted is checked by the optimizer step's own all-reduce (ZeRO: no communication on the
-        # first A-1 micro-steps).
-        accumulating = (
-            pl_module.automatic_optimization
-            and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
-            and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        )
-        if not accumulating:
-            self.guard.at_step_boundary(trainer.global_step, self.save)
-
-
-def save_hpc_checkpoint(trainer: Any) -> str:
-    """Every rank: save through ``trainer.save_checkpoint`` (the strategy's atomic save) under rank 0's next
-    :func:`hpc_checkpoint_path` in ``default_root_dir``; returns the path."""
-    path = trainer.strategy.broadcast(hpc_checkpoint_path(str(trainer.default_root_dir)))
-    trainer.save_checkpoint(path)
-    return path
-
-
-def hpc_checkpoint_path(folder: str) -> str:
-    """The next ``hpc_ckpt_<n>.ckpt`` in ``folder``: the name Lightning's SLURM requeue saves under and
-    ``fit(ckpt_path="hpc")`` (automatic under SLURM) resumes from, the highest ``n`` first."""
-    versions = [0]
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name)
-            if match:
-                versions.append(int(match.group(1)))
-    return os.path.join(folder, f"hpc_ckpt_{max(versions) + 1}.ckpt")
 
 
 def pipeline_rank_info(mesh: Any) -> Callable[[int], str]:

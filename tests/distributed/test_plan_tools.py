@@ -6,7 +6,7 @@
   optimizer state (``strategy.memory_breakdown()``) and for its bytes per mesh dimension (the
   profiler's comm tracer on a traced step), and within 0.05 for the pipeline's idle fraction (its
   bubble, the mean over stages; 0.10 for one stage's) in the GPipe/1F1B layouts (the measured schedule re-timed with each action's CPU time; see
-  ``lightning_para/plan/check.py`` for why not the wall clock on this oversubscribed machine).
+  ``lightning_para/instrument/compare.py`` for why not the wall clock on this oversubscribed machine).
 * ``ParaStrategy(layout="auto")`` on 4 processes picks a layout, logs it, and matches one device
   per step.
 * ``lightning-para plan --validate`` prints the same comparison.

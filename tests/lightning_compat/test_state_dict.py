@@ -7,7 +7,7 @@ Adapted from Lightning's ``test_strategy_state_dict``, ``test_load_full_state_ch
 * ``save_distributed_checkpoint=False``: rank 0 gets the full state as plain tensors (model and
   optimizer, PyTorch's format), equal to one device's after the same steps; other ranks ``{}``;
 * a sharded checkpoint read by Lightning's ``python -m lightning.fabric.utilities.consolidate_checkpoint``
-  loads back (ParaStrategy reads that tool's output), and ``python -m lightning_para.checkpoint.consolidate``
+  loads back (ParaStrategy reads that tool's output), and ``lightning-para consolidate`` (``python -m lightning_para.cli.consolidate``)
   writes a file plain Lightning resumes from;
 * loading a ZeRO-3 checkpoint works under ``torch.inference_mode()``.
 """
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_para.checkpoint.consolidate import main as consolidate_main
+from lightning_para.cli.consolidate import main as consolidate_main
 from tests.lightning_compat.common import FeedForwardModule, dp_mean_losses, fit_job, max_rel_diff, vector_dataset
 from tests.parity import FP32_RTOL, fit_reference, trainer_kwargs
 

@@ -91,7 +91,7 @@ def test_parity_cli_bad_layout_exits_2_before_any_run(capsys):
 
 
 def test_parse_layout():
-    assert parse_layout("tp=2, pp=2,zero=1,sp=true,m=4,v=2,schedule=interleaved,recompute=none") == {
+    assert parse_layout("tp=2, pp=2,zero=1,sp=true,m=4,v=2,schedule=interleaved,activation_checkpointing=none") == {
         "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "microbatches": 4, "virtual_stages": 2,
         "schedule": "interleaved", "activation_checkpointing": None,
     }

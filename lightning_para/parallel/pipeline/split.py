@@ -134,7 +134,7 @@ def _layer_costs(module: nn.Module, spec: PipelineSpec, layers: list[nn.Module],
 
 
 def _stage_device(pp_mesh: DeviceMesh) -> torch.device:
-    if pp_mesh.device_type in ("cpu", "meta"):  # meta: the dry run (plan/dryrun.py) builds stages without memory
+    if pp_mesh.device_type in ("cpu", "meta"):  # meta: the dry run (lightning_para/simulate/) builds stages without memory
         return torch.device(pp_mesh.device_type)
     return torch.device(pp_mesh.device_type, torch.get_device_module(pp_mesh.device_type).current_device())
 
