@@ -16,15 +16,11 @@ from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims, check_expert_degree
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
-    CP_METHODS,
-    FP8_RECIPES,
-    PIPELINE_BALANCE,
     PRECISIONS,
-    SCHEDULES,
     TP_UNPLANNED,
-    ZERO3_UNITS,
-    ZERO_ACCUMULATION,
     ZERO_STAGES,
+    check_option,
+    check_rules,
 )
 from lightning_para.parallel.compile import compile_options
 from lightning_para.parallel.pipeline.schedules import schedule_info, validate_pipeline_config
@@ -39,15 +35,6 @@ class StrategyLayout(Protocol):
     whose :meth:`strategy_kwargs` is the one mapping from a layout to ParaStrategy's arguments."""
 
     def strategy_kwargs(self) -> dict[str, Any]: ...
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}={value!r}` must be a positive integer (1 disables this dimension).")
-
-
-def _choices(values: Sequence[Any]) -> str:
-    return ", ".join(repr(v) for v in values)
 
 
 @dataclass
@@ -121,43 +108,25 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.dp != "auto":
-            _check_positive_int("dp", self.dp)
+            check_option("dp", self.dp)
         if self.tp != "auto":
-            _check_positive_int("tp", self.tp)
+            check_option("tp", self.tp)
         for name in ("pp", "ep", "cp", "virtual_stages"):
-            _check_positive_int(name, getattr(self, name))
-        if self.tp_unplanned not in TP_UNPLANNED:
-            raise ValueError(f"`tp_unplanned={self.tp_unplanned!r}` is unknown. Choose one of {_choices(TP_UNPLANNED)}.")
+            check_option(name, getattr(self, name))
+        check_option("tp_unplanned", self.tp_unplanned)
         self._validate_context_and_hybrid()
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of {_choices(ZERO_STAGES)}.")
-        if not (isinstance(self.bucket_size_mb, (int, float)) and self.bucket_size_mb > 0):
-            raise ValueError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of megabytes.")
-        if self.zero_accumulation not in ZERO_ACCUMULATION:
-            raise ValueError(
-                f"`zero_accumulation={self.zero_accumulation!r}` is unknown. Choose one of {_choices(ZERO_ACCUMULATION)}."
-            )
-        if self.zero_accumulation == "reduce_each_microbatch" and self.zero != 2:
-            raise ValueError(
-                f"`zero_accumulation='reduce_each_microbatch'` reduce-scatters each pipeline microbatch's gradients"
-                f" into ZeRO-2's shards; it needs `zero=2` (got zero={self.zero}). Set zero=2, or use"
-                " zero_accumulation='reduce_each_step' (ZeRO-2/3, one reduction per Lightning micro-step)."
-            )
-        if self.zero3_units not in ZERO3_UNITS:
-            raise ValueError(f"`zero3_units={self.zero3_units!r}` is unknown. Choose one of {_choices(ZERO3_UNITS)}.")
+        for name in ("zero", "bucket_size_mb", "zero_accumulation"):
+            check_option(name, getattr(self, name))
+        check_rules({"zero_accumulation": self.zero_accumulation, "zero": self.zero})
+        check_option("zero3_units", self.zero3_units)
         if self.zero3_units != "auto" and self.zero != 3:
             warnings.warn(f"`zero3_units={self.zero3_units!r}` has no effect with zero={self.zero} (it chooses ZeRO-3's units).")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(
-                f"`activation_checkpointing={self.activation_checkpointing!r}` is unknown."
-                f" Choose one of {_choices(ACTIVATION_CHECKPOINTING)}."
-            )
+        check_option("activation_checkpointing", self.activation_checkpointing)
         if self.sequence_parallel and self.tp == 1:
             warnings.warn("`sequence_parallel=True` has no effect with tp=1 (there is nothing to split the sequence over).")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"`schedule={self.schedule!r}` is unknown. Choose one of {_choices(SCHEDULES)}.")
+        check_option("schedule", self.schedule)
         if self.microbatches is not None:
-            _check_positive_int("microbatches", self.microbatches)
+            check_option("microbatches", self.microbatches)
         if self.layout not in (None, "auto"):
             raise ValueError(f"`layout={self.layout!r}` is unknown. Choose 'auto' (the planner picks) or None.")
         if self.layout_memory_gb is not None and not (
@@ -165,13 +134,9 @@ class ParallelConfig:
             and self.layout_memory_gb > 0
         ):
             raise ValueError(f"`layout_memory_gb={self.layout_memory_gb!r}` must be a positive number of GB.")
-        if self.pipeline_balance not in PIPELINE_BALANCE:
-            raise ValueError(
-                f"`pipeline_balance={self.pipeline_balance!r}` is unknown. Choose one of {_choices(PIPELINE_BALANCE)}."
-            )
+        check_option("pipeline_balance", self.pipeline_balance)
         compile_options(self.compile)  # ValueError naming `compile`
-        if self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"`fp8={self.fp8!r}` is unknown. Choose one of {_choices(FP8_RECIPES)}.")
+        check_option("fp8", self.fp8)
         if self.fp8 == "rowwise" and self.tp != 1:
             raise ValueError(
                 f"`fp8='rowwise'` with `tp={self.tp}` is not supported: torchao's float8 tensor-parallel styles assume"
@@ -184,36 +149,19 @@ class ParallelConfig:
 
     def _validate_context_and_hybrid(self) -> None:
         """cp, cp_method and the hybrid-sharding degrees (issue 16)."""
-        if self.cp_method not in CP_METHODS:
-            raise ValueError(f"`cp_method={self.cp_method!r}` is unknown. Choose one of {_choices(sorted(CP_METHODS))}.")
-        if not isinstance(self.cp_load_balance, bool):
-            raise ValueError(f"`cp_load_balance={self.cp_load_balance!r}` must be True or False.")
-        if not isinstance(self.cp_check, bool):
-            raise ValueError(f"`cp_check={self.cp_check!r}` must be True or False.")
+        for name in ("cp_method", "cp_load_balance", "cp_check"):
+            check_option(name, getattr(self, name))
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_option(name, getattr(self, name))
         if self.cp > 1 and self.activation_checkpointing in ("selective", "selective_op"):
             raise ValueError(
                 f"`activation_checkpointing={self.activation_checkpointing!r}` with `cp>1` is not supported: selective recomputation caches"
                 " the outputs of collectives, which would replay ring attention's point-to-point receives without"
                 " their sends. Use activation_checkpointing='full' (recomputes attention across the cp group) or None."
             )
-        r, s = self.dp_replicate, self.dp_shard
-        if isinstance(self.dp, int):
-            if r is not None and s is not None and r * s != self.dp:
-                raise ValueError(
-                    f"`dp_replicate={r}` x `dp_shard={s}` = {r * s} must equal `dp={self.dp}`."
-                    f" Leave out dp (it is dp_replicate x dp_shard), or choose dp_replicate x dp_shard = {self.dp}."
-                )
-            for name, value in (("dp_replicate", r), ("dp_shard", s)):
-                if value is not None and self.dp % value:
-                    raise ValueError(f"`{name}={value}` must divide `dp={self.dp}`. Choose {name} in {divisors(self.dp)}.")
-        if (r or 1) > 1 and self.zero == 0 and self.layout != "auto":  # layout="auto" picks zero >= 1 for it
-            raise ValueError(
-                f"`dp_replicate={r}` (hybrid sharding) needs `zero` in 1, 2 or 3: ZeRO-0 shards nothing, so there is"
-                " nothing to replicate across groups. Use zero>=1, or leave dp_replicate out (plain data parallel)."
-            )
+        check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero,
+                     "layout": self.layout})
 
     def with_layout(self, layout: StrategyLayout) -> "ParallelConfig":
         """This config with a planner layout's degrees and options, validated again.

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
 from lightning_para.plan.layout import Layout
@@ -132,8 +133,7 @@ class Estimate:
         if self.layout.pp == 1:
             return (0.0,)
         layout, m = self.layout, self.microbatches
-        fill = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / layout.virtual_stages, "zero_bubble": 1.0 / 3.0}
-        k = fill.get(layout.schedule, 0.0)
+        k = fill_factor(layout.schedule, layout.virtual_stages)
         times = [r.microbatch_seconds for r in self.ranks]
         slowest = max(times)
         step = m * slowest + k * (sum(times) - slowest)
@@ -178,7 +178,7 @@ def _flush(layout: Layout, per_step: int) -> int:
 
 def _default_microbatches(layout: Layout) -> int:
     """ParaStrategy's microbatches per pipeline step when none are given: one per stage."""
-    return layout.microbatches or (layout.pp * layout.virtual_stages if layout.pp > 1 else 1)
+    return layout.microbatches or (default_microbatches(layout.pp, layout.virtual_stages) if layout.pp > 1 else 1)
 
 
 def resolve_batch(training: Training, layout: Layout) -> tuple[Training, int, int]:

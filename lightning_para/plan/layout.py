@@ -15,13 +15,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
-    CP_METHODS,
-    FP8_RECIPES,
-    PIPELINE_BALANCE,
-    SCHEDULES,
-    ZERO3_UNITS,
-    ZERO_ACCUMULATION,
-    ZERO_STAGES,
+    ZERO_ACCUMULATION,  # noqa: F401 - the search's and layout="auto"'s name for it
+    check_option,
+    check_rules,
 )
 
 if TYPE_CHECKING:
@@ -59,16 +55,6 @@ FIXED_OPTIONS = (
     "cp_method", "cp_load_balance", "zero3_units", "sp_save_input_shard", "loss_parallel", "pipeline_split",
     "pipeline_balance", "compile", "fp8",
 )
-
-
-def _check_degree(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}={value!r}` must be a positive integer (1 disables this dimension).")
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"`{name}={value!r}` is unknown. Choose one of {', '.join(map(repr, choices))}.")
 
 
 @dataclass(frozen=True)
@@ -150,49 +136,37 @@ class Layout:
     fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
+        # Each option's check and the rules between options are declared once (lightning_para.options), shared
+        # with ParallelConfig and the --layout parser.
         for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
-            _check_degree(name, getattr(self, name))
+            check_option(name, getattr(self, name))
         if self.dp_shard is None:
             if self.dp % self.dp_replicate:
-                raise ValueError(f"`dp_replicate={self.dp_replicate}` must divide `dp={self.dp}`.")
+                check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate})
             object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
-        _check_degree("dp_shard", self.dp_shard)
-        if self.dp_replicate * self.dp_shard != self.dp:  # type: ignore[operator]
-            raise ValueError(
-                f"`dp_replicate={self.dp_replicate}` x `dp_shard={self.dp_shard}` must equal `dp={self.dp}`."
-            )
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise ValueError(f"`zero={self.zero!r}` is not a ZeRO stage. Choose one of 0, 1, 2, 3.")
-        if self.dp_replicate > 1 and self.zero == 0:
-            raise ValueError("`dp_replicate > 1` (hybrid sharding) needs `zero >= 1`: ZeRO-0 shards nothing.")
+        check_option("dp_shard", self.dp_shard)
+        check_option("zero", self.zero)
+        check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero})
         if isinstance(self.compile, Mapping):  # ParaStrategy's dict of torch.compile options: compiled
             object.__setattr__(self, "compile", True)
         for name in ("sequence_parallel", "cp_load_balance", "sp_save_input_shard", "loss_parallel", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
+            check_option(name, getattr(self, name))
         if self.sequence_parallel and self.tp == 1:
+            # ParaStrategy only warns (nothing to split over); the planner cannot price a sequence shard of tp=1.
             raise ValueError("`sequence_parallel=True` needs `tp > 1` (it shards the sequence over the tp ranks).")
-        _check_choice("schedule", self.schedule, SCHEDULES)
+        check_option("schedule", self.schedule)
         if self.microbatches is not None:
-            _check_degree("microbatches", self.microbatches)
-        _check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+            check_option("microbatches", self.microbatches)
+        check_option("activation_checkpointing", self.activation_checkpointing)
         if self.pipeline_split is not None:
             object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
-        if self.bucket_size_mb is not None and not (
-            isinstance(self.bucket_size_mb, (int, float)) and not isinstance(self.bucket_size_mb, bool)
-            and self.bucket_size_mb > 0
-        ):
-            raise ValueError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of MiB.")
-        _check_choice("cp_method", self.cp_method, CP_METHODS)
-        _check_choice("zero_accumulation", self.zero_accumulation, ZERO_ACCUMULATION)
-        if self.zero_accumulation == "reduce_each_microbatch" and self.zero != 2:
-            raise ValueError(
-                f"`zero_accumulation='reduce_each_microbatch'` keeps ZeRO-2's gradients sharded under a pipeline;"
-                f" it needs `zero=2` (got zero={self.zero})."
-            )
-        _check_choice("zero3_units", self.zero3_units, ZERO3_UNITS)
-        _check_choice("pipeline_balance", self.pipeline_balance, PIPELINE_BALANCE)
-        _check_choice("fp8", self.fp8, FP8_RECIPES)
+        if self.bucket_size_mb is not None:
+            check_option("bucket_size_mb", self.bucket_size_mb)
+        for name in ("cp_method", "zero_accumulation"):
+            check_option(name, getattr(self, name))
+        check_rules({"zero_accumulation": self.zero_accumulation, "zero": self.zero})
+        for name in ("zero3_units", "pipeline_balance", "fp8"):
+            check_option(name, getattr(self, name))
 
     @property
     def reduces_each_microbatch(self) -> bool:

@@ -1,5 +1,8 @@
 """Pipeline schedules as the cost model sees them: rules, bubble, in-flight microbatches, layer split.
 
+The schedules own their math (:mod:`lightning_para.parallel.pipeline.schedules`: rules, bubble, fill, in-flight
+microbatches, compute order); this module reads it for the schedules the planner prices and adds the layer split.
+
 ``p`` pipeline ranks, ``m`` microbatches per pipeline flush, ``v`` stages (model chunks) per rank.
 
 =============  ==========================  ====================================================
@@ -33,6 +36,7 @@ from typing import Optional, Union
 
 from lightning_para.options import PLANNED_SCHEDULES
 from lightning_para.options import SCHEDULES as STRATEGY_SCHEDULES
+from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.schedules import stage_to_rank
 from lightning_para.parallel.pipeline.split import balanced_split, explicit_split
 from lightning_para.plan.model import ModelDesc, PipelineUnit
@@ -53,61 +57,24 @@ def check_schedule(name: str) -> None:
 
 
 def schedule_problem(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Optional[str]:
-    """Why ``schedule`` cannot run with these degrees (``None`` if it can).
-
-    The rules of ``torch.distributed.pipelining``'s schedules, which ParaStrategy runs: single-stage
-    schedules take ``v = 1``; interleaved needs ``v >= 2``; ZB-V exactly ``v = 2`` and
-    ``m >= 2p - 1``; 1F1B ``m >= p`` (its warm-up needs one microbatch per stage); the
-    multi-stage loop schedules ``m`` a multiple of ``p`` (whole rounds).
-    """
+    """Why ``schedule`` cannot run with these degrees (``None`` if it can): the schedule's own rules
+    (:func:`lightning_para.parallel.pipeline.schedules.schedule_problem`), for a schedule the planner prices."""
     check_schedule(schedule)
-    p, m, v = pp, microbatches, virtual_stages
-    if p == 1:
-        return None if v == 1 else f"virtual_stages={v} needs pp > 1"
-    if schedule in ("gpipe", "1f1b") and v != 1:
-        return f"schedule '{schedule}' runs one stage per rank, not virtual_stages={v}"
-    if schedule == "interleaved" and v < 2:
-        return "schedule 'interleaved' needs virtual_stages >= 2"
-    if schedule == "zbv" and v != 2:
-        return f"schedule 'zbv' needs virtual_stages=2, not {v}"
-    if schedule == "1f1b" and m < p:
-        return f"schedule '1f1b' needs microbatches >= pp ({m} < {p})"
-    if schedule == "zbv" and m < 2 * p - 1:
-        return f"schedule 'zbv' needs microbatches >= 2*pp-1 ({m} < {2 * p - 1})"
-    if schedule in ("interleaved", "zero_bubble") and (m < p or m % p):
-        return f"schedule '{schedule}' needs microbatches a multiple of pp ({m} vs pp={p})"
-    return None
+    return schedules.schedule_problem(schedule, pp, microbatches, virtual_stages)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step on every pipeline rank for equal stage times (table above)."""
+    """Idle fraction of a step on every pipeline rank for equal stage times (table above; the schedule's
+    :func:`~lightning_para.parallel.pipeline.schedules.expected_bubble`)."""
     check_schedule(schedule)
-    p, m, v = pp, microbatches, virtual_stages
-    if p == 1:
-        return 0.0
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zero_bubble":
-        return (p - 1) / 3 / (m + (p - 1) / 3)
-    return 0.0  # zbv, with m >= 2p - 1 (checked by schedule_problem)
+    return schedules.expected_bubble(schedule, pp, microbatches, virtual_stages) or 0.0
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches' worth of this rank's activations held at its peak (see the module docstring)."""
+    """Microbatches' worth of this rank's activations held at its peak (the schedule's
+    :func:`~lightning_para.parallel.pipeline.schedules.in_flight_microbatches`)."""
     check_schedule(schedule)
-    p, m, v = pp, microbatches, virtual_stages
-    if p == 1:
-        return 1.0  # gradient accumulation runs its microbatches one after another
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "zbv":
-        return float(min(p, m))
-    if v == 1:  # 1f1b, zero_bubble (ZB-H1)
-        return float(min(p - rank, m))
-    chunk_forwards = min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
-    return chunk_forwards / v
+    return schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank)
 
 
 def unit_split(costs: Sequence[float], chunks: int, explicit: Optional[Sequence[int]] = None) -> list[int]:
@@ -215,48 +182,6 @@ def unit_tensors(model: ModelDesc, unit: PipelineUnit, tp: int = 1, ep: int = 1)
     return part_tensors(
         model, unit.layers, embedding=unit.embedding, final_norm=unit.final_norm, head_matrix=unit.head, tp=tp, ep=ep
     )
-
-
-@functools.lru_cache(maxsize=1024)
-def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> Optional[tuple]:
-    """This rank's forwards and (full) backwards in the order ``torch.distributed.pipelining`` runs them:
-    ``(("F", chunk), ("B", chunk), ...)``, ``chunk`` the rank's local chunk (0 to ``v - 1``).
-
-    GPipe: every forward, then every backward. 1F1B (``Schedule1F1B``): ``min(m, p - i)`` warm-up forwards, then a
-    backward and a forward in turn. Interleaved (``ScheduleInterleaved1F1B``, Megatron-LM's order):
-    ``min((v - 1) r + 2 (p - i - 1), m v)`` warm-up forwards, ``r`` microbatches per round (``p`` when ``p``
-    divides ``m``), forwards chunk by chunk in rounds, backwards from the last chunk, then forward-backward pairs.
-    ``tests/unit/test_plan_pipeline_memory.py`` checks each against torch's own schedule run on recording stages.
-    ``None`` for the zero-bubble schedules (their split backward is not walked here).
-    """
-    p, m, v, i = pp, microbatches, virtual_stages, rank
-    if schedule == "gpipe":
-        return tuple([("F", 0)] * m + [("B", 0)] * m)
-    if schedule == "1f1b":
-        warmup = min(m, p - i)
-        order = [("F", 0)] * warmup
-        for k in range(m):
-            order.append(("B", 0))
-            if warmup + k < m:
-                order.append(("F", 0))
-        return tuple(order)
-    if schedule != "interleaved":
-        return None
-    rounds = max(1, m // p)
-    per_round = m // rounds
-    total = m * v
-    warmup = min((v - 1) * per_round + 2 * (p - 1 - i), total)
-
-    def backward_chunk(op: int) -> int:
-        return v - 1 - ((op - warmup) // per_round) % v
-
-    order = []
-    for op in range(total + warmup):
-        if op < total:
-            order.append(("F", (op // per_round) % v))
-        if op >= warmup:  # a forward-backward pair in the steady state, then the cool-down's backwards
-            order.append(("B", backward_chunk(op)))
-    return tuple(order)
 
 
 def held_activations_peak(order: Sequence[tuple[str, int]], chunk_activations: Sequence[float]) -> float:

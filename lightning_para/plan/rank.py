@@ -34,7 +34,8 @@ from lightning_para.plan.overhead import (
     optimizer_dtensor_ops,
     optimizer_ops,
 )
-from lightning_para.plan.pipeline import RankLayers, compute_order, held_activations_peak, lazy_gradient_peak
+from lightning_para.parallel.pipeline.schedules import compute_order
+from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
 from lightning_para.plan.tensors import (
     ParamTensor,
     layer_tensors,

@@ -23,6 +23,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from lightning_para.config import ParallelConfig
+from lightning_para.options import check_option
 from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
@@ -102,14 +103,12 @@ def parse_layout(text: str) -> dict[str, Any]:
 
 
 def _check_value(item: str, name: str, value: Any) -> None:
-    """A value as :class:`Layout` checks it (degrees and choices; relations come later, from ParaStrategy)."""
-    if name in ("dp", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches", "zero"):
-        return  # checked above; their relations are ParaStrategy's to check with the world size
-    if name == "sequence_parallel" and value:
-        return  # Layout needs tp > 1 beside it; ParaStrategy checks the pair
+    """A value as every layout option is checked (:func:`lightning_para.options.check_option`: degrees and choices;
+    the relations between values are ParaStrategy's to check, with the world size)."""
+    if value is None:
+        return
     try:
-        # One relation checked here on its own: "reduce_each_microbatch" needs zero=2 beside it.
-        Layout(**{name: value, **({"zero": 2} if value == "reduce_each_microbatch" else {})})
+        check_option(name, value)
     except ValueError as err:
         raise ValueError(f"`--layout` entry {item!r}: {err}") from None
 

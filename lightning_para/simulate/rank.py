@@ -13,7 +13,7 @@
    nothing: the pipeline split keeps only this rank's stage before anything else.
 3. One training step: ``in_flight`` microbatches forward through this rank's stage (1F1B keeps
    ``min(pp - r, M)`` in flight on pipeline rank ``r``, GPipe all ``M``), their backward, or the
-   interleaved schedule's whole order over the rank's chunks (``parallel.pipeline.schedules``' order, through ``plan.pipeline.compute_order``), then
+   interleaved schedule's whole order over the rank's chunks (``parallel.pipeline.schedules.compute_order``), then
    the ZeRO gradient sync and ``optimizer.step()`` (AdamW). Torch's pipeline schedule is not
    used: its start-up handshake reads tensor values (``.item()``), which meta tensors do not
    have; the stage modules, hooks and loss are the real ones.
@@ -86,7 +86,7 @@ from lightning_para.parallelize import parallelize
 from lightning_para.plan.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import compute_order
+from lightning_para.parallel.pipeline.schedules import compute_order
 from lightning_para.precision import ParaPrecision
 from lightning_para.simulate.kernels import FusedKernels
 from lightning_para.simulate.step import (
@@ -189,7 +189,7 @@ def dry_run_rank(
     whole_schedule = dims.pp > 1 and config.schedule == "interleaved"
     if whole_schedule:
         # The interleaved schedule's peak depends on its order across the rank's chunks: run all of it, in the order
-        # torch runs it (`plan.pipeline.compute_order`, checked against torch's schedule).
+        # torch runs it (`schedules.compute_order`, checked against torch's schedule).
         order = compute_order("interleaved", dims.pp, microbatches, config.virtual_stages, pp_rank)
         in_flight = microbatches
     else:

@@ -13,24 +13,21 @@ from torch import Tensor, nn
 
 from lightning_para.instrument.live_bytes import LiveBytes
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallelize import ParallelModel
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
-    """Microbatches whose activations a pipeline rank holds at its peak: GPipe all of them, 1F1B
-    ``pp - rank`` (its warm-up forwards plus one; Narayanan et al. 2021, Sec. 2.2)."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(pp - pp_rank, microbatches)
-    raise ValueError(
-        f"The dry run runs `schedule='1f1b'`, `'gpipe'` or `'interleaved'`, not {schedule!r}; set schedule to one of them."
-    )
-
+    """Microbatches whose activations a pipeline rank holds at its peak, for the schedules the dry run runs
+    forward-then-backward (GPipe: all of them; 1F1B: ``pp - rank``): the schedule's own
+    :func:`~lightning_para.parallel.pipeline.schedules.in_flight_microbatches`."""
+    if pp > 1 and schedule not in ("gpipe", "1f1b"):
+        raise ValueError(
+            f"The dry run runs `schedule='1f1b'`, `'gpipe'` or `'interleaved'`, not {schedule!r}; set schedule to one of them."
+        )
+    return int(schedules.in_flight_microbatches(schedule, pp, microbatches, 1, pp_rank))
 
 
 def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:

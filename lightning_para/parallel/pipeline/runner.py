@@ -45,7 +45,8 @@ from lightning_para.parallel.pipeline.measure import (
     StepRecorder,
     TimedPipelineStage,
 )
-from lightning_para.parallel.pipeline.schedules import build_schedule, expected_bubble
+from lightning_para.parallel.pipeline.build import build_schedule
+from lightning_para.parallel.pipeline.schedules import expected_bubble
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
 

@@ -11,8 +11,13 @@ validate a pipeline layout with it. Everything here is independent of Lightning:
   ``ParaStrategy(...)`` with a ``ValueError``, long before any send/recv.
 * :func:`schedule_action_order` returns each rank's compute actions (``"0F3"``: stage 0,
   forward, microbatch 3) the same way, for unit tests and timeline drawings.
-* :class:`ScheduleForwardOnly` runs the forward-only pipeline of validate/test/predict for
-  any stage placement; :func:`build_schedule` picks the schedule object for a rank's stages.
+* The schedules own their math, which the planner, its cost model and the dry run read from here:
+  rules (:func:`schedule_problem`), bubble (:func:`expected_bubble`), fill and drain
+  (:func:`fill_factor`), in-flight microbatches (:func:`in_flight_microbatches`) and each rank's
+  compute order (:func:`compute_order`).
+
+The schedule objects a run steps (:func:`~lightning_para.parallel.pipeline.build.build_schedule`, the
+forward-only one) are :mod:`.build`'s.
 
 Bubble formulas (idle time / step time on every rank, equal stage times; p ranks, m
 microbatches, v stages per rank):
@@ -31,13 +36,13 @@ dualpipev      not modelled here        DeepSeek-V3 report 2024 (overlaps F and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -47,11 +52,6 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  # private: see docs/architecture.md
-from torch.distributed.pipelining.schedules import (  # private: see docs/architecture.md
-    PipelineScheduleMulti,
-    _batch_p2p,
-    _wait_batch_p2p,
-)
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,8 @@ def stage_to_rank(schedule: str, pp: int, virtual_stages: int) -> dict[int, int]
 def expected_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Optional[float]:
     """The idle fraction the schedule's paper predicts for equal stage times (see module docstring)."""
     p, m, v = pp, microbatches, virtual_stages
+    if p == 1:
+        return 0.0
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if schedule in ("interleaved", "looped_bfs"):
@@ -117,6 +119,99 @@ def expected_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: i
     if schedule == "zbv":
         return 0.0
     return None
+
+
+def fill_factor(schedule: str, virtual_stages: int = 1) -> float:
+    """``k`` of a step's fill and drain, ``k (sum_r t_r - t_max)`` on top of the ``m t_max`` the slowest rank
+    needs: 1 for GPipe and 1F1B, ``1/v`` interleaved, ``1/3`` zero-bubble (ZB-H1), 0 for ZB-V (with equal
+    ``t_r`` this is :func:`expected_bubble`)."""
+    return {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / virtual_stages, "looped_bfs": 1.0 / virtual_stages,
+            "zero_bubble": 1.0 / 3.0}.get(schedule, 0.0)
+
+
+def schedule_problem(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Optional[str]:
+    """Why ``schedule`` cannot run with these degrees (``None`` if it can): the rules of
+    ``torch.distributed.pipelining``'s schedules, which ParaStrategy runs, as :class:`ScheduleInfo` states them
+    (stages per rank; 1F1B ``m >= p``, its warm-up needs one microbatch per stage; ZB-V ``m >= 2p - 1``), and
+    whole rounds (``m`` a multiple of ``p``) for the interleaved loop schedules, whose order
+    (:func:`compute_order`) and bubble the planner prices."""
+    info = schedule_info(schedule)
+    p, m, v = pp, microbatches, virtual_stages
+    if p == 1:
+        return None if v == 1 else f"virtual_stages={v} needs pp > 1"
+    if info.max_virtual == 1 and v != 1:
+        return f"schedule '{schedule}' runs one stage per rank, not virtual_stages={v}"
+    if info.min_virtual == info.max_virtual and v != info.min_virtual:
+        return f"schedule '{schedule}' needs virtual_stages={info.min_virtual}, not {v}"
+    if v < info.min_virtual:
+        return f"schedule '{schedule}' needs virtual_stages >= {info.min_virtual}"
+    minimum = info.min_microbatches(p, v)
+    if m < minimum and schedule in ("1f1b", "zbv"):
+        need = "pp" if schedule == "1f1b" else "2*pp-1"
+        return f"schedule '{schedule}' needs microbatches >= {need} ({m} < {minimum})"
+    if schedule in ("interleaved", "zero_bubble") and (m < p or m % p):
+        return f"schedule '{schedule}' needs microbatches a multiple of pp ({m} vs pp={p})"
+    return None
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
+    """Microbatches' worth of pipeline rank ``rank``'s activations held at its peak (in units of one microbatch
+    through all of its layers; Korthikanti et al. 2022, Sec. 4.2.3): GPipe all ``m``; 1F1B and ZB-H1 (``v = 1``)
+    ``min(p - rank, m)``; interleaved ``2 (p - rank - 1) + (v - 1) p`` warm-up chunk-forwards plus one in flight
+    (Megatron-LM's ``get_num_warmup_microbatches``), each ``1/v`` of its layers; ZB-V ``p`` (Qi et al. 2024, Sec. 6)."""
+    p, m, v = pp, microbatches, virtual_stages
+    if p == 1:
+        return 1.0  # gradient accumulation runs its microbatches one after another
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "zbv":
+        return float(min(p, m))
+    if v == 1:  # 1f1b, zero_bubble (ZB-H1)
+        return float(min(p - rank, m))
+    chunk_forwards = min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
+    return chunk_forwards / v
+
+
+@functools.lru_cache(maxsize=1024)
+def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> Optional[tuple]:
+    """This rank's forwards and (full) backwards in the order ``torch.distributed.pipelining`` runs them:
+    ``(("F", chunk), ("B", chunk), ...)``, ``chunk`` the rank's local chunk (0 to ``v - 1``).
+
+    GPipe: every forward, then every backward. 1F1B (``Schedule1F1B``): ``min(m, p - i)`` warm-up forwards, then a
+    backward and a forward in turn. Interleaved (``ScheduleInterleaved1F1B``, Megatron-LM's order):
+    ``min((v - 1) r + 2 (p - i - 1), m v)`` warm-up forwards, ``r`` microbatches per round (``p`` when ``p``
+    divides ``m``), forwards chunk by chunk in rounds, backwards from the last chunk, then forward-backward pairs.
+    ``tests/unit/test_plan_pipeline_memory.py`` checks each against torch's own schedule run on recording stages.
+    ``None`` for the zero-bubble schedules (their split backward is not walked here).
+    """
+    p, m, v, i = pp, microbatches, virtual_stages, rank
+    if schedule == "gpipe":
+        return tuple([("F", 0)] * m + [("B", 0)] * m)
+    if schedule == "1f1b":
+        warmup = min(m, p - i)
+        order = [("F", 0)] * warmup
+        for k in range(m):
+            order.append(("B", 0))
+            if warmup + k < m:
+                order.append(("F", 0))
+        return tuple(order)
+    if schedule != "interleaved":
+        return None
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - i), total)
+
+    def backward_chunk(op: int) -> int:
+        return v - 1 - ((op - warmup) // per_round) % v
+
+    order = []
+    for op in range(total + warmup):
+        if op < total:
+            order.append(("F", (op // per_round) % v))
+        if op >= warmup:  # a forward-backward pair in the steady state, then the cool-down's backwards
+            order.append(("B", backward_chunk(op)))
+    return tuple(order)
 
 
 # ----------------------------------------------------------------------------- validation without communication
@@ -244,66 +339,16 @@ def schedule_action_order(schedule: str, pp: int, microbatches: int, virtual_sta
     return orders
 
 
-class ScheduleForwardOnly(PipelineScheduleMulti):
-    """Forward of every local stage over all microbatches, for any stage placement.
-
-    torch's ``_ScheduleForwardOnly`` takes one stage per rank and the training schedules'
-    ``eval()`` breaks on V placements (their local stage hand-off expects a backward). This
-    runs each rank's stages in increasing index order (a topological order of the pipeline),
-    microbatch by microbatch: receive, forward, hand to the next stage (locally or by send).
-    """
-
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, stage_index_to_rank: dict[int, int]) -> None:
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=None, scale_grads=False)
-        self.stage_index_to_group_rank = dict(stage_index_to_rank)
-        for stage in stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-
-    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True, loss_kwargs=None):
-        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
-        self._initialize_stages(arg_mbs[0], kwarg_mbs[0])
-        local = {stage.stage_index: stage for stage in self._stages}
-        sends: list[list[Any]] = []
-        for index in sorted(local):
-            stage = local[index]
-            for mb in range(self._n_microbatches):
-                if not stage.is_first and index - 1 not in local:
-                    _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb)))
-                output = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs)
-                if index + 1 in local:
-                    local[index + 1].set_local_fwd_input(output, mb)
-                elif not stage.is_last:
-                    sends.append(_batch_p2p(stage.get_fwd_send_ops(mb)))
-        for work in sends:
-            _wait_batch_p2p(work)
-
-
-def build_schedule(
-    schedule: str, stages: list[PipelineStage], microbatches: int, loss_fn: Optional[Callable[..., Tensor]]
-) -> Any:
-    """torch's schedule object for this rank's stages; ``loss_fn=None`` gives the forward-only one.
-
-    Gradients are never rescaled by torch (``scale_grads=False``): torch divides every
-    ``.grad`` of the stage by m after the last microbatch, which would also divide gradients
-    accumulated over earlier steps. ``loss_fn`` divides by m instead.
-    """
-    info = schedule_info(schedule)
-    if loss_fn is None:
-        pp = stages[0].group_size
-        return ScheduleForwardOnly(stages, microbatches, stage_to_rank(schedule, pp, len(stages)))
-    if info.multi_stage:
-        return info.torch_class(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-    return info.torch_class(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
 __all__ = [
     "PIPELINE_SCHEDULES",
     "SCHEDULES",
-    "ScheduleForwardOnly",
     "ScheduleInfo",
-    "build_schedule",
     "default_microbatches",
+    "compute_order",
     "expected_bubble",
+    "fill_factor",
+    "in_flight_microbatches",
+    "schedule_problem",
     "schedule_action_order",
     "schedule_info",
     "stage_to_rank",
