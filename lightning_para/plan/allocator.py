@@ -25,8 +25,8 @@ allocates and frees, in order) through the allocator's rules with its default se
 pool, grown at its end by 20 MiB / 2 MiB pages).
 
 Not modelled: the delayed reuse of a block another stream still reads (``record_stream``), and the driver's
-limit. Validated against an H100 and an H200 (issue 23,
-``benchmarks/results/gpu_fake_world.md``, ``tests/unit/test_allocator_model.py``): the dry run's trace of four
+limit. Validated against an H100 and an H200
+(``benchmarks/results/gpu_fake_world.md``, ``tests/unit/test_allocator_model.py``): the dry run's trace of four
 ZeRO-3 ranks of Llama 3 8B (dp=8 and 128, 8 and 32 layers, bf16-true) gives their reserved peaks within
 +0.2% to +2.2% (with ``expandable_segments``, two of them: +0.1%, +0.2%); the allocated peak alone is 9-18% under
 them, and one pool for all streams gave -6.5% to +5.6%.

@@ -66,7 +66,7 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 
 # Per-GPU figures: memory one process can allocate, dense bf16 peak FLOP/s, and one direction of
 # NVLink (intra) and of the GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
-# Memory: a "80 GB" H100 is not 80e9 usable bytes. Measured (issue 23, on the lent H100 80GB HBM3
+# Memory: a "80 GB" H100 is not 80e9 usable bytes. Measured (on the lent H100 80GB HBM3
 # SXM and H200, driver 580, torch CUDA): nvidia-smi totals 81,559 MiB (H100) and 143,771 MiB
 # (H200), the same NVML totals Modal publishes (thundergolfer.com/blog/nvidia-gpu-memory-capacity);
 # the driver reserves 480 / 616 MiB of them, so CUDA's total (`torch.cuda.mem_get_info`) is
@@ -84,7 +84,7 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 #   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
 #
 # Element-wise bandwidth (`elementwise_bandwidth`, eager torch code's norms, casts, SwiGLU products, residual adds
-# and AdamW): measured on the lent machines (issue 23, benchmarks/gpu_step_model.py): an RMS norm, a SwiGLU product
+# and AdamW): measured on the lent machines (benchmarks/gpu_step_model.py): an RMS norm, a SwiGLU product
 # and a residual add on 16,384 x 4,096 bf16 tensors, forward and backward. H100 80GB HBM3 SXM: 2.545-2.559e12
 # bytes/s in three runs (76% of its 3.35 TB/s datasheet bandwidth); H200: 3.05e12 (64% of 4.8 TB/s). The other
 # presets keep the H100's fraction of their datasheet bandwidth (the H200 shows the fraction is not constant: read
@@ -239,7 +239,7 @@ class Training:
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.
-        activation_profile: whose code's saved tensors the activations count (issue 23, measured
+        activation_profile: whose code's saved tensors the activations count (measured
             by ``lightning-para dryrun``): ``"torch"`` (default) -- ParaStrategy's, as torchtitan's:
             DTensor sequence parallelism keeps the q/k/v, MLP and output projections' inputs
             all-gathered, an unfused SwiGLU keeps 4 ``f``-wide tensors, a ``*-true`` run's

@@ -64,7 +64,7 @@ def layer_activation_bytes(
     ``residual_bytes``: bytes per element of the residual stream, the block's input and the norms' inputs
     (default ``activation_bytes``). Under autocast (``*-mixed``) it is the weights' dtype: the embedding
     gives fp32 and the residual adds stay fp32, so a checkpointed block keeps an fp32 input and a norm an
-    fp32 one (issue 23: measured on an H100, rank 0 of an 8- and a 128-rank ZeRO-3 job of Llama 3 8B in
+    fp32 one (measured on an H100, rank 0 of an 8- and a 128-rank ZeRO-3 job of Llama 3 8B in
     ``bf16-mixed``, ``benchmarks/gpu_fake_world.py``: 2 bytes x ``sbh`` per layer more than in ``bf16-true``).
 
     ``sp_saves_gathered_inputs``: under sequence parallelism the q/k/v and MLP projections keep their
@@ -117,7 +117,7 @@ def layer_activation_bytes(
     dropout_masks = 2 * s * b * h if model.dropout else 0
     # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
     # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
-    # saves them after the all-gather, whole (issue 23: measured by the dry run's saved tensors).
+    # saves them after the all-gather, whole (measured by the dry run's saved tensors).
     # An eager norm that upcasts (transformers' RMSNorm) keeps an fp32 copy of its input besides (`norm_upcast`).
     # Without recomputation both norm inputs are the residual stream; under "selective" the block's input is
     # (the checkpoint's argument) and the second norm's input is recomputed, its place taken by an e-byte term.
@@ -136,7 +136,7 @@ def layer_activation_bytes(
         scores = per_score * model.heads * s * seq_len * b
     # SwiGLU ``c_proj(silu(gate(x)) * fc(x))`` keeps four ``f``-wide tensors: the gate's output (for
     # silu), silu's output and fc's output (for the product), the product (for c_proj); GELU two
-    # (issue 23: the dry run's saved tensors of the recipe block).
+    # (the dry run's saved tensors of the recipe block).
     hidden_tensors = (swiglu_tensors if recompute is None else 3) if model.gated_mlp else 2
     if recompute == "selective_op":  # an MoE layer: its experts priced as under "selective" (see above)
         attention_part = selective_op_layer_bytes(

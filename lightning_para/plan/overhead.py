@@ -1,4 +1,4 @@
-"""Per-operator overhead and element-wise traffic: what a step costs beyond its matmul FLOPs (issue 23, item 3).
+"""Per-operator overhead and element-wise traffic: what a step costs beyond its matmul FLOPs.
 
 Every eager operator pays a fixed cost however small its tensors: the dispatcher, autograd's
 graph bookkeeping, the kernel launch. On a GPU that cost hides behind the device's queue (the

@@ -196,7 +196,7 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
       ``p.grad`` shows the reduced 16-bit gradient beside it until the next backward
       (``ZeroDataParallel._finish``: the bucket's reduced shard under ZeRO-1/2, the whole reduced
       bucket under ZeRO-0), so such a rank holds ``4 + 2`` gradient bytes per element it steps
-      (issue 23: the dry run measured +50% on gradients before this was priced); without a
+      (the dry run counts these 6 bytes: tests/unit/test_dryrun.py); without a
       separate master (``32-true``, ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own
       rows and its gradient is the one shown (no extra bytes);
     * ZeRO-3 (FSDP2) keeps its sharded parameters in fp32 (they are the master), gradients too;
@@ -252,7 +252,7 @@ def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
         sp_saves_gathered_inputs=torch_code, **_activation_kwargs(training, layout)[0],
     )
     if torch_code and training.bytes.autocast:
-        # Measured on an H100 (issue 23, `benchmarks/gpu_fake_world.py`): under autocast the cross-entropy holds,
+        # Measured on an H100 (`benchmarks/gpu_fake_world.py`): under autocast the cross-entropy holds,
         # after the forward, a 16-bit logits-sized tensor besides its fp32 log-probabilities (3.91 GiB at
         # 2 x 8,192 tokens x 128K in bf16-mixed, at 2 and 8 layers; none in bf16-true).
         held += e * training.seq_len / layout.cp * training.micro_batch * model.vocab / layout.tp
@@ -329,7 +329,7 @@ def _memory(
     buffers = 0.0
     # Autocast's 16-bit copy of a weight, which its matmul saves for backward. Inside a block that recomputes
     # (any `activation_checkpointing`) the copy is not kept: backward casts again. Then only the output
-    # projection's copy is (issue 23: on an H100, rank 0 of ZeRO-3 jobs of Llama 3 8B; on CPU, per layer).
+    # projection's copy is (on an H100, rank 0 of ZeRO-3 jobs of Llama 3 8B; on CPU, per layer).
     if not precision.autocast:
         autocast_copies = 0.0
     elif layout.activation_checkpointing and part.layers:
@@ -358,7 +358,7 @@ def _memory(
     ]
     held = sum(per_layer)
     # torch.distributed.pipelining keeps each chunk's output until its backward (the stage's `fwd_cache`); no
-    # layer of the chunk saves it (issue 23: the dry run's held bytes). Megatron-LM frees the sent output's data
+    # layer of the chunk saves it (the dry run's held bytes). Megatron-LM frees the sent output's data
     # (`deallocate_pipeline_outputs`), so its profile does not count it.
     stage_output = e * s / layout.cp * b * model.hidden / (layout.tp if layout.sequence_parallel else 1) \
         if torch_code else 0.0
@@ -412,8 +412,8 @@ def _memory(
         if layout.tp > 1 and layout.loss_parallel:
             # The vocab-parallel log-softmax (torch's `loss_parallel`, run op by op inside DTensor's handler) makes
             # fp32 copies of the local logits: the input cast to fp32 (when it is 16-bit), the max-shifted input and
-            # its exp (then the result), before the 16-bit log-probabilities. Measured on an H200 (issue 23,
-            # `benchmarks/gpu_fake_world.py --tp 2`): 14 bytes per local logit at the loss's peak in bf16-true,
+            # its exp (then the result), before the 16-bit log-probabilities. Measured on an H200
+            # (`benchmarks/gpu_fake_world.py --tp 2`): 14 bytes per local logit at the loss's peak in bf16-true,
             # 13.7 GiB at 2 x 8,192 tokens x 64K; a fused single-device kernel makes none of them.
             sixteen_bit_input = e < 4 and not model.loss_upcast and not precision.autocast
             loss_logits += (12 if sixteen_bit_input else 8) * logit_elements
@@ -693,7 +693,7 @@ def _zero3_kept_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> floa
     return float(total_numel(ends if grouped else (t for t in ends if not t.name.startswith("embedding"))))
 
 
-# Compute-time speedups of ParaStrategy's performance options (issue 25), from torchtitan's published
+# Compute-time speedups of ParaStrategy's performance options, from torchtitan's published
 # Llama 3.1 8B run on 8 H100s (FSDP, selective recomputation, sequence 8,192; torchtitan
 # docs/performance.md): 5,762 tokens/s/GPU eager, 6,667 with torch.compile, 8,532 with compile and
 # float8 (tensorwise). The factors divide the compute time only (communication is unchanged).

@@ -67,7 +67,7 @@ class PlanResult:
 
 
 # Above this fraction of a device's memory in tensors, the caching allocator's reserve (4-18% over the tensors'
-# peak on the ranks measured on an H100/H200, issue 23: docs/planner.md "Reserved memory") may not fit.
+# peak on the ranks measured on an H100/H200: docs/planner.md "Reserved memory") may not fit.
 RESERVE_WARNING = 0.85
 
 

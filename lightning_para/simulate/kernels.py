@@ -3,13 +3,14 @@
 On the meta (and CPU) device attention takes its math fallback and RMSNorm decomposes: both keep more for
 backward than the CUDA kernels a real run uses. :class:`FusedKernels` (a ``TorchFunctionMode``) runs
 stand-ins with the CUDA kernels' saved-tensor profiles. It also answers ``transformers``' own data-dependent
-checks on meta tensors (:func:`_transformers_answer`), the one integration-specific trick of the dry run.
+checks on meta tensors that an integration registered an answer for (:func:`register_meta_answer`; transformers'
+mask checks: ``integrations/transformers/dry_run.py``).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +113,7 @@ class FusedKernels(TorchFunctionMode):
                     q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
                 )
         if func in _DATA_DEPENDENT and isinstance(args[0], Tensor) and args[0].is_meta:
-            answer = _transformers_answer(func)
+            answer = _meta_answer(func)
             if answer is not None:
                 return answer
         if func is F.rms_norm and args[0].is_meta:
@@ -127,27 +128,36 @@ class FusedKernels(TorchFunctionMode):
 _DATA_DEPENDENT = (Tensor.__bool__, Tensor.item)
 
 
-def _transformers_answer(func):  # noqa: ANN001, ANN202
-    """What a data-dependent check of ``transformers`` on a meta tensor answers, or ``None`` (let it fail).
+# Answers to a library's data-dependent checks on meta tensors (``bool(t)``, ``t.item()``), which integrations
+# register: each takes the function asked and the module name of the code that asked, and returns the answer, or
+# None to let the check fail. Meta tensors have no values, so only a library that knows what the dry run's plain
+# token windows would give may answer (``integrations/transformers/dry_run.py``); any other check still raises.
+MetaAnswer = Callable[[Any, str], Any]
+_META_ANSWERS: list[MetaAnswer] = []
 
-    Meta tensors have no values. ``transformers`` branches on data in two kinds of places on the
-    training path, both asking whether the batch is plain: ``find_packed_sequence_indices`` ("are
-    these position ids one sequence per row?") and the SDPA mask's ``padding_mask.all()`` ("no
-    padding?"). The dry run's batches are plain token windows (what ``TextDataModule`` loads), so
-    the answer is ``True`` there. Only a check made by ``transformers`` itself is answered; any
-    other (the library's, the user's) still raises, rather than take a branch on an invented value.
-    """
+
+def register_meta_answer(answer: MetaAnswer) -> None:
+    """Add ``answer(func, caller_module)`` to the answers a dry run gives data-dependent checks on meta tensors."""
+    if answer not in _META_ANSWERS:
+        _META_ANSWERS.append(answer)
+
+
+def _meta_answer(func):  # noqa: ANN001, ANN202
+    """The registered answer to the caller of ``Tensor.__bool__`` / ``.item`` on a meta tensor, or ``None``."""
     frame = sys._getframe(1)  # private: up to the caller of Tensor.__bool__ / .item, past the torch-function modes
     while frame is not None and (
         frame.f_code.co_name == "__torch_function__" or frame.f_globals.get("__name__", "").startswith("torch")
     ):
         frame = frame.f_back
-    if frame is None or not frame.f_globals.get("__name__", "").startswith("transformers."):
-        return None
-    return True if func is Tensor.__bool__ else 1
+    caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+    for answer in _META_ANSWERS:
+        value = answer(func, caller)
+        if value is not None:
+            return value
+    return None
 
 
 # The dry run's name for it before the split (tests and callers used it).
 _FusedAttention = FusedKernels
 
-__all__ = ["FusedKernels"]
+__all__ = ["FusedKernels", "MetaAnswer", "register_meta_answer"]

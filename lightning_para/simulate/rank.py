@@ -49,7 +49,7 @@ take the same switch.
 token ids and takes transformers' causal-LM loss of the logits (:func:`causal_lm_step_loss`); under
 a pipeline the module's own ``configure_pipeline()`` (``pipeline_spec``) gives the stages and loss.
 transformers branches on data in its mask code ("one sequence per row?", "no padding?"); on meta
-tensors those checks, and only transformers' own, answer yes (:func:`_transformers_answer`): the
+tensors those checks, and only transformers' own, answer yes (the answer the transformers integration registers, ``integrations/transformers/dry_run.py``): the
 dry run's batches are plain token windows.
 
 ZeRO-3 runs on FSDP2 itself (:func:`_fsdp_on_meta`): the meta device gets the device module FSDP2 asks

@@ -13,6 +13,7 @@ transformers itself is imported only inside the functions that need it (``# opti
 ``import lightning_para`` works without it. See ``docs/transformers.md``.
 """
 
+from lightning_para.integrations.transformers import dry_run as _dry_run  # noqa: F401 - registers its meta answer
 from lightning_para.integrations.transformers.context import is_pretrained_model
 from lightning_para.integrations.transformers.experts import is_transformers_experts, transformers_experts
 from lightning_para.integrations.transformers.export import export, transformers_models
