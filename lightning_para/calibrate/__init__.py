@@ -1,7 +1,8 @@
 """Machine calibration: measure this machine once, cache it, and describe it to the planner.
 
 * :mod:`.measure`: the measurements (matmul FLOP/s and efficiency, an operator's fixed cost, element-wise
-  bandwidth, DTensor's dispatch, gloo's alpha-beta), each in processes of its own, and the cache;
+  bandwidth, DTensor's dispatch, gloo's alpha-beta), each in processes of its own (:mod:`.processes`);
+* :mod:`.cache`: the record (:class:`Calibration`), its cache and :func:`calibrate`;
 * :mod:`.machine`: this machine as the planner's ``Cluster`` (:func:`local_cluster`), the cache's figures
   when there are some;
 * :mod:`.traffic`: the non-matmul bytes of a model, fitted to the planner's traffic coefficients.
@@ -18,15 +19,11 @@ from lightning_para.calibrate.machine import (
     device_memory_bytes,
     local_cluster,
 )
+from lightning_para.calibrate.cache import Calibration, cache_path, cached_calibration, calibrate, machine_key
 from lightning_para.calibrate.measure import (
     EFFICIENCY_BATCHES,
     EFFICIENCY_SEQ_LEN,
-    Calibration,
-    cache_path,
-    cached_calibration,
-    calibrate,
     fit_alpha_beta,
-    machine_key,
     measure_dtensor_op_costs,
     measure_dtensor_op_seconds,
     measure_elementwise_bandwidth,
@@ -35,9 +32,9 @@ from lightning_para.calibrate.measure import (
     measure_matmul_flops,
     measure_op_seconds,
     measure_rank_rates,
-    run_measurement,
     synthetic_tp_workload,
 )
+from lightning_para.calibrate.processes import run_measurement
 
 __all__ = [
     "CPU_PROCESS", "EFFICIENCY_BATCHES", "EFFICIENCY_SEQ_LEN", "UNKNOWN_GPU_LINKS", "Calibration", "cache_path",

@@ -4,7 +4,7 @@ Hardware figures for the local machine: a GPU's memory from the device, its peak
 table (``get_available_flops``) and its links from :data:`~lightning_para.plan.cluster.GPU_SPECS` when its
 name is known; on CPU, the machine's RAM divided among the processes on it and nominal figures for a gloo
 process (:data:`CPU_PROCESS`), replaced by this machine's calibration when one is cached
-(:func:`~lightning_para.calibrate.measure.cached_calibration`).
+(:func:`~lightning_para.calibrate.cache.cached_calibration`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
-from lightning_para.calibrate.measure import cached_calibration
+from lightning_para.calibrate.cache import cached_calibration
 from lightning_para.parallel.data import layout as data_layout
 from lightning_para.plan.cluster import GPU_SPECS, Cluster
 from lightning_para.threads import available_cores, thread_budget, user_chose_threads

@@ -36,103 +36,26 @@ budget (``torch.get_num_threads()`` of a rank):
 second process ran beside it. So the per-rank figures (matmul, operator, bandwidth, DTensor's dispatch)
 are measured in ``cores // threads`` processes at once, started together, and their medians kept.
 
-Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. The result
-is cached in ``~/.cache/lightning-para/calibration.json`` (``$LIGHTNING_PARA_CACHE`` to move it),
-keyed by host, CPU model, torch version and thread count; :func:`cached_calibration` only reads
-it, so ``local_cluster`` never measures inside a training run. Run
-``lightning-para calibrate`` once per machine (or ``calibrate()``).
-
-Why this module is long: it holds seven measurements (matmul, operator, bandwidth, efficiency, DTensor
-dispatch, gloo, and the alpha-beta fit), all but the last run in processes of their own (the fake process group and gloo are
-process-wide), plus the one runner that keeps a dying measurement process from hanging the caller.
+Medians of repeats keep one preempted run (a loaded machine) from skewing the figure. Each measurement runs in
+processes of its own (:func:`~lightning_para.calibrate.processes.run_measurement`: the fake process group and gloo
+are process-wide); the record and its cache are :mod:`lightning_para.calibrate.cache`'s.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from lightning_para.calibrate.processes import measurement_context, run_measurement
 from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
-from lightning_para.threads import available_cores
 
-__all__ = ["Calibration", "measure_dtensor_op_costs", "measure_elementwise_bandwidth", "measure_matmul_efficiency",
-           "measure_rank_rates", "cache_path", "cached_calibration", "calibrate", "machine_key", "measure_gloo",
-           "measure_dtensor_op_seconds", "run_measurement", "synthetic_tp_workload", "measure_matmul_flops", "measure_op_seconds"]
-
-
-def cache_path() -> Path:
-    """``$LIGHTNING_PARA_CACHE/calibration.json`` (default ``~/.cache/lightning-para``)."""
-    root = os.environ.get("LIGHTNING_PARA_CACHE", os.path.join("~", ".cache", "lightning-para"))
-    return Path(root).expanduser() / "calibration.json"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_key(threads: int) -> str:
-    """What a calibration holds for: host, CPU model, torch version, intra-op threads per rank."""
-    return f"{socket.gethostname()}|{_cpu_model()}|torch {torch.__version__}|threads {threads}"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured figures of one rank on this machine (see the module docstring)."""
-
-    matmul_flops: float  # FLOP/s of one rank's fp32 matmuls under its thread budget
-    bandwidth: float  # bytes/s, beta of the alpha-beta model (gloo, 2 processes)
-    latency: float  # seconds per message hop, alpha
-    threads: int
-    key: str
-    measured_at: float  # time.time()
-    load: float  # 1-minute load average when measured
-    op_seconds: Optional[float] = None  # seconds per eager aten operator (None: a cache from before it was measured)
-    dtensor_op_seconds: Optional[float] = None  # seconds per operator through DTensor's dispatch (None: not measured)
-    step_overhead_seconds: Optional[float] = None  # the training loop's fixed seconds per step (None: not measured)
-    elementwise_bandwidth: Optional[float] = None  # bytes/s the non-matmul operators move (None: not measured)
-    processes: int = 1  # processes measured at once (cores // threads: the machine as loaded as in a run)
-    # [[tokens, fraction of matmul_flops a real model's matmuls reach at that microbatch], ...] (None: 1)
-    matmul_efficiency: Optional[list[list[float]]] = None
-    dtensor_optimizer_op_seconds: Optional[float] = None  # per DTensor operator of the optimizer step (None: not apart)
-
-    def cluster_figures(self) -> dict[str, float]:
-        """:class:`~lightning_para.plan.cluster.Cluster` fields: ``peak_flops`` is the square matmuls' rate and
-        ``efficiency_by_tokens`` the fraction of it a real model's matmuls reached per microbatch size
-        (``efficiency`` 1 when not measured)."""
-        figures: dict[str, Any] = {
-            "peak_flops": self.matmul_flops, "efficiency": 1.0, "intra_node_bw": self.bandwidth,
-            "inter_node_bw": self.bandwidth, "intra_node_latency": self.latency, "inter_node_latency": self.latency,
-        }
-        if self.op_seconds is not None:
-            figures["op_seconds"] = self.op_seconds
-        if self.dtensor_op_seconds is not None:
-            figures["dtensor_op_seconds"] = self.dtensor_op_seconds
-        if self.dtensor_optimizer_op_seconds is not None:
-            figures["dtensor_optimizer_op_seconds"] = self.dtensor_optimizer_op_seconds
-        if self.step_overhead_seconds is not None:
-            figures["step_overhead_seconds"] = self.step_overhead_seconds
-        if self.elementwise_bandwidth is not None:
-            figures["elementwise_bandwidth"] = self.elementwise_bandwidth
-        if self.matmul_efficiency:
-            figures["efficiency_by_tokens"] = tuple((float(t), float(e)) for t, e in self.matmul_efficiency)
-            figures["efficiency"] = min(e for _, e in figures["efficiency_by_tokens"])
-        return figures
+__all__ = ["EFFICIENCY_BATCHES", "EFFICIENCY_SEQ_LEN", "fit_alpha_beta", "measure_dtensor_op_costs",
+           "measure_dtensor_op_seconds", "measure_elementwise_bandwidth", "measure_gloo", "measure_matmul_efficiency",
+           "measure_matmul_flops", "measure_op_seconds", "measure_rank_rates", "synthetic_tp_workload"]
 
 
 def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats: int = 7) -> float:
@@ -277,7 +200,7 @@ def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
     fresh process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
     ``workload`` (a picklable module-level function of the batch and sequence length) at :data:`EFFICIENCY_BATCHES` sequences of
     :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload."""
-    start_together = _measurement_context().Barrier(processes)
+    start_together = measurement_context().Barrier(processes)
     results = run_measurement(_rank_rates_worker, [(threads, start_together, workload)] * processes, timeout,
                               "one rank's matmul, operator and bandwidth figures", results=processes)
     flops, op_seconds, bandwidth = (statistics.median(r[i] for r in results) for i in range(3))
@@ -297,62 +220,6 @@ class _SequenceParallelBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
-
-
-def _measurement_context() -> Any:
-    """Where measurement processes come from: a fork server that imports torch and this module once, so each
-    process starts in about a second instead of a new interpreter's ~10 s on two busy cores (torch and Lightning
-    imported again each time); spawn where the platform has no fork server. Each process is still fresh: its
-    threads, its (fake) process group and its measurements are its own."""
-    import torch.multiprocessing as mp
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", __name__])  # no effect once the server runs (e.g. the test harness's)
-    return context
-
-
-def run_measurement(target: Callable[..., None], args_per_process: Sequence[tuple[Any, ...]], timeout: float,
-                    what: str, results: Optional[int] = None) -> Any:
-    """Start one fresh process (:func:`_measurement_context`) per ``args_per_process`` entry running
-    ``target(*args, queue)``, and return
-    the first thing one of them puts on the queue (``results=k``: a list of the first ``k`` things). Never
-    waits on a dead process: if every process has exited without the results, or ``timeout`` seconds pass,
-    it raises :class:`RuntimeError` naming ``what`` (the children's own error is on stderr)."""
-    import queue as queue_module
-
-    ctx = _measurement_context()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args, out), daemon=True) for args in args_per_process]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout
-    wanted, got = results or 1, []
-    try:
-        while len(got) < wanted:
-            try:
-                got.append(out.get(timeout=0.5))
-                continue
-            except queue_module.Empty:
-                pass
-            if all(not proc.is_alive() for proc in procs):
-                try:  # results put just before the processes exited
-                    while len(got) < wanted:
-                        got.append(out.get(timeout=1.0))
-                    break
-                except queue_module.Empty:
-                    codes = [proc.exitcode for proc in procs]
-                    raise RuntimeError(f"Calibrating {what} failed: its process exited with {codes} without a"
-                                       " result (its error is printed above).") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Calibrating {what} took more than {timeout:.0f} s; is the machine overloaded?")
-        return got if results is not None else got[0]
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
 
 
 def synthetic_tp_workload() -> tuple[Callable[[], None], Callable[[], None]]:
@@ -430,7 +297,7 @@ def measure_dtensor_op_costs(threads: Optional[int] = None, repeats: int = 9, ti
     process group, in a process of its own (the fake group is process-wide), each phase less its plain
     operators at :func:`measure_op_seconds`, divided by the operators DTensor dispatched in it. ``processes``
     copies run at once (a loaded machine, see the module docstring); the medians of theirs are returned."""
-    start_together = _measurement_context().Barrier(processes)
+    start_together = measurement_context().Barrier(processes)
     args = (threads or torch.get_num_threads(), workload or synthetic_tp_workload, repeats, start_together)
     found = run_measurement(_dtensor_worker, [args] * processes, timeout, "DTensor's dispatch", results=processes)
     return float(statistics.median(f[0] for f in found)), float(statistics.median(f[1] for f in found))
@@ -501,64 +368,3 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[floa
         return sizes[largest] / max(seconds[largest], 1e-12), min(seconds) / 2.0
     intercept = max(t_mean - slope * n_mean, 0.0)
     return 1.0 / slope, intercept / 2.0
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def cached_calibration(threads: Optional[int] = None, path: Optional[Path] = None) -> Optional[Calibration]:
-    """The cached calibration of this machine for ``threads`` (default: this process's), or ``None``."""
-    threads = threads or torch.get_num_threads()
-    entry = _load(path or cache_path()).get(machine_key(threads))
-    return Calibration(**entry) if entry else None
-
-
-def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, refresh: bool = False,
-              measure_comm: bool = True, measure_dtensor: bool = True,
-              dtensor_workload: Optional[Callable[[], tuple[Callable[[], None], Callable[[], None]]]] = None,
-              step_overhead: Optional[Callable[[int], float]] = None,
-              compute_workload: Optional[Callable[[int, int], Callable[[], None]]] = None) -> Calibration:
-    """Measure this machine (see the module docstring) unless cached, cache it and return it.
-
-    ``measure_comm=False`` / ``measure_dtensor=False`` skip the two measurements that start processes
-    of their own (gloo's sweep: nominal figures instead; DTensor's dispatch: not calibrated).
-    ``dtensor_workload``: the tensor-parallel ``(forward and backward, optimizer step)`` DTensor's dispatch is timed
-    on (see :func:`measure_dtensor_op_costs`; ``lightning-para calibrate`` passes the GPT recipe's).
-    ``step_overhead(threads)``: measures the training loop's fixed seconds per step (the planner sits below
-    the strategy, so ``lightning-para calibrate`` passes a Lightning run's); not measured without it.
-    ``compute_workload(batch, seq_len)``: a plain model's training step whose matmuls set ``matmul_efficiency`` at
-    :data:`EFFICIENCY_BATCHES` (:func:`measure_matmul_efficiency`; ``lightning-para calibrate`` passes the GPT
-    recipe's); 1 without it."""
-    threads = threads or torch.get_num_threads()
-    path = path or cache_path()
-    if not refresh:
-        found = cached_calibration(threads, path)
-        if found is not None:
-            return found
-    processes = max(1, available_cores() // threads)  # the ranks of a run that fills this machine
-    flops, op_seconds, bandwidth_elementwise, curve = measure_rank_rates(threads, processes, workload=compute_workload)
-    dtensor_op_seconds, dtensor_optimizer_op_seconds = (
-        measure_dtensor_op_costs(threads, workload=dtensor_workload, processes=processes)
-        if measure_dtensor else (None, None))
-    step_overhead_seconds = step_overhead(threads) if step_overhead is not None else None
-    bandwidth, latency = measure_gloo() if measure_comm else (2e9, 5e-5)
-    result = Calibration(
-        matmul_flops=flops, bandwidth=bandwidth, latency=latency, threads=threads, key=machine_key(threads),
-        measured_at=time.time(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
-        op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
-        elementwise_bandwidth=bandwidth_elementwise, processes=processes,
-        matmul_efficiency=[list(point) for point in curve] if curve else None,
-        dtensor_optimizer_op_seconds=dtensor_optimizer_op_seconds,
-    )
-    data = _load(path)
-    data[result.key] = asdict(result)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-    return result
-

@@ -1,6 +1,6 @@
 """``lightning-para calibrate [THREADS]``: measure this machine for the planner's CPU step time, once, and cache it.
 
-It runs :func:`lightning_para.calibrate.measure.calibrate` (matmul FLOP/s, one eager operator's fixed cost, the
+It runs :func:`lightning_para.calibrate.cache.calibrate` (matmul FLOP/s, one eager operator's fixed cost, the
 non-matmul operators' bandwidth, gloo's alpha-beta; the per-rank figures with the machine's cores all busy), with
 the matmul efficiency taken on two plain blocks of the GPT recipe (:func:`gpt_compute_workload`) and with DTensor's per-operator cost timed on the GPT recipe's own tensor- and
 sequence-parallel block (:func:`gpt_tensor_parallel_workload`): the planner multiplies that cost by the
@@ -32,7 +32,8 @@ from lightning_para.config import ParallelConfig
 from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallelize import parallelize
-from lightning_para.calibrate.measure import cache_path, calibrate, run_measurement
+from lightning_para.calibrate.cache import cache_path, calibrate
+from lightning_para.calibrate.processes import run_measurement
 from lightning_para.recipes import GPT
 from lightning_para.strategy import ParaStrategy
 
