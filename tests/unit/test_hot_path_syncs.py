@@ -14,6 +14,7 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -114,8 +115,12 @@ def _reads(strategy) -> list[tuple[int, str]]:  # noqa: ANN001
         strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, callbacks=[counter],
     )
-    with counter.modes[0], counter.modes[1]:
-        trainer.fit(Tiny())
+    try:
+        with counter.modes[0], counter.modes[1]:
+            trainer.fit(Tiny())
+    finally:
+        if dist.is_initialized():  # ParaStrategy's one-process group: the next test starts its own
+            dist.destroy_process_group()
     assert counter.steps_run == STEPS
     return counter.reads
 
