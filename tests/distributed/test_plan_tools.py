@@ -119,7 +119,7 @@ def test_predictions_are_within_tolerance_of_measurement(pools):
                 assert abs(r["error"]) <= 0.05, f"{label}: {r}\n{result['table']}"
             if r["kind"] == "idle":
                 # One stage's share also moves with the stages' CPU-time split on this oversubscribed host (a
-                # timing ratio): 0.10, see `plan.check`.
+                # timing ratio): 0.10, see `instrument.compare`.
                 assert abs(r["error"]) <= 0.10, f"{label}: {r}\n{result['table']}"
         covered |= {d for d in ("dp", "tp", "pp", "ep") if d in label}
         covered |= {f"z{z}" for z in range(4) if f" z{z}" in label}
