@@ -51,7 +51,7 @@ from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.auto_layout import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
-from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
+from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info, save_hpc_checkpoint
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -141,6 +141,9 @@ class ParaStrategy(ParallelStrategy):
         on_sigterm: ``"checkpoint"`` (default): after SIGTERM on any rank, every rank saves
             ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` at the next step boundary and exits with code
             143; ``"exit"``: the same without saving; ``None``: Lightning's own SIGTERM handling.
+        run_id: this run's id across restarts, recorded in every checkpoint; ``ckpt_path="hpc"``/``"last"``
+            resume the newest complete checkpoint of this run (default: ``LIGHTNING_PARA_RUN_ID``, else the
+            scheduler's job id, else the run a resume continues; ``docs/reliability.md``).
     """
 
     strategy_name = "para"
@@ -186,6 +189,7 @@ class ParaStrategy(ParallelStrategy):
         watchdog_timeout: Optional[float] = 60.0,
         check_finite: bool = True,
         on_sigterm: Optional[str] = "checkpoint",
+        run_id: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -206,7 +210,7 @@ class ParaStrategy(ParallelStrategy):
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
         check_watchdog_timeout(watchdog_timeout, timeout)
         self._watchdog_timeout = watchdog_timeout
-        self._checkpoint_lock = ckpt.DirectoryLock(ckpt.new_token())  # rank 0's hold on its checkpoint folders
+        self.checkpoint_run = ckpt.CheckpointRun(run_id)  # which run saves; rank 0's hold on its checkpoint folders
         self._watchdog: Optional[Watchdog] = None
         self._integrity = (
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
@@ -364,7 +368,7 @@ class ParaStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         self._guard.restore_signal_handler()
-        self._checkpoint_lock.release()
+        self.checkpoint_run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -435,6 +439,7 @@ class ParaStrategy(ParallelStrategy):
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            ckpt.begin_run(self.checkpoint_run, trainer)  # the checkpoint folders held from the start, leftovers swept
             self.setup_optimizers(trainer)
             self._attach_optimizers()
             # Wrap again: a LightningOptimizer's class is made from its optimizer's class, which ZeRO-1/2 just
@@ -637,7 +642,16 @@ class ParaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ non-finite values, SIGTERM (issue 24)
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._guard.start_fit(self.lightning_module.trainer)  # end-of-batch stop, SIGTERM handler
+        self._guard.start_fit(self.lightning_module.trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
+
+    def _save_preemption_checkpoint(self) -> str:
+        """Always sharded, whatever ``save_distributed_checkpoint`` says: a sharded checkpoint resumes into
+        any layout, and a pipeline run cannot resume from one file."""
+        sharded, self.save_distributed_checkpoint = self.save_distributed_checkpoint, True
+        try:
+            return save_hpc_checkpoint(self.lightning_module.trainer)
+        finally:
+            self.save_distributed_checkpoint = sharded
 
     def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
         """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
@@ -752,14 +766,14 @@ class ParaStrategy(ParallelStrategy):
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         self._guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
-        path, token = self.broadcast((str(filepath), ckpt.new_token()))
+        path, token = self.broadcast((str(filepath), self.checkpoint_run.new_token()))
         # What integrations record about the model (transformers: each model's class and config, so
         # `integrations.transformers.export` can write a `from_pretrained` folder from this checkpoint alone).
         if self.lightning_module is not None:
             checkpoint.update(ckpt.model_info(self.lightning_module))
         self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
         ckpt.save_checkpoint(
-            Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token, lock=self._checkpoint_lock
+            Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token, run=self.checkpoint_run
         )
         self._report(f"checkpoint {path} saved (global step {self._global_step()})")
 
@@ -771,7 +785,9 @@ class ParaStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        self._report(f"choosing the checkpoint for {checkpoint_path}", exempt=True)
+        # "hpc"/"last" (Lightning's lookups) become this run's newest complete checkpoint, agreed from rank 0.
+        path = ckpt.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None), self.checkpoint_run)
         self._report(f"loading checkpoint {path}", exempt=True)
         parallel = self._parallel
         # `trainer.test(ckpt_path=...)` may run under torch.inference_mode(): tensors DCP reads there could

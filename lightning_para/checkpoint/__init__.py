@@ -9,6 +9,8 @@
 * :mod:`.checksums`: per-file CRC-32s written at save, verified at load;
 * :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
 * :mod:`.lock`: one run per checkpoint directory;
+* :mod:`.run`: which run a checkpoint belongs to, and this run's hold on its folders;
+* :mod:`.resume`: what ``ckpt_path="hpc"``/``"last"`` load: this run's newest complete checkpoint;
 * :mod:`.last`: ``ckpt_path="last"`` as the newest complete checkpoint (``ParaModelCheckpoint``);
 * :mod:`.pretrained`: pretrained safetensors read sharded after parallelizing (each rank its slices);
 * :mod:`.model_info`: what integrations record about the model (transformers: class and config).
@@ -31,8 +33,15 @@ from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, Direc
 from lightning_para.checkpoint.model_info import model_info, register_model_info
 from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
 from lightning_para.checkpoint.pretrained import PretrainedWeights, load_pretrained_into, stored_tensors
+from lightning_para.checkpoint.resume import ResumeCheckpointError, begin_run, resume_path
+from lightning_para.checkpoint.run import RUN_ID_ENV, CheckpointRun
 
 __all__ = [
+    "RUN_ID_ENV",
+    "CheckpointRun",
+    "ResumeCheckpointError",
+    "begin_run",
+    "resume_path",
     "CheckpointDirectoryLockedError",
     "CheckpointDiskFullError",
     "CheckpointSaveError",

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_para.checkpoint import checksums as crc
@@ -54,7 +55,8 @@ PARTIAL_TAG = ".partial-"  # `.<name>.partial-<token>`: a save in progress (or i
 REPLACED_TAG = ".replaced-"  # `.<name>.replaced-<token>`: the previous copy, deleted after a swap
 DELETING_TAG = ".deleting-"  # `.<name>.deleting-<token>`: a checkpoint being removed
 PREVIOUS_INFIX = ".previous"  # `<stem>.previous<suffix>`: the old copy during a non-atomic swap (fallback only)
-_HIDDEN_TAGS = (PARTIAL_TAG, REPLACED_TAG, DELETING_TAG)
+HIDDEN_TAGS = (PARTIAL_TAG, REPLACED_TAG, DELETING_TAG)
+RUN_KEY = "lightning_para_run"  # in Lightning's checkpoint dict: {"run": id, "saved_at": time} (:mod:`.run`)
 
 
 class IncompleteCheckpointError(ValueError):
@@ -70,14 +72,22 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def hidden_name(name: str, tag: str, token: str) -> str:
+    """``.<name><tag><token>`` with ``ckpt_`` spelled ``ckpt-``: Lightning's ``hpc_ckpt_<n>`` lookups
+    (``ckpt_path="hpc"``, its SLURM requeue save) take every name containing ``hpc_ckpt_`` (or ``ckpt_``)
+    and read all its digits as the number, so ``.hpc_ckpt_1.ckpt.partial-1783671`` became
+    ``hpc_ckpt_11783671.ckpt``."""
+    return f".{name.replace('ckpt_', 'ckpt-')}{tag}{token}"
+
+
 def partial_path(path: Union[str, Path], token: str) -> Path:
     """The hidden sibling a save writes into before it is swapped into ``path``."""
     path = Path(path)
-    return path.with_name(f".{path.name}{PARTIAL_TAG}{token}")
+    return path.with_name(hidden_name(path.name, PARTIAL_TAG, token))
 
 
 def _hidden_sibling(path: Path, tag: str, token: str) -> Path:
-    return path.with_name(f".{path.name}{tag}{token}")
+    return path.with_name(hidden_name(path.name, tag, token))
 
 
 # ---------------------------------------------------------------------- durability
@@ -182,6 +192,12 @@ def checkpoint_problems(path: Union[str, Path], required: Iterable[str] = (".met
         return status
     marker = read_marker(path)
     status.marker = marker
+    if marker is None and (path / MARKER_FILENAME).is_file():
+        status.problems.append(
+            f"its completion marker `{MARKER_FILENAME}` is corrupted (not the JSON a save writes: the file was"
+            " changed or damaged after the save), so nothing proves its files are whole"
+        )
+        return status
     if marker is None:
         has_dcp = (path / ".metadata").is_file()
         status.problems.append(
@@ -217,22 +233,48 @@ def data_problems(status: CheckpointStatus, names: Optional[Iterable[str]] = Non
     return crc.mismatches(status.path, sums, sorted(sums) if names is None else names)
 
 
-def _recency(status: CheckpointStatus) -> tuple[float, int]:
-    """When a checkpoint was saved (the marker's time; a file's mtime) and its step: newest sorts last."""
-    marker = status.marker or {}
-    when = marker.get("saved_at")
+@dataclass(frozen=True)
+class Recorded:
+    """What a complete checkpoint records about itself: the run that wrote it (``None``: not recorded),
+    its global step (-1: not recorded) and its save time (0: not recorded)."""
+
+    path: Path
+    run: Optional[str]
+    step: int
+    saved_at: float
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Newest sorts last: by step, then by the recorded save time (never mtime or name)."""
+        return self.step, self.saved_at
+
+
+def recorded(status: CheckpointStatus) -> Recorded:
+    """Read a complete checkpoint's record: a directory's marker, a single file's own dict (memory-mapped:
+    its tensors are not read)."""
+    if status.marker is not None:
+        marker, run_record = status.marker, {}
+    else:
+        try:
+            marker = torch.load(status.path, map_location="cpu", mmap=True, weights_only=False)
+        except Exception:  # noqa: BLE001 - any unreadable file simply records nothing
+            marker = {}
+        marker = marker if isinstance(marker, dict) else {}
+        run_record = marker.get(RUN_KEY) if isinstance(marker.get(RUN_KEY), dict) else {}
+    run = marker.get("run", run_record.get("run"))
     step = marker.get("global_step")
-    return (
-        float(when) if isinstance(when, (int, float)) else status.path.stat().st_mtime,
-        step if isinstance(step, int) else -1,
+    when = marker.get("saved_at", run_record.get("saved_at"))
+    return Recorded(
+        status.path, run if isinstance(run, str) else None, step if isinstance(step, int) else -1,
+        float(when) if isinstance(when, (int, float)) else 0.0,
     )
 
 
 def newest_complete_checkpoint(
     folder: Union[str, Path], exclude: Optional[Path] = None, verify_data: bool = False
 ) -> Optional[Path]:
-    """The most recently saved complete checkpoint (a ``*.ckpt`` directory or file) in ``folder``,
-    whatever its name: by the save time and step its marker records (a file's mtime otherwise).
+    """The newest complete checkpoint (a ``*.ckpt`` directory or file) in ``folder``, whatever its name
+    and whichever run wrote it: by the step, then the save time, recorded inside (:func:`recorded`).
 
     Complete means the marker and every file it lists at its size (a file: a whole archive);
     ``verify_data`` also reads the data against the checksums (newest first, until one passes).
@@ -248,7 +290,7 @@ def newest_complete_checkpoint(
             continue
         status = checkpoint_problems(candidate)
         if status.complete:
-            found.append((_recency(status), status))
+            found.append((recorded(status).order, status))
     for _, status in sorted(found, key=lambda item: item[0], reverse=True):
         if not verify_data or not data_problems(status):
             return status.path
@@ -391,9 +433,12 @@ def remove_checkpoint(path: Union[str, Path]) -> None:
     _remove(doomed)
 
 
-def sweep_interrupted(folder: Union[str, Path], keep: Optional[Path] = None) -> list[Path]:
+def sweep_interrupted(
+    folder: Union[str, Path], keep: Optional[Path] = None, only: Optional[Callable[[str], bool]] = None
+) -> list[Path]:
     """Delete what interrupted saves, swaps and removals left in ``folder`` (hidden siblings and
-    ``*.previous.ckpt`` copies that have a complete successor), except ``keep``. Rank 0, at a save."""
+    ``*.previous.ckpt`` copies that have a complete successor), except ``keep``; ``only``: just the
+    hidden siblings whose name it accepts (a folder other runs share). Rank 0, at the start and at a save."""
     folder = Path(folder)
     removed = []
     if not folder.is_dir():
@@ -401,8 +446,10 @@ def sweep_interrupted(folder: Union[str, Path], keep: Optional[Path] = None) -> 
     for entry in folder.iterdir():
         if keep is not None and entry == keep:
             continue
-        stale = entry.name.startswith(".") and any(tag in entry.name for tag in _HIDDEN_TAGS)
-        if not stale and entry.stem.endswith(PREVIOUS_INFIX) and entry.suffix == ".ckpt":
+        stale = entry.name.startswith(".") and any(tag in entry.name for tag in HIDDEN_TAGS)
+        if only is not None:
+            stale = stale and only(entry.name)
+        elif not stale and entry.stem.endswith(PREVIOUS_INFIX) and entry.suffix == ".ckpt":
             successor = entry.with_name(entry.stem[: -len(PREVIOUS_INFIX)] + entry.suffix)
             stale = checkpoint_problems(successor).complete
         if stale:
@@ -413,7 +460,10 @@ def sweep_interrupted(folder: Union[str, Path], keep: Optional[Path] = None) -> 
 
 __all__ = [
     "MARKER_FILENAME",
+    "HIDDEN_TAGS",
+    "RUN_KEY",
     "CheckpointStatus",
+    "Recorded",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "checkpoint_problems",
@@ -425,6 +475,7 @@ __all__ = [
     "newest_complete_checkpoint",
     "partial_path",
     "read_marker",
+    "recorded",
     "remove_checkpoint",
     "remove_partial",
     "sweep_interrupted",

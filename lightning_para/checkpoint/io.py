@@ -8,6 +8,7 @@ layout the model has now, strictly unless the module sets ``strict_loading = Fal
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -30,8 +31,8 @@ from lightning_para.checkpoint.format import (
     save_sharded,
 )
 from lightning_para.checkpoint.last import warn_if_newer
-from lightning_para.checkpoint.lock import DirectoryLock
 from lightning_para.checkpoint.model_info import check_model_info
+from lightning_para.checkpoint.run import CheckpointRun
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
@@ -88,7 +89,13 @@ def _agree(
         box = [decided]
         dist.broadcast_object_list(box, src=0)
         decided = box[0]
-    raise failures.as_error(*decided) from failure
+    error = failures.as_error(*decided)
+    error.rank_failure = failure  # this rank's own exception, if any (None where another rank failed)
+    if isinstance(error, failures.CheckpointDiskFullError):
+        # The message names the errno, the ranks and the space; DCP's chained `CheckpointException` (each
+        # rank's traceback, e.g. "unexpected pos 704 vs 598") printed above it would only bury it.
+        raise error from None
+    raise error from failure
 
 
 def _rank() -> int:
@@ -101,7 +108,7 @@ def save_checkpoint(
     *,
     sharded: bool = True,
     token: Optional[str] = None,
-    lock: Optional[DirectoryLock] = None,
+    run: Optional[CheckpointRun] = None,
 ) -> None:
     """Write Lightning's ``checkpoint`` dict (collective), atomically (see :mod:`.atomic`).
 
@@ -112,7 +119,8 @@ def save_checkpoint(
     which writes it as one ordinary file beside ``path`` and swaps it into place; the other ranks
     write nothing.
     ``token`` names the sibling (the same on every rank; drawn by rank 0 when not given).
-    ``lock``: rank 0 holds the folder for this run before sweeping it (:mod:`.lock`).
+    ``run``: the run this save belongs to (:mod:`.run`): recorded in the checkpoint and its marker; rank 0
+    holds the folder for it (:mod:`.lock`) before sweeping it.
 
     A failure on any rank (a full disk, a locked folder, a write error) makes every rank raise the
     same error (:class:`~.failures.CheckpointDiskFullError`, :class:`~.lock.CheckpointDirectoryLockedError`,
@@ -121,14 +129,15 @@ def save_checkpoint(
     """
     path = Path(path)
     failure: Optional[BaseException] = None
+    run = run if run is not None else CheckpointRun()
+    recorded = run.record(checkpoint)
     if not sharded:
         if _is_rank0():
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                if lock is not None:
-                    lock.acquire(path.parent)
-                atomic.sweep_interrupted(path.parent)  # leftovers of earlier interrupted saves
-                write_file_atomically(path, checkpoint)  # removes its hidden sibling if it fails
+                with run.holding(path):
+                    run.sweep(path)  # leftovers of earlier interrupted saves
+                    write_file_atomically(path, checkpoint)  # removes its hidden sibling if it fails
             except failures.SAVE_ERRORS as error:
                 failure = error
         # No rank reads `path` (or saves again) before it is in place.
@@ -138,36 +147,37 @@ def save_checkpoint(
     partial = atomic.partial_path(path, token)
     info = {k: checkpoint.get(k) for k in ("epoch", "global_step")}
     info["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+    info.update(recorded)
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
     needed = failures.tensor_bytes(tensors)
-    if _is_rank0():  # the folder, this run's hold on it, no leftovers, the sibling every rank writes into
+    with contextlib.ExitStack() as hold:
+        if _is_rank0():  # the folder, this run's hold on it, no leftovers, the sibling every rank writes into
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                hold.enter_context(run.holding(path))  # for this save only when outside `fit`
+                run.sweep(path, keep=partial)  # leftovers of earlier interrupted saves
+                partial.mkdir()
+            except failures.SAVE_ERRORS as error:
+                failure = error
+        _agree(failure, path, partial, needed)
+        sums: dict[str, str] = {}
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if lock is not None:
-                lock.acquire(path.parent)
-            atomic.sweep_interrupted(path.parent, keep=partial)  # leftovers of earlier interrupted saves
-            partial.mkdir()
+            sums = save_sharded(partial, tensors, checkpoint)
         except failures.SAVE_ERRORS as error:
             failure = error
-    _agree(failure, path, partial, needed)
-    sums: dict[str, str] = {}
-    try:
-        sums = save_sharded(partial, tensors, checkpoint)
-    except failures.SAVE_ERRORS as error:
-        failure = error
-    # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this agreement.
-    everyone = _agree(failure, path, partial, needed, sums)
-    removable: Optional[Path] = partial
-    if _is_rank0():
-        try:
-            atomic.write_marker(partial, info, {k: v for rank_sums in everyone for k, v in rank_sums.items()})
-            removable = None  # from here on `partial` may hold the previous checkpoint (exchanged): keep it
-            atomic.commit(partial, path)
-        except failures.SAVE_ERRORS as error:
-            failure = error
-    _agree(failure, path, removable, needed)  # no rank reads `path` (or saves again) before it is in place
+        # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this agreement.
+        everyone = _agree(failure, path, partial, needed, sums)
+        removable: Optional[Path] = partial
+        if _is_rank0():
+            try:
+                atomic.write_marker(partial, info, {k: v for rank_sums in everyone for k, v in rank_sums.items()})
+                removable = None  # from here on `partial` may hold the previous checkpoint (exchanged): keep it
+                atomic.commit(partial, path)
+            except failures.SAVE_ERRORS as error:
+                failure = error
+        _agree(failure, path, removable, needed)  # no rank reads `path` (or saves again) before it is in place
 
 
 def remove_checkpoint(path: Path) -> None:

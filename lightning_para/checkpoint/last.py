@@ -6,9 +6,10 @@ folder -- and takes the one modified last. A kill between ``step=8.ckpt`` and th
 the same step leaves ``last.ckpt`` at step 4, and a kill during the very first ``last.ckpt`` leaves
 none at all (the run restarts from step 0 although ``step=4.ckpt`` is complete). That happens
 before the strategy is asked to load anything (and with no path, it is not asked at all), so the
-hook is the callback: :class:`ParaModelCheckpoint` answers with the newest *complete* checkpoint in
-its folder, ordered by the save time and step its completion marker records
-(:func:`~lightning_para.checkpoint.atomic.newest_complete_checkpoint`), not by name or mtime.
+hook is the callback: :class:`ParaModelCheckpoint` answers with this run's newest *complete* checkpoint
+in its folder and among the preemption checkpoints of ``default_root_dir``, ordered by the step recorded
+inside each (:func:`~lightning_para.checkpoint.resume.choose`), not by name or mtime. Under
+``ParaStrategy`` the load applies the same rule to every checkpoint folder of the trainer.
 
 With Lightning's own ``ModelCheckpoint``, :func:`warn_if_newer` (called by the load) warns when the
 checkpoint being loaded is older than a complete one beside it.
@@ -24,19 +25,25 @@ from typing import Optional
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_para.checkpoint.atomic import checkpoint_problems, newest_complete_checkpoint
+from lightning_para.checkpoint.resume import local_folder, candidates, choose
+from lightning_para.checkpoint.run import CheckpointRun
 
 
 class ParaModelCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` (every argument the same) whose ``"last"`` is the newest complete
-    checkpoint in its folder: ``trainer.fit(ckpt_path="last")`` never skips a newer complete checkpoint,
-    and never starts from scratch while one exists."""
+    """Lightning's ``ModelCheckpoint`` (every argument the same) whose ``"last"`` is this run's newest
+    complete checkpoint in its folder or among ``default_root_dir``'s preemption checkpoints:
+    ``trainer.fit(ckpt_path="last")`` never skips a newer complete checkpoint, never starts from scratch
+    while one exists, and never takes another run's (it raises
+    :class:`~lightning_para.checkpoint.resume.ResumeCheckpointError` naming the runs)."""
 
     def _find_last_checkpoints(self, trainer) -> set[str]:  # private: see docs/architecture.md
         folder = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # private: see docs/architecture.md
         if not Path(folder).is_dir():  # not created yet, or a remote filesystem: Lightning's own lookup
             return super()._find_last_checkpoints(trainer)
-        newest = newest_complete_checkpoint(folder)
-        return {os.path.normpath(newest)} if newest is not None else set()
+        run = getattr(getattr(trainer, "strategy", None), "checkpoint_run", None)
+        records = candidates([Path(folder)], local_folder(getattr(trainer, "default_root_dir", None)))
+        newest = choose(records, run if isinstance(run, CheckpointRun) else CheckpointRun(), "last")
+        return {os.path.normpath(newest.path)} if newest is not None else set()
 
 
 def newer_complete_checkpoint(path: Path) -> Optional[Path]:

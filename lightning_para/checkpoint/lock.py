@@ -3,10 +3,13 @@
 Rank 0 sweeps what interrupted saves left behind (hidden ``.<name>.partial-<token>`` siblings) before
 each save. A second run saving into the same directory would sweep the first run's save in progress
 (which then dies with a bare ``FileNotFoundError``) and overwrite its ``last.ckpt``. So rank 0 takes
-``.para_lock.json`` in the directory at its first save there and keeps it until the end of ``fit``:
+``.para_lock.json`` in every ``ModelCheckpoint`` directory when ``fit`` starts (:mod:`.run`) and keeps it
+until the end of ``fit``:
 
 * the file names the run (a random id), the host, the pid and when it was taken;
-* while held, a daemon thread refreshes it every :data:`REFRESH_S` seconds;
+* while held by a running ``fit``, a daemon thread refreshes it every :data:`REFRESH_S` seconds; the
+  thread is stopped (joined) in the strategy's teardown, and a save made after ``fit`` holds the
+  directory for that save only, without a thread;
 * another run's lock is *stale*, and is taken over, when its process is gone (same host and pid
   namespace: the pid is checked) or it was not refreshed for :data:`STALE_S` seconds (another host,
   or a frozen process), so a crashed run never blocks its successor for more than a minute or two;
@@ -89,11 +92,14 @@ class DirectoryLock:
             "started_at": time.time(),
         }
 
-    def acquire(self, directory: Path) -> None:
-        """Hold ``directory`` for this run, or raise :class:`CheckpointDirectoryLockedError` (rank 0)."""
+    def acquire(self, directory: Path, refresh: bool = True) -> None:
+        """Hold ``directory`` for this run, or raise :class:`CheckpointDirectoryLockedError` (rank 0).
+        ``refresh``: keep it fresh from a daemon thread until :meth:`release` (a whole ``fit``)."""
         directory = Path(directory).resolve()
         if directory in self.held:
             os.utime(self.held[directory])
+            if refresh:
+                self._start_refreshing()
             return
         lock_file = directory / LOCK_FILENAME
         for _ in range(5):
@@ -127,7 +133,8 @@ class DirectoryLock:
         else:
             raise CheckpointDirectoryLockedError(f"Could not take the lock {str(lock_file)!r} (contended).")
         self.held[directory] = lock_file
-        self._start_refreshing()
+        if refresh:
+            self._start_refreshing()
 
     def _start_refreshing(self) -> None:
         if self._thread is not None:
@@ -143,6 +150,15 @@ class DirectoryLock:
                     os.utime(lock_file)
                 except OSError:
                     pass
+
+    def rename(self, run_id: str) -> None:
+        """This run continues another's (a resume adopted its id): the lock files it holds name that run."""
+        self.run_id = run_id
+        for lock_file in self.held.values():
+            tmp = lock_file.with_name(f"{LOCK_FILENAME}.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                json.dump(self._owner(), f)
+            os.replace(tmp, lock_file)
 
     def release(self) -> None:
         """Give back every directory this run holds (its lock files are deleted if still its own)."""

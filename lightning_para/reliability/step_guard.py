@@ -321,10 +321,12 @@ class StepGuard:
             )
             sys.stderr.flush()
 
-    def start_fit(self, trainer: Any) -> None:
-        """From ``on_train_start``: the end-of-batch hook (:class:`StepBoundary`) and the signal handler."""
+    def start_fit(self, trainer: Any, save: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """From ``on_train_start``: the end-of-batch hook (:class:`StepBoundary`) and the signal handler.
+        ``save``: writes the preemption checkpoint, returns its path (default :func:`save_hpc_checkpoint`)."""
         if self.active and not any(isinstance(c, StepBoundary) for c in trainer.callbacks):
-            trainer.callbacks.append(StepBoundary(self, lambda: save_hpc_checkpoint(trainer)))  # after ModelCheckpoint
+            save = save or (lambda: save_hpc_checkpoint(trainer))
+            trainer.callbacks.append(StepBoundary(self, save))  # after ModelCheckpoint
         self.install_signal_handler()  # after Lightning's (whose handler runs a collective)
 
     def restore_signal_handler(self) -> None:
