@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_para.checkpoint import atomic
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError
@@ -195,6 +196,11 @@ def resume_path(requested: Any, trainer: Any, run: CheckpointRun) -> Path:
     if error is not None:
         raise ResumeCheckpointError(error)
     run.adopt(chosen_run)
+    if not _same(path, requested):
+        rank_zero_info(
+            f"lightning-para: resuming {path!r}, this run's newest complete checkpoint (run {run.id}), in place of"
+            f" {str(requested)!r}, which Lightning's lookup named."
+        )
     return Path(path)
 
 

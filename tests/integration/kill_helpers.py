@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "NODE_RANK", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "NODE_RANK", "SLURM_", "LIGHTNING_PARA_RUN_ID", "TORCHELASTIC_", "PBS_", "LSB_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     return env
 
@@ -129,28 +129,30 @@ class Run:
                 found.setdefault(int(m.group(1)), m.group(2))
         return found
 
-    def losses(self, rank: int = 0) -> Optional[dict[int, float]]:
-        f = self.out / f"rank{rank}.json"
+    def losses(self, rank: int = 0, so_far: bool = False) -> Optional[dict[int, float]]:
+        """The losses rank ``rank`` logged by global step (``so_far``: also where it did not finish)."""
+        f = self.out / (f"rank{rank}.steps.json" if so_far else f"rank{rank}.json")
         return {int(k): v for k, v in json.loads(f.read_text())["losses"].items()} if f.is_file() else None
 
 
-def launch(out: Path, launcher: str, *args: str) -> Run:
-    """Start the script with ``args`` under ``launcher`` (see the module docstring)."""
+def launch(out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] = None) -> Run:
+    """Start the script with ``args`` under ``launcher`` (see the module docstring); ``env``: added to
+    every process's environment (e.g. a scheduler's job id)."""
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out, launcher)
     command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
     if launcher == "lightning":
-        env = base_env()
+        process_env = {**base_env(), **(env or {})}
         with open(out / "stdout0.txt", "w") as log:
-            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
         return run
     port = free_port()
     for rank in range(WORLD):
-        env = base_env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+        process_env = {**base_env(), **(env or {})}
+        process_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
         with open(out / f"stdout{rank}.txt", "w") as log:
-            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
     return run
 
 

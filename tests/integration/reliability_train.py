@@ -6,7 +6,7 @@ training starts and, if it finishes, ``rank<r>.json`` with the ``train_loss`` it
 global step. ``--kill POINT:RANK:NTH`` SIGKILLs rank RANK at POINT of its NTH checkpoint save:
 the points wrap the library's own functions from the outside (nothing in the library knows).
 ``--sigterm RANK:STEP`` makes rank RANK send itself SIGTERM (as SLURM or Kubernetes would) after
-global step STEP. ``--bad-id STEP`` puts token id 10000 (the vocabulary has 256) into the batch of
+global step STEP. Each rank also keeps ``rank<r>.steps.json``, the losses so far. ``--bad-id STEP`` puts token id 10000 (the vocabulary has 256) into the batch of
 dp rank 0 at global step STEP.
 """
 
@@ -56,6 +56,8 @@ class StepLosses(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+        # So far (a rank killed later still tells which steps it ran): rank<r>.steps.json.
+        (self.out / f"rank{trainer.global_rank}.steps.json").write_text(json.dumps({"losses": self.losses}))
         if self.sigterm is not None and self.sigterm == (trainer.global_rank, trainer.global_step):
             sys.stderr.write(f"[sigterm] rank {trainer.global_rank} sends itself SIGTERM after step {trainer.global_step}\n")
             os.kill(os.getpid(), signal.SIGTERM)
@@ -135,6 +137,8 @@ def main() -> None:
     parser.add_argument("--root-dir", default=None, help="Trainer's default_root_dir (default: OUT)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint's folder (default: OUT/ckpt)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--single-file", action="store_true", help="save_distributed_checkpoint=False")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
     torch.set_num_threads(1)
@@ -148,7 +152,7 @@ def main() -> None:
     from lightning_para import ParaStrategy
     from lightning_para.recipes import GPT, TextDataModule
 
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(args.seed, verbose=False)
     class Model(GPT):
         def on_after_batch_transfer(self, batch, dataloader_idx):  # before the step, under pp too
             if self.trainer.training and self.trainer.global_step == args.bad_id \
@@ -164,7 +168,10 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir or out / "ckpt", filename="{step}", every_n_train_steps=args.save_every,
                                          save_top_k=-1, save_last=True))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=ParaStrategy(**LAYOUTS[args.layout], watchdog_timeout=args.watchdog_timeout),
+        accelerator="cpu", devices=args.devices, strategy=ParaStrategy(
+            **LAYOUTS[args.layout], watchdog_timeout=args.watchdog_timeout,
+            save_distributed_checkpoint=not args.single_file,
+        ),
         max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(args.save_every), limit_val_batches=0, num_sanity_val_steps=0,
         default_root_dir=args.root_dir or out,
