@@ -165,7 +165,10 @@ def choose(records: list[atomic.Recorded], run: CheckpointRun, request: str = "h
 
 def _resolve_on_rank0(requested: str, trainer: Any, run: CheckpointRun) -> tuple[str, Optional[str], Optional[str]]:
     """(the path to load, its run, an error message)."""
-    request = lookup_request(requested, trainer)
+    try:
+        request = lookup_request(requested, trainer)
+    except ResumeCheckpointError as error:  # ParaModelCheckpoint's own "last" refused
+        return requested, None, str(error)
     if request is None:  # named explicitly: loaded as named (the load verifies it)
         status = atomic.checkpoint_problems(requested)
         return requested, atomic.recorded(status).run if status.complete else None, None
@@ -187,7 +190,13 @@ def _resolve_on_rank0(requested: str, trainer: Any, run: CheckpointRun) -> tuple
 def resume_path(requested: Any, trainer: Any, run: CheckpointRun) -> Path:
     """Collective: the checkpoint a load of ``requested`` really loads, decided on rank 0 (module docstring);
     every rank adopts its run (where this run's id is not fixed) or raises the same error."""
-    decided = _resolve_on_rank0(str(requested), trainer, run) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    decided = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            decided = _resolve_on_rank0(str(requested), trainer, run)
+        except Exception as error:  # noqa: BLE001 - every rank must leave the broadcast below with the same verdict
+            decided = (str(requested), None, f"Choosing the checkpoint for {str(requested)!r} failed on rank 0:"
+                       f" {type(error).__name__}: {error}")
     if dist.is_initialized():
         box = [decided]
         dist.broadcast_object_list(box, src=0)
@@ -214,7 +223,9 @@ def begin_run(run: CheckpointRun, trainer: Any) -> None:
         try:
             run.start(folders, hpc_folder)
         except CheckpointDirectoryLockedError as locked:
-            error = str(locked)
+            error = ("locked", str(locked))
+        except OSError as failed:  # e.g. a folder that cannot be created: every rank raises, none waits
+            error = ("os", f"Preparing the checkpoint folders {[str(f) for f in folders]} failed on rank 0: {failed}")
     else:
         run.active = True
     if dist.is_initialized():
@@ -223,7 +234,8 @@ def begin_run(run: CheckpointRun, trainer: Any) -> None:
         error = box[0]
     if error is not None:
         run.end()
-        raise CheckpointDirectoryLockedError(error)
+        kind, message = error
+        raise CheckpointDirectoryLockedError(message) if kind == "locked" else OSError(message)
 
 
 __all__ = [
