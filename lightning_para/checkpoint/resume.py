@@ -80,8 +80,11 @@ def lookup_request(path: Any, trainer: Any) -> Optional[str]:
         return "hpc"
     for callback in _checkpoint_callbacks(trainer):
         if callback.dirpath is not None and local_folder(callback.dirpath) is not None:
-            # private: see docs/architecture.md (Lightning's own "last" candidates of this callback)
-            if any(_same(path, last) for last in callback._find_last_checkpoints(trainer)):
+            try:  # private: see docs/architecture.md (Lightning's own "last" candidates of this callback)
+                lasts = callback._find_last_checkpoints(trainer)
+            except ResumeCheckpointError:
+                continue  # ParaModelCheckpoint refuses "last" here, so Lightning's "last" did not name this path
+            if any(_same(path, last) for last in lasts):
                 return "last"
     return None
 
