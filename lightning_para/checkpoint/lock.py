@@ -6,7 +6,7 @@ each save. A second run saving into the same directory would sweep the first run
 ``.para_lock.json`` in every ``ModelCheckpoint`` directory when ``fit`` starts (:mod:`.run`) and keeps it
 until the end of ``fit``:
 
-* the file names the run (a random id), the host, the pid and when it was taken;
+* the file names the run (its id, :mod:`.run`), the host, the pid and when it was taken;
 * while held by a running ``fit``, a daemon thread refreshes it every :data:`REFRESH_S` seconds; the
   thread is stopped (joined) in the strategy's teardown, and a save made after ``fit`` holds the
   directory for that save only, without a thread;
