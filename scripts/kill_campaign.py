@@ -93,7 +93,7 @@ def run_save_campaign(root: Path) -> dict:
             "last_step_after_kill": (read_marker(last) or {}).get("global_step"),
             "hidden_leftovers": sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith(".")),
         }
-        # A restart: the same checkpoint folder, `ckpt_path="last"` (Lightning's own lookup picks the checkpoint).
+        # A restart: the same checkpoint folder, `ckpt_path="last"` (the strategy loads this run's newest complete checkpoint).
         resumed_run = launch(folder / "resume", "external", *SAVE_ARGS, "--resume", "last", "--ckpt-dir", str(folder / "ckpt"))
         resumed_run.wait_all(600)
         resumed = resumed_run.losses()

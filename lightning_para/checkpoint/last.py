@@ -24,7 +24,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_para.checkpoint.atomic import checkpoint_problems, newest_complete_checkpoint
+from lightning_para.checkpoint.atomic import checkpoint_problems, recorded
 from lightning_para.checkpoint.resume import local_folder, candidates, choose
 from lightning_para.checkpoint.run import CheckpointRun
 
@@ -47,28 +47,28 @@ class ParaModelCheckpoint(ModelCheckpoint):
 
 
 def newer_complete_checkpoint(path: Path) -> Optional[Path]:
-    """A complete checkpoint beside ``path`` saved after it (by their markers), or ``None``."""
-    newest = newest_complete_checkpoint(path.parent)
-    if newest is None or newest.resolve() == path.resolve():
+    """A complete checkpoint of the same run beside ``path`` with a later step (by what each records), or ``None``."""
+    mine = checkpoint_problems(path)
+    if not mine.complete:
         return None
-    mine, theirs = checkpoint_problems(path), checkpoint_problems(newest)
-    if mine.marker is None or theirs.marker is None:
-        return None
-    if theirs.marker.get("saved_at", 0) <= mine.marker.get("saved_at", 0):
-        return None
-    return newest
+    me = recorded(mine)
+    newer = [
+        r for r in candidates([path.parent])
+        if r.run == me.run and r.order > me.order and r.path.resolve() != path.resolve()
+    ]
+    return max(newer, key=lambda r: r.order).path if newer else None
 
 
 def warn_if_newer(path: Path) -> None:
-    """Warn (rank 0) when a ``last*.ckpt`` being loaded is older than a complete checkpoint beside it."""
+    """Warn (rank 0) when a ``last*.ckpt`` being loaded is older than a complete checkpoint of its run beside it."""
     if not path.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
         return
     newer = newer_complete_checkpoint(path)
     if newer is not None:
-        step = checkpoint_problems(newer).marker.get("global_step")
+        step = recorded(checkpoint_problems(newer)).step
         warnings.warn(
-            f"Loading {str(path)!r}, but {str(newer)!r} (global step {step}) is a complete checkpoint saved after"
-            " it (a run stopped between the two saves). `ParaModelCheckpoint` in place of `ModelCheckpoint` makes"
+            f"Loading {str(path)!r}, but {str(newer)!r} (global step {step}) is a complete checkpoint of the same run"
+            " saved after it (a run stopped between the two saves). `ParaModelCheckpoint` in place of `ModelCheckpoint` makes"
             ' `ckpt_path="last"` the newest complete checkpoint; or pass that path as `ckpt_path`.',
             stacklevel=2,
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import lightning as L
 import pytest
