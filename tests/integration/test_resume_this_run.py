@@ -11,7 +11,8 @@ would) and a real SIGKILL during a save (``reliability_train.py --kill``), the r
   checkpoint (step 5), and B's step 6 is newer still: A resumes its own step 5;
 * A is preempted again and SIGKILLed (a scheduler's kill timeout) during that preemption save: the hidden
   partial it leaves must not break the next start;
-* A resumes with ``ckpt_path="hpc"``: its own newest complete checkpoint (step 6, from ``ModelCheckpoint``).
+* A resumes with ``ckpt_path="hpc"``: its own newest complete checkpoint (step 6, from ``ModelCheckpoint``);
+* a third job with no checkpoint of its own is refused, naming the runs and how to choose.
 
 Each resumed run logs the uninterrupted run's losses bit for bit. A pipeline run with
 ``save_distributed_checkpoint=False`` saves its preemption checkpoint sharded and resumes from it.
@@ -37,7 +38,7 @@ def _hidden(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # four 4-process launches and the reference run
+@pytest.mark.timeout(2400)  # five 4-process launches and the reference run
 def test_two_runs_sharing_a_folder_preempted_and_killed_each_resume_their_own_newest_state(pools, tmp_path):
     layout, kwargs = LAYOUT
     root, ckpt = tmp_path / "shared", tmp_path / "a_ckpt"
@@ -73,6 +74,15 @@ def test_two_runs_sharing_a_folder_preempted_and_killed_each_resume_their_own_ne
     assert a3.exit_codes() == {r: 0 for r in range(4)}, a3.output()[-4000:]
     assert _hidden(root) == []  # A's own leftover swept at its start
     assert (root / "hpc_ckpt_2.ckpt").is_dir()  # B's checkpoint untouched
+
+    # A third job (303) asking for "hpc" there has no checkpoint of its own: refused on every rank, naming the
+    # runs and how to choose, before anything is loaded.
+    c = launch(tmp_path / "c", "external", *common, "--resume", "hpc", env={"SLURM_JOB_ID": "303"})
+    c.wait_all(300)
+    output = c.output()
+    assert all(code not in (0, None) for code in c.exit_codes().values()), output[-4000:]
+    assert output.count("ResumeCheckpointError: `ckpt_path=\"hpc\"` found no checkpoint of this run (slurm-303)") == 4
+    assert "run slurm-101" in output and "run slurm-202" in output and "ParaStrategy(run_id=" in output
 
     reference = pools.get(4).run(gpt_fit_job, kwargs, 8)[0]["logged"]
     resumed_last = a2.losses(0, so_far=True)
