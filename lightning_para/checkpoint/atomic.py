@@ -253,17 +253,15 @@ def recorded(status: CheckpointStatus) -> Recorded:
     """Read a complete checkpoint's record: a directory's marker, a single file's own dict (memory-mapped:
     its tensors are not read)."""
     if status.marker is not None:
-        marker, run_record = status.marker, {}
+        marker = record = status.marker
     else:
         try:
             marker = torch.load(status.path, map_location="cpu", mmap=True, weights_only=False)
         except Exception:  # noqa: BLE001 - any unreadable file simply records nothing
             marker = {}
         marker = marker if isinstance(marker, dict) else {}
-        run_record = marker.get(RUN_KEY) if isinstance(marker.get(RUN_KEY), dict) else {}
-    run = marker.get("run", run_record.get("run"))
-    step = marker.get("global_step")
-    when = marker.get("saved_at", run_record.get("saved_at"))
+        record = marker.get(RUN_KEY) if isinstance(marker.get(RUN_KEY), dict) else {}
+    run, step, when = record.get("run"), marker.get("global_step"), record.get("saved_at")
     return Recorded(
         status.path, run if isinstance(run, str) else None, step if isinstance(step, int) else -1,
         float(when) if isinstance(when, (int, float)) else 0.0,
