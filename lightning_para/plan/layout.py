@@ -43,6 +43,7 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
     "watchdog_timeout": "reliability checks",
     "check_finite": "reliability checks (the non-finite stop, reliability/step_guard.py)",
     "on_sigterm": "reliability checks (preemption, reliability/step_guard.py)",
+    "run_id": "checkpoint identity (which run a resume continues, checkpoint/run.py)",
     "accelerator": "Lightning plumbing",
     "parallel_devices": "Lightning plumbing",
     "cluster_environment": "Lightning plumbing",
