@@ -152,7 +152,8 @@ def choose(records: list[atomic.Recorded], run: CheckpointRun, request: str = "h
             raise ResumeCheckpointError(
                 f'`ckpt_path="{request}"` found no checkpoint of this run ({run.fixed}): the checkpoint folders hold'
                 f" only other runs' ({_listing(records)}). Loading one would continue another run's training."
-                + _how_to_choose(runs) + " Without `ckpt_path` this run starts from scratch."
+                + _how_to_choose(runs) + " To start this run from scratch, give it its own `default_root_dir`"
+                " (under SLURM, `ckpt_path=None` is `\"hpc\"` when that folder holds an `hpc_ckpt_<n>.ckpt`)."
             )
         mine = mine or records
     else:
