@@ -24,8 +24,9 @@ Single-file checkpoints (``save_distributed_checkpoint=False``) are written to a
 sibling file, fsynced and swapped in the same way; a file that exists and is a whole
 ``torch.save`` archive is complete (its records carry their own CRC-32s).
 
-Why this module is long: the save protocol, its verification and the swap belong together (the
-ordering argument above is read once, here); checksums, save failures and the directory lock are
+Why this module is long: the save protocol, its verification, the swap and what a complete
+checkpoint records about itself (:func:`recorded`) belong together (the ordering argument above is
+read once, here); checksums, save failures and the directory lock are
 their own modules.
 """
 
