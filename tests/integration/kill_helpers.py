@@ -135,9 +135,18 @@ class Run:
         return {int(k): v for k, v in json.loads(f.read_text())["losses"].items()} if f.is_file() else None
 
 
-def launch(out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] = None) -> Run:
+def slurm_env(job_id: str, rank: int) -> dict[str, str]:
+    """What ``srun`` gives rank ``rank`` of a one-node job of :data:`WORLD` tasks: Lightning then detects
+    SLURM (``SLURMEnvironment``), and ``fit(ckpt_path=None)`` resumes with ``"hpc"``."""
+    return dict(SLURM_JOB_ID=job_id, SLURM_JOB_NAME="train", SLURM_NTASKS=str(WORLD), SLURM_NTASKS_PER_NODE=str(WORLD),
+                SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                SLURM_NODELIST="127.0.0.1")
+
+
+def launch(out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] = None, slurm: Optional[str] = None) -> Run:
     """Start the script with ``args`` under ``launcher`` (see the module docstring); ``env``: added to
-    every process's environment (e.g. a scheduler's job id)."""
+    every process's environment (e.g. a scheduler's job id); ``slurm``: as ``srun`` would start job
+    ``slurm``'s tasks (``"external"`` only)."""
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out, launcher)
     command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
@@ -151,6 +160,8 @@ def launch(out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] =
         process_env = {**base_env(), **(env or {})}
         process_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
+        if slurm is not None:
+            process_env.update(slurm_env(slurm, rank))
         with open(out / f"stdout{rank}.txt", "w") as log:
             run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
     return run

@@ -15,7 +15,8 @@ would) and a real SIGKILL during a save (``reliability_train.py --kill``), the r
 * a third job with no checkpoint of its own is refused, naming the runs and how to choose.
 
 Each resumed run logs the uninterrupted run's losses bit for bit. A pipeline run with
-``save_distributed_checkpoint=False`` saves its preemption checkpoint sharded and resumes from it.
+``save_distributed_checkpoint=False`` (started as ``srun`` starts a SLURM job's tasks) saves its preemption
+checkpoint sharded, and the requeued job resumes from it with ``ckpt_path=None``.
 """
 
 from __future__ import annotations
@@ -96,15 +97,19 @@ def test_two_runs_sharing_a_folder_preempted_and_killed_each_resume_their_own_ne
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_pipeline_run_saving_single_files_is_preempted_into_a_sharded_checkpoint_and_resumes(pools, tmp_path):
-    common = ("--layout", "pp2dp2", "--steps", "6", "--single-file", "--watchdog-timeout", "20")
-    stopped = launch(tmp_path / "stopped", "external", *common, "--sigterm", "0:3")
+    # Started as srun starts a SLURM job's tasks: the requeued job resumes with `ckpt_path=None`.
+    common = ("--layout", "pp2dp2", "--steps", "6", "--single-file", "--watchdog-timeout", "20",
+              "--root-dir", str(tmp_path / "stopped"))
+    stopped = launch(tmp_path / "stopped", "external", *common, "--sigterm", "0:3", slurm="77")
     stopped.wait_all(600)
     assert stopped.exit_codes() == {r: PREEMPTED_EXIT_CODE for r in range(4)}, stopped.output()[-4000:]
     checkpoint = tmp_path / "stopped" / "hpc_ckpt_1.ckpt"
     assert checkpoint.is_dir() and checkpoint_problems(checkpoint).complete  # sharded, whatever the flag says
-    resumed = launch(tmp_path / "resumed", "external", *common, "--resume", "hpc", "--root-dir", str(tmp_path / "stopped"))
+    resumed = launch(tmp_path / "resumed", "external", *common, slurm="77")  # no --resume: None under SLURM
     resumed.wait_all(600)
-    assert resumed.exit_codes() == {r: 0 for r in range(4)}, resumed.output()[-4000:]
+    output = resumed.output()
+    assert resumed.exit_codes() == {r: 0 for r in range(4)}, output[-4000:]
+    assert f"Restoring states from the checkpoint path at {checkpoint}" in output, output[-4000:]
     losses = resumed.losses(0)
     assert sorted(losses) == [5, 6], losses
     reference = pools.get(4).run(gpt_fit_job, {"pp": 2, "dp": 2}, 6)[0]["logged"]
