@@ -72,12 +72,13 @@ def _checkpoint_callbacks(trainer: Any) -> list[ModelCheckpoint]:
     return [cb for cb in getattr(trainer, "checkpoint_callbacks", []) or [] if isinstance(cb, ModelCheckpoint)]
 
 
-def lookup_request(path: Any, trainer: Any) -> Optional[str]:
+def lookup_request(path: Any, trainer: Any, run: Optional[CheckpointRun] = None) -> Optional[str]:
     """``"hpc"`` or ``"last"`` if ``path`` is what Lightning's lookup of that name answers for ``trainer``
-    (so the user asked for the newest checkpoint, not for this file), else ``None``."""
-    hpc = lightning_hpc_path(getattr(trainer, "default_root_dir", None))
-    if hpc is not None and _same(path, hpc):
-        return "hpc"
+    (now, or when ``run`` started, before its sweep), so the user asked for the newest checkpoint, not for
+    this file; else ``None``."""
+    for hpc in (lightning_hpc_path(getattr(trainer, "default_root_dir", None)), run and run.hpc_lookup_at_start):
+        if hpc is not None and _same(path, hpc):
+            return "hpc"
     for callback in _checkpoint_callbacks(trainer):
         if callback.dirpath is not None and local_folder(callback.dirpath) is not None:
             try:  # private: see docs/architecture.md (Lightning's own "last" candidates of this callback)
@@ -170,7 +171,7 @@ def choose(records: list[atomic.Recorded], run: CheckpointRun, request: str = "h
 def _resolve_on_rank0(requested: str, trainer: Any, run: CheckpointRun) -> tuple[str, Optional[str], Optional[str]]:
     """(the path to load, its run, an error message)."""
     try:
-        request = lookup_request(requested, trainer)
+        request = lookup_request(requested, trainer, run)
     except ResumeCheckpointError as error:  # ParaModelCheckpoint's own "last" refused
         return requested, None, str(error)
     if request is None:  # named explicitly: loaded as named (the load verifies it)
@@ -181,13 +182,16 @@ def _resolve_on_rank0(requested: str, trainer: Any, run: CheckpointRun) -> tuple
         chosen = choose(candidates(folders, hpc_folder), run, request)
     except ResumeCheckpointError as error:
         return requested, None, str(error)
-    if chosen is None:
+    if chosen is None and not Path(requested).exists():  # the digits of an old-style leftover, swept at the start
         where = ", ".join(repr(str(f)) for f in [*folders, *([hpc_folder] if hpc_folder else [])])
         return requested, None, (
-            f'`ckpt_path="{request}"` led Lightning to {requested!r}, but there is no complete checkpoint in {where}'
-            " (only what interrupted saves left, now removed). Start without `ckpt_path` (under SLURM the requeued"
-            " job now finds none and starts from scratch)."
+            f'`ckpt_path="{request}"` led Lightning to {requested!r}, which does not exist (its lookup read the digits'
+            " of a hidden leftover of an interrupted save, removed when this run started), and there is no complete"
+            f" checkpoint in {where}. Start again: without a checkpoint Lightning's lookup now finds none (under SLURM"
+            " the requeued job starts from scratch)."
         )
+    if chosen is None:  # nothing complete: the load names what is wrong with Lightning's choice
+        return requested, None, None
     return str(chosen.path), chosen.run, None
 
 
@@ -225,6 +229,7 @@ def begin_run(run: CheckpointRun, trainer: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         folders, hpc_folder = checkpoint_folders(trainer)
         try:
+            run.hpc_lookup_at_start = lightning_hpc_path(hpc_folder)
             run.start(folders, hpc_folder)
         except CheckpointDirectoryLockedError as locked:
             error = ("locked", str(locked))

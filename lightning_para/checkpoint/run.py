@@ -76,6 +76,8 @@ class CheckpointRun:
         self.lock = DirectoryLock(self._id)
         self.active = False  # inside a fit: folders stay held (and refreshed) until `end`
         self._shared: Optional[Path] = None  # default_root_dir, where other runs may save too
+        # What Lightning's "hpc" lookup named when the run started, before the sweep (:mod:`.resume`).
+        self.hpc_lookup_at_start: Optional[Path] = None
 
     @property
     def id(self) -> str:

@@ -193,3 +193,16 @@ def test_a_full_disk_is_reported_without_dcps_raw_traceback_above_it(tmp_path):
     printed = "".join(traceback.format_exception(info.value))
     assert "the disk is full" in printed and "unexpected pos" not in printed, printed
     assert info.value.rank_failure is raw  # still there for whoever wants it
+
+
+def test_an_old_style_leftover_named_by_lightning_is_explained_once_and_swept(tmp_path):
+    _sharded(tmp_path / ".hpc_ckpt_1.ckpt.partial-1783671", 4, None, marked=False)  # before names carried the run
+    trainer = _trainer(tmp_path)
+    named = resume.lightning_hpc_path(tmp_path)
+    assert named.name == "hpc_ckpt_11783671.ckpt" and resume.lookup_request(named, trainer) == "hpc"
+    run = CheckpointRun("slurm-101")
+    resume.begin_run(run, trainer)  # the start sweeps it
+    with pytest.raises(resume.ResumeCheckpointError, match="does not exist .* removed when this run started"):
+        resume.resume_path(named, trainer, run)
+    run.end()
+    assert resume.lightning_hpc_path(tmp_path) is None  # the next start finds nothing: from scratch
