@@ -314,6 +314,7 @@ def load_checkpoint_in_place(
     views: Mapping[int, OptimParam],
     data_parallel: Optional[DataParallel] = None,
     pipeline: Optional[PipelineRunner] = None,
+    strict: Optional[bool] = None,
 ) -> dict[str, Any]:
     """What ``ParaStrategy.load_checkpoint`` does: load ``path`` into ``module`` and ``optimizers``
     in place and return the non-tensor part of the checkpoint.
@@ -328,7 +329,7 @@ def load_checkpoint_in_place(
     raises ``FileNotFoundError``, :class:`~.atomic.IncompleteCheckpointError` or
     :class:`~.atomic.CorruptCheckpointError` naming the path, the file and what is wrong, and the
     newest complete (and verified) checkpoint in the same folder.
-    Missing and unexpected model keys raise unless ``module.strict_loading`` is ``False``.
+    Missing and unexpected model keys raise unless ``strict`` (default: ``module.strict_loading``) is ``False``.
     """
     path = Path(path)
     problem = _from_rank0(lambda: _problem(path))
@@ -340,7 +341,8 @@ def load_checkpoint_in_place(
         raise atomic.CorruptCheckpointError(corrupt)
     if _is_rank0():
         warn_if_newer(path)
-    strict = getattr(module, "strict_loading", True)
+    if strict is None:
+        strict = getattr(module, "strict_loading", True)
     if path.is_dir():
         try:
             meta = torch.load(path / METADATA_FILENAME, weights_only=False)

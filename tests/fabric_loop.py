@@ -1,0 +1,195 @@
+"""A Fabric training loop written like LitGPT's ``litgpt/pretrain.py``, run under any strategy.
+
+``fabric.init_module(empty_init=True)``, ``fabric.setup``, ``fabric.setup_optimizers``,
+``fabric.setup_dataloaders``, accumulation under ``fabric.no_backward_sync``, ``fabric.backward``,
+``fabric.clip_gradients``, ``optimizer.step()``: the calls LitGPT makes, in its order. Under
+``pp > 1`` each micro-step is ``fabric.strategy.pipeline_step(model, batch)`` instead of the
+forward and loss. ``fabric_job`` runs it in every worker of a pool under
+``lightning_para.fabric.ParaStrategy``; ``fabric_reference`` runs it in the pytest process on one
+device with the global batch. Both return per-micro-step losses.
+
+Weights are sharp (std 0.3, ``tests/sharpness.py``) and identical everywhere: every Linear and
+Embedding resets to N(0, 0.3) (LitGPT's ``initialize_weights`` pattern for meta-device init), and
+materialisation walks the modules in the same order after the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.sharpness import SHARP_STD
+
+VOCAB, SEQ, LAYERS, HEADS, EMBD = 64, 16, 2, 4, 32
+
+
+def token_dataset(n: int = 128, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def recipe_gpt() -> nn.Module:
+    """This repo's GPT recipe (RMSNorm, RoPE, SwiGLU; its tensor-parallel plan and pipeline contract)."""
+    from lightning_para.recipes.gpt import GPT
+
+    return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
+
+
+def litgpt_gpt() -> nn.Module:
+    """LitGPT's ``GPT`` with a tiny ``Config`` (GQA: 4 query heads, 2 key/value groups)."""
+    from litgpt.model import GPT, Config
+
+    config = Config(
+        block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD,
+        n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+    )
+    return GPT(config)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"recipe": recipe_gpt, "litgpt": litgpt_gpt}
+
+
+def _normal_reset(module: nn.Module, std: float) -> None:
+    with torch.no_grad():
+        nn.init.normal_(module.weight, 0.0, std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
+def sharp_resets(model: nn.Module, std: float = SHARP_STD) -> None:
+    """Each Linear/Embedding's ``reset_parameters`` draws N(0, std) (materialisation calls it in module order)."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.reset_parameters = partial(_normal_reset, module, std)
+
+
+def reset_like_materialisation(model: nn.Module) -> None:
+    """What materialising a meta model does after ``to_empty``: each module holding tensors resets them,
+    in module order (``lightning.fabric.utilities.init._materialize_distributed_module``)."""
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def build(fabric: Optional[L.Fabric], model_name: str, empty_init: bool, seed: int = 0) -> nn.Module:
+    """The model under ``fabric.init_module`` (meta with ``empty_init``: materialised by ``fabric.setup`` after
+    the seed below), with sharp resets. Built for real (the reference, pp), the same resets run here."""
+    if fabric is not None:
+        with fabric.init_module(empty_init=empty_init):
+            model = MODELS[model_name]()
+    else:
+        model = MODELS[model_name]()
+    sharp_resets(model)
+    torch.manual_seed(seed)  # the resets draw the same values on every rank and in the reference
+    if fabric is None or not empty_init:
+        reset_like_materialisation(model)
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """LitGPT's ``chunked_cross_entropy`` with ``chunk_size=0``: the mean next-token cross-entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def train(
+    fabric: L.Fabric, model: nn.Module, optimizer: Any, loader: Any, *, steps: int, accumulate: int,
+    pipeline: bool, max_norm: float = 1.0, first_step: int = 0, save_at: Optional[int] = None,
+    save_path: Optional[str] = None,
+) -> list[float]:
+    """LitGPT's inner loop: ``accumulate`` micro-steps, then clip and step. Returns each micro-step's loss."""
+    losses = []
+    batches = iter(loader)
+    for _ in range(first_step * accumulate):  # a resumed run starts where the saved one stopped
+        next(batches)
+    for step in range(first_step, steps):
+        for micro in range(accumulate):
+            inputs, targets = next(batches)
+            accumulating = micro < accumulate - 1
+            with fabric.no_backward_sync(model, enabled=accumulating):
+                if pipeline:
+                    loss = fabric.strategy.pipeline_step(model, (inputs, targets), accumulate=accumulate)
+                    fabric.backward(loss)
+                else:
+                    loss = loss_fn(model(inputs), targets)
+                    fabric.backward(loss / accumulate)
+            losses.append(float(loss.detach()))
+        fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if save_at is not None and step + 1 == save_at:
+            fabric.save(save_path, {"model": model, "optimizer": optimizer, "step": step + 1})
+    return losses
+
+
+def setup(fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0) -> tuple:
+    L.seed_everything(seed, verbose=False)
+    model = build(fabric, model_name, empty_init, seed)
+    model = fabric.setup(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    optimizer = fabric.setup_optimizers(optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=micro_batch, shuffle=False))
+    return model, optimizer, loader
+
+
+def fabric_job(
+    model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
+    empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
+    resume: Optional[str] = None, resume_step: int = 0, seed: int = 0,
+) -> dict[str, Any]:
+    """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate."""
+    from lightning_para.fabric import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    dims = strategy.parallel_dims
+    pipeline = dims.pp > 1
+    model, optimizer, loader = setup(fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed)
+    first = 0
+    if resume is not None:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(resume, state)
+        first = state["step"]
+        assert first == resume_step, (first, resume_step)
+    losses = train(
+        fabric, model, optimizer, loader, steps=steps, accumulate=accumulate,
+        pipeline=pipeline, first_step=first, save_at=save_at, save_path=save_path,
+    )
+    return {"losses": losses, "dp_rank": dims.local_rank("dp"), "dp": dims.dp, "rank": dist.get_rank()}
+
+
+def fabric_reference(model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2) -> list[float]:
+    """In the pytest process: the same loop on one device with the global batch."""
+    assert "LOCAL_RANK" not in os.environ, "the reference must not run inside a worker"
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    L.seed_everything(0, verbose=False)
+    model = build(None, model_name, empty_init=False)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
+    loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))
+    return train(fabric, model, optimizer, loader, steps=steps, accumulate=accumulate, pipeline=False)
+
+
+def mean_over_dp(results: list[dict[str, Any]]) -> list[float]:
+    """The global batch's loss per micro-step: the mean of one rank per dp coordinate."""
+    by_dp: dict[int, list[float]] = {}
+    for r in results:
+        by_dp.setdefault(r["dp_rank"], r["losses"])
+    per = list(by_dp.values())
+    return [sum(values) / len(per) for values in zip(*per)]
+
+
+def checkpoint_path(folder: Path, name: str) -> str:
+    return str(folder / name)
