@@ -133,12 +133,20 @@ def train(
     return losses
 
 
-def setup(fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0) -> tuple:
+def setup(
+    fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0, per_process: bool = False
+) -> tuple:
     L.seed_everything(seed, verbose=False)
     model = build(fabric, model_name, empty_init, seed)
     model = fabric.setup(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
+    if per_process:
+        from torch.utils.data import DistributedSampler
+
+        sampler = DistributedSampler(token_dataset(), num_replicas=fabric.world_size, rank=fabric.global_rank, shuffle=False)
+        loader = DataLoader(token_dataset(), batch_size=micro_batch, sampler=sampler)
+        return model, optimizer, fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=micro_batch, shuffle=False))
     return model, optimizer, loader
 
@@ -146,8 +154,10 @@ def setup(fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool,
 def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
-    resume: Optional[str] = None, resume_step: int = 0, seed: int = 0,
+    resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False,
 ) -> dict[str, Any]:
+    """``planted_sampler_per_process``: a planted bug, one sample stream per process instead of per dp rank
+    (tensor-parallel ranks of one dp rank then compute on different samples)."""
     """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate."""
     from lightning_para.fabric import ParaStrategy
 
@@ -156,7 +166,9 @@ def fabric_job(
     fabric.launch()
     dims = strategy.parallel_dims
     pipeline = dims.pp > 1
-    model, optimizer, loader = setup(fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed)
+    model, optimizer, loader = setup(
+        fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed, planted_sampler_per_process
+    )
     first = 0
     if resume is not None:
         state = {"model": model, "optimizer": optimizer, "step": 0}
