@@ -315,6 +315,7 @@ def load_checkpoint_in_place(
     data_parallel: Optional[DataParallel] = None,
     pipeline: Optional[PipelineRunner] = None,
     strict: Optional[bool] = None,
+    convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
 ) -> dict[str, Any]:
     """What ``ParaStrategy.load_checkpoint`` does: load ``path`` into ``module`` and ``optimizers``
     in place and return the non-tensor part of the checkpoint.
@@ -330,6 +331,8 @@ def load_checkpoint_in_place(
     :class:`~.atomic.CorruptCheckpointError` naming the path, the file and what is wrong, and the
     newest complete (and verified) checkpoint in the same folder.
     Missing and unexpected model keys raise unless ``strict`` (default: ``module.strict_loading``) is ``False``.
+    ``convert`` turns a single file written in another front end's layout (Fabric's ``{"model": ...,
+    "optimizer": ...}``) into Lightning's (``state_dict``, ``optimizer_states``) before it is loaded.
     """
     path = Path(path)
     problem = _from_rank0(lambda: _problem(path))
@@ -366,6 +369,8 @@ def load_checkpoint_in_place(
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
         raise _unreadable(path, "the file", error) from error
+    if convert is not None:
+        checkpoint = convert(checkpoint)
     if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
         # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
         checkpoint = trainer_format(checkpoint)

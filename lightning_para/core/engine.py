@@ -423,11 +423,12 @@ class ParaEngine:
         self.report(f"checkpoint {path} saved (global step {step})")
 
     def load_checkpoint(
-        self, path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: Optional[bool] = None
+        self, path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: Optional[bool] = None,
+        convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
     ) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder of any layout, or one full file) and
         return the rest of the checkpoint. ``strict`` (default ``module.strict_loading``): missing or unexpected
-        model keys raise."""
+        model keys raise; ``convert``: a single file's layout into Lightning's (``checkpoint.load_checkpoint_in_place``)."""
         self.report(f"loading checkpoint {path}", exempt=True)
         self.reshard(module)
         # A load may run under torch.inference_mode(): tensors DCP reads there could not be copied into
@@ -435,7 +436,7 @@ class ParaEngine:
         with torch.inference_mode(False), torch.no_grad():
             return ckpt.load_checkpoint_in_place(
                 path, module, optimizers, self.optim_views(module), data_parallel=self.data_parallel,
-                pipeline=self.parallel.pipeline if self.parallel is not None else None, strict=strict,
+                pipeline=self.parallel.pipeline if self.parallel is not None else None, strict=strict, convert=convert,
             )
 
 

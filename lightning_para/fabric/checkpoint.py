@@ -1,12 +1,17 @@
-"""Fabric's ``state`` dict <-> the Trainer's checkpoint format, so either front end reads the other's.
+"""Fabric's ``state`` dict <-> the checkpoint formats, so either front end reads the other's.
 
-``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 4})`` is written as the
-Trainer writes its checkpoints: the module's state as ``state_dict``, the optimizers' (in the
-order they appear in ``state``) as ``optimizer_states``, everything else (plain values, and
-``state_dict()`` of other stateful objects) beside them in ``meta.pt``. The Fabric names of the
-module and the optimizers are recorded under :data:`FABRIC_KEYS`, so a Fabric load puts every
-entry back under its name; a Trainer checkpoint loads into Fabric the same way (its model and
-optimizers by position, its other keys as they are).
+Sharded (the default): ``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 4})``
+is written as the Trainer writes its checkpoints (one DCP folder): the module's state as
+``state_dict``, the optimizers' (in the order they appear in ``state``) as ``optimizer_states``,
+everything else (plain values, and ``state_dict()`` of other stateful objects) beside them in
+``meta.pt``. The Fabric names of the module and the optimizers are recorded under
+:data:`FABRIC_KEYS`. A Trainer checkpoint loads into Fabric the same way (its model and
+optimizers by position, its other keys as they are), and the Trainer loads this one.
+
+One full file (``save_distributed_checkpoint=False``): Fabric's own format, as Lightning's
+Fabric strategies write it (``{"model": full state, "optimizer": PyTorch's format, "step": 4}``),
+so a single-device Fabric loads it with ``fabric.load``; :func:`from_full_file` reads it back,
+a Trainer file and a plain ``state_dict`` file (``fabric.load_raw``) too.
 """
 
 from __future__ import annotations
@@ -75,15 +80,47 @@ def to_trainer_format(
     return checkpoint
 
 
+def to_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`to_trainer_format` dict holding full states (rank 0) in Fabric's single-file layout."""
+    names = checkpoint.pop(FABRIC_KEYS)
+    out = {names["module"]: checkpoint.pop("state_dict")}
+    for name, state in zip(names["optimizers"], checkpoint.pop("optimizer_states")):
+        out[name] = state
+    out.update(checkpoint)
+    return out
+
+
+def from_full_file(parts: FabricState, raw_model_state: bool = False) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The ``convert`` that reads a single file into Lightning's layout: Fabric's (entries by name), the
+    Trainer's (``state_dict``), or (``raw_model_state``) a plain ``model.state_dict()`` file."""
+
+    def convert(loaded: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(loaded.get("state_dict"), Mapping):  # the Trainer's layout (a model has no such key)
+            return loaded
+        if raw_model_state and parts.module_key not in loaded:
+            return {"state_dict": loaded}
+        if parts.module_key not in loaded:
+            raise KeyError(
+                f"The checkpoint has no {parts.module_key!r} entry for the model (it has"
+                f" {', '.join(repr(k) for k in list(loaded)[:10])}). Load it under the name it was saved with."
+            )
+        out = {k: v for k, v in loaded.items() if k != parts.module_key and k not in parts.optimizer_keys}
+        out["state_dict"] = loaded[parts.module_key]
+        out["optimizer_states"] = [loaded[k] for k in parts.optimizer_keys if k in loaded]
+        return out
+
+    return convert
+
+
 def restore_other(state: dict[str, Any], parts: FabricState, loaded: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Put the non-tensor entries of a loaded checkpoint back into ``state`` (stateful objects through
     ``load_state_dict``); returns what ``state`` did not ask for (Fabric's ``load`` contract)."""
     rest = {k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states", FABRIC_KEYS)}
     missing = [k for k in parts.other if k not in rest]
-    if strict and missing:
+    if strict and missing:  # Lightning's wording (`lightning.fabric.utilities.load`)
         raise KeyError(
-            f"The checkpoint has no {', '.join(repr(k) for k in missing)} that `state` asks for."
-            " Pass `strict=False` to `fabric.load` to load what is there."
+            f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint."
+            " To disable strict loading, set `strict=False`."
         )
     for name, target in parts.other.items():
         if name not in rest:
@@ -96,4 +133,4 @@ def restore_other(state: dict[str, Any], parts: FabricState, loaded: dict[str, A
     return rest
 
 
-__all__ = ["FABRIC_KEYS", "FabricState", "restore_other", "split_state", "to_trainer_format"]
+__all__ = ["FABRIC_KEYS", "FabricState", "from_full_file", "restore_other", "split_state", "to_fabric_file", "to_trainer_format"]

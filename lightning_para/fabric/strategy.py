@@ -47,10 +47,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_para import checkpoint as ckpt
-from lightning_para.checkpoint.io import load_full_checkpoint_into
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
-from lightning_para.fabric.checkpoint import restore_other, split_state, to_trainer_format
+from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallelize import ParallelModel
@@ -171,7 +170,6 @@ class ParaStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _ParaBackwardSyncControl(self.core)
         self._optimizers: list[Optimizer] = []
-        self._module: Optional[nn.Module] = None  # the set-up model (optimizer state is named by its parameters)
         self._step = 0  # optimizer steps taken (the step guard's and the watchdog's step number)
 
     # ------------------------------------------------------------------ Fabric plumbing
@@ -257,7 +255,6 @@ class ParaStrategy(ParallelStrategy):
         precision = self.precision
         precision.device_type = self.root_device.type
         self.core.parallelize(module, self.root_device, precision)
-        self._module = module
         if self.core.parallel_model.pipeline is not None:
             module.register_forward_pre_hook(_pipeline_forward_error)
         self.core.connect(self.root_device, precision, lambda: self._step, self._check_step)
@@ -358,13 +355,6 @@ class ParaStrategy(ParallelStrategy):
         return self.core.check_integrity(self._step, _unwrap(module), self._optimizers, self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
-    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return self.core.model_state(_unwrap(module), full=not self.save_distributed_checkpoint)
-
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        module = self._module_for_optimizers()
-        return self.core.optimizer_state(module, _unwrap(optimizer), full=not self.save_distributed_checkpoint)
-
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         raise NotImplementedError(
             "ParaStrategy loads checkpoints in place: use `fabric.load(path, {'model': model, ...})` or"
@@ -389,7 +379,8 @@ class ParaStrategy(ParallelStrategy):
         model_state = self.core.model_state(parts.module, full=full)
         optimizer_states = [self.core.optimizer_state(parts.module, o, full=full) for o in parts.optimizers]
         checkpoint = to_trainer_format(parts, model_state, optimizer_states, filter)
-        checkpoint.setdefault("global_step", self._step)
+        if full:  # rank 0 holds the full states: Fabric's single-file layout
+            checkpoint = to_fabric_file(checkpoint) if self.is_global_zero else {}
         target, token = self.broadcast((str(path), ckpt.new_token()))
         self.core.save_checkpoint(Path(target), token, checkpoint, sharded=not full, module=parts.module, step=self._step)
 
@@ -415,27 +406,14 @@ class ParaStrategy(ParallelStrategy):
             self._load_raw(path, state, strict)
             return {}
         parts = split_state(state, _unwrap, "load_checkpoint")
-        loaded = self.core.load_checkpoint(path, parts.module, parts.optimizers, strict=strict)
+        loaded = self.core.load_checkpoint(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
         return restore_other(state, parts, dict(loaded), strict)
 
     def _load_raw(self, path: Path, module: nn.Module, strict: bool) -> None:
-        if path.is_dir() or not path.exists():
-            self.core.load_checkpoint(path, module, [], strict=strict)
-            return
-        raw = torch.load(path, map_location="cpu", weights_only=False)
-        if isinstance(raw, dict) and "state_dict" in raw:
-            self.core.load_checkpoint(path, module, [], strict=strict)
-            return
-        with torch.no_grad():  # a plain `torch.save(model.state_dict())` file
-            load_full_checkpoint_into(
-                {"state_dict": raw}, module, [], self.core.optim_views(module), self.core.data_parallel,
-                strict=strict, path=path,
-            )
-
-    def _module_for_optimizers(self) -> nn.Module:
-        if self._module is None:
-            raise RuntimeError("The optimizer state is available once `fabric.setup(model)` has set up the model.")
-        return self._module
+        """``fabric.load_raw``: a sharded folder, a full checkpoint (Fabric's or the Trainer's), or a plain
+        ``model.state_dict()`` file, into the parallel model."""
+        parts = split_state({"model": module}, _unwrap, "load_checkpoint")
+        self.core.load_checkpoint(path, module, [], strict=strict, convert=from_full_file(parts, raw_model_state=True))
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
