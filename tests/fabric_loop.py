@@ -205,3 +205,66 @@ def mean_over_dp(results: list[dict[str, Any]]) -> list[float]:
 
 def checkpoint_path(folder: Path, name: str) -> str:
     return str(folder / name)
+
+
+# ----------------------------------------------------------------------------- the same run under the Trainer
+def trainer_gpt() -> nn.Module:
+    """The GPT recipe trained as the Fabric loop trains it: plain AdamW (lr 3e-3, decay 0.1 on every
+    parameter, no schedule), the same sharp weights."""
+    from lightning_para.recipes.gpt import GPT
+
+    class _LoopGPT(GPT):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+
+        def setup(self, stage: str) -> None:
+            pass
+
+    torch.manual_seed(0)
+    model = _LoopGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
+    sharp_resets(model)
+    torch.manual_seed(0)
+    reset_like_materialisation(model)
+    return model
+
+
+def trainer_job(strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
+                ckpt_dir: Optional[str] = None) -> dict[str, Any]:
+    """Inside a worker: the Fabric loop's training under the Trainer's ParaStrategy (accumulation 2, clipping at
+    norm 1); per-micro-step losses, and with ``ckpt_dir`` a checkpoint at the end and the full parameters."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_para import ParaStrategy
+    from tests.parity import LossRecorder, ShardedData, full_parameters, trainer_kwargs
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    module = trainer_gpt()
+    recorder = LossRecorder()
+    callbacks: list[Any] = [recorder]
+    overrides: dict[str, Any] = {}
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="last", save_top_k=1, every_n_train_steps=steps))
+        overrides["enable_checkpointing"] = True
+    trainer = L.Trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=callbacks,
+        use_distributed_sampler=False, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
+        **trainer_kwargs(**overrides),
+    )
+    dp = strategy.config.resolve_dp(dist.get_world_size())
+    trainer.fit(module, datamodule=ShardedData(token_dataset, global_batch // dp))
+    params = full_parameters(module)
+    return {"losses": recorder.losses, "dp_rank": strategy.parallel_dims.local_rank("dp"), "params": params}
+
+
+def fabric_load_params_job(model_name: str, strategy_kwargs: dict[str, Any], path: str) -> dict[str, Any]:
+    """Inside a worker: load a checkpoint (the Trainer's or Fabric's) into a Fabric model and optimizer of
+    another layout; the full parameters after loading."""
+    from lightning_para.fabric import ParaStrategy
+    from tests.parity import full_parameters
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs))
+    fabric.launch()
+    model, optimizer, _ = setup(fabric, model_name, 4, empty_init=True, seed=99)
+    state = {"model": model, "optimizer": optimizer}
+    rest = fabric.load(path, state, strict=False)
+    return {"params": full_parameters(model.module), "rest": sorted(rest)}

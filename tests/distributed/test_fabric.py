@@ -17,7 +17,9 @@ import importlib.util
 
 import pytest
 
-from tests.fabric_loop import fabric_job, fabric_reference, mean_over_dp
+import torch
+
+from tests.fabric_loop import fabric_job, fabric_load_params_job, fabric_reference, mean_over_dp, trainer_job
 from tests.parity import FP32_RTOL, assert_losses_close
 
 GLOBAL_BATCH = 8
@@ -89,3 +91,33 @@ def test_resume_into_another_layout_zero3_to_tp2(pools, tmp_path):
 def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero):
     results = pools.get(4).run(fabric_job, "recipe", {"dp": 2, "tp": 2, "zero": zero}, GLOBAL_BATCH)
     assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
+
+
+# ----------------------------------------------------------------------------- Fabric and the Trainer
+def test_pipeline_step_losses_equal_the_trainers_pp2(pools):
+    """``strategy.pipeline_step`` under Fabric and the Trainer's pp2 (accumulation 2, clipping): the same losses."""
+    fabric = pools.get(2).run(fabric_job, "recipe", {"pp": 2}, GLOBAL_BATCH)
+    trainer = pools.get(2).run(trainer_job, {"pp": 2}, GLOBAL_BATCH)
+    # Lightning reports each micro-step's loss divided by accumulate_grad_batches (its closure's loss); the loop, whole.
+    assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
+
+
+def test_trainer_checkpoint_loads_into_fabric_and_back(pools, tmp_path):
+    """A Trainer checkpoint (dp2 ZeRO-2) loads into a Fabric model of another layout (tp2), and a Fabric
+    checkpoint (tp2) into a Fabric ZeRO-3 model: the weights are the saved ones, exactly."""
+    trained = pools.get(2).run(trainer_job, {"dp": 2, "zero": 2}, GLOBAL_BATCH, ckpt_dir=str(tmp_path / "trainer"))
+    saved = trained[0]["params"]
+    loaded = pools.get(2).run(fabric_load_params_job, "recipe", {"tp": 2}, str(tmp_path / "trainer" / "last.ckpt"))
+    assert saved.keys() == loaded[0]["params"].keys()
+    for name, value in saved.items():
+        assert torch.equal(value, loaded[0]["params"][name]), name
+    assert "global_step" in loaded[0]["rest"]  # the Trainer's own entries come back as Fabric's leftovers
+
+
+def test_fabric_checkpoint_into_another_fabric_layout(pools, tmp_path):
+    path = str(tmp_path / "fabric")
+    pools.get(2).run(fabric_job, "recipe", {"tp": 2}, GLOBAL_BATCH, steps=2, save_at=2, save_path=path)
+    reference_params = pools.get(2).run(fabric_load_params_job, "recipe", {"tp": 2}, path)[0]["params"]
+    resharded = pools.get(2).run(fabric_load_params_job, "recipe", {"dp": 2, "zero": 3}, path)[0]["params"]
+    for name, value in reference_params.items():
+        assert torch.equal(value, resharded[name]), name
