@@ -134,13 +134,20 @@ def train(
 
 
 def setup(
-    fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0, per_process: bool = False
+    fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0, per_process: bool = False,
+    joint: bool = False,
 ) -> tuple:
+    """LitGPT's order (model, then its optimizer); ``joint``: ``fabric.setup(model, optimizer)`` with an optimizer
+    made from the model before it was parallelized."""
     L.seed_everything(seed, verbose=False)
     model = build(fabric, model_name, empty_init, seed)
-    model = fabric.setup(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    optimizer = fabric.setup_optimizers(optimizer)
+    if joint:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        model = fabric.setup(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        optimizer = fabric.setup_optimizers(optimizer)
     if per_process:
         from torch.utils.data import DistributedSampler
 
@@ -154,7 +161,7 @@ def setup(
 def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
-    resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False,
+    resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False, joint_setup: bool = False,
 ) -> dict[str, Any]:
     """``planted_sampler_per_process``: a planted bug, one sample stream per process instead of per dp rank
     (tensor-parallel ranks of one dp rank then compute on different samples)."""
@@ -167,7 +174,8 @@ def fabric_job(
     dims = strategy.parallel_dims
     pipeline = dims.pp > 1
     model, optimizer, loader = setup(
-        fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed, planted_sampler_per_process
+        fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed, planted_sampler_per_process,
+        joint=joint_setup,
     )
     first = 0
     if resume is not None:
@@ -179,7 +187,11 @@ def fabric_job(
         fabric, model, optimizer, loader, steps=steps, accumulate=accumulate,
         pipeline=pipeline, first_step=first, save_at=save_at, save_path=save_path,
     )
-    return {"losses": losses, "dp_rank": dims.local_rank("dp"), "dp": dims.dp, "rank": dist.get_rank()}
+    result = {"losses": losses, "dp_rank": dims.local_rank("dp"), "dp": dims.dp, "rank": dist.get_rank()}
+    if pipeline:  # the forward-only loss of the first batch, on every rank
+        inputs, targets = next(iter(loader))
+        result["eval_loss"] = float(fabric.strategy.pipeline_eval_step(model, (inputs, targets)))
+    return result
 
 
 def fabric_reference(model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2) -> list[float]:

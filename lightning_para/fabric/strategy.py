@@ -257,6 +257,8 @@ class ParaStrategy(ParallelStrategy):
         self.core.parallelize(module, self.root_device, precision)
         if self.core.parallel_model.pipeline is not None:
             module.register_forward_pre_hook(_pipeline_forward_error)
+        else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
+            module.register_forward_pre_hook(self._report_forward)
         self.core.connect(self.root_device, precision, lambda: self._step, self._check_step)
         self.barrier()
         return module
@@ -281,7 +283,7 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        self.core.report(f"backward and gradient sync (step {self._step})")
+        self.core.report(f"backward and gradient sync (step {self._step})", exempt=self.core.compiling("backward", self._step))
         parallel = self.core.parallel
         if parallel is not None and parallel.pipeline is not None:
             # `pipeline_step` ran forward and backward of every microbatch: its gradients join `.grad` and sync.
@@ -301,7 +303,7 @@ class ParaStrategy(ParallelStrategy):
         with ``configure_pipeline()`` (``docs/pipeline_parallel.md``)."""
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"pipeline_step(accumulate={accumulate!r}): pass the number of micro-steps, an int >= 1.")
-        self.core.report(f"pipeline step (step {self._step})")
+        self.core.report(f"pipeline step (step {self._step})", exempt=self.core.compiling("pipeline step", self._step))
         module = _unwrap(module)
         batch = self.batch_to_device(batch)
         with self.precision.forward_context():
@@ -322,10 +324,14 @@ class ParaStrategy(ParallelStrategy):
             yield
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.core.report(f"optimizer step {self._step}")
+        self.core.report(f"optimizer step {self._step}", exempt=self.core.compiling("optimizer step", self._step))
         output = self.precision.optimizer_step(_unwrap(optimizer), **kwargs)
         self._step += 1
         return output
+
+    def _report_forward(self, module: nn.Module, args: Any) -> None:
+        phase = "forward" if torch.is_grad_enabled() else "forward without gradients"
+        self.core.report(f"{phase} (step {self._step})", exempt=self.core.compiling(phase, self._step))
 
     def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
         self.core.check_step(self._step, self.precision.main_params(optimizer) if check_gradients else None)

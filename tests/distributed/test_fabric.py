@@ -52,6 +52,20 @@ def test_fabric_loop_matches_one_device(pools, model, layout):
     assert_losses_close(mean_over_dp(results), reference(model), rtol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("layout", [{"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero": 1}], ids=["tp2-sp", "zero1"])
+def test_joint_setup_repoints_the_optimizer(pools, layout):
+    """``fabric.setup(model, optimizer)`` with an optimizer made from the meta model: re-pointed by name at the
+    parallel parameters, the same losses."""
+    results = pools.get(2).run(fabric_job, "recipe", layout, GLOBAL_BATCH, joint_setup=True)
+    assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
+
+
+def test_pipeline_eval_step_is_the_forward_loss(pools):
+    """``pipeline_eval_step`` after training: the same value on both pipeline ranks, and finite."""
+    results = pools.get(2).run(fabric_job, "recipe", {"pp": 2}, GLOBAL_BATCH, steps=1)
+    assert results[0]["eval_loss"] == results[1]["eval_loss"] and 0 < results[0]["eval_loss"] < 20
+
+
 def test_planted_bug_sampler_per_process_fails_parity(pools):
     """The check can fail: a sampler per process instead of per dp rank (what `distributed_sampler_kwargs`
     prevents) feeds the two tensor-parallel ranks different samples."""
