@@ -417,10 +417,10 @@ class ParaStrategy(ParallelStrategy):
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         self._report(f"{name} (global step {self._global_step()})", exempt=self._compiling(name))
         module = self.lightning_module
-        data_parallel = self.core.data_parallel
+        through_root = self.core.forward_through_root(module)
 
         def call(*step_args: Any, **step_kwargs: Any) -> Any:
-            if data_parallel is not None and data_parallel.forward_through_root(module):
+            if through_root:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
                 return self._forward_redirection(module, module, name, *step_args, **step_kwargs)
             return getattr(module, name)(*step_args, **step_kwargs)
@@ -439,9 +439,7 @@ class ParaStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-        if self.compile_watch is not None:
-            self.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
-        self.core.observe_loss(output, self._global_step())  # device-side notes: no sync, no collective
+        self.core.after_training_step(output, self._global_step())  # notes of a non-finite loss, recompile storms
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -455,9 +453,7 @@ class ParaStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         self._report(f"backward and gradient sync (global step {self._global_step()})", exempt=self._compiling("backward"))
-        parallel = self._parallel
-        pipeline = parallel.pipeline if parallel is not None else None
-        if pipeline is None:
+        if not self.core.has_pipeline:
             with self.core.backward_context():  # tensor parallel's loss-parallel kernels
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
@@ -520,23 +516,12 @@ class ParaStrategy(ParallelStrategy):
 
         The formulas' ``N`` is the number of ranks that *shard* the state: ``dp_shard x cp``
         (``edp x cp`` for experts); hybrid sharding's ``dp_replicate`` replicas hold copies."""
-        parallel = self._parallel
-        if parallel is None or parallel.data_parallel is None:
-            raise RuntimeError("memory_breakdown() is available once the Trainer has set up the strategy.")
-        module = self.lightning_module
-        first = next(iter(module.parameters()), None)
-        return parallel.data_parallel.memory_breakdown(
-            module, self._raw_optimizers(), param_bytes=first.element_size() if first is not None else 4,
-            master_dtype=self.precision_plugin.master_dtype, is_expert=parallel.expert_predicate(),
-        )
+        return self.core.memory_breakdown(self.lightning_module, self._raw_optimizers(), self.precision_plugin)
 
     def pipeline_stats(self) -> PipelineStats:
         """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),
         as a :class:`~lightning_para.parallel.pipeline.PipelineStats` record."""
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
-        if pipeline is None:
-            raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
-        return pipeline.stats()
+        return self.core.pipeline_stats()
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_parameters(self) -> None:

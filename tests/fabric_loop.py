@@ -56,7 +56,29 @@ def litgpt_gpt() -> nn.Module:
     return GPT(config)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"recipe": recipe_gpt, "litgpt": litgpt_gpt}
+def recipe_moe() -> nn.Module:
+    """This repo's MoE recipe (4 experts, top-2, no capacity limit: no token is dropped)."""
+    from lightning_para.recipes.moe import MoEGPT
+
+    return MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"recipe": recipe_gpt, "litgpt": litgpt_gpt, "moe": recipe_moe}
+
+
+def to_float8_reference(model: nn.Module) -> nn.Module:
+    """torchao's own float8 conversion of a materialised model (emulated on CPU; not the head, not widths that are
+    not multiples of 16): what ``ParaStrategy(fp8="tensorwise")`` is compared with."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return "lm_head" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return convert_to_float8_training(model, module_filter_fn=keep, config=config)
 
 
 def _normal_reset(module: nn.Module, std: float) -> None:
@@ -194,12 +216,16 @@ def fabric_job(
     return result
 
 
-def fabric_reference(model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2) -> list[float]:
-    """In the pytest process: the same loop on one device with the global batch."""
+def fabric_reference(
+    model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2, fp8: bool = False
+) -> list[float]:
+    """In the pytest process: the same loop on one device with the global batch (``fp8``: torchao's float8)."""
     assert "LOCAL_RANK" not in os.environ, "the reference must not run inside a worker"
     fabric = L.Fabric(accelerator="cpu", devices=1)
     L.seed_everything(0, verbose=False)
     model = build(None, model_name, empty_init=False)
+    if fp8:
+        model = to_float8_reference(model)
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))

@@ -39,7 +39,8 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
-from lightning_para.parallel.data import DataParallel
+from lightning_para.parallel.data import DataParallel, MemoryBreakdown
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
 from lightning_para.parallelize import ParallelModel, parallelize
@@ -122,6 +123,30 @@ class ParaEngine:
     def data_parallel(self) -> Optional[DataParallel]:
         return self.parallel.data_parallel if self.parallel is not None else None
 
+    @property
+    def has_pipeline(self) -> bool:
+        return self.parallel is not None and self.parallel.pipeline is not None
+
+    def forward_through_root(self, module: nn.Module) -> bool:
+        """Whether a step must enter through ``module.__call__`` (FSDP2's root hooks), not a named method."""
+        return self.data_parallel is not None and self.data_parallel.forward_through_root(module)
+
+    def memory_breakdown(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], precision: ParaPrecision) -> MemoryBreakdown:
+        """This rank's parameter, gradient and optimizer bytes against the ZeRO formulas (``docs/data_parallel.md``)."""
+        if self.data_parallel is None:
+            raise RuntimeError(f"memory_breakdown() is available once the {self.front_end} has set up the strategy.")
+        first = next(iter(module.parameters()), None)
+        return self.data_parallel.memory_breakdown(
+            module, optimizers, param_bytes=first.element_size() if first is not None else 4,
+            master_dtype=precision.master_dtype, is_expert=self.parallel_model.expert_predicate(),
+        )
+
+    def pipeline_stats(self) -> PipelineStats:
+        """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only)."""
+        if not self.has_pipeline:
+            raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
+        return self.parallel_model.pipeline.stats()
+
     # ------------------------------------------------------------------ run guard
     def start_watchdog(self, world_size: int, broadcast: Callable[[Any], Any]) -> None:
         if self.watchdog_timeout is None or world_size < 2 or self.watchdog is not None:
@@ -159,6 +184,12 @@ class ParaEngine:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+
+    def after_training_step(self, output: Any, step: int) -> None:
+        """A training step's loss is out: note a non-finite one; warn once on a recompile storm (``compile=True``)."""
+        if self.compile_watch is not None:
+            self.compile_watch.check()  # names dynamo's reasons
+        self.observe_loss(output, step)
 
     def observe_loss(self, output: Any, step: int) -> None:
         """Device-side notes of a non-finite local loss (no sync, no collective); under pp the loss is the

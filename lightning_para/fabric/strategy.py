@@ -52,6 +52,8 @@ from lightning_para.core import ParaEngine
 from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
 from lightning_para.mesh import ParallelDims
+from lightning_para.parallel.data import MemoryBreakdown
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallelize import ParallelModel
 from lightning_para.threads import apply_thread_budget, available_cores
 
@@ -326,6 +328,8 @@ class ParaStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.core.report(f"optimizer step {self._step}", exempt=self.core.compiling("optimizer step", self._step))
         output = self.precision.optimizer_step(_unwrap(optimizer), **kwargs)
+        if self.core.compile_watch is not None:
+            self.core.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
         self._step += 1
         return output
 
@@ -355,6 +359,14 @@ class ParaStrategy(ParallelStrategy):
         optimizer = _unwrap(optimizer)
         self.precision.unscale_gradients(optimizer)
         self.precision.clip_grad_by_value(optimizer, clip_val)
+
+    def memory_breakdown(self, module: nn.Module) -> MemoryBreakdown:
+        """This rank's parameter, gradient and optimizer bytes against the ZeRO formulas (``docs/data_parallel.md``)."""
+        return self.core.memory_breakdown(_unwrap(module), self._optimizers, self.precision)
+
+    def pipeline_stats(self) -> PipelineStats:
+        """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only)."""
+        return self.core.pipeline_stats()
 
     def check_integrity(self, module: nn.Module) -> list[str]:
         """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""

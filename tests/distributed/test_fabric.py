@@ -26,13 +26,13 @@ GLOBAL_BATCH = 8
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 needs_litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed")
 
-_REFERENCES: dict[tuple[str, int], list[float]] = {}
+_REFERENCES: dict[tuple[str, int, bool], list[float]] = {}
 
 
-def reference(model: str, steps: int = 4) -> list[float]:
-    key = (model, steps)
+def reference(model: str, steps: int = 4, fp8: bool = False) -> list[float]:
+    key = (model, steps, fp8)
     if key not in _REFERENCES:
-        _REFERENCES[key] = fabric_reference(model, GLOBAL_BATCH, steps=steps)
+        _REFERENCES[key] = fabric_reference(model, GLOBAL_BATCH, steps=steps, fp8=fp8)
     return _REFERENCES[key]
 
 
@@ -50,6 +50,29 @@ LAYOUTS_2 = [
 def test_fabric_loop_matches_one_device(pools, model, layout):
     results = pools.get(2).run(fabric_job, model, layout, GLOBAL_BATCH)
     assert_losses_close(mean_over_dp(results), reference(model), rtol=FP32_RTOL)
+
+
+# ----------------------------------------------------------------------------- the other families under Fabric
+def test_compile_tp2(pools):
+    """``compile`` (aot_eager on CPU, as tests/distributed/test_compile.py) compiles each block after TP."""
+    results = pools.get(2).run(fabric_job, "recipe", {"tp": 2, "compile": {"backend": "aot_eager"}}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
+
+
+def test_expert_parallel_ep2(pools):
+    """The MoE recipe under dp2 x ep2 (experts sharded over ep, their data parallelism over edp)."""
+    results = pools.get(2).run(fabric_job, "moe", {"dp": 2, "ep": 2}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference("moe"), rtol=FP32_RTOL)
+
+
+def test_fp8_tp2_sp_matches_torchao_one_device(pools):
+    """``fp8="tensorwise"`` under tp2 + SP: the activations' amax is global, so torchao's own float8 run on the
+    global batch is the same math (``tests/distributed/test_fp8.py``). Three steps, as there: float8 rounding turns
+    fp32 reduction-order differences into whole grid steps now and then (7.6e-5 on one micro-step at step 4)."""
+    pytest.importorskip("torchao")
+    layout = {"tp": 2, "sequence_parallel": True, "fp8": "tensorwise"}
+    results = pools.get(2).run(fabric_job, "recipe", layout, GLOBAL_BATCH, steps=3)
+    assert_losses_close(mean_over_dp(results), reference("recipe", steps=3, fp8=True), rtol=FP32_RTOL)
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero": 1}], ids=["tp2-sp", "zero1"])
@@ -101,6 +124,12 @@ def test_resume_into_another_layout_zero3_to_tp2(pools, tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4 processes (sorted last: one pool restart)
+def test_zz_hybrid_sharding(pools):
+    """HSDP: ZeRO-3 over dp_shard=2, replicated over dp_replicate=2."""
+    results = pools.get(4).run(fabric_job, "recipe", {"dp_replicate": 2, "dp_shard": 2, "zero": 3}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero):
     results = pools.get(4).run(fabric_job, "recipe", {"dp": 2, "tp": 2, "zero": zero}, GLOBAL_BATCH)
