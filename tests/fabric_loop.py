@@ -246,7 +246,7 @@ def checkpoint_path(folder: Path, name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the same run under the Trainer
-def trainer_gpt() -> nn.Module:
+def trainer_gpt(loss_fp32: bool = False) -> nn.Module:
     """The GPT recipe trained as the Fabric loop trains it: plain AdamW (lr 3e-3, decay 0.1 on every
     parameter, no schedule), the same sharp weights."""
     from lightning_para.recipes.gpt import GPT
@@ -259,7 +259,9 @@ def trainer_gpt() -> nn.Module:
             pass
 
     torch.manual_seed(0)
-    model = _LoopGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
+    model = _LoopGPT(
+        vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD, loss_fp32=loss_fp32
+    )
     sharp_resets(model)
     torch.manual_seed(0)
     reset_like_materialisation(model)
@@ -267,7 +269,7 @@ def trainer_gpt() -> nn.Module:
 
 
 def trainer_job(strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
-                ckpt_dir: Optional[str] = None) -> dict[str, Any]:
+                ckpt_dir: Optional[str] = None, loss_fp32: bool = False, init_in_half: bool = False) -> dict[str, Any]:
     """Inside a worker: the Fabric loop's training under the Trainer's ParaStrategy (accumulation 2, clipping at
     norm 1); per-micro-step losses, and with ``ckpt_dir`` a checkpoint at the end and the full parameters."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -276,7 +278,13 @@ def trainer_job(strategy_kwargs: dict[str, Any], global_batch: int, *, steps: in
     from tests.parity import LossRecorder, ShardedData, full_parameters, trainer_kwargs
 
     strategy = ParaStrategy(**strategy_kwargs)
-    module = trainer_gpt()
+    if init_in_half:  # what `trainer.init_module()` does under bf16-true: weights made (and masters upcast) in bf16
+        from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+
+        with _DtypeContextManager(torch.bfloat16):
+            module = trainer_gpt(loss_fp32)
+    else:
+        module = trainer_gpt(loss_fp32)
     recorder = LossRecorder()
     callbacks: list[Any] = [recorder]
     overrides: dict[str, Any] = {}

@@ -164,3 +164,24 @@ def test_fabric_checkpoint_into_another_fabric_layout(pools, tmp_path):
     resharded = pools.get(2).run(fabric_load_params_job, "recipe", {"dp": 2, "zero": 3}, path)[0]["params"]
     for name, value in reference_params.items():
         assert torch.equal(value, resharded[name]), name
+
+
+def test_resume_pipeline_same_layout_and_into_zero3(pools, tmp_path):
+    """A pp2 checkpoint (each rank saves its stage) resumes under pp2, and reshards into ZeRO-3."""
+    resumed, uninterrupted = _resume(pools, tmp_path, "recipe", {"pp": 2}, {"pp": 2}, 2)
+    assert_losses_close(resumed, uninterrupted, rtol=1e-6)
+    resumed = pools.get(2).run(
+        fabric_job, "recipe", {"dp": 2, "zero": 3}, GLOBAL_BATCH, steps=RESUME_STEPS, resume=str(tmp_path / "ckpt"),
+        resume_step=4, seed=123,
+    )
+    assert_losses_close(mean_over_dp(resumed), uninterrupted, rtol=FP32_RTOL)
+
+
+def test_bf16_true_zero3_fabric_equals_the_trainer(pools):
+    """``precision="bf16-true"`` (fp32 masters as FSDP2's shards) under both front ends: the same losses. Fabric
+    hands the loop fp32 outputs (as Lightning's half-precision plugins do), so the Trainer's model computes its
+    cross-entropy on fp32 logits too (``GPT(loss_fp32=True)``); and ``fabric.init_module`` makes the weights in
+    bf16 (the masters are upcast from them), as ``trainer.init_module()`` would."""
+    fabric = pools.get(2).run(fabric_job, "recipe", {"dp": 2, "zero": 3, "precision": "bf16-true"}, GLOBAL_BATCH)
+    trainer = pools.get(2).run(trainer_job, {"dp": 2, "zero": 3, "precision": "bf16-true"}, GLOBAL_BATCH, loss_fp32=True, init_in_half=True)
+    assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
