@@ -56,6 +56,23 @@ def litgpt_gpt() -> nn.Module:
     return GPT(config)
 
 
+class PipelinedLitGPT(nn.Module):
+    """LitGPT's ``GPT`` with the one-line pipeline contract (``lightning_para.integrations.litgpt.pipeline_spec``,
+    issue 34): what a Fabric user adds for ``pp > 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = litgpt_gpt()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def configure_pipeline(self) -> Any:
+        from lightning_para.integrations.litgpt import pipeline_spec
+
+        return pipeline_spec(self.model)
+
+
 def recipe_moe() -> nn.Module:
     """This repo's MoE recipe (4 experts, top-2, no capacity limit: no token is dropped)."""
     from lightning_para.recipes.moe import MoEGPT
@@ -63,7 +80,9 @@ def recipe_moe() -> nn.Module:
     return MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"recipe": recipe_gpt, "litgpt": litgpt_gpt, "moe": recipe_moe}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "recipe": recipe_gpt, "litgpt": litgpt_gpt, "litgpt_pp": PipelinedLitGPT, "moe": recipe_moe,
+}
 
 
 def to_float8_reference(model: nn.Module) -> nn.Module:

@@ -25,6 +25,11 @@ from tests.parity import FP32_RTOL, assert_losses_close
 GLOBAL_BATCH = 8
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 needs_litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed")
+# LitGPT's fused GQA attention under tp and its pipeline contract come with its integration (issue 34).
+HAS_LITGPT_INTEGRATION = HAS_LITGPT and importlib.util.find_spec("lightning_para.integrations.litgpt") is not None
+needs_litgpt_integration = pytest.mark.skipif(
+    not HAS_LITGPT_INTEGRATION, reason="pending issue 34: lightning_para.integrations.litgpt (LitGPT under tp and pp)"
+)
 
 _REFERENCES: dict[tuple[str, int, bool], list[float]] = {}
 
@@ -43,6 +48,9 @@ LAYOUTS_2 = [
     pytest.param("recipe", {"dp": 2, "zero": 3}, id="recipe-zero3"),
     pytest.param("litgpt", {"dp": 2, "zero": 3}, id="litgpt-zero3", marks=needs_litgpt),
     pytest.param("litgpt", {"dp": 2, "zero": 1}, id="litgpt-zero1", marks=needs_litgpt),
+    pytest.param("litgpt", {"tp": 2}, id="litgpt-tp2", marks=needs_litgpt_integration),
+    pytest.param("litgpt", {"tp": 2, "sequence_parallel": True}, id="litgpt-tp2-sp", marks=needs_litgpt_integration),
+    pytest.param("litgpt_pp", {"pp": 2}, id="litgpt-pp2", marks=needs_litgpt_integration),
 ]
 
 
@@ -131,9 +139,10 @@ def test_zz_hybrid_sharding(pools):
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero):
-    results = pools.get(4).run(fabric_job, "recipe", {"dp": 2, "tp": 2, "zero": zero}, GLOBAL_BATCH)
-    assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
+@pytest.mark.parametrize("model", ["recipe", pytest.param("litgpt", marks=needs_litgpt_integration)])
+def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero, model):
+    results = pools.get(4).run(fabric_job, model, {"dp": 2, "tp": 2, "zero": zero}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference(model), rtol=FP32_RTOL)
 
 
 # ----------------------------------------------------------------------------- Fabric and the Trainer
