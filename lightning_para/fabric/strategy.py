@@ -58,6 +58,12 @@ from lightning_para.parallelize import ParallelModel
 from lightning_para.threads import apply_thread_budget, available_cores
 
 
+_NO_CHECKPOINT_IO = (
+    "ParaStrategy does not support setting a `CheckpointIO` plugin: it writes sharded checkpoints with DCP,"
+    " atomically and with checksums (`save_distributed_checkpoint=False` for one file). Remove the plugin."
+)
+
+
 def _unwrap(obj: Any) -> Any:
     """The module or optimizer behind Fabric's wrappers (``_FabricModule``, ``_FabricOptimizer``, compile)."""
     for attr in ("_forward_module", "_orig_mod", "optimizer"):
@@ -162,6 +168,8 @@ class ParaStrategy(ParallelStrategy):
             if precision_plugin is not None:
                 raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
             precision_plugin = FabricParaPrecision(precision)
+        if checkpoint_io is not None:
+            raise NotImplementedError(_NO_CHECKPOINT_IO)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=as_fabric_para_precision(precision_plugin),
@@ -196,6 +204,15 @@ class ParaStrategy(ParallelStrategy):
     def precision(self, plugin: Optional[FabricPrecision]) -> None:
         # Fabric builds a plugin from `Fabric(precision=...)`; speak its mode in our terms.
         self._precision = as_fabric_para_precision(plugin)
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:  # type: ignore[override]
+        return super().checkpoint_io  # never used for saving (teardown closes it)
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        if io is not None:
+            raise NotImplementedError(_NO_CHECKPOINT_IO)
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -57,6 +57,19 @@ def test_precision_from_fabric_is_converted():
         ParaStrategy(precision="bf16-true", precision_plugin=FabricParaPrecision("32-true"))
 
 
+def test_checkpoint_io_unsupported():
+    """test_model_parallel.py::test_checkpoint_io_unsupported (setting one; the getter returns the unused default)."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin"):
+        ParaStrategy(checkpoint_io=TorchCheckpointIO())
+    strategy = ParaStrategy()
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin"):
+        strategy.checkpoint_io = TorchCheckpointIO()
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO` plugin"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=ParaStrategy(), plugins=[TorchCheckpointIO()])
+
+
 def test_no_backward_sync_disabled_is_a_no_op():
     """test_model_parallel.py::test_no_backward_sync: ``enabled=False`` changes nothing."""
     strategy = ParaStrategy()
