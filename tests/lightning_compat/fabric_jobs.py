@@ -355,3 +355,99 @@ def save_sharded_consolidate_load_job(tmp: str) -> dict[str, Any]:
     assert state["steps"] == 1
     assert all(torch.equal(a, b) for a, b in zip(params_before, _full(model)))
     return {"files": set(os.listdir(sharded))}
+
+
+# ----------------------------------------------------------------------------- test_setup_module_move_to_device
+def setup_module_move_to_device_job(move_to_device: bool) -> dict[str, Any]:
+    """test_setup_module_move_to_device (fsdp): ``move_to_device`` changes nothing; ZeRO-3 shards the Linear's
+    100 weights 50 per rank, a DTensor ``Parameter`` on this rank's device."""
+    from torch.distributed.tensor import DTensor
+
+    fabric = _fabric(FSDP)
+    fabric_model = fabric.setup_module(torch.nn.Linear(10, 10, bias=False), move_to_device=move_to_device)
+    param = next(fabric_model.parameters())
+    assert len(list(fabric_model.parameters())) == 1
+    assert isinstance(param, torch.nn.Parameter) and isinstance(param, DTensor)
+    assert param.device == fabric.device and fabric_model.device == fabric.device
+    return {"local_numel": param.to_local().numel()}
+
+
+# ----------------------------------------------------------------------------- test_setup_with_orig_params_and_multiple_param_groups
+def multiple_param_groups_job(zero: int) -> dict[str, Any]:
+    """Joint setup with two param groups (lr 1e-2 and 1e-6): the groups survive, pointing at the parallel
+    parameters (FSDP2 DTensors under ZeRO-3; ZeRO-1 puts its fp32 shards in, as ``optimizer.param_groups``)."""
+    fabric = _fabric({"dp": 2, "zero": zero})
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10, bias=False), torch.nn.Linear(10, 2, bias=False))
+    optimizer = torch.optim.Adam([
+        {"params": model[0].parameters(), "lr": 1e-2},
+        {"params": model[1].parameters(), "lr": 1e-6},
+    ])
+    wrapped_model, wrapped_optimizer = fabric.setup(model, optimizer)
+    assert len(wrapped_optimizer.param_groups) == 2
+    assert [g["lr"] for g in wrapped_optimizer.param_groups] == [1e-2, 1e-6]
+    before = [p.detach().full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+              for p in wrapped_model.parameters()]
+    fabric.backward(wrapped_model(torch.randn(4, 10)).sum())
+    wrapped_optimizer.step()
+    after = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in wrapped_model.parameters()]
+    moved = [float((a - b).abs().max()) for a, b in zip(after, before)]
+    return {"moved": moved, "dtensor": zero == 3 and all(hasattr(p, "full_tensor") for p in wrapped_model.parameters())}
+
+
+# ----------------------------------------------------------------------------- test_reapply_compile
+def reapply_compile_job() -> dict[str, Any]:
+    """test_reapply_compile: Fabric unwraps a ``torch.compile``d model, the strategy parallelizes the original,
+    Fabric compiles it again over the parallel model; forward and backward run."""
+    from torch._dynamo import OptimizedModule
+
+    fabric = _fabric(FSDP)
+    model = FeedForward()
+    compiled = torch.compile(model, backend="eager")
+    fabric_model = fabric.setup(compiled, _reapply_compile=True)
+    assert isinstance(fabric_model._forward_module, OptimizedModule)
+    assert fabric_model._forward_module._orig_mod is model and fabric_model._original_module is model
+    for _ in range(3):
+        fabric.backward(fabric_model(torch.randn(2, 32, device=fabric.device)).sum())
+    return {"ok": True}
+
+
+# ----------------------------------------------------------------------------- test_load_raw_module_state
+def load_raw_module_state_job(tmp: str) -> dict[str, Any]:
+    """test_load_raw_module_state, through ``fabric.load_raw`` (Lightning tests its private ``_load_raw_module_state``):
+    a plain state dict, with a parameter, a tp-sharded layer, a plain layer and a persistent buffer, loads into
+    the tensor-parallel model; a missing key raises under ``strict=True`` and is skipped under ``strict=False``."""
+    import pytest
+
+    class CustomModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parameter = torch.nn.Parameter(torch.rand(2, 2))
+            self.layer1 = torch.nn.Linear(4, 4)
+            self.layer2 = torch.nn.Linear(4, 4)
+            self.register_buffer("persistent_buffer", torch.rand(2), persistent=True)
+            self.register_buffer("non_persistent_buffer", torch.rand(2), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer2(self.layer1(x)) + self.parameter.sum()
+
+    torch.manual_seed(0)
+    state_dict = {k: v.clone() for k, v in CustomModel().state_dict().items()}
+    path = Path(tmp) / "raw.pt"
+    if dist.get_rank() == 0:
+        torch.save(state_dict, path)
+    dist.barrier()
+    fabric = _fabric({"tp": 2, "tp_plan": {"layer1": "colwise"}, "tp_unplanned": "replicate"})
+    model = fabric.setup(CustomModel())
+    fabric.load_raw(path, model)
+    inner = model.module
+    assert torch.equal(inner.parameter.full_tensor() if hasattr(inner.parameter, "full_tensor") else inner.parameter, state_dict["parameter"])
+    assert torch.equal(inner.layer1.weight.full_tensor(), state_dict["layer1.weight"])
+    assert torch.equal(inner.persistent_buffer, state_dict["persistent_buffer"])
+    state_dict.pop("parameter")
+    if dist.get_rank() == 0:
+        torch.save(state_dict, path)
+    dist.barrier()
+    with pytest.raises(Exception, match="parameter"):
+        fabric.load_raw(path, model, strict=True)
+    fabric.load_raw(path, model, strict=False)
+    return {"ok": True}

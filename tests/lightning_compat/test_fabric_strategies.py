@@ -97,3 +97,26 @@ def test_z_train_save_load_dp2_tp2(pools, tmp_path):
 def test_z_save_sharded_and_consolidate_and_load(pools, tmp_path):
     out = pools.get(4).run(jobs.save_sharded_consolidate_load_job, str(tmp_path))
     assert DCP_FILES_4 <= out[0]["files"]
+
+
+@pytest.mark.parametrize("move_to_device", [True, False])
+def test_setup_module_move_to_device(pools, move_to_device):
+    out = pools.get(2).run(jobs.setup_module_move_to_device_job, move_to_device)
+    assert [o["local_numel"] for o in out] == [50, 50]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_setup_with_multiple_param_groups(pools, zero):
+    """test_setup_with_orig_params_and_multiple_param_groups (fsdp): FSDP1's ``use_orig_params`` has no
+    counterpart (FSDP2 keeps original parameters); each group steps with its own learning rate."""
+    out = pools.get(2).run(jobs.multiple_param_groups_job, zero)[0]
+    assert out["moved"][0] > 1e-3 > 1e-5 > out["moved"][1] > 0
+    assert out["dtensor"] == (zero == 3)
+
+
+def test_reapply_compile(pools):
+    pools.get(2).run(jobs.reapply_compile_job)
+
+
+def test_load_raw_module_state(pools, tmp_path):
+    pools.get(2).run(jobs.load_raw_module_state_job, str(tmp_path))
