@@ -333,3 +333,36 @@ def fabric_load_params_job(model_name: str, strategy_kwargs: dict[str, Any], pat
     state = {"model": model, "optimizer": optimizer}
     rest = fabric.load(path, state, strict=False)
     return {"params": full_parameters(model.module), "rest": sorted(rest)}
+
+
+def fabric_reliability_job(part: str) -> dict[str, Any]:
+    """Inside a worker (dp2, ZeRO-0: replicas step independently). ``"nan"``: a NaN loss on rank 1 stops every
+    rank at that step's ``optimizer.step()`` with ``NonFiniteError`` (nothing stepped; the run is meant to end
+    there). ``"flip"``: a weight flipped on rank 1 is reported by the scheduled integrity check
+    (``integrity_check_every_n_steps=1``, warn mode) after the next step."""
+    from lightning_para.fabric import ParaStrategy
+    from lightning_para.reliability.step_guard import NonFiniteError
+
+    strategy = ParaStrategy(dp=2, zero=0, integrity_check_every_n_steps=1, integrity_action="warn")
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    model, optimizer, loader = setup(fabric, "recipe", 4, empty_init=True)
+    inputs, targets = next(iter(loader))
+    result: dict[str, Any] = {}
+    if part == "nan":
+        loss = loss_fn(model(inputs), targets)
+        fabric.backward(loss * (float("nan") if fabric.global_rank == 1 else 1.0))
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            optimizer.step()
+        except NonFiniteError as error:
+            result["error"] = str(error)
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return result
+    with torch.no_grad():  # a replicated weight flipped on one replica (a silent data corruption)
+        if fabric.global_rank == 1:
+            model.module.blocks[0].attn.c_proj.weight.view(-1)[0] += 1.0
+    fabric.backward(loss_fn(model(inputs), targets))
+    optimizer.step()
+    result["reports"] = list(strategy.core.integrity.reports)
+    return result

@@ -84,9 +84,10 @@ class ParaStrategy(ParallelStrategy):
       DTensors and the loss must be computed inside ``with strategy.loss_parallel():``.
     * ``layout="auto"`` (planned from the Trainer's datamodule) and ``cp > 1`` (the batch split
       and whole-sequence loss wrap the Trainer's ``training_step``) raise a ``ValueError``.
-    * the Trainer-only reliability hooks (SIGTERM checkpoints in ``default_root_dir``, scheduled
-      integrity checks) have no Fabric counterpart: ``on_sigterm`` is not taken; call
-      :meth:`check_integrity` yourself. ``check_finite`` and ``watchdog_timeout`` work as there.
+    * ``on_sigterm`` (a checkpoint in the Trainer's ``default_root_dir`` at the next step boundary) is
+      not taken. ``check_finite`` (every loss passed to ``fabric.backward``, every gradient before the
+      step), ``watchdog_timeout`` and ``integrity_check_every_n_steps`` (after every N-th
+      ``optimizer.step()``) work as there.
     """
 
     strategy_name = "para"
@@ -180,6 +181,7 @@ class ParaStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _ParaBackwardSyncControl(self.core)
         self._optimizers: list[Optimizer] = []
+        self._module: Optional[nn.Module] = None  # the set-up model (scheduled integrity checks read it)
         self._step = 0  # optimizer steps taken (the step guard's and the watchdog's step number)
 
     # ------------------------------------------------------------------ Fabric plumbing
@@ -274,6 +276,7 @@ class ParaStrategy(ParallelStrategy):
         precision = self.precision
         precision.device_type = self.root_device.type
         self.core.parallelize(module, self.root_device, precision)
+        self._module = module
         if self.core.parallel_model.pipeline is not None:
             module.register_forward_pre_hook(_pipeline_forward_error)
         else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
@@ -309,6 +312,7 @@ class ParaStrategy(ParallelStrategy):
             self.core.finish_pipeline_backward()
             return
         precision = self.precision
+        self.core.observe_loss(tensor, self._step)  # a device-side note of a non-finite local loss: no sync
         self.core.before_backward(_unwrap(module) if module is not None else nn.Module(), precision, accumulate=1)
         with self.core.backward_context():
             precision.backward(tensor, module, *args, **kwargs)
@@ -348,6 +352,9 @@ class ParaStrategy(ParallelStrategy):
         if self.core.compile_watch is not None:
             self.core.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
         self._step += 1
+        integrity = self.core.integrity
+        if integrity is not None and integrity.due(self._step) and self._module is not None:
+            self.check_integrity(self._module)  # `integrity_check_every_n_steps`, after the step's ZeRO gather
         return output
 
     def _report_forward(self, module: nn.Module, args: Any) -> None:

@@ -19,7 +19,14 @@ import pytest
 
 import torch
 
-from tests.fabric_loop import fabric_job, fabric_load_params_job, fabric_reference, mean_over_dp, trainer_job
+from tests.fabric_loop import (
+    fabric_job,
+    fabric_load_params_job,
+    fabric_reference,
+    fabric_reliability_job,
+    mean_over_dp,
+    trainer_job,
+)
 from tests.parity import FP32_RTOL, assert_losses_close
 
 GLOBAL_BATCH = 8
@@ -194,3 +201,13 @@ def test_bf16_true_zero3_fabric_equals_the_trainer(pools):
     fabric = pools.get(2).run(fabric_job, "recipe", {"dp": 2, "zero": 3, "precision": "bf16-true"}, GLOBAL_BATCH)
     trainer = pools.get(2).run(trainer_job, {"dp": 2, "zero": 3, "precision": "bf16-true"}, GLOBAL_BATCH, loss_fp32=True, init_in_half=True)
     assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
+
+
+# ----------------------------------------------------------------------------- reliability under Fabric
+def test_non_finite_loss_stops_every_rank_and_integrity_reports_a_flipped_replica(pools):
+    results = pools.get(2).run(fabric_reliability_job, "nan")
+    for rank, result in enumerate(results):
+        assert "error" in result and "rank 1" in result["error"], (rank, result)
+        assert result["unchanged"], rank  # the optimizer did not step on non-finite gradients
+    results = pools.get(2).run(fabric_reliability_job, "flip")
+    assert results[0]["reports"] and "c_proj" in " ".join(results[0]["reports"])
