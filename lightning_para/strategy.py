@@ -38,6 +38,7 @@ import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
+from lightning_para.fabric.checkpoint import for_the_trainer
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import MemoryBreakdown, convert_sync_batchnorm
@@ -576,7 +577,8 @@ class ParaStrategy(ParallelStrategy):
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        return self.core.load_checkpoint(path, self.lightning_module, self._raw_optimizers())
+        # A Fabric checkpoint (lightning_para.fabric) loads too: its model and optimizers, the loops start afresh.
+        return for_the_trainer(self.core.load_checkpoint(path, self.lightning_module, self._raw_optimizers()))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

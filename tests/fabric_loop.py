@@ -147,12 +147,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def train(
     fabric: L.Fabric, model: nn.Module, optimizer: Any, loader: Any, *, steps: int, accumulate: int,
     pipeline: bool, max_norm: float = 1.0, first_step: int = 0, save_at: Optional[int] = None,
-    save_path: Optional[str] = None,
+    save_path: Optional[str] = None, data_from_start: bool = False,
 ) -> list[float]:
     """LitGPT's inner loop: ``accumulate`` micro-steps, then clip and step. Returns each micro-step's loss."""
     losses = []
     batches = iter(loader)
-    for _ in range(first_step * accumulate):  # a resumed run starts where the saved one stopped
+    for _ in range(0 if data_from_start else first_step * accumulate):  # a resumed run continues the data
         next(batches)
     for step in range(first_step, steps):
         for micro in range(accumulate):
@@ -203,6 +203,7 @@ def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
     resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False, joint_setup: bool = False,
+    data_from_start: bool = False,
 ) -> dict[str, Any]:
     """``planted_sampler_per_process``: a planted bug, one sample stream per process instead of per dp rank
     (tensor-parallel ranks of one dp rank then compute on different samples)."""
@@ -226,7 +227,7 @@ def fabric_job(
         assert first == resume_step, (first, resume_step)
     losses = train(
         fabric, model, optimizer, loader, steps=steps, accumulate=accumulate,
-        pipeline=pipeline, first_step=first, save_at=save_at, save_path=save_path,
+        pipeline=pipeline, first_step=first, save_at=save_at, save_path=save_path, data_from_start=data_from_start,
     )
     result = {"losses": losses, "dp_rank": dims.local_rank("dp"), "dp": dims.dp, "rank": dist.get_rank()}
     if pipeline:  # the forward-only loss of the first batch, on every rank
@@ -288,7 +289,8 @@ def trainer_gpt(loss_fp32: bool = False) -> nn.Module:
 
 
 def trainer_job(strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
-                ckpt_dir: Optional[str] = None, loss_fp32: bool = False, init_in_half: bool = False) -> dict[str, Any]:
+                ckpt_dir: Optional[str] = None, loss_fp32: bool = False, init_in_half: bool = False,
+                resume: Optional[str] = None) -> dict[str, Any]:
     """Inside a worker: the Fabric loop's training under the Trainer's ParaStrategy (accumulation 2, clipping at
     norm 1); per-micro-step losses, and with ``ckpt_dir`` a checkpoint at the end and the full parameters."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -316,7 +318,7 @@ def trainer_job(strategy_kwargs: dict[str, Any], global_batch: int, *, steps: in
         **trainer_kwargs(**overrides),
     )
     dp = strategy.config.resolve_dp(dist.get_world_size())
-    trainer.fit(module, datamodule=ShardedData(token_dataset, global_batch // dp))
+    trainer.fit(module, datamodule=ShardedData(token_dataset, global_batch // dp), ckpt_path=resume)
     params = full_parameters(module)
     return {"losses": recorder.losses, "dp_rank": strategy.parallel_dims.local_rank("dp"), "params": params}
 

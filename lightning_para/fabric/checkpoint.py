@@ -80,6 +80,17 @@ def to_trainer_format(
     return checkpoint
 
 
+def for_the_trainer(loaded: dict[str, Any]) -> dict[str, Any]:
+    """A Fabric checkpoint's non-tensor part as the Trainer's checkpoint connector reads it: Lightning's version
+    (its migrations key on it), no scheduler and no loop state, so ``trainer.fit(ckpt_path=...)`` takes the
+    model and the optimizers and starts its loops and schedulers afresh. A Trainer checkpoint passes unchanged."""
+    if FABRIC_KEYS not in loaded:
+        return loaded
+    from lightning.pytorch import __version__ as lightning_version
+
+    return {"pytorch-lightning_version": lightning_version, "lr_schedulers": [], **loaded}
+
+
 def to_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A :func:`to_trainer_format` dict holding full states (rank 0) in Fabric's single-file layout."""
     names = checkpoint.pop(FABRIC_KEYS)
@@ -133,4 +144,4 @@ def restore_other(state: dict[str, Any], parts: FabricState, loaded: dict[str, A
     return rest
 
 
-__all__ = ["FABRIC_KEYS", "FabricState", "from_full_file", "restore_other", "split_state", "to_fabric_file", "to_trainer_format"]
+__all__ = ["FABRIC_KEYS", "FabricState", "for_the_trainer", "from_full_file", "restore_other", "split_state", "to_fabric_file", "to_trainer_format"]

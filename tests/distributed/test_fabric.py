@@ -211,3 +211,16 @@ def test_non_finite_loss_stops_every_rank_and_integrity_reports_a_flipped_replic
         assert result["unchanged"], rank  # the optimizer did not step on non-finite gradients
     results = pools.get(2).run(fabric_reliability_job, "flip")
     assert results[0]["reports"] and "c_proj" in " ".join(results[0]["reports"])
+
+
+def test_trainer_resumes_from_a_fabric_checkpoint(pools, tmp_path):
+    """``trainer.fit(ckpt_path=<a Fabric checkpoint>)`` in another layout takes the model and optimizer state (its
+    loops start afresh, from the first batch): its losses equal a Fabric run resumed from the same checkpoint on
+    the same batches."""
+    path = str(tmp_path / "fabric")
+    pools.get(2).run(fabric_job, "recipe", {"dp": 2, "zero": 3}, GLOBAL_BATCH, steps=2, save_at=2, save_path=path)
+    fabric = pools.get(2).run(
+        fabric_job, "recipe", {"tp": 2}, GLOBAL_BATCH, steps=4, resume=path, resume_step=2, seed=5, data_from_start=True
+    )
+    trainer = pools.get(2).run(trainer_job, {"tp": 2}, GLOBAL_BATCH, steps=2, resume=path)
+    assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
