@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.sharpness import SHARP_STD
@@ -152,6 +153,9 @@ def train(
     """LitGPT's inner loop: ``accumulate`` micro-steps, then clip and step. Returns each micro-step's loss."""
     losses = []
     batches = iter(loader)
+    # ParaStrategy(loss_parallel=True): vocab-sharded logits, the cross-entropy inside the strategy's context.
+    loss_context = getattr(fabric.strategy, "loss_parallel", None)
+    sharded_loss = loss_context is not None and fabric.strategy.config.loss_parallel
     for _ in range(0 if data_from_start else first_step * accumulate):  # a resumed run continues the data
         next(batches)
     for step in range(first_step, steps):
@@ -162,6 +166,13 @@ def train(
                 if pipeline:
                     loss = fabric.strategy.pipeline_step(model, (inputs, targets), accumulate=accumulate)
                     fabric.backward(loss)
+                elif sharded_loss:
+                    logits = model(inputs)
+                    assert isinstance(logits, DTensor) and logits.placements[-1].is_shard(logits.ndim - 1), logits.placements
+                    with loss_context():
+                        loss = loss_fn(logits, targets)
+                    fabric.backward(loss / accumulate)
+                    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 else:
                     loss = loss_fn(model(inputs), targets)
                     fabric.backward(loss / accumulate)

@@ -51,6 +51,9 @@ def reference(model: str, steps: int = 4, fp8: bool = False) -> list[float]:
 LAYOUTS_2 = [
     pytest.param("recipe", {"tp": 2}, id="recipe-tp2"),
     pytest.param("recipe", {"tp": 2, "sequence_parallel": True}, id="recipe-tp2-sp"),
+    pytest.param("recipe", {"tp": 2, "zero": 3}, id="recipe-tp2-zero3"),
+    pytest.param("recipe", {"tp": 2, "loss_parallel": True}, id="recipe-tp2-loss-parallel"),
+    pytest.param("recipe", {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, id="recipe-tp2-sp-loss-parallel"),
     pytest.param("recipe", {"pp": 2}, id="recipe-pp2"),
     pytest.param("recipe", {"dp": 2, "zero": 3}, id="recipe-zero3"),
     pytest.param("litgpt", {"dp": 2, "zero": 3}, id="litgpt-zero3", marks=needs_litgpt),
