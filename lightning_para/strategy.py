@@ -181,7 +181,7 @@ class ParaStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        self.config = ParallelConfig(
+        config = ParallelConfig(
             dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
             sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan, tp_unplanned=tp_unplanned,
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
@@ -193,7 +193,7 @@ class ParaStrategy(ParallelStrategy):
         )
         # The layout, run guard and checkpoint IO; reliability options validated before any process group exists.
         self.core = ParaEngine(
-            self.config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
+            config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=on_sigterm,
         )
         if precision is not None:
@@ -247,8 +247,13 @@ class ParaStrategy(ParallelStrategy):
         return self.core.parallel_model
 
     @property
-    def _parallel(self) -> Optional[ParallelModel]:
-        return self.core.parallel
+    def config(self) -> ParallelConfig:
+        """The layout (``layout="auto"`` replaces it with the planner's choice at setup)."""
+        return self.core.config
+
+    @config.setter
+    def config(self, config: ParallelConfig) -> None:
+        self.core.config = config
 
     @property
     def compile_watch(self) -> Optional[CompileWatch]:
@@ -286,7 +291,6 @@ class ParaStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_dims(self, world_size: int) -> ParallelDims:
-        self.core.config = self.config  # layout="auto" may have replaced it
         return self.core.resolve_dims(world_size, devices_per_node=self.num_processes or None)
 
     def setup_environment(self) -> None:
