@@ -156,6 +156,8 @@ def train(
     # ParaStrategy(loss_parallel=True): vocab-sharded logits, the cross-entropy inside the strategy's context.
     loss_context = getattr(fabric.strategy, "loss_parallel", None)
     sharded_loss = loss_context is not None and fabric.strategy.config.loss_parallel
+    # ParaStrategy: MoE layers scale their aux-loss gradient over the accumulation as the loss is scaled.
+    backward_kwargs = {"accumulate": accumulate} if loss_context is not None else {}
     for _ in range(0 if data_from_start else first_step * accumulate):  # a resumed run continues the data
         next(batches)
     for step in range(first_step, steps):
@@ -171,11 +173,11 @@ def train(
                     assert isinstance(logits, DTensor) and logits.placements[-1].is_shard(logits.ndim - 1), logits.placements
                     with loss_context():
                         loss = loss_fn(logits, targets)
-                    fabric.backward(loss / accumulate)
+                    fabric.backward(loss / accumulate, **backward_kwargs)
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 else:
                     loss = loss_fn(model(inputs), targets)
-                    fabric.backward(loss / accumulate)
+                    fabric.backward(loss / accumulate, **backward_kwargs)
             losses.append(float(loss.detach()))
         fabric.clip_gradients(model, optimizer, max_norm=max_norm)
         optimizer.step()
@@ -257,6 +259,9 @@ def fabric_reference(
     model = build(None, model_name, empty_init=False)
     if fp8:
         model = to_float8_reference(model)
+    from lightning_para.moe import set_aux_loss_grad_scale
+
+    set_aux_loss_grad_scale(model, 1.0 / accumulate)  # MoE layers: their aux gradient scaled as the loss is
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))

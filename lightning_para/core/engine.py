@@ -312,7 +312,7 @@ class ParaEngine:
         precision.connect_layout(data_parallel, check_step=check_step if self.guard.active else None)
 
     # ------------------------------------------------------------------ backward and accumulation
-    def before_backward(self, module: nn.Module, precision: ParaPrecision, accumulate: int) -> None:
+    def before_backward(self, module: Optional[nn.Module], precision: ParaPrecision, accumulate: int) -> None:
         """Before a (non-pipeline) backward: gradients shown since the last step are settled (DDP: until
         ``zero_grad``), and MoE layers scale the aux-loss gradient they feed in backward as the loss is scaled
         (``moe.aux_loss_grad_scale``: times the 16-mixed loss scale, over ``accumulate`` micro-steps). Under
@@ -322,7 +322,7 @@ class ParaEngine:
             return
         if parallel.data_parallel is not None:
             parallel.data_parallel.before_backward()
-        if parallel.moe_layers and parallel.pipeline is None:
+        if parallel.moe_layers and parallel.pipeline is None and module is not None:
             loss_scale = precision.scale if precision.uses_loss_scaling else 1.0
             set_aux_loss_grad_scale(module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
 

@@ -304,7 +304,10 @@ class ParaStrategy(ParallelStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     # ------------------------------------------------------------------ steps
-    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, accumulate: int = 1, **kwargs: Any) -> None:
+        """``fabric.backward(loss)``. ``accumulate``: the micro-steps per optimizer step (``fabric.backward(loss / A,
+        accumulate=A)``), read by MoE layers, which feed their aux-loss gradient themselves and scale it as the
+        loss is scaled; without MoE layers it changes nothing."""
         self.core.report(f"backward and gradient sync (step {self._step})", exempt=self.core.compiling("backward", self._step))
         parallel = self.core.parallel
         if parallel is not None and parallel.pipeline is not None:
@@ -313,7 +316,7 @@ class ParaStrategy(ParallelStrategy):
             return
         precision = self.precision
         self.core.observe_loss(tensor, self._step)  # a device-side note of a non-finite local loss: no sync
-        self.core.before_backward(_unwrap(module) if module is not None else nn.Module(), precision, accumulate=1)
+        self.core.before_backward(_unwrap(module) if module is not None else self._module, precision, accumulate=accumulate)
         with self.core.backward_context():
             precision.backward(tensor, module, *args, **kwargs)
 
