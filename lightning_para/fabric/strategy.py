@@ -308,9 +308,9 @@ class ParaStrategy(ParallelStrategy):
         """``fabric.backward(loss)``. ``accumulate``: the micro-steps per optimizer step (``fabric.backward(loss / A,
         accumulate=A)``), read by MoE layers, which feed their aux-loss gradient themselves and scale it as the
         loss is scaled; without MoE layers it changes nothing."""
+        _check_accumulate("backward", accumulate)
         self.core.report(f"backward and gradient sync (step {self._step})", exempt=self.core.compiling("backward", self._step))
-        parallel = self.core.parallel
-        if parallel is not None and parallel.pipeline is not None:
+        if self.core.has_pipeline:
             # `pipeline_step` ran forward and backward of every microbatch: its gradients join `.grad` and sync.
             self.core.finish_pipeline_backward()
             return
@@ -327,8 +327,7 @@ class ParaStrategy(ParallelStrategy):
         ``fabric.no_backward_sync``); ``accumulate``: micro-steps before the optimizer step (each adds
         ``1/accumulate`` of its gradients; do not divide the loss yourself). The model states the split
         with ``configure_pipeline()`` (``docs/pipeline_parallel.md``)."""
-        if not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"pipeline_step(accumulate={accumulate!r}): pass the number of micro-steps, an int >= 1.")
+        _check_accumulate("pipeline_step", accumulate)
         self.core.report(f"pipeline step (step {self._step})", exempt=self.core.compiling("pipeline step", self._step))
         module = _unwrap(module)
         batch = self.batch_to_device(batch)
@@ -483,6 +482,11 @@ class _ParaBackwardSyncControl(_BackwardSyncControl):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return self._core.accumulation_no_sync() if enabled else contextlib.nullcontext()
+
+
+def _check_accumulate(method: str, accumulate: Any) -> None:
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"{method}(accumulate={accumulate!r}): pass the number of micro-steps per optimizer step, an int >= 1.")
 
 
 def _pipeline_forward_error(module: nn.Module, args: Any) -> None:
