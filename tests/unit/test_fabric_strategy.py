@@ -107,3 +107,12 @@ def test_module_init_context_meta_with_empty_init():
     with strategy.module_init_context(empty_init=False):
         layer = nn.Linear(2, 2)
     assert layer.weight.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("accumulate", [0, -1, 1.5, True])
+def test_accumulate_is_checked_before_any_work(accumulate):
+    strategy = ParaStrategy()
+    with pytest.raises(ValueError, match="accumulate="):
+        strategy.pipeline_step(nn.Linear(2, 2), None, accumulate=accumulate)
+    with pytest.raises(ValueError, match="accumulate="):
+        strategy.backward(torch.zeros(()), None, accumulate=accumulate)
