@@ -58,8 +58,8 @@ def litgpt_gpt() -> nn.Module:
 
 
 class PipelinedLitGPT(nn.Module):
-    """LitGPT's ``GPT`` with the one-line pipeline contract (``lightning_para.integrations.litgpt.pipeline_spec``,
-    issue 34): what a Fabric user adds for ``pp > 1``."""
+    """LitGPT's ``GPT`` with the one-line pipeline contract (``lightning_para.integrations.litgpt.pipeline_spec``):
+    what a Fabric user adds for ``pp > 1``."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -4,9 +4,9 @@ Each layout runs ``fabric.init_module(empty_init=True)`` -> ``fabric.setup`` -> 
 -> ``fabric.setup_dataloaders`` -> 2 accumulation micro-steps under ``fabric.no_backward_sync`` ->
 ``fabric.backward`` -> ``fabric.clip_gradients`` -> ``optimizer.step()`` on real gloo ranks, and its
 per-micro-step loss (the mean over dp ranks) must equal the same loop on one device with the global
-batch within ``FP32_RTOL`` (1e-5 relative: fp32 reductions in another order). LitGPT's ``GPT`` runs
-the data-parallel layouts; this repo's GPT recipe the tensor, sequence and pipeline layouts (LitGPT's
-fused GQA attention under tp is issue 34's integration). Resume: ``fabric.save`` at step 4 and
+batch within ``FP32_RTOL`` (1e-5 relative: fp32 reductions in another order). LitGPT's ``GPT`` (GQA;
+under tp and pp through ``lightning_para.integrations.litgpt``) and this repo's GPT recipe run every
+acceptance layout; the recipe also the other families. Resume: ``fabric.save`` at step 4 and
 ``fabric.load`` into a model initialised with another seed continue with the uninterrupted run's
 losses (1e-6 into the same layout, 1e-5 into another).
 """
@@ -31,12 +31,7 @@ from tests.parity import FP32_RTOL, assert_losses_close
 
 GLOBAL_BATCH = 8
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-needs_litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed")
-# LitGPT's fused GQA attention under tp and its pipeline contract come with its integration (issue 34).
-HAS_LITGPT_INTEGRATION = HAS_LITGPT and importlib.util.find_spec("lightning_para.integrations.litgpt") is not None
-needs_litgpt_integration = pytest.mark.skipif(
-    not HAS_LITGPT_INTEGRATION, reason="pending issue 34: lightning_para.integrations.litgpt (LitGPT under tp and pp)"
-)
+needs_litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install lightning-para[litgpt])")
 
 _REFERENCES: dict[tuple[str, int, bool], list[float]] = {}
 
@@ -61,9 +56,9 @@ LAYOUTS_2 = [
     pytest.param("recipe", {"dp": 2, "zero": 3}, id="recipe-zero3"),
     pytest.param("litgpt", {"dp": 2, "zero": 3}, id="litgpt-zero3", marks=needs_litgpt),
     pytest.param("litgpt", {"dp": 2, "zero": 1}, id="litgpt-zero1", marks=needs_litgpt),
-    pytest.param("litgpt", {"tp": 2}, id="litgpt-tp2", marks=needs_litgpt_integration),
-    pytest.param("litgpt", {"tp": 2, "sequence_parallel": True}, id="litgpt-tp2-sp", marks=needs_litgpt_integration),
-    pytest.param("litgpt_pp", {"pp": 2}, id="litgpt-pp2", marks=needs_litgpt_integration),
+    pytest.param("litgpt", {"tp": 2}, id="litgpt-tp2", marks=needs_litgpt),
+    pytest.param("litgpt", {"tp": 2, "sequence_parallel": True}, id="litgpt-tp2-sp", marks=needs_litgpt),
+    pytest.param("litgpt_pp", {"pp": 2}, id="litgpt-pp2", marks=needs_litgpt),
 ]
 
 
@@ -152,7 +147,7 @@ def test_zz_hybrid_sharding(pools):
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-@pytest.mark.parametrize("model", ["recipe", pytest.param("litgpt", marks=needs_litgpt_integration)])
+@pytest.mark.parametrize("model", ["recipe", pytest.param("litgpt", marks=needs_litgpt)])
 def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero, model):
     results = pools.get(4).run(fabric_job, model, {"dp": 2, "tp": 2, "zero": zero}, GLOBAL_BATCH)
     assert_losses_close(mean_over_dp(results), reference(model), rtol=FP32_RTOL)
