@@ -451,3 +451,18 @@ def load_raw_module_state_job(tmp: str) -> dict[str, Any]:
         fabric.load_raw(path, model, strict=True)
     fabric.load_raw(path, model, strict=False)
     return {"ok": True}
+
+
+# ----------------------------------------------------------------------------- collectives
+def collectives_job() -> dict[str, Any]:
+    """``fabric.all_reduce`` / ``all_gather`` / ``broadcast`` / ``barrier`` over the world, as Lightning's strategies."""
+    fabric = _fabric({"tp": 2})
+    rank = fabric.global_rank
+    value = torch.tensor([float(rank + 1)])
+    fabric.barrier()
+    return {
+        "mean": fabric.all_reduce(value.clone()).item(),
+        "sum": fabric.all_reduce(value.clone(), reduce_op="sum").item(),
+        "gathered": fabric.all_gather(value.clone()).flatten().tolist(),
+        "broadcast": fabric.broadcast({"from": rank}, src=1),
+    }

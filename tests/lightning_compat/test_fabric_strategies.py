@@ -120,3 +120,9 @@ def test_reapply_compile(pools):
 
 def test_load_raw_module_state(pools, tmp_path):
     pools.get(2).run(jobs.load_raw_module_state_job, str(tmp_path))
+
+
+def test_collectives(pools):
+    out = pools.get(2).run(jobs.collectives_job)
+    for result in out:
+        assert result == {"mean": 1.5, "sum": 3.0, "gathered": [1.0, 2.0], "broadcast": {"from": 1}}
