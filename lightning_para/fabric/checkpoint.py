@@ -74,6 +74,11 @@ def to_trainer_format(
         checkpoint[name] = value
     if filter is not None and parts.module_key in filter:
         model_state = {k: v for k, v in model_state.items() if filter[parts.module_key](k, v)}
+    if filter is not None:  # Lightning's `filter`: per entry of `state`, on the top-level keys of its state dict
+        optimizer_states = [
+            {k: v for k, v in state.items() if filter[name](k, v)} if name in filter else state
+            for name, state in zip(parts.optimizer_keys, optimizer_states)
+        ]
     checkpoint["state_dict"] = model_state
     checkpoint["optimizer_states"] = optimizer_states
     checkpoint[FABRIC_KEYS] = {"module": parts.module_key, "optimizers": list(parts.optimizer_keys)}

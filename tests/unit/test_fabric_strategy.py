@@ -116,3 +116,15 @@ def test_accumulate_is_checked_before_any_work(accumulate):
         strategy.pipeline_step(nn.Linear(2, 2), None, accumulate=accumulate)
     with pytest.raises(ValueError, match="accumulate="):
         strategy.backward(torch.zeros(()), None, accumulate=accumulate)
+
+
+def test_save_filter_applies_to_every_entry():
+    """Lightning's `filter` semantics: per entry of `state`, on its state dict's keys (model, optimizer, others)."""
+    from lightning_para.fabric.checkpoint import split_state, to_fabric_file, to_trainer_format
+
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = split_state({"model": model, "optimizer": optimizer, "extra": {"a": 1, "b": 2}}, lambda x: x, "save")
+    keep = {"model": lambda k, v: "bias" in k, "optimizer": lambda k, v: k == "param_groups", "extra": lambda k, v: k == "a"}
+    out = to_fabric_file(to_trainer_format(parts, model.state_dict(), [optimizer.state_dict()], keep))
+    assert set(out["model"]) == {"bias"} and set(out["optimizer"]) == {"param_groups"} and out["extra"] == {"a": 1}
