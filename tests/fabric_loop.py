@@ -246,6 +246,10 @@ def fabric_job(
     if pipeline:  # the forward-only loss of the first batch, on every rank
         inputs, targets = next(iter(loader))
         result["eval_loss"] = float(fabric.strategy.pipeline_eval_step(model, (inputs, targets)))
+        try:  # no rank holds the whole model: a direct call says what to call instead
+            model(inputs)
+        except RuntimeError as error:
+            result["direct_call"] = str(error)
     return result
 
 

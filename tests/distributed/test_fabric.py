@@ -103,6 +103,7 @@ def test_pipeline_eval_step_is_the_forward_loss(pools):
     """``pipeline_eval_step`` after training: the same value on both pipeline ranks, and finite."""
     results = pools.get(2).run(fabric_job, "recipe", {"pp": 2}, GLOBAL_BATCH, steps=1)
     assert results[0]["eval_loss"] == results[1]["eval_loss"] and 0 < results[0]["eval_loss"] < 20
+    assert all("pipeline_step(model, batch)" in r["direct_call"] for r in results)
 
 
 def test_planted_bug_sampler_per_process_fails_parity(pools):
