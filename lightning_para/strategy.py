@@ -499,7 +499,7 @@ class ParaStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._guard.settle()  # the last step's finite check (read a step late)
+        self.core.guard.settle()  # the last step's finite check (read a step late)
         step = self.lightning_module.trainer.global_step
         integrity = self.core.integrity
         if integrity is not None and step != integrity.last_checked_step:
@@ -564,7 +564,6 @@ class ParaStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        self._guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
         path, token = self.broadcast((str(filepath), ckpt.new_token()))
         self.core.save_checkpoint(

@@ -446,6 +446,7 @@ class ParaEngine:
     def save_checkpoint(self, path: Path, token: str, checkpoint: dict[str, Any], *, sharded: bool, module: Optional[nn.Module], step: int) -> None:
         """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically, with
         checksums; ``path`` and ``token`` are rank 0's, broadcast by the front end (collective)."""
+        self.guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
         if module is not None:
             # What integrations record about the model (transformers: each model's class and config).
             checkpoint.update(ckpt.model_info(module))
