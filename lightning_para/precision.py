@@ -261,12 +261,12 @@ class ParaPrecision(Precision):
                 self._growth_tracker = 0
 
     # ---------------------------------------------------------------- clipping
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> Tensor:
+        """Clip to the true global norm over every shard (dp, tp, pp, ep); returns that norm before clipping."""
         params = list(self.main_params(optimizer))
         if self._grad_replication is None:
-            clip_grads_by_global_norm(params, float(clip_val))
-        else:
-            clip_grads_by_global_norm(params, float(clip_val), replication=self._grad_replication)
+            return clip_grads_by_global_norm(params, float(clip_val), norm_type)
+        return clip_grads_by_global_norm(params, float(clip_val), norm_type, replication=self._grad_replication)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grads_by_value(self.main_params(optimizer), float(clip_val))

@@ -1,10 +1,11 @@
 """``ParaStrategy``: Lightning glue around one device mesh and :func:`~lightning_para.parallelize`.
 
-It does only what Lightning needs from a strategy: validate the layout before any process
-starts work, build the mesh, let ``configure_model`` see it, parallelize the model, route
-steps (through the pipeline schedule or FSDP2's root), skip gradient sync while
-accumulating, and save/load sharded checkpoints. Each dimension lives in its own module
-under :mod:`lightning_para.parallel`.
+It does only what Lightning needs from a strategy, and delegates each piece to the
+framework-neutral engine (:class:`lightning_para.core.ParaEngine`, shared with Fabric's
+``lightning_para.fabric.ParaStrategy``): validate the layout before any process starts work,
+build the mesh, let ``configure_model`` see it, parallelize the model, route steps (through the
+pipeline schedule or FSDP2's root), skip gradient sync while accumulating, and save/load sharded
+checkpoints. Each dimension lives in its own module under :mod:`lightning_para.parallel`.
 
 Why this module is long: it implements Lightning's whole ``Strategy`` interface (some forty
 hooks and properties); each is a few lines that delegate to a dimension's package.
@@ -13,7 +14,6 @@ hooks and properties); each is a few lines that delegate to a dimension's packag
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
@@ -37,27 +36,18 @@ from torch import Tensor, nn
 
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
-from lightning_para._dtensor import plain_step_output
-from lightning_para.checkpoint.pretrained import load_pretrained_into, materialize_for_loading, pending_weights, real_buffers
 from lightning_para.config import ParallelConfig
+from lightning_para.core import ParaEngine
+from lightning_para.fabric.checkpoint import for_the_trainer
 from lightning_para.mesh import ParallelDims
-from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
-from lightning_para.parallel.data import DataParallel, MemoryBreakdown, convert_sync_batchnorm
-from lightning_para.parallel.fp8 import precompute_float8_scales
+from lightning_para.parallel.data import MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.parallel.pipeline import PipelineStats
-from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
-from lightning_para.parallelize import ParallelModel, parallelize
+from lightning_para.parallelize import ParallelModel
 from lightning_para.auto_layout import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
-from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
-from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info, save_hpc_checkpoint
-from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
+from lightning_para.reliability.preemption import save_hpc_checkpoint
 from lightning_para.threads import apply_thread_budget, available_cores
-
-# The layout each LightningModule was parallelized with, so a second `fit`/`test` on the same
-# module reuses it (a module is parallelized in place, once). Weak: it keeps no module alive.
-_PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, ParallelModel]" = weakref.WeakKeyDictionary()
 
 
 class ParaStrategy(ParallelStrategy):
@@ -196,7 +186,7 @@ class ParaStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        self.config = ParallelConfig(
+        config = ParallelConfig(
             dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
             sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan, tp_unplanned=tp_unplanned,
             loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
@@ -206,16 +196,12 @@ class ParaStrategy(ParallelStrategy):
             cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard,
             layout=layout, layout_memory_gb=layout_memory_gb, compile=compile, fp8=fp8,
         )
-        # Reliability options (issue 14), validated before any process group exists.
-        check_integrity_options(integrity_check_every_n_steps, integrity_action)
-        check_watchdog_timeout(watchdog_timeout, timeout)
-        self._watchdog_timeout = watchdog_timeout
-        self.checkpoint_run = ckpt.CheckpointRun(run_id)  # which run saves; rank 0's hold on its checkpoint folders
-        self._watchdog: Optional[Watchdog] = None
-        self._integrity = (
-            IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
+        # The layout, run guard and checkpoint IO; reliability options validated before any process group exists.
+        self.core = ParaEngine(
+            config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
+            watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=on_sigterm,
+            run_id=run_id,
         )
-        self._guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # issue 24: NaN stop, SIGTERM
         if precision is not None:
             if precision_plugin is not None:
                 raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
@@ -228,11 +214,7 @@ class ParaStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
-        self._dims: Optional[ParallelDims] = None
-        self._parallel: Optional[ParallelModel] = None
         self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
-        self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles (issue 25)
-        self._compiled_phases: set[str] = set()  # compile=True: step kinds that ran once (compiled) already
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -263,16 +245,26 @@ class ParaStrategy(ParallelStrategy):
     @property
     def parallel_dims(self) -> ParallelDims:
         """Degrees and mesh of this run (available from ``setup_environment`` on)."""
-        if self._dims is None:
-            raise RuntimeError("The parallel layout is resolved when the Trainer sets up the strategy.")
-        return self._dims
+        return self.core.parallel_dims
 
     @property
     def parallel_model(self) -> ParallelModel:
         """The typed record of what was applied to the model (available from ``setup`` on)."""
-        if self._parallel is None:
-            raise RuntimeError("The model is parallelized when the Trainer sets up the strategy.")
-        return self._parallel
+        return self.core.parallel_model
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The layout (``layout="auto"`` replaces it with the planner's choice at setup)."""
+        return self.core.config
+
+    @config.setter
+    def config(self, config: ParallelConfig) -> None:
+        self.core.config = config
+
+    @property
+    def compile_watch(self) -> Optional[CompileWatch]:
+        """``compile=True``: the compiled block graphs and their recompilations (issue 25)."""
+        return self.core.compile_watch
 
     @property
     def device_mesh(self):
@@ -305,10 +297,7 @@ class ParaStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_dims(self, world_size: int) -> ParallelDims:
-        dims = self.config.resolve_dims(world_size, devices_per_node=self.num_processes or None)
-        if self._dims is None or self._dims.shape != dims.shape:
-            self._dims = dims
-        return self._dims
+        return self.core.resolve_dims(world_size, devices_per_node=self.num_processes or None)
 
     def setup_environment(self) -> None:
         dims = self._resolve_dims(self.num_nodes * self.num_processes)  # raises before any collective
@@ -323,8 +312,7 @@ class ParaStrategy(ParallelStrategy):
         self._setup_distributed()
         if self.config.layout == "auto":  # the planner decides on rank 0 and broadcasts, before the mesh exists
             dims = self._plan_layout()
-        if dims.mesh is None:
-            dims.build_mesh(self.root_device.type)
+        dims = self.core.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
@@ -332,26 +320,15 @@ class ParaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ watchdog (issue 14)
     def _start_watchdog(self) -> None:
-        if self._watchdog_timeout is None or self.world_size < 2 or self._watchdog is not None:
-            return
-        token = self.broadcast(ckpt.new_token())  # the heartbeats' key namespace for this run, agreed at setup
-        self._watchdog = start_watchdog(self._watchdog_timeout, token)
-        self._report("setup", exempt=True)
+        self.core.start_watchdog(self.world_size, self.broadcast)
 
     def _report(self, what: str, exempt: bool = False) -> None:
         """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
-        if self._watchdog is not None:
-            self._watchdog.progress(what, exempt)
+        self.core.report(what, exempt)
 
     def _compiling(self, phase: str) -> bool:
-        """Under compile, the first optimizer step and the first call of each other step kind compile the
-        blocks (minutes with inductor on a large model, at different times on different ranks): exempt
-        from the watchdog, like setup. Later recompilations are not."""
-        if self.compile_watch is None:
-            return False
-        first = phase not in self._compiled_phases
-        self._compiled_phases.add(phase)
-        return first or self._global_step() <= 0
+        """Compiling steps are exempt from the watchdog (:meth:`ParaEngine.compiling`)."""
+        return self.core.compiling(phase, self._global_step())
 
     def _global_step(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -359,19 +336,10 @@ class ParaStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if self._watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
-            if isinstance(exception, Preempted):  # every rank agreed to stop here: a finished run, no failure
-                self._watchdog.stop()
-            else:
-                self._watchdog.failed(exception)
-            self._watchdog = None
+        self.core.on_exception(exception)
 
     def teardown(self) -> None:
-        self._guard.restore_signal_handler()
-        self.checkpoint_run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        self.core.teardown()
         # Unlike the base class, leave the (sharded) model where it is: moving DTensors to CPU
         # would detach them from their mesh.
         ModelParallelStrategy.teardown(self)
@@ -408,51 +376,21 @@ class ParaStrategy(ParallelStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         self._report("setup: parallelize the model", exempt=True)
-        existing = _PARALLELIZED.get(module)
-        if existing is None:
-            # Pretrained weights the module asks for are read after parallelizing: each rank reads its slices only.
-            weights = pending_weights(module) if any(p.is_meta for p in module.parameters()) else None
-            kept_buffers = real_buffers(module) if weights is not None else {}
-            if weights is not None and self.config.zero < 3 and not self.parallel_dims.pp_enabled:
-                # ZeRO 0-2 replicate the weights over dp: empty storage now (no random init), read after tp.
-                materialize_for_loading(module, self.root_device, kept_buffers)
-            elif weights is None and not self.parallel_dims.pp_enabled:  # a pipeline split builds only its stages
-                _materialize_distributed_module(module, self.root_device)
-                module.to(self.root_device)
-            self._sync_batchnorm(module)
-            self._parallel = parallelize(
-                module, self.parallel_dims, self.config,
-                param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
-            )
-            if weights is not None:
-                materialize_for_loading(module, self.root_device, kept_buffers)
-                self._report("setup: load pretrained weights, each rank its own slices", exempt=True)
-                load_pretrained_into(module, weights)
-            _PARALLELIZED[module] = self._parallel
-            if self._parallel.compiled:  # counts from here: the first compilation of each block class is expected
-                types = sorted({t for info in self._parallel.compiled for t in info.block_types})
-                self.compile_watch = CompileWatch(types)
-        else:
-            self._check_same_layout(existing)
-            self._parallel = existing
-            self._sync_batchnorm(module)  # a no-op if converted before; a clear error if FSDP2 holds plain BatchNorms
+        # Materialised (or, with pretrained weights pending, loaded after parallelizing: each rank its own
+        # slices); BatchNorms converted before sharding. A module set up before keeps its layout (and its
+        # converted BatchNorms; a clear error if FSDP2 holds plain ones).
+        self.core.parallelize(module, self.root_device, precision, before=self._sync_batchnorm)
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            ckpt.begin_run(self.checkpoint_run, trainer)  # the checkpoint folders held from the start, leftovers swept
+            ckpt.begin_run(self.core.checkpoint_run, trainer)  # the checkpoint folders held from the start, leftovers swept
             self.setup_optimizers(trainer)
             self._attach_optimizers()
             # Wrap again: a LightningOptimizer's class is made from its optimizer's class, which ZeRO-1/2 just
             # subclassed (`zero_grad` also drops the gradients shown in `p.grad`).
             self.optimizers = self._raw_optimizers()
         self.setup_precision_plugin()
-        pipeline = self._parallel.pipeline
-        self._guard.connect(self.root_device, pipeline_rank_info(self.parallel_dims.mesh))
-        if pipeline is not None:  # which stage produced a NaN first: each stage's forward output is checked
-            self._guard.watch_stage_outputs(
-                ((m.stage_index, m) for m in pipeline.stage_modules), self._global_step, lambda: pipeline.inferring_shapes
-            )
-        precision.connect_layout(self._data_parallel(), check_step=self._check_step if self._guard.active else None)
+        self.core.connect(self.root_device, precision, self._global_step, self._check_step)
 
     def _sync_batchnorm(self, module: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the dp group, on any device
@@ -465,140 +403,55 @@ class ParaStrategy(ParallelStrategy):
         else:
             layer_sync.apply(module)  # the user's own LayerSync plugin decides (in place)
 
-    def _check_same_layout(self, existing: ParallelModel) -> None:
-        old, new = existing.config, self.config
-        if (existing.dims.shape, old.zero) != (self.parallel_dims.shape, new.zero):
-            raise ValueError(
-                "This LightningModule was already parallelized by another ParaStrategy with a different layout"
-                f" (pp={existing.dims.pp}, dp={existing.dims.dp}, tp={existing.dims.tp}, ep={existing.dims.ep},"
-                f" cp={existing.dims.cp}, dp_replicate={existing.dims.dp_replicate},"
-                f" zero={old.zero}). Create a new module instance (or load a checkpoint into one) for a new layout."
-            )
-        self._dims = existing.dims
-
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         # Re-created for every fit: ZeRO edits the optimizer's param groups in place.
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
 
-    def _data_parallel(self) -> DataParallel:
-        data_parallel = self.parallel_model.data_parallel
-        assert data_parallel is not None
-        return data_parallel
-
     def _attach_optimizers(self) -> None:
-        is_expert = self.parallel_model.expert_predicate()
-        float8 = self.parallel_model.float8
-        parts = self.parallel_model.parts
-        if float8 is not None and float8.fsdp_float8_all_gather:
-            # Before the first step too: FSDP2's own first cast reduces the weight amax over its dp mesh
-            # only, so a tp-sharded weight would get a per-tp-shard scale (2.7e-3 off one device under
-            # dp2 x tp2 ZeRO-3); the precomputed scale is the amax of the whole DTensor.
-            for part in parts:
-                precompute_float8_scales(part)
-        for optimizer in self._raw_optimizers():
-            self._data_parallel().attach_optimizer(optimizer, is_expert=is_expert)
-            step_mixed_groups_per_tensor(optimizer)  # after ZeRO, which may have put masters in the groups
-            if float8 is not None and float8.fsdp_float8_all_gather:
-                # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
-                optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])
+        self.core.attach_optimizers(self._raw_optimizers())
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
-        if self._parallel is not None and self._parallel.data_parallel is not None:
-            self._parallel.data_parallel.before_backward()  # gradients shown since the last step (DDP: until zero_grad)
-        self._set_moe_aux_grad_scale()
-
-    def _set_moe_aux_grad_scale(self) -> None:
-        """MoE layers feed their aux-loss gradient in backward themselves (see ``lightning_para.moe``);
-        scale it as Lightning scales the loss (``moe.aux_loss_grad_scale``: times the 16-mixed loss
-        scale, over the accumulation). Under pp the pipeline runner sets it before its schedule runs backward."""
-        parallel = self._parallel
-        if parallel is None or not parallel.moe_layers or parallel.pipeline is not None:
-            return
         module = self.lightning_module
-        precision = self.precision_plugin
+        # MoE aux-loss gradients are scaled as Lightning scales the loss: over the accumulation.
         accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
-        loss_scale = precision.scale if precision.uses_loss_scaling else 1.0
-        set_aux_loss_grad_scale(module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
+        self.core.before_backward(module, self.precision_plugin, accumulate)
 
     def finalize_gradients(self) -> None:
         """Finish any gradient communication still pending (before clipping or unscaling)."""
-        if self._parallel is not None and self._parallel.data_parallel is not None:
-            self._parallel.data_parallel.flush()
+        self.core.finalize_gradients()
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         self._report(f"{name} (global step {self._global_step()})", exempt=self._compiling(name))
-        cp = self._parallel.context if self._parallel is not None else None
-        if cp is None:
-            return self._run_parallel_step(name, context, *args, **kwargs)
-        # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
-        # across the cp group and cross-entropy covers the whole sequence, in every stage too.
-        # The first-step check runs the step twice more without gradients: not under pp (stages see activations),
-        # and not a manual-optimization training_step (it steps the optimizer itself; a validation step can check).
-        manual = name == "training_step" and not self.lightning_module.automatic_optimization
-        if not cp.positions_checked and self.config.cp_check and self._parallel.pipeline is None and not manual:
-            self._check_cp_positions(name, cp, args, kwargs)
-        args, kwargs = cp.split_step_inputs(self.lightning_module, args, kwargs)
-        mode = cp.mode()
-        with mode:
-            output = self._run_parallel_step(name, context, *args, **kwargs)
-        cp.check_attention_reached(mode)
-        return cp.gather_output(output) if name == "predict_step" else output
-
-    def _check_cp_positions(self, name: str, cp: Any, args: tuple, kwargs: dict) -> None:
-        """The first cp step: does the model compute under cp what it computes on the whole sequence?
-        (``parallel/context/check.py``: two forwards without gradients on a short prefix of the batch.)"""
-        contexts = {
-            "training_step": self.precision_plugin.train_step_context,
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }
-        batch = args[0] if args else kwargs.get("batch")
-
-        def run(step_batch: Any) -> Any:
-            step_args, step_kwargs = ((step_batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": step_batch})
-            return self._run_parallel_step(name, contexts[name](), *step_args, **step_kwargs)
-
-        multiple = self._parallel.dims.tp if self.config.sequence_parallel else 1
-        cp.check_positions(self.lightning_module, batch, run, sequence_multiple=multiple)
-
-    def _run_parallel_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        parallel = self._parallel
-        if parallel is not None and parallel.pipeline is not None:
-            precision = self.precision_plugin
-            with context:  # the runner enters the tensor-parallel contexts around its stages itself
-                return parallel.pipeline.run(
-                    name, module, args[0] if args else kwargs["batch"],
-                    loss_scale=precision.scale if precision.uses_loss_scaling else 1.0,
-                    gradient_sync=parallel.data_parallel,
-                )
-        # Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel; scalar DTensors become plain.
-        with context, loss_parallel_step(parallel is not None and parallel.loss_parallel):
-            data_parallel = parallel.data_parallel if parallel is not None else None
-            if data_parallel is not None and data_parallel.forward_through_root(module):
+        through_root = self.core.forward_through_root(module)
+
+        def call(*step_args: Any, **step_kwargs: Any) -> Any:
+            if through_root:
                 # Through the FSDP2 root's __call__, so its root pre/post-forward hooks run.
-                output = self._forward_redirection(module, module, name, *args, **kwargs)
-            else:
-                output = getattr(module, name)(*args, **kwargs)
-        return plain_step_output(output, gather=name == "predict_step")
+                return self._forward_redirection(module, module, name, *step_args, **step_kwargs)
+            return getattr(module, name)(*step_args, **step_kwargs)
+
+        precision = self.precision_plugin
+        # cp's first-step check runs the step twice more without gradients: not a manual-optimization
+        # training_step (it steps the optimizer itself; a validation step can check).
+        manual = name == "training_step" and not module.automatic_optimization
+        return self.core.run_step(
+            name, module, args, kwargs, context, call=call, precision=precision, check_cp=not manual,
+            check_contexts={
+                "training_step": precision.train_step_context, "validation_step": precision.val_step_context,
+                "test_step": precision.test_step_context, "predict_step": precision.predict_step_context,
+            },
+        )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-        if self.compile_watch is not None:
-            self.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
-        local = pipeline is None or pipeline.has_last  # under pp the loss is the last stage's, shared
-        if self._guard.active:  # device-side note of a non-finite local loss
-            self._guard.observe_loss(output, self._global_step(), local=local)
-        if self._integrity is not None and local:  # device-side note of a non-finite local loss: no sync, no collective
-            self._integrity.observe_loss(output, self.lightning_module.trainer.global_step)
+        self.core.after_training_step(output, self._global_step())  # notes of a non-finite loss, recompile storms
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -612,18 +465,15 @@ class ParaStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         self._report(f"backward and gradient sync (global step {self._global_step()})", exempt=self._compiling("backward"))
-        parallel = self._parallel
-        pipeline = parallel.pipeline if parallel is not None else None
-        if pipeline is None:
-            # Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too.
-            with loss_parallel_backward(parallel is not None and parallel.loss_parallel):
+        if not self.core.has_pipeline:
+            with self.core.backward_context():  # tensor parallel's loss-parallel kernels
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran forward and backward over every microbatch inside
         # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
         # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
         self.pre_backward(closure_loss)
         self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        pipeline.finish_backward(parallel.data_parallel)
+        self.core.finish_pipeline_backward()
         self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -632,17 +482,13 @@ class ParaStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: the first A-1 micro-steps follow data parallelism's accumulation
         policy (``zero_accumulation``; :meth:`DataParallel.accumulation_no_sync`)."""
-        data_parallel = self._parallel.data_parallel if self._parallel is not None else None
-        if data_parallel is None:
+        with self.core.accumulation_no_sync():
             yield
-        else:
-            with data_parallel.accumulation_no_sync():
-                yield
 
     # ------------------------------------------------------------------ non-finite values, SIGTERM (issue 24)
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._guard.start_fit(self.lightning_module.trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
+        self.core.guard.start_fit(self.lightning_module.trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
 
     def _save_preemption_checkpoint(self) -> str:
         """Always sharded, whatever ``save_distributed_checkpoint`` says: a sharded checkpoint resumes into
@@ -656,32 +502,31 @@ class ParaStrategy(ParallelStrategy):
     def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
         """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
         self._report(f"finite check (global step {self._global_step()})", exempt=self._compiling("finite check"))
-        self._guard.check(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
+        self.core.check_step(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
 
     # ------------------------------------------------------------------ integrity (issue 14)
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
         self._report(f"train batch {batch_idx} loaded (global step {step})", exempt=self._compiling("train batch"))
-        if self._integrity is not None and self._integrity.due(step):  # after the last step's ZeRO gather
+        integrity = self.core.integrity
+        if integrity is not None and integrity.due(step):  # after the last step's ZeRO gather
             self.check_integrity(step)
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._guard.settle()  # the last step's finite check (read a step late)
+        self.core.guard.settle()  # the last step's finite check (read a step late)
         step = self.lightning_module.trainer.global_step
-        if self._integrity is not None and step != self._integrity.last_checked_step:
+        integrity = self.core.integrity
+        if integrity is not None and step != integrity.last_checked_step:
             self.check_integrity(step)
 
     def check_integrity(self, step: Optional[int] = None) -> list[str]:
         """Compare every replicated tensor across its replicas now (collective; see ``docs/reliability.md``).
         Returns the findings; raises ``IntegrityError`` on one unless ``integrity_action="warn"``."""
-        parallel = self.parallel_model
-        checker = self._integrity or IntegrityChecker(1, "raise")
-        module, optimizers, dims = self.lightning_module, self._raw_optimizers(), self.parallel_dims
-        return checker.check_model(
-            module.trainer.global_step if step is None else step, module, optimizers, dims, self.root_device,
-            fully_sharded=parallel.fully_sharded, is_expert=parallel.expert_predicate(),
+        module = self.lightning_module
+        return self.core.check_integrity(
+            module.trainer.global_step if step is None else step, module, self._raw_optimizers(), self.root_device
         )
 
     # ------------------------------------------------------------------ introspection
@@ -692,34 +537,18 @@ class ParaStrategy(ParallelStrategy):
 
         The formulas' ``N`` is the number of ranks that *shard* the state: ``dp_shard x cp``
         (``edp x cp`` for experts); hybrid sharding's ``dp_replicate`` replicas hold copies."""
-        parallel = self._parallel
-        if parallel is None or parallel.data_parallel is None:
-            raise RuntimeError("memory_breakdown() is available once the Trainer has set up the strategy.")
-        module = self.lightning_module
-        first = next(iter(module.parameters()), None)
-        return parallel.data_parallel.memory_breakdown(
-            module, self._raw_optimizers(), param_bytes=first.element_size() if first is not None else 4,
-            master_dtype=self.precision_plugin.master_dtype, is_expert=parallel.expert_predicate(),
-        )
+        return self.core.memory_breakdown(self.lightning_module, self._raw_optimizers(), self.precision_plugin)
 
     def pipeline_stats(self) -> PipelineStats:
         """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),
         as a :class:`~lightning_para.parallel.pipeline.PipelineStats` record."""
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
-        if pipeline is None:
-            raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
-        return pipeline.stats()
+        return self.core.pipeline_stats()
 
     # ------------------------------------------------------------------ checkpoints
-    def _optim_views(self):
-        assert self._parallel is not None
-        return ckpt.optimizer_params(self.lightning_module, self._parallel.data_parallel, self.parallel_dims)
-
     def _sharded_parameters(self) -> None:
         """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
         ones the optimizer and checkpoints name (e.g. ModelCheckpoint saving after validation)."""
-        if self.lightning_module is not None and self._parallel is not None and self._parallel.data_parallel is not None:
-            self._parallel.data_parallel.reshard(self.lightning_module)
+        self.core.reshard(self.lightning_module)
 
     def on_validation_end(self) -> None:
         self._sharded_parameters()  # and the gathered head's memory is freed until the next forward
@@ -733,27 +562,14 @@ class ParaStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded (DTensors) on every rank; with ``save_distributed_checkpoint=False``, the full state as
         plain tensors on rank 0 and ``{}`` elsewhere (Lightning's contract; collective)."""
-        self._sharded_parameters()
-        if self.save_distributed_checkpoint:
-            return self.lightning_module.state_dict()
-        parallel = self._parallel
-        return ckpt.full_model_state(
-            self.lightning_module, parallel.data_parallel if parallel is not None else None, self.parallel_dims
-        )
+        return self.core.model_state(self.lightning_module, full=not self.save_distributed_checkpoint)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """By parameter name with global DTensors; with ``save_distributed_checkpoint=False``, PyTorch's own
         format with full plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        self._sharded_parameters()
-        state = ckpt.optimizer_state_dict(optimizer, self._optim_views())
-        pipeline = self._parallel.pipeline if self._parallel is not None else None
-        if pipeline is not None:  # each stage's optimizer names only its own parameters
-            state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
-        if not self.save_distributed_checkpoint:
-            return ckpt.full_optimizer_state(state, self.lightning_module, self.parallel_dims)
-        return state
+        return self.core.optimizer_state(self.lightning_module, optimizer, full=not self.save_distributed_checkpoint)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by `load_checkpoint`
@@ -764,18 +580,12 @@ class ParaStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        self._guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
         # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
-        path, token = self.broadcast((str(filepath), self.checkpoint_run.new_token()))
-        # What integrations record about the model (transformers: each model's class and config, so
-        # `integrations.transformers.export` can write a `from_pretrained` folder from this checkpoint alone).
-        if self.lightning_module is not None:
-            checkpoint.update(ckpt.model_info(self.lightning_module))
-        self._report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
-        ckpt.save_checkpoint(
-            Path(path), checkpoint, sharded=self.save_distributed_checkpoint, token=token, run=self.checkpoint_run
+        path, token = self.broadcast((str(filepath), self.core.checkpoint_run.new_token()))
+        self.core.save_checkpoint(
+            Path(path), token, checkpoint, sharded=self.save_distributed_checkpoint, module=self.lightning_module,
+            step=self._global_step(),
         )
-        self._report(f"checkpoint {path} saved (global step {self._global_step()})")
 
     def remove_checkpoint(self, filepath: Any) -> None:
         # Renamed away first, then deleted: a kill mid-delete never leaves a half checkpoint under its name.
@@ -787,24 +597,9 @@ class ParaStrategy(ParallelStrategy):
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         self._report(f"choosing the checkpoint for {checkpoint_path}", exempt=True)
         # "hpc"/"last" (Lightning's lookups) become this run's newest complete checkpoint, agreed from rank 0.
-        path = ckpt.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None), self.checkpoint_run)
-        self._report(f"loading checkpoint {path}", exempt=True)
-        parallel = self._parallel
-        # `trainer.test(ckpt_path=...)` may run under torch.inference_mode(): tensors DCP reads there could
-        # not be copied into parameters ("Cannot set version_counter for inference tensor").
-        self._sharded_parameters()
-        with torch.inference_mode(False), torch.no_grad():
-            return self._load_in_place(path, parallel)
-
-    def _load_in_place(self, path: Path, parallel: Optional[ParallelModel]) -> dict[str, Any]:
-        return ckpt.load_checkpoint_in_place(
-            path,
-            self.lightning_module,
-            self._raw_optimizers(),
-            self._optim_views(),
-            data_parallel=parallel.data_parallel if parallel is not None else None,
-            pipeline=parallel.pipeline if parallel is not None else None,
-        )
+        path = ckpt.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None), self.core.checkpoint_run)
+        # A Fabric checkpoint (lightning_para.fabric) loads too: its model and optimizers, the loops start afresh.
+        return for_the_trainer(self.core.load_checkpoint(path, self.lightning_module, self._raw_optimizers()))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

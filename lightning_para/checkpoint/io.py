@@ -324,6 +324,8 @@ def load_checkpoint_in_place(
     views: Mapping[int, OptimParam],
     data_parallel: Optional[DataParallel] = None,
     pipeline: Optional[PipelineRunner] = None,
+    strict: Optional[bool] = None,
+    convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
 ) -> dict[str, Any]:
     """What ``ParaStrategy.load_checkpoint`` does: load ``path`` into ``module`` and ``optimizers``
     in place and return the non-tensor part of the checkpoint.
@@ -338,7 +340,9 @@ def load_checkpoint_in_place(
     raises ``FileNotFoundError``, :class:`~.atomic.IncompleteCheckpointError` or
     :class:`~.atomic.CorruptCheckpointError` naming the path, the file and what is wrong, and the
     newest complete (and verified) checkpoint in the same folder.
-    Missing and unexpected model keys raise unless ``module.strict_loading`` is ``False``.
+    Missing and unexpected model keys raise unless ``strict`` (default: ``module.strict_loading``) is ``False``.
+    ``convert`` turns a single file written in another front end's layout (Fabric's ``{"model": ...,
+    "optimizer": ...}``) into Lightning's (``state_dict``, ``optimizer_states``) before it is loaded.
     """
     path = Path(path)
     problem = _from_rank0(lambda: _problem(path))
@@ -350,7 +354,8 @@ def load_checkpoint_in_place(
         raise atomic.CorruptCheckpointError(corrupt)
     if _is_rank0():
         warn_if_newer(path)
-    strict = getattr(module, "strict_loading", True)
+    if strict is None:
+        strict = getattr(module, "strict_loading", True)
     if path.is_dir():
         try:
             meta = torch.load(path / METADATA_FILENAME, weights_only=False)
@@ -374,6 +379,8 @@ def load_checkpoint_in_place(
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
         raise _unreadable(path, "the file", error) from error
+    if convert is not None:
+        checkpoint = convert(checkpoint)
     if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
         # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
         checkpoint = trainer_format(checkpoint)

@@ -18,6 +18,7 @@ from tests.distributed.test_context_parallel_training import test_cp2_composes_p
 from tests.distributed.test_context_parallel_training import test_cp2_parity_gpt_recipe as _cp
 from tests.distributed.test_data_parallel import test_parity_two_processes as _dp
 from tests.distributed.test_expert_parallel import test_ep2_dp4_parity_and_expert_data_parallel_groups as _ep_dp
+from tests.distributed.test_fabric import test_fabric_loop_matches_one_device as _fabric
 from tests.distributed.test_expert_parallel import test_ep2_parity_memory_and_communication as _ep
 from tests.distributed.test_hybrid_sharding import test_hsdp_parity as _hsdp
 from tests.distributed.test_pipeline_parallel import test_pp2_dp2_zero1_matches_single_device as _pp_dp
@@ -78,6 +79,11 @@ def test_litgpt_gqa_tensor_and_sequence_parallel(pools):
 def test_planted_position_bug_fails_parity(pools):
     """The parity check can fail: cp positions shifted by one (tests/distributed/test_planted_bugs.py)."""
     _planted(pools)
+
+
+def test_fabric_front_end_tp2_sequence_parallel(pools):
+    """Fabric's ParaStrategy: the LitGPT-style loop (accumulation, clipping) under tp2 + SP."""
+    _fabric(pools, "recipe", {"tp": 2, "sequence_parallel": True})
 
 
 # ----------------------------------------------------------------------------- compositions (4 processes)

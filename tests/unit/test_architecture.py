@@ -42,7 +42,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("calibrate", ("calibrate",)),
     ("simulate", ("simulate",)),
     ("observe", ("observe",)),
-    ("strategy", ("strategy", "auto_layout")),
+    ("core", ("core",)),
+    ("strategy", ("strategy", "auto_layout", "fabric")),
     ("tools", ("parity",)),
     ("integrations", ("integrations",)),
     ("api", ("",)),  # lightning_para/__init__.py: the public facade, wires the integrations in
@@ -408,7 +409,7 @@ def _zero_internals_used(tree: ast.AST) -> list[str]:
 
 
 def test_data_parallel_has_one_interface_that_the_strategy_uses():
-    """``strategy.py`` reads no ZeRO internals: it talks to ``DataParallel`` only; every implementation
+    """``strategy.py`` (and the core and Fabric front end) read no ZeRO internals: it talks to ``DataParallel`` only; every implementation
     of the interface is concrete and keeps the interface's signatures; ``apply_data_parallel`` returns one."""
     import inspect
 
@@ -420,8 +421,8 @@ def test_data_parallel_has_one_interface_that_the_strategy_uses():
         apply_data_parallel,
     )
 
-    tree = ast.parse((ROOT / "strategy.py").read_text())
-    assert _zero_internals_used(tree) == []
+    for front in ("strategy.py", "core/engine.py", "fabric/strategy.py"):  # the front ends and the core they share
+        assert _zero_internals_used(ast.parse((ROOT / front).read_text())) == [], front
     # The check sees the old forms.
     old = "def f(self):\n    self._parallel.zero.flush()\n    count_grad_replication(q, d, self._parallel.zero, e)\n"
     assert len(_zero_internals_used(ast.parse(old))) == 3

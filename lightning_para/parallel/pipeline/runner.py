@@ -128,25 +128,30 @@ class PipelineRunner:
     # ---------------------------------------------------------------- Lightning steps
     def run(
         self, step_name: str, module: nn.Module, batch: Any, *, loss_scale: float = 1.0,
-        gradient_sync: Optional[GradientSync] = None,
+        gradient_sync: Optional[GradientSync] = None, accumulate: Optional[int] = None,
     ) -> Any:
         """Run one Lightning step (``training_step``, ``validation_step``, ...) of ``module`` through the pipeline.
 
         ``loss_scale`` is the fp16 loss scale the backward starts from (1 without loss scaling);
-        ``gradient_sync`` is data parallelism, kept from syncing until :meth:`finish_backward`.
+        ``gradient_sync`` is data parallelism, kept from syncing until :meth:`finish_backward`;
+        ``accumulate``: the micro-steps whose gradients are summed before the optimizer steps (each
+        gets 1/accumulate of the loss); ``None``: the module's Trainer's ``accumulate_grad_batches``.
         """
         if step_name == "training_step":
-            return self._train_step(module, batch, loss_scale, gradient_sync)
+            return self._train_step(module, batch, loss_scale, gradient_sync, accumulate)
         if step_name in ("validation_step", "test_step"):
             return self._eval_step(module, batch, "val" if step_name == "validation_step" else "test")
         if step_name == "predict_step":
             return self._predict_step(batch)
         raise ValueError(f"The pipeline cannot run `{step_name}`.")
 
-    def _train_step(self, module: Any, batch: Any, loss_scale: float, gradient_sync: Optional[GradientSync]) -> Tensor:
+    def _train_step(
+        self, module: Any, batch: Any, loss_scale: float, gradient_sync: Optional[GradientSync], accumulate: Optional[int]
+    ) -> Tensor:
         inputs, targets = self._split(batch)
         trainer = getattr(module, "_trainer", None)
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if accumulate is None:
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         # Gradients of the batch mean, of 1/A of it under accumulation, times the fp16 loss scale:
         # exactly what Lightning's backward of `loss / A * scale` gives on one device.
         self._loss_factor = aux_loss_grad_scale(

@@ -1,0 +1,10 @@
+"""The framework-neutral core both front ends drive: :class:`ParaEngine` (``engine.py``).
+
+The Trainer's ``ParaStrategy`` (``lightning_para/strategy.py``) and Fabric's
+(``lightning_para/fabric/``) are adapters: each translates its framework's hooks into the
+engine's calls, and neither implements a dimension itself.
+"""
+
+from lightning_para.core.engine import ParaEngine
+
+__all__ = ["ParaEngine"]
