@@ -521,7 +521,8 @@ class GPT(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None  # private: see docs/architecture.md
         if strategy is None:
             return self(context)[:, length - 1]
-        dims = getattr(strategy, "_dims", None)
+        # ParaStrategy's public degrees (either front end); any other strategy runs the module whole.
+        dims = strategy.parallel_dims if hasattr(type(strategy), "parallel_dims") else None
         copies = 1
         if dims is not None and dims.pp > 1:
             copies = strategy.pipeline_stats().microbatches  # each microbatch needs one sample
