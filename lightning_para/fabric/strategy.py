@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_para import checkpoint as ckpt
+from lightning_para.checkpoint.run import RUN_KEY
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
 from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
@@ -453,7 +454,9 @@ class ParaStrategy(ParallelStrategy):
             return {}
         parts = split_state(state, _unwrap, "load_checkpoint")
         loaded = self.core.load_checkpoint(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
-        return restore_other(state, parts, dict(loaded), strict)
+        loaded = dict(loaded)
+        loaded.pop(RUN_KEY, None)  # which run saved it (checkpoint/run.py): the checkpoint's record, not the user's state
+        return restore_other(state, parts, loaded, strict)
 
     def _load_raw(self, path: Path, module: nn.Module, strict: bool) -> None:
         """``fabric.load_raw``: a sharded folder, a full checkpoint (Fabric's or the Trainer's), or a plain

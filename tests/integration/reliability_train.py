@@ -54,13 +54,17 @@ class StepLosses(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # "After step STEP" is sent as the next step starts: the same moment in a fresh run, and a run
+        # resumed at STEP can be signalled in its first step (the step guard reads the flag a step late).
+        if self.sigterm is not None and self.sigterm == (trainer.global_rank, trainer.global_step):
+            sys.stderr.write(f"[sigterm] rank {trainer.global_rank} sends itself SIGTERM after step {trainer.global_step}\n")
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
         # So far (a rank killed later still tells which steps it ran): rank<r>.steps.json.
         (self.out / f"rank{trainer.global_rank}.steps.json").write_text(json.dumps({"losses": self.losses}))
-        if self.sigterm is not None and self.sigterm == (trainer.global_rank, trainer.global_step):
-            sys.stderr.write(f"[sigterm] rank {trainer.global_rank} sends itself SIGTERM after step {trainer.global_step}\n")
-            os.kill(os.getpid(), signal.SIGTERM)
         if self.sleep:
             time.sleep(self.sleep)
 

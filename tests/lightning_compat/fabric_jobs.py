@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_para.checkpoint.run import RUN_KEY
 from tests.lightning_compat.common import FeedForward
 
 # Lightning's `_parallelize_feed_forward_tp`: w1, w2 column-wise, w3 row-wise.
@@ -199,7 +200,8 @@ def save_full_state_dict_job(tmp: str) -> dict[str, Any]:
     single = L.Fabric(accelerator="cpu", devices=1)
     single_model, single_optimizer = _train_single(single)
     metadata = single.load(checkpoint_path, {"model": single_model, "optimizer": single_optimizer})
-    assert metadata == {"steps": 1}
+    # Every checkpoint records the run that wrote it (issue 37); a plain Fabric returns that record as metadata.
+    assert metadata.pop(RUN_KEY)["run"] and metadata == {"steps": 1}
     assert all(torch.equal(p0, p1) for p0, p1 in zip(params_before, single_model.parameters()))
     normal_checkpoint_path = Path(fabric.broadcast(str(Path(tmp) / "normal-checkpoint.pt")))
     if fabric.global_rank == 0:
