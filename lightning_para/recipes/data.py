@@ -196,9 +196,7 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`data.{name}={value!r}` must be a positive integer.")
+        check_batch_shape(seq_len, global_batch_size)
         for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
             if not 0.0 < value < 0.5:
                 raise ValueError(f"`data.{name}={value!r}` must be in (0, 0.5).")
@@ -292,6 +290,13 @@ class TextDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("test", False)
+
+
+def check_batch_shape(seq_len: object, global_batch_size: object) -> None:
+    """``data.seq_len`` and ``data.global_batch_size`` are positive integers (``ValueError`` naming the argument)."""
+    for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`data.{name}={value!r}` must be a positive integer.")
 
 
 def data_parallel_replicas(trainer: object) -> dict[str, int]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_para.recipes.data import data_parallel_replicas
+from lightning_para.recipes.data import check_batch_shape, data_parallel_replicas
 from lightning_para.recipes.token_format import META_FILE, TokenCorpus, open_corpus
 from lightning_para.reliability.resumable_data import ResumableDataLoader
 
@@ -115,9 +115,7 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`data.{name}={value!r}` must be a positive integer.")
+        check_batch_shape(seq_len, global_batch_size)
         if not 0.0 <= val_fraction < 0.5:
             raise ValueError(f"`data.val_fraction={val_fraction!r}` must be in [0, 0.5).")
         self.path = path
