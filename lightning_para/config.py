@@ -7,27 +7,25 @@ Errors are ``ValueError`` naming the argument and what to choose instead.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Optional, Protocol, Union
+from collections.abc import Mapping
+from dataclasses import dataclass, field, make_dataclass, replace
+from typing import Any, Optional, Protocol
 
 from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims, check_expert_degree
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
+    LAYOUT_OPTIONS,
     PRECISIONS,
     TP_UNPLANNED,
     ZERO_STAGES,
     check_option,
     check_rules,
+    warn_rules,
 )
-from lightning_para.parallel.compile import compile_options
-from lightning_para.parallel.pipeline.schedules import schedule_info, validate_pipeline_config
+from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "PRECISIONS", "ParallelConfig", "StrategyLayout", "TP_UNPLANNED", "ZERO_STAGES"]
-
-Degree = Union[int, Literal["auto"]]
 
 
 class StrategyLayout(Protocol):
@@ -37,9 +35,15 @@ class StrategyLayout(Protocol):
     def strategy_kwargs(self) -> dict[str, Any]: ...
 
 
+# The fields are the one declaration's (lightning_para.options.LAYOUT_OPTIONS: name, type, default), in its order.
+_Options = make_dataclass("_Options", [(o.name, o.annotation, field(default=o.default)) for o in LAYOUT_OPTIONS])
+_Options.__module__ = __name__
+
+
 @dataclass
-class ParallelConfig:
-    """The parallel layout and the options of each dimension.
+class ParallelConfig(_Options):
+    """The parallel layout and the options of each dimension: one field per option of
+    :data:`lightning_para.options.LAYOUT_OPTIONS` (its name, type, default and meaning), checked there.
 
     Degrees multiply to the world size: ``pp * dp * cp * tp == world_size``. Expert parallelism
     lives *inside* data parallelism (``ep`` divides ``dp``): the ``dp`` ranks of one
@@ -47,121 +51,26 @@ class ParallelConfig:
     groups of ``ep`` ranks each, so ``ep`` adds no ranks of its own.
 
     Hybrid sharding splits ``dp = dp_replicate * dp_shard``: ZeRO state is sharded over
-    ``dp_shard`` and replicated over ``dp_replicate`` (then ``ep`` divides ``dp_shard``). ``dp``
-    alone means ``dp_shard = dp``. Context parallelism (``cp``) splits every sequence over its
-    own ranks; the cp ranks of a data-parallel rank see the same samples.
+    ``dp_shard`` and replicated over ``dp_replicate``. ``dp`` alone means ``dp_shard = dp``.
+    Context parallelism (``cp``) splits every sequence over its own ranks; the cp ranks of a
+    data-parallel rank see the same samples. ``loss_parallel="auto"`` becomes ``True`` here (the
+    Trainer's meaning); Fabric's front end passes ``False`` for it.
     """
 
-    dp: Degree = "auto"
-    # "auto": ModelParallelStrategy's meaning, the devices of one node (or what dp leaves, when dp is set).
-    tp: Degree = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    # --- data parallel ---
-    bucket_size_mb: float = 25.0
-    # "no_sync": accumulation micro-steps skip all gradient communication (the A-th reduces once).
-    # "reduce_each_step": ZeRO-2/3 reduce-scatter every micro-step so gradients stay sharded
-    # (communication grows with A, memory does not). "reduce_each_microbatch": ZeRO-2 also reduce-scatters
-    # each pipeline microbatch's gradients, stage by stage (parallel/data/zero.py).
-    zero_accumulation: str = "no_sync"
-    # ZeRO-3's FSDP2 units: "blocks" (embedding, norm and head one grouped unit: Lightning's recipe's
-    # collectives), "blocks_and_ends" (a unit each, torchtitan's), "auto" (by size; parallel/data/fsdp.py).
-    zero3_units: str = "auto"
-    # --- tensor parallel ---
-    sequence_parallel: bool = False
-    # Under SP, keep only the sequence shard of each sublayer's input for backward and
-    # all-gather it again there (Megatron-SP): less activation memory, one more all-gather
-    # per sublayer. False keeps the gathered input: the same bytes as TP, more memory.
-    sp_save_input_shard: bool = True
-    tp_plan: Optional[Mapping[str, Any]] = None
-    # An nn.Linear the plan does not cover: "error" (default) or "replicate" (whole on every tp rank).
-    tp_unplanned: str = "error"
-    loss_parallel: bool = True
-    activation_checkpointing: Optional[str] = None
-    # --- context parallel (issue 16) ---
-    cp: int = 1
-    cp_method: str = "ring"  # "ring" (K/V blocks peer-to-peer) or "all_to_all" (DeepSpeed-Ulysses)
-    cp_load_balance: bool = True  # head-tail chunks, so causal attention costs the same on every cp rank
-    # The first cp step checks that the model computes under cp what it computes on the whole
-    # sequence (positions, masks, labels: parallel/context/check.py) and raises naming the hook to write.
-    cp_check: bool = True
-    # --- hybrid sharded data parallel (issue 16): dp = dp_replicate x dp_shard ---
-    dp_replicate: Optional[int] = None
-    dp_shard: Optional[int] = None
-    # --- pipeline parallel ---
-    schedule: str = "1f1b"
-    microbatches: Optional[int] = None
-    virtual_stages: int = 1
-    pipeline_split: Optional[Sequence[int]] = None
-    pipeline_balance: str = "params"
-    # --- layout="auto" (issue 15): the planner picks what the user left at its default at setup ---
-    layout: Optional[str] = None
-    layout_memory_gb: Optional[float] = None  # memory per process the planner may fill (default: the device's)
-    # --- performance (issue 25) ---
-    # torch.compile each block (True: inductor, torch's defaults; a dict: torch.compile's keyword arguments).
-    compile: Union[bool, Mapping[str, Any]] = False
-    # torchao float8 training of the linears ("tensorwise" or "rowwise"; parallel/fp8.py), None: off.
-    fp8: Optional[str] = None
     # Microbatches per pipeline step once validated (``microbatches`` or the schedule's default).
     pipeline_microbatches: int = field(init=False, default=1)
 
     def __post_init__(self) -> None:
-        if self.dp != "auto":
-            check_option("dp", self.dp)
-        if self.tp != "auto":
-            check_option("tp", self.tp)
-        for name in ("pp", "ep", "cp", "virtual_stages"):
-            check_option(name, getattr(self, name))
-        check_option("tp_unplanned", self.tp_unplanned)
-        self._validate_context_and_hybrid()
-        for name in ("zero", "bucket_size_mb", "zero_accumulation"):
-            check_option(name, getattr(self, name))
-        check_rules({"zero_accumulation": self.zero_accumulation, "zero": self.zero})
-        check_option("zero3_units", self.zero3_units)
-        if self.zero3_units != "auto" and self.zero != 3:
-            warnings.warn(f"`zero3_units={self.zero3_units!r}` has no effect with zero={self.zero} (it chooses ZeRO-3's units).")
-        check_option("activation_checkpointing", self.activation_checkpointing)
-        if self.sequence_parallel and self.tp == 1:
-            warnings.warn("`sequence_parallel=True` has no effect with tp=1 (there is nothing to split the sequence over).")
-        check_option("schedule", self.schedule)
-        if self.microbatches is not None:
-            check_option("microbatches", self.microbatches)
-        if self.layout not in (None, "auto"):
-            raise ValueError(f"`layout={self.layout!r}` is unknown. Choose 'auto' (the planner picks) or None.")
-        if self.layout_memory_gb is not None and not (
-            isinstance(self.layout_memory_gb, (int, float)) and not isinstance(self.layout_memory_gb, bool)
-            and self.layout_memory_gb > 0
-        ):
-            raise ValueError(f"`layout_memory_gb={self.layout_memory_gb!r}` must be a positive number of GB.")
-        check_option("pipeline_balance", self.pipeline_balance)
-        compile_options(self.compile)  # ValueError naming `compile`
-        check_option("fp8", self.fp8)
-        if self.fp8 == "rowwise" and self.tp != 1:
-            raise ValueError(
-                f"`fp8='rowwise'` with `tp={self.tp}` is not supported: torchao's float8 tensor-parallel styles assume"
-                " tensorwise scales. Use fp8='tensorwise' with tp, or fp8='rowwise' with tp=1."
-            )
+        if self.loss_parallel == "auto":
+            self.loss_parallel = True
+        for option in LAYOUT_OPTIONS:  # each value, as the declaration says
+            check_option(option.name, getattr(self, option.name))
+        check_rules(self.__dict__)  # the rules between options (lightning_para.options.RULES)
+        warn_rules(self.__dict__)
         if self.pp > 1:
-            self._validate_pipeline()
+            self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
         if isinstance(self.dp, int):  # known now: fail at construction, not at launch
             check_expert_degree(self.ep, self.dp, self._replicas(self.dp))
-
-    def _validate_context_and_hybrid(self) -> None:
-        """cp, cp_method and the hybrid-sharding degrees (issue 16)."""
-        for name in ("cp_method", "cp_load_balance", "cp_check"):
-            check_option(name, getattr(self, name))
-        for name in ("dp_replicate", "dp_shard"):
-            if getattr(self, name) is not None:
-                check_option(name, getattr(self, name))
-        if self.cp > 1 and self.activation_checkpointing in ("selective", "selective_op"):
-            raise ValueError(
-                f"`activation_checkpointing={self.activation_checkpointing!r}` with `cp>1` is not supported: selective recomputation caches"
-                " the outputs of collectives, which would replay ring attention's point-to-point receives without"
-                " their sends. Use activation_checkpointing='full' (recomputes attention across the cp group) or None."
-            )
-        check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero,
-                     "layout": self.layout})
 
     def with_layout(self, layout: StrategyLayout) -> "ParallelConfig":
         """This config with a planner layout's degrees and options, validated again.
@@ -189,23 +98,6 @@ class ParallelConfig:
                 )
             return dp // self.dp_shard
         return 1
-
-    def _validate_pipeline(self) -> None:
-        if self.zero == 3:
-            raise ValueError(
-                "`zero=3` with `pp>1` is not supported: FSDP2 would all-gather a stage's parameters for every"
-                " microbatch's forward and backward (2m gathers per step instead of 2) and its reduce-scatter would"
-                " fire once per microbatch, or it keeps them gathered and saves nothing over ZeRO-2. Use zero=1"
-                " (or zero=2); each rank already holds only 1/pp of the model."
-            )
-        if self.compile and schedule_info(self.schedule).split_backward:
-            raise ValueError(
-                f"`compile=True` with `schedule={self.schedule!r}` is not supported: the schedule splits each backward"
-                " into input- and weight-gradient passes over the stage's autograd graph, which a compiled block"
-                " runs as one opaque node. Use schedule='1f1b' or 'interleaved' (or 'gpipe', 'looped_bfs') with"
-                " compile, or compile=False with this schedule."
-            )
-        self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
     def resolve_dims(self, world_size: int, devices_per_node: Optional[int] = None) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` takes what is left); raises ``ValueError``

@@ -1,23 +1,34 @@
-"""The layout's options declared once: the values each takes, its check, and the rules that involve several.
+"""The layout's options declared once: name, type, default, documentation, check, and the rules between them.
 
-``config.py`` (:class:`~lightning_para.config.ParallelConfig`, ParaStrategy's arguments), the planner's
-:class:`~lightning_para.plan.layout.Layout` and the ``--layout`` parser (:func:`~lightning_para.plan.run.parse_layout`)
-check a value with :func:`check_option` and the rules between values with :func:`check_rules`, so an option added
-here is known to all of them, with one message. A leaf: it imports only the dimension registries that own their names
-(``parallel/pipeline/schedules.py``, ``parallel/context/attention.py``, ``parallel/data/fsdp.py``,
-``parallel/activation_checkpoint.py``).
+:data:`LAYOUT_OPTIONS` is the one declaration. What comes from it:
+
+* :class:`~lightning_para.config.ParallelConfig`'s fields (names, types, defaults) and its checks;
+* the planner's :class:`~lightning_para.plan.layout.Layout`'s fields (the options it prices, under the same
+  names; a few with a planner's own type or default, named in ``plan/layout.py``) and its checks;
+* the ``--layout`` parser's keys and value checks (:func:`~lightning_para.plan.run.parse_layout`);
+* the ``Args`` section of both front ends' ``ParaStrategy`` (:func:`arguments_doc`). Their ``__init__``
+  (``core/arguments.py``) spells the same arguments out, because LightningCLI, ``help()`` and IDEs read an
+  explicit signature; ``tests/unit/test_options_once.py`` holds it to this declaration.
+
+The rules that involve several options (:data:`RULES`) are written once too: ``ParallelConfig`` raises
+on them, ``Layout`` on the ones without which it is no layout, and the planner lists the others as the
+reasons it excludes a layout (:func:`rule_problems`). A leaf of the ``config`` layer: it imports only the
+dimension registries that own their names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Optional
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Union
 
 from lightning_para.parallel.activation_checkpoint import MODES as _AC_MODES
+from lightning_para.parallel.compile import compile_options
 from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
 from lightning_para.parallel.data.fsdp import ZERO3_UNITS
 from lightning_para.parallel.fp8 import FP8_RECIPES as _FP8
-from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES
+from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, schedule_info
 
 # Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -43,99 +54,294 @@ FP8_RECIPES = (None, *_FP8)  # torchao float8 training (parallel/fp8.py); None: 
 
 assert set(PLANNED_SCHEDULES) <= set(SCHEDULES), "the planner prices a schedule ParaStrategy does not run"
 
-# ----------------------------------------------------------------------------- each option's check
-# Options taking one of a list of values.
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "schedule": SCHEDULES, "activation_checkpointing": ACTIVATION_CHECKPOINTING, "cp_method": CP_METHODS,
-    "zero_accumulation": ZERO_ACCUMULATION, "zero3_units": tuple(ZERO3_UNITS), "pipeline_balance": PIPELINE_BALANCE,
-    "fp8": FP8_RECIPES, "tp_unplanned": TP_UNPLANNED,
-}
-# Degrees and counts: positive integers (1 disables a dimension).
-DEGREES = ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "dp_shard", "virtual_stages", "microbatches")
-# True or False.
-FLAGS = ("sequence_parallel", "cp_load_balance", "cp_check", "sp_save_input_shard", "loss_parallel", "compile")
+Degree = Union[int, Literal["auto"]]
+Kind = Literal["degree", "flag", "choice", "zero", "number", "compile", "any"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout option.
+
+    ``kind`` says how a value is checked (:func:`check_option`): ``"degree"`` a positive integer,
+    ``"flag"`` a bool, ``"choice"`` one of ``choices``, ``"zero"`` a ZeRO stage, ``"number"`` a
+    positive number of ``unit``, ``"compile"`` :func:`~lightning_para.parallel.compile.compile_options`'
+    check, ``"any"`` unchecked here (checked where it is applied). ``also``: values taken besides
+    (``"auto"``, ``None``). ``not_planned``: why the planner's ``Layout`` has no such field (empty: it has).
+    """
+
+    name: str
+    annotation: Any
+    default: Any
+    doc: str
+    kind: Kind
+    choices: tuple[Any, ...] = ()
+    also: tuple[Any, ...] = ()
+    unit: str = ""
+    not_planned: str = ""
+
+
+# Order: the signature's (the first five positional, as in Lightning's ModelParallelStrategy's spirit).
+LAYOUT_OPTIONS: tuple[Option, ...] = (
+    Option("dp", Degree, "auto", "data-parallel degree; ``\"auto\"`` takes what is left of the world size.",
+           "degree", also=("auto",)),
+    Option("tp", Degree, 1, "tensor-parallel degree (innermost mesh dim: keep it within a node); ``\"auto\"`` as in"
+           " Lightning's ``ModelParallelStrategy``: the devices of one node (what dp leaves if dp is set).",
+           "degree", also=("auto",)),
+    Option("pp", int, 1, "pipeline-parallel degree (outermost mesh dim).", "degree"),
+    Option("ep", int, 1, "expert-parallel degree; must divide ``dp`` (experts are sharded inside dp).", "degree"),
+    Option("zero", int, 0, "ZeRO stage 0, 1, 2 or 3 over ``dp`` (over ``dp_shard x cp`` in general).", "zero",
+           ZERO_STAGES),
+    Option("cp", int, 1, "context-parallel degree: each sequence is split over ``cp`` ranks (load-balanced"
+           " head-tail chunks) and attention runs across them (``docs/context_parallel.md``).", "degree"),
+    Option("cp_method", str, "ring", "``\"ring\"`` (K/V blocks passed peer-to-peer) or ``\"all_to_all\"``"
+           " (DeepSpeed-Ulysses; heads must divide by ``cp x tp``).", "choice", CP_METHODS),
+    Option("cp_load_balance", bool, True, "head-tail chunks (``2 * cp`` must divide the sequence); ``False``:"
+           " contiguous slices (``cp`` must divide it; causal attention then costs more on late ranks).", "flag"),
+    Option("cp_check", bool, True, "before the first cp step, run a short prefix of the batch on the whole sequence"
+           " and under cp and raise if the attention inputs differ (positions built from the local chunk;"
+           " ``docs/context_parallel.md``). ``False`` skips it.", "flag",
+           not_planned="a first-step numerics check of the model under cp (parallel/context/check.py), not a layout"),
+    Option("dp_replicate", Optional[int], None, "hybrid sharded data parallel, ``dp = dp_replicate x dp_shard``:"
+           " ZeRO state replicated over ``dp_replicate`` (across nodes); needs ``zero >= 1``.", "degree",
+           also=(None,)),
+    Option("dp_shard", Optional[int], None, "the other factor of hybrid sharding: ZeRO state sharded over"
+           " ``dp_shard`` (within a node). ``dp`` alone means ``dp_shard = dp``.", "degree", also=(None,)),
+    Option("sequence_parallel", bool, False, "shard norms/dropout/residuals along the sequence over ``tp``.", "flag"),
+    Option("sp_save_input_shard", bool, True, "under sequence parallel, save only the sequence shard of each"
+           " sublayer input for backward and all-gather it again there (Megatron-SP; less memory, one more"
+           " all-gather per sublayer). ``False`` keeps the gathered input instead.", "flag"),
+    Option("tp_plan", Optional[Mapping[str, Any]], None, "module-name pattern -> parallel style; overrides the"
+           " model's declared plan.", "any", not_planned="the model's tensor-parallel plan (describe_module reads"
+           " the model)"),
+    Option("tp_unplanned", str, "error", "``\"error\"`` (default) for an ``nn.Linear`` no plan covers, or"
+           " ``\"replicate\"`` to keep such Linears whole on every tp rank.", "choice", TP_UNPLANNED,
+           not_planned="how the model's unplanned layers are handled (the model, not the layout)"),
+    Option("loss_parallel", Union[bool, Literal["auto"]], "auto", "vocab-parallel cross-entropy under ``tp`` (full"
+           " logits never gathered). ``\"auto\"``: on under the Trainer (the strategy computes ``training_step``"
+           " inside torch's ``loss_parallel`` context), off under Fabric (the loop computes the loss outside the"
+           " strategy; with ``True`` do it inside ``with strategy.loss_parallel():``).", "flag", also=("auto",)),
+    Option("activation_checkpointing", Optional[str], None, "``None``, ``\"full\"``, ``\"selective\"`` or"
+           " ``\"selective_op\"`` (torchtitan's per-op policy: every second matmul recomputed) per block; see"
+           " ``parallel/activation_checkpoint.py``.", "choice", ACTIVATION_CHECKPOINTING),
+    Option("schedule", str, "1f1b", "pipeline schedule (``\"gpipe\"``, ``\"1f1b\"``, ``\"interleaved\"``,"
+           " ``\"zero_bubble\"``, ...).", "choice", SCHEDULES),
+    Option("microbatches", Optional[int], None, "microbatches per pipeline step (default: ``pp * virtual_stages``,"
+           " one per stage).", "degree", also=(None,)),
+    Option("virtual_stages", int, 1, "stages per pipeline rank for interleaved schedules.", "degree"),
+    Option("pipeline_split", Optional[Sequence[int]], None, "explicit layer indices where stages start (instead of"
+           " balancing).", "any"),
+    Option("pipeline_balance", str, "params", "``\"params\"`` (default) or ``\"time\"`` (measured per layer).",
+           "choice", PIPELINE_BALANCE),
+    Option("bucket_size_mb", float, 25.0, "gradient bucket size for ZeRO 0-2.", "number", unit="MiB"),
+    Option("zero_accumulation", str, "no_sync", "``\"no_sync\"`` (no communication until the last micro-step),"
+           " ``\"reduce_each_step\"`` (ZeRO-2/3 keep gradients sharded while accumulating) or"
+           " ``\"reduce_each_microbatch\"`` (ZeRO-2: also over a pipeline's microbatches, stage by stage; ``m`` times"
+           " the gradient traffic, one stage's whole gradients at most).", "choice", ZERO_ACCUMULATION),
+    Option("zero3_units", str, "auto", "ZeRO-3's FSDP2 units. ``\"blocks\"`` (the collectives of Lightning's FSDP2"
+           " recipe): one unit per block, and the embedding, final norm and head as one grouped unit gathered once"
+           " per step. ``\"blocks_and_ends\"`` (torchtitan's): the embedding and the head get a unit each, which"
+           " holds less memory gathered and costs two more collectives per step. ``\"auto\"`` (default):"
+           " ``\"blocks\"`` when the parameters outside the blocks are no more than the largest block's. The bytes"
+           " moved are the same (``docs/data_parallel.md``).", "choice", tuple(ZERO3_UNITS)),
+    Option("compile", Union[bool, Mapping[str, Any]], False, "``torch.compile`` each transformer block after TP/SP,"
+           " CP and activation checkpointing, before data parallelism (``True``: inductor; a dict:"
+           " ``torch.compile``'s keyword arguments, e.g. ``{\"backend\": \"aot_eager\"}``). Blocks of one class share"
+           " one graph; a recompile storm warns with dynamo's reasons (``docs/performance.md``).", "compile"),
+    Option("fp8", Optional[str], None, "``\"tensorwise\"`` or ``\"rowwise\"``: torchao float8 training of the"
+           " linears (not the head, not widths that are not multiples of 16; ``strategy.parallel_model.float8`` names"
+           " them); ``pip install lightning-para[fp8]``. Emulated without float8 hardware. Under tp, torchao's float8"
+           " tensor-parallel styles (``\"tensorwise\"`` only); under ZeRO-3 the weights are all-gathered in float8.",
+           "choice", FP8_RECIPES),
+    Option("layout", Optional[str], None, "``\"auto\"``: at setup the planner (``lightning_para.plan``) picks every"
+           " degree and option left at its default for this model, world size and device memory, logs the choice"
+           " and the runner-up, and uses it; values you set are kept (``docs/planner.md``).", "choice", ("auto",),
+           also=(None,), not_planned="layout='auto' itself"),
+    Option("layout_memory_gb", Optional[float], None, "memory per process the planner may fill (default: the"
+           " device's; on CPU the RAM divided among the node's processes).", "number", also=(None,), unit="GB",
+           not_planned="layout='auto''s memory limit (the planner's Cluster)"),
+)
+OPTIONS: dict[str, Option] = {o.name: o for o in LAYOUT_OPTIONS}
+# The first arguments of ParaStrategy that may be given by position (the degrees and the ZeRO stage).
+POSITIONAL = ("dp", "tp", "pp", "ep", "zero")
+
 
 
 def choices_text(values: Any) -> str:
     return ", ".join(repr(v) for v in values)
 
 
-def check_option(name: str, value: Any) -> None:
+def check_option(name: str, value: Any, also: Optional[tuple[Any, ...]] = None) -> None:
     """``ValueError`` naming ``name`` when ``value`` is not one it takes (its relations to other options are
-    :func:`check_rules`'). ``None`` is for the caller to allow or not."""
-    if name in CHOICES:
-        if value not in CHOICES[name]:
-            shown = sorted(CHOICES[name]) if name == "cp_method" else CHOICES[name]
-            raise ValueError(f"`{name}={value!r}` is unknown. Choose one of {choices_text(shown)}.")
-    elif name in DEGREES:
+    :data:`RULES`'). ``also``: the values taken besides its kind's (default: the declaration's ``also``, e.g.
+    ``"auto"`` or ``None``; the planner passes its own)."""
+    option = OPTIONS[name]
+    if any(value is v or (isinstance(v, str) and value == v) for v in (option.also if also is None else also)):
+        return
+    kind = option.kind
+    if kind == "choice":
+        if value not in option.choices or isinstance(value, bool):
+            shown = sorted(option.choices) if name == "cp_method" else option.choices
+            choose = f"one of {choices_text(shown)}" if len(shown) > 1 else f"{shown[0]!r} or None"  # layout
+            raise ValueError(f"`{name}={value!r}` is unknown. Choose {choose}.")
+    elif kind == "degree":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}={value!r}` must be a positive integer (1 disables this dimension).")
-    elif name in FLAGS:
+    elif kind == "flag":
         if not isinstance(value, bool):
             raise ValueError(f"`{name}={value!r}` must be True or False.")
-    elif name == "zero":
-        if isinstance(value, bool) or value not in ZERO_STAGES:
-            raise ValueError(f"`zero={value!r}` is not a ZeRO stage. Choose one of {choices_text(ZERO_STAGES)}.")
-    elif name == "bucket_size_mb":
+    elif kind == "zero":
+        if isinstance(value, bool) or value not in option.choices:
+            raise ValueError(f"`zero={value!r}` is not a ZeRO stage. Choose one of {choices_text(option.choices)}.")
+    elif kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"`bucket_size_mb={value!r}` must be a positive number of MiB.")
+            raise ValueError(f"`{name}={value!r}` must be a positive number of {option.unit}.")
+    elif kind == "compile":
+        compile_options(value)  # ValueError naming `compile`
+
+
+def arguments_doc(extra: Optional[Mapping[str, str]] = None, indent: int = 8) -> str:
+    """The ``Args`` entries of every layout option (then ``extra``: a front end's own arguments), one per
+    name, wrapped at 116 columns: the text both front ends' docstrings show."""
+    import textwrap
+
+    lines = []
+    for name, doc in [*((o.name, o.doc) for o in LAYOUT_OPTIONS), *(extra or {}).items()]:
+        lines += textwrap.wrap(f"{name}: {doc}", 116 - indent, initial_indent=" " * indent,
+                               subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- rules between options
-def zero_accumulation_problem(zero_accumulation: str, zero: Any) -> Optional[str]:
-    if zero_accumulation == "reduce_each_microbatch" and zero != 2:
-        return (
-            f"`zero_accumulation='reduce_each_microbatch'` reduce-scatters each pipeline microbatch's gradients"
-            f" into ZeRO-2's shards; it needs `zero=2` (got zero={zero}). Set zero=2, or use"
-            " zero_accumulation='reduce_each_step' (ZeRO-2/3, one reduction per Lightning micro-step)."
-        )
-    return None
+# Each rule reads the options it names and returns ``(what is wrong, why and the fix)`` or ``None``. The
+# planner shows the first part as the reason it excludes a layout; ParallelConfig raises with both.
+Problem = Optional[tuple[str, str]]
 
 
-def hybrid_sharding_problem(dp_replicate: Optional[int], zero: Any) -> Optional[str]:
-    if (dp_replicate or 1) > 1 and zero == 0:
-        return (
-            f"`dp_replicate={dp_replicate}` (hybrid sharding) needs `zero` in 1, 2 or 3: ZeRO-0 shards"
-            " nothing, so there is nothing to replicate across groups. Use zero>=1, or leave dp_replicate out (plain"
-            " data parallel)."
-        )
-    return None
-
-
-def data_parallel_factors_problem(dp: int, dp_replicate: Optional[int], dp_shard: Optional[int]) -> Optional[str]:
+def data_parallel_factors_problem(dp: Any, dp_replicate: Optional[int], dp_shard: Optional[int]) -> Problem:
     """``dp = dp_replicate x dp_shard``, each dividing ``dp``."""
+    if not isinstance(dp, int):  # "auto": resolved from the world size (ParallelConfig.resolve_dims)
+        return None
     r, s = dp_replicate, dp_shard
     if r is not None and s is not None and r * s != dp:
-        return (
-            f"`dp_replicate={r}` x `dp_shard={s}` = {r * s} must equal `dp={dp}`."
-            f" Leave out dp (it is dp_replicate x dp_shard), or choose dp_replicate x dp_shard = {dp}."
-        )
+        return (f"`dp_replicate={r}` x `dp_shard={s}` = {r * s} must equal `dp={dp}`",
+                f"Leave out dp (it is dp_replicate x dp_shard), or choose dp_replicate x dp_shard = {dp}.")
     for name, value in (("dp_replicate", r), ("dp_shard", s)):
         if value is not None and dp % value:
             choices = [d for d in range(1, dp + 1) if dp % d == 0]
-            return f"`{name}={value}` must divide `dp={dp}`. Choose {name} in {choices}."
+            return f"`{name}={value}` must divide `dp={dp}`", f"Choose {name} in {choices}."
     return None
 
 
-def check_rules(values: Mapping[str, Any]) -> None:
-    """The rules between options, written once (``ValueError`` naming the arguments and the fix): ``values`` holds
-    the options given (a missing one is not checked)."""
-    if isinstance(values.get("dp"), int):
-        problem = data_parallel_factors_problem(values["dp"], values.get("dp_replicate"), values.get("dp_shard"))
+def hybrid_sharding_problem(dp_replicate: Optional[int], zero: Any, layout: Optional[str] = None) -> Problem:
+    if (dp_replicate or 1) > 1 and zero == 0 and layout != "auto":  # layout="auto" picks zero >= 1 for it
+        return (f"`dp_replicate={dp_replicate}` (hybrid sharding) needs `zero` in 1, 2 or 3",
+                "ZeRO-0 shards nothing, so there is nothing to replicate across groups. Use zero>=1, or leave"
+                " dp_replicate out (plain data parallel).")
+    return None
+
+
+def zero_accumulation_problem(zero_accumulation: str, zero: Any) -> Problem:
+    if zero_accumulation == "reduce_each_microbatch" and zero != 2:
+        return (f"`zero_accumulation='reduce_each_microbatch'` needs `zero=2` (got zero={zero})",
+                "it reduce-scatters each pipeline microbatch's gradients into ZeRO-2's shards. Set zero=2, or use"
+                " zero_accumulation='reduce_each_step' (ZeRO-2/3, one reduction per Lightning micro-step).")
+    return None
+
+
+def context_recompute_problem(cp: int, activation_checkpointing: Optional[str]) -> Problem:
+    if cp > 1 and activation_checkpointing in ("selective", "selective_op"):
+        return (f"`activation_checkpointing={activation_checkpointing!r}` with `cp>1` is not supported",
+                "selective recomputation caches the outputs of collectives, which would replay ring attention's"
+                " point-to-point receives without their sends. Use activation_checkpointing='full' (recomputes"
+                " attention across the cp group) or None.")
+    return None
+
+
+def fp8_tensor_parallel_problem(fp8: Optional[str], tp: Any) -> Problem:
+    if fp8 == "rowwise" and tp != 1:
+        return (f"`fp8='rowwise'` with `tp={tp}` is not supported",
+                "torchao's float8 tensor-parallel styles assume tensorwise scales. Use fp8='tensorwise' with tp,"
+                " or fp8='rowwise' with tp=1.")
+    return None
+
+
+def pipeline_zero3_problem(pp: int, zero: Any) -> Problem:
+    if pp > 1 and zero == 3:
+        return ("`zero=3` with `pp>1` is not supported",
+                "FSDP2 would all-gather a stage's parameters for every microbatch's forward and backward (2m gathers"
+                " per step instead of 2) and its reduce-scatter would fire once per microbatch, or it keeps them"
+                " gathered and saves nothing over ZeRO-2. Use zero=1 (or zero=2); each rank already holds only 1/pp"
+                " of the model.")
+    return None
+
+
+def pipeline_compile_problem(pp: int, compile: Any, schedule: str) -> Problem:
+    if pp > 1 and compile and schedule in SCHEDULES and schedule_info(schedule).split_backward:
+        return (f"`compile=True` with `schedule={schedule!r}` is not supported",
+                "the schedule splits each backward into input- and weight-gradient passes over the stage's autograd"
+                " graph, which a compiled block runs as one opaque node. Use schedule='1f1b' or 'interleaved' (or"
+                " 'gpipe', 'looped_bfs') with compile, or compile=False with this schedule.")
+    return None
+
+
+def sequence_parallel_problem(sequence_parallel: bool, tp: Any) -> Problem:
+    """ParallelConfig warns (nothing to split over); the planner cannot price a sequence shard of tp=1."""
+    if sequence_parallel and tp == 1:
+        return ("`sequence_parallel=True` has no effect with tp=1", "there is nothing to split the sequence over.")
+    return None
+
+
+def zero3_units_problem(zero3_units: str, zero: Any) -> Problem:
+    if zero3_units != "auto" and zero != 3:
+        return (f"`zero3_units={zero3_units!r}` has no effect with zero={zero}", "it chooses ZeRO-3's units.")
+    return None
+
+
+RuleFunction = Callable[..., Problem]
+# The rules, by what they mean for a layout: without the ``LAYOUT_RULES`` the degrees are no layout;
+# ``RUN_RULES`` are what ParaStrategy cannot run (the planner excludes such a layout, naming the rule);
+# ``NOTE_RULES`` make an option idle (ParallelConfig warns).
+LAYOUT_RULES: tuple[RuleFunction, ...] = (data_parallel_factors_problem, hybrid_sharding_problem, zero_accumulation_problem)
+RUN_RULES: tuple[RuleFunction, ...] = (
+    context_recompute_problem, fp8_tensor_parallel_problem, pipeline_zero3_problem, pipeline_compile_problem,
+)
+NOTE_RULES: tuple[RuleFunction, ...] = (sequence_parallel_problem, zero3_units_problem)
+RULES = LAYOUT_RULES + RUN_RULES
+
+
+def _arguments(rule: RuleFunction) -> tuple[str, ...]:
+    return rule.__code__.co_varnames[: rule.__code__.co_argcount]
+
+
+def rule_problems(values: Mapping[str, Any], rules: Sequence[RuleFunction] = RULES) -> list[tuple[str, str]]:
+    """The ``(problem, why and fix)`` of every rule in ``rules`` that ``values`` break (an option missing from
+    ``values`` takes its declared default)."""
+    found = []
+    for rule in rules:
+        problem = rule(*(values[n] if n in values else OPTIONS[n].default for n in _arguments(rule)))
         if problem:
-            raise ValueError(problem)
-    if values.get("layout") != "auto":  # layout="auto" picks zero >= 1 for hybrid sharding
-        problem = hybrid_sharding_problem(values.get("dp_replicate"), values.get("zero", 0))
-        if problem:
-            raise ValueError(problem)
-    if "zero_accumulation" in values:
-        problem = zero_accumulation_problem(values["zero_accumulation"], values.get("zero", 0))
-        if problem:
-            raise ValueError(problem)
+            found.append(problem)
+    return found
+
+
+def check_rules(values: Mapping[str, Any], rules: Sequence[RuleFunction] = RULES) -> None:
+    """``ValueError`` naming the arguments and the fix for the first rule ``values`` break."""
+    for problem, fix in rule_problems(values, rules):
+        raise ValueError(f"{problem}: {fix}" if fix[0].islower() else f"{problem}. {fix}")
+
+
+def warn_rules(values: Mapping[str, Any]) -> None:
+    """A ``UserWarning`` for each option that ``values`` leave without effect (:data:`NOTE_RULES`)."""
+    for problem, why in rule_problems(values, NOTE_RULES):
+        warnings.warn(f"{problem} ({why.rstrip('.')}).")
+
 
 __all__ = [
-    "CHOICES", "DEGREES", "FLAGS", "check_option", "check_rules", "choices_text", "data_parallel_factors_problem",
-    "hybrid_sharding_problem", "zero_accumulation_problem",
-    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS", "SCHEDULES",
-    "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES",
+    "LAYOUT_OPTIONS", "LAYOUT_RULES", "NOTE_RULES", "OPTIONS", "Option", "POSITIONAL",
+    "RULES", "RUN_RULES", "arguments_doc", "check_option", "check_rules", "choices_text", "rule_problems",
+    "warn_rules", "data_parallel_factors_problem", "hybrid_sharding_problem", "zero_accumulation_problem",
+    "context_recompute_problem", "fp8_tensor_parallel_problem", "pipeline_zero3_problem", "pipeline_compile_problem",
+    "sequence_parallel_problem", "zero3_units_problem",
+    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS",
+    "SCHEDULES", "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES",
 ]

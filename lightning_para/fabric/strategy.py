@@ -22,41 +22,34 @@ Fabric's strategy protocol. What Fabric calls, and what it does here:
   ``save_distributed_checkpoint=False``;
 * pipeline parallelism: :meth:`ParaStrategy.pipeline_step` runs the schedule over a batch.
 
-Why this module is long: it implements Fabric's whole ``Strategy`` interface (some thirty hooks
-and properties); each is a few lines that delegate to the engine.
+The arguments, and the views shared with the Trainer's front end, are
+:class:`~lightning_para.core.front_end.ParaFrontEnd`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_para import checkpoint as ckpt
 from lightning_para.checkpoint.run import RUN_KEY
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
+from lightning_para.core.front_end import ParaFrontEnd
 from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
-from lightning_para.mesh import ParallelDims
+from lightning_para.fabric.wrappers import repoint, unwrap
 from lightning_para.parallel.data import MemoryBreakdown
-from lightning_para.parallel.pipeline import PipelineStats
-from lightning_para.parallelize import ParallelModel
-from lightning_para.threads import apply_thread_budget, available_cores
 
 
 _NO_CHECKPOINT_IO = (
@@ -65,122 +58,59 @@ _NO_CHECKPOINT_IO = (
 )
 
 
-def _unwrap(obj: Any) -> Any:
-    """The module or optimizer behind Fabric's wrappers (``_FabricModule``, ``_FabricOptimizer``, compile)."""
-    for attr in ("_forward_module", "_orig_mod", "optimizer"):
-        inner = getattr(obj, attr, None)
-        if isinstance(inner, (nn.Module, Optimizer)) and (attr != "optimizer" or not isinstance(obj, Optimizer)):
-            return _unwrap(inner)
-    return obj
-
-
-class ParaStrategy(ParallelStrategy):
+class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     """Data (ZeRO 0-3, HSDP), tensor/sequence, pipeline and expert parallelism, compile and fp8 under Fabric.
 
-    Takes the arguments of the Trainer's :class:`lightning_para.ParaStrategy` (their meaning is
-    documented there and in ``docs/``), with these differences (``docs/fabric.md``):
+    Takes the arguments of the Trainer's :class:`lightning_para.ParaStrategy` (one argument list,
+    :class:`~lightning_para.core.front_end.ParaFrontEnd`'s), with these differences (``docs/fabric.md``):
 
-    * ``loss_parallel`` defaults to ``False``: the loss is computed in the user's loop, outside
+    * ``loss_parallel="auto"`` is ``False``: the loss is computed in the user's loop, outside
       the strategy, so the head's logits come out whole. With ``True`` they are vocab-sharded
       DTensors and the loss must be computed inside ``with strategy.loss_parallel():``.
     * ``layout="auto"`` (planned from the Trainer's datamodule) and ``cp > 1`` (the batch split
       and whole-sequence loss wrap the Trainer's ``training_step``) raise a ``ValueError``.
     * ``on_sigterm`` (a checkpoint in the Trainer's ``default_root_dir`` at the next step boundary) is
-      not taken. ``check_finite`` (every loss passed to ``fabric.backward``, every gradient before the
-      step), ``watchdog_timeout`` and ``integrity_check_every_n_steps`` (after every N-th
-      ``optimizer.step()``) work as there. ``run_id`` is recorded in every checkpoint as there; Fabric
-      loads the path it is given (no ``"hpc"``/``"last"`` lookup).
+      not taken: ``"auto"`` is ``None`` here, another value raises. ``check_finite`` (every loss passed to
+      ``fabric.backward``, every gradient before the step), ``watchdog_timeout`` and
+      ``integrity_check_every_n_steps`` (after every N-th ``optimizer.step()``) work as there. ``run_id`` is
+      recorded in every checkpoint as there; Fabric loads the path it is given (no ``"hpc"``/``"last"`` lookup).
     """
 
-    strategy_name = "para"
+    front_end = "Fabric"
+    launcher_class = _SubprocessScriptLauncher
+    auto_loss_parallel = False
+    auto_on_sigterm = None
 
-    def __init__(
-        self,
-        dp: Union[int, str] = "auto",
-        tp: Union[int, str] = 1,
-        pp: int = 1,
-        ep: int = 1,
-        zero: int = 0,
-        *,
-        cp: int = 1,
-        cp_method: str = "ring",
-        cp_load_balance: bool = True,
-        cp_check: bool = True,
-        dp_replicate: Optional[int] = None,
-        dp_shard: Optional[int] = None,
-        precision: Optional[str] = None,
-        sequence_parallel: bool = False,
-        sp_save_input_shard: bool = True,
-        tp_plan: Optional[Mapping[str, Any]] = None,
-        tp_unplanned: str = "error",
-        loss_parallel: bool = False,
-        activation_checkpointing: Optional[str] = None,
-        schedule: str = "1f1b",
-        microbatches: Optional[int] = None,
-        virtual_stages: int = 1,
-        pipeline_split: Optional[list[int]] = None,
-        pipeline_balance: str = "params",
-        bucket_size_mb: float = 25.0,
-        zero_accumulation: str = "no_sync",
-        zero3_units: str = "auto",
-        compile: Union[bool, Mapping[str, Any]] = False,
-        fp8: Optional[str] = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        layout: Optional[str] = None,
-        layout_memory_gb: Optional[float] = None,
-        integrity_check_every_n_steps: Optional[int] = None,
-        integrity_action: str = "raise",
-        watchdog_timeout: Optional[float] = 60.0,
-        check_finite: bool = True,
-        run_id: Optional[str] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[FabricPrecision] = None,
-    ) -> None:
-        self.config = ParallelConfig(
-            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sequence_parallel,
-            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan, tp_unplanned=tp_unplanned,
-            loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, schedule=schedule,
-            microbatches=microbatches, virtual_stages=virtual_stages, pipeline_split=pipeline_split,
-            pipeline_balance=pipeline_balance, bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation,
-            zero3_units=zero3_units, cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance, cp_check=cp_check,
-            dp_replicate=dp_replicate, dp_shard=dp_shard, layout=layout, layout_memory_gb=layout_memory_gb,
-            compile=compile, fp8=fp8,
-        )
-        if self.config.layout == "auto":
+    def _check_front_end(self, config: ParallelConfig, on_sigterm: Optional[str]) -> None:
+        if config.layout == "auto":
             raise ValueError(
                 "ParaStrategy(layout='auto') plans from the Trainer's datamodule and is not available under Fabric."
                 " Pass the degrees (dp=, tp=, pp=, zero=...); `lightning-para plan` prints a layout for your model."
             )
-        if self.config.cp > 1:
+        if config.cp > 1:
             raise ValueError(
-                f"ParaStrategy(cp={self.config.cp}) is not supported under Fabric yet: context parallelism splits each"
+                f"ParaStrategy(cp={config.cp}) is not supported under Fabric yet: context parallelism splits each"
                 " batch and computes the loss over the whole sequence around the Trainer's `training_step`, which a"
                 " Fabric loop does not have. Use cp=1, or the Trainer's lightning_para.ParaStrategy."
             )
-        # The layout, run guard and checkpoint IO: the Trainer's, shared (reliability options checked here).
-        self.core = ParaEngine(
-            self.config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
-            watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=None,
-            run_id=run_id, front_end="Fabric",
-        )
-        if precision is not None:
-            if precision_plugin is not None:
-                raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
-            precision_plugin = FabricParaPrecision(precision)
+        if on_sigterm not in ("auto", None):
+            raise ValueError(
+                f"ParaStrategy(on_sigterm={on_sigterm!r}) is not supported under Fabric yet: the preemption checkpoint"
+                " is saved by the Trainer at a step boundary it owns. Leave on_sigterm out, or save with `fabric.save`"
+                " from your own SIGTERM handler."
+            )
+
+    def _init_strategy(
+        self, *, precision: Optional[str], accelerator: Any, parallel_devices: Optional[list[torch.device]],
+        cluster_environment: Optional[ClusterEnvironment], checkpoint_io: Optional[CheckpointIO],
+        precision_plugin: Optional[FabricPrecision],
+    ) -> None:
         if checkpoint_io is not None:
             raise NotImplementedError(_NO_CHECKPOINT_IO)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision=as_fabric_para_precision(precision_plugin),
+        ParallelStrategy.__init__(
+            self, accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            precision=FabricParaPrecision(precision) if precision is not None else as_fabric_para_precision(precision_plugin),
         )
-        self.save_distributed_checkpoint = save_distributed_checkpoint
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._num_nodes = 1
         self._backward_sync_control = _ParaBackwardSyncControl(self.core)
         self._optimizers: list[Optimizer] = []
@@ -219,44 +149,9 @@ class ParaStrategy(ParallelStrategy):
         if io is not None:
             raise NotImplementedError(_NO_CHECKPOINT_IO)
 
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        """Degrees and mesh of this run (available from ``fabric.launch()`` on)."""
-        return self.core.parallel_dims
-
-    @property
-    def parallel_model(self) -> ParallelModel:
-        """The typed record of what was applied to the model (available from ``fabric.setup`` on)."""
-        return self.core.parallel_model
-
-    @property
-    def device_mesh(self) -> Any:
-        """The one ``DeviceMesh`` (named dims as in the Trainer's ``ParaStrategy.device_mesh``)."""
-        return self.parallel_dims.mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # One sample stream per dp rank: the tp and pp ranks of a dp coordinate see the same batch.
-        dims = self.parallel_dims
-        return {"num_replicas": dims.dp, "rank": dims.local_rank("dp")}
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        world = self.num_nodes * self.num_processes
-        self.core.resolve_dims(world, devices_per_node=self.num_processes or None)  # fails before any worker exists
-        if not self.cluster_environment.creates_processes_externally and world > 1:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        self.core.resolve_dims(world, devices_per_node=self.num_processes or None)  # raises before any collective
-        threads = apply_thread_budget(self.num_processes)  # ranks of one node share its cores
-        if threads is not None:
-            rank_zero_info(
-                f"lightning-para: {self.num_processes} ranks per node share {available_cores()} CPU cores:"
-                f" {threads} intra-op thread(s) per rank. Set OMP_NUM_THREADS or call torch.set_num_threads"
-                " to choose otherwise."
-            )
+        self._resolve_dims()  # raises before any collective
+        self._share_cores()
         super().setup_environment()
         self._setup_distributed()
         self.core.build_mesh(self.root_device.type)
@@ -303,7 +198,7 @@ class ParaStrategy(ParallelStrategy):
         module = self.setup_module(module)
         current = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
-            _repoint(optimizer, names, current, pipeline=self.core.parallel_model.pipeline is not None)
+            repoint(optimizer, names, current, pipeline=self.core.parallel_model.pipeline is not None)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     # ------------------------------------------------------------------ steps
@@ -319,7 +214,7 @@ class ParaStrategy(ParallelStrategy):
             return
         precision = self.precision
         self.core.observe_loss(tensor, self._step)  # a device-side note of a non-finite local loss: no sync
-        self.core.before_backward(_unwrap(module) if module is not None else self._module, precision, accumulate=accumulate)
+        self.core.before_backward(unwrap(module) if module is not None else self._module, precision, accumulate=accumulate)
         with self.core.backward_context():
             precision.backward(tensor, module, *args, **kwargs)
 
@@ -332,7 +227,7 @@ class ParaStrategy(ParallelStrategy):
         with ``configure_pipeline()`` (``docs/pipeline_parallel.md``)."""
         _check_accumulate("pipeline_step", accumulate)
         self.core.report(f"pipeline step (step {self._step})", exempt=self.core.compiling("pipeline step", self._step))
-        module = _unwrap(module)
+        module = unwrap(module)
         batch = self.batch_to_device(batch)
         with self.precision.forward_context():
             loss = self.core.pipeline_run("training_step", module, batch, self.precision, accumulate=accumulate)
@@ -342,7 +237,7 @@ class ParaStrategy(ParallelStrategy):
     def pipeline_eval_step(self, module: nn.Module, batch: Any) -> Tensor:
         """The pipeline's forward-only loss over ``batch`` (``pp > 1``), on every rank."""
         with torch.no_grad(), self.precision.forward_context():
-            return self.core.pipeline_run("validation_step", _unwrap(module), self.batch_to_device(batch), self.precision)
+            return self.core.pipeline_run("validation_step", unwrap(module), self.batch_to_device(batch), self.precision)
 
     @contextlib.contextmanager
     def loss_parallel(self) -> Any:
@@ -353,7 +248,7 @@ class ParaStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.core.report(f"optimizer step {self._step}", exempt=self.core.compiling("optimizer step", self._step))
-        output = self.precision.optimizer_step(_unwrap(optimizer), **kwargs)
+        output = self.precision.optimizer_step(unwrap(optimizer), **kwargs)
         if self.core.compile_watch is not None:
             self.core.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
         self._step += 1
@@ -374,7 +269,7 @@ class ParaStrategy(ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip to the true global norm over every shard (dp, tp, pp, ep); returns the norm before clipping."""
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap(optimizer)
         self.precision.unscale_gradients(optimizer)
         total = self.precision.clip_grad_by_norm(optimizer, max_norm, norm_type=float(norm_type))
         if error_if_nonfinite and not torch.isfinite(total):
@@ -385,21 +280,17 @@ class ParaStrategy(ParallelStrategy):
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap(optimizer)
         self.precision.unscale_gradients(optimizer)
         self.precision.clip_grad_by_value(optimizer, clip_val)
 
     def memory_breakdown(self, module: nn.Module) -> MemoryBreakdown:
         """This rank's parameter, gradient and optimizer bytes against the ZeRO formulas (``docs/data_parallel.md``)."""
-        return self.core.memory_breakdown(_unwrap(module), self._optimizers, self.precision)
-
-    def pipeline_stats(self) -> PipelineStats:
-        """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only)."""
-        return self.core.pipeline_stats()
+        return self.core.memory_breakdown(unwrap(module), self._optimizers, self.precision)
 
     def check_integrity(self, module: nn.Module) -> list[str]:
         """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
-        return self.core.check_integrity(self._step, _unwrap(module), self._optimizers, self.root_device)
+        return self.core.check_integrity(self._step, unwrap(module), self._optimizers, self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -421,7 +312,7 @@ class ParaStrategy(ParallelStrategy):
                 "ParaStrategy cannot load filtered sharded checkpoints, so saving them is disabled: pass"
                 " `save_distributed_checkpoint=False` to save a filtered full file."
             )
-        parts = split_state(state, _unwrap, "save_checkpoint")
+        parts = split_state(state, unwrap, "save_checkpoint")
         full = not self.save_distributed_checkpoint
         model_state = self.core.model_state(parts.module, full=full)
         optimizer_states = [self.core.optimizer_state(parts.module, o, full=full) for o in parts.optimizers]
@@ -443,7 +334,7 @@ class ParaStrategy(ParallelStrategy):
                 " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         path = Path(self.broadcast(str(path)))
-        state = _unwrap(state) if not isinstance(state, dict) else state
+        state = unwrap(state) if not isinstance(state, dict) else state
         if isinstance(state, Optimizer):
             raise NotImplementedError(
                 "ParaStrategy cannot load an optimizer alone: load it with its model,"
@@ -452,7 +343,7 @@ class ParaStrategy(ParallelStrategy):
         if isinstance(state, nn.Module):
             self._load_raw(path, state, strict)
             return {}
-        parts = split_state(state, _unwrap, "load_checkpoint")
+        parts = split_state(state, unwrap, "load_checkpoint")
         loaded = self.core.load_checkpoint(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
         loaded = dict(loaded)
         loaded.pop(RUN_KEY, None)  # which run saved it (checkpoint/run.py): the checkpoint's record, not the user's state
@@ -461,22 +352,14 @@ class ParaStrategy(ParallelStrategy):
     def _load_raw(self, path: Path, module: nn.Module, strict: bool) -> None:
         """``fabric.load_raw``: a sharded folder, a full checkpoint (Fabric's or the Trainer's), or a plain
         ``model.state_dict()`` file, into the parallel model."""
-        parts = split_state({"model": module}, _unwrap, "load_checkpoint")
+        parts = split_state({"model": module}, unwrap, "load_checkpoint")
         self.core.load_checkpoint(path, module, [], strict=strict, convert=from_full_file(parts, raw_model_state=True))
 
-    # ------------------------------------------------------------------ teardown and registry
+    # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         self.core.teardown()
         # Unlike the base class, leave the (sharded) model where it is: moving DTensors would detach them.
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("para", cls, description="lightning-para: ZeRO/TP/PP/EP on one DeviceMesh")
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"para_zero{stage}", cls, description=f"lightning-para with ZeRO stage {stage}", zero=stage
-            )
 
 
 class _ParaBackwardSyncControl(_BackwardSyncControl):
@@ -500,31 +383,6 @@ def _pipeline_forward_error(module: nn.Module, args: Any) -> None:
         " Run the schedule instead: `loss = fabric.strategy.pipeline_step(model, batch)`, then"
         " `fabric.backward(loss)` (docs/fabric.md)."
     )
-
-
-def _repoint(optimizer: Optimizer, names: dict[int, str], current: dict[str, nn.Parameter], pipeline: bool) -> None:
-    """Point ``optimizer``'s groups at the parallel parameters of the same names (before any step)."""
-    if optimizer.state:
-        raise ValueError(
-            "An optimizer passed to `fabric.setup(model, optimizer)` has already stepped. Create it after"
-            " `model = fabric.setup(model)` and call `fabric.setup_optimizers(optimizer)`."
-        )
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name is None and any(p is q for q in current.values()):
-                params.append(p)
-            elif name is not None and name in current:
-                params.append(current[name])
-            elif name is not None and pipeline:
-                continue  # another pipeline rank's stage holds it
-            else:
-                raise ValueError(
-                    "An optimizer passed to `fabric.setup(model, optimizer)` holds a parameter that is not the model's."
-                    " Create the optimizer from `model.parameters()`, after `model = fabric.setup(model)`."
-                )
-        group["params"] = params
 
 
 __all__ = ["ParaStrategy"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from lightning_para.options import RUN_RULES, rule_problems
 from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
@@ -238,10 +239,8 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
             if value % (lay.cp * lay.tp):
                 problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
-    if lay.cp > 1 and lay.activation_checkpointing in ("selective", "selective_op"):
-        # ParaStrategy's rule (config.py): selective recomputation would replay ring attention's receives.
-        problems.append(f"activation_checkpointing='{lay.activation_checkpointing}' with cp>1 is not supported by"
-                        " ParaStrategy (use 'full' or None)")
+    # ParaStrategy's rules between options (lightning_para.options.RUN_RULES), each named by its problem.
+    problems += [f"{problem} by ParaStrategy" for problem, _ in rule_problems(lay.strategy_kwargs(), RUN_RULES)]
     if lay.dp_shard % lay.ep:  # type: ignore[operator]
         dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
         problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")
@@ -261,9 +260,6 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     if lay.pp > 1 and lay.schedule not in SCHEDULES:
         problems.append(f"schedule '{lay.schedule}' runs under ParaStrategy, but the planner has no bubble model for it")
         return problems
-    if lay.zero == 3 and lay.pp > 1:
-        # ParaStrategy's rule (config.py): FSDP2 would gather a stage for every microbatch.
-        problems.append("zero=3 with pp>1 is not supported by ParaStrategy (use zero=1 or 2)")
     if lay.pipeline_split is not None and lay.pp > 1:
         try:
             unit_split([1.0] * len(model.units()), lay.pp * lay.virtual_stages, lay.pipeline_split)

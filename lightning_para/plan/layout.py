@@ -10,14 +10,18 @@ microbatch, crosses nodes first. (Megatron-LM orders its groups the same way: tp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
+    LAYOUT_OPTIONS,
+    LAYOUT_RULES,
+    OPTIONS,
     ZERO_ACCUMULATION,  # noqa: F401 - the search's and layout="auto"'s name for it
     check_option,
     check_rules,
+    sequence_parallel_problem,
 )
 
 if TYPE_CHECKING:
@@ -26,15 +30,20 @@ if TYPE_CHECKING:
 
 RECOMPUTE = ACTIVATION_CHECKPOINTING  # the search's name for the same list (SearchSpace.recompute)
 
-# ParaStrategy's arguments that are not part of a layout, and why; together with Layout's fields
-# they are all of ParaStrategy.__init__'s arguments (tests/unit/test_layout_vocabulary.py checks it).
+# The layout options a Layout holds with the planner's own type and default (the rest: the declaration's).
+# The planner prices resolved layouts: whole degrees, a bool for loss parallel and compile (a dict of
+# torch.compile options is ``True`` here), ``dp_shard`` derived from ``dp / dp_replicate``, the split as a
+# tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.rank.bucket_bytes`).
+PLANNER_FIELDS: dict[str, tuple[Any, Any]] = {
+    "dp": (int, 1), "tp": (int, 1), "dp_replicate": (int, 1), "loss_parallel": (bool, True), "compile": (bool, False),
+    "pipeline_split": (Optional[tuple[int, ...]], None), "bucket_size_mb": (Optional[float], None),
+}
+# ParaStrategy's arguments that are not part of a layout, and why: the layout options the planner does not
+# price (the declaration says why) and the front ends' own arguments. With Layout's fields they are all of
+# ParaStrategy.__init__'s arguments (tests/unit/test_layout_vocabulary.py checks it).
 NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
+    **{o.name: o.not_planned for o in LAYOUT_OPTIONS if o.not_planned},
     "precision": "the planner's Training.precision (priced there)",
-    "tp_plan": "the model's tensor-parallel plan (describe_module reads the model)",
-    "tp_unplanned": "how the model's unplanned layers are handled (the model, not the layout)",
-    "cp_check": "a first-step numerics check of the model under cp (parallel/context/check.py), not a layout",
-    "layout": "layout='auto' itself",
-    "layout_memory_gb": "layout='auto''s memory limit (the planner's Cluster)",
     "save_distributed_checkpoint": "checkpoint format",
     "process_group_backend": "process group set-up",
     "timeout": "process group set-up",
@@ -57,117 +66,66 @@ FIXED_OPTIONS = (
     "pipeline_balance", "compile", "fp8",
 )
 
+# The fields: every planned option of the one declaration (lightning_para.options), in its order.
+def _planner_field(name: str) -> tuple[str, Any, Any]:
+    annotation, default = PLANNER_FIELDS.get(name, (OPTIONS[name].annotation, OPTIONS[name].default))
+    return name, annotation, field(default=default)
+
+
+_LayoutOptions = make_dataclass(
+    "_LayoutOptions", [_planner_field(o.name) for o in LAYOUT_OPTIONS if not o.not_planned], frozen=True
+)
+_LayoutOptions.__module__ = __name__
+# The values a Layout takes besides its fields' kinds (the declaration's "auto" is resolved here).
+_PLANNER_ALSO = {"dp": (), "tp": (), "dp_replicate": (), "loss_parallel": (), "bucket_size_mb": (None,)}
+
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(_LayoutOptions):
     """Degrees and options of one layout; ``world_size = pp * dp * cp * tp``.
 
-    Every field is the ParaStrategy argument of the same name and meaning
-    (:meth:`strategy_kwargs` and :meth:`from_config` are the one mapping each way; the
-    ParaStrategy arguments that are no part of a layout are :data:`NOT_LAYOUT_ARGUMENTS`).
+    Every field is the ParaStrategy argument of the same name and meaning, documented once in
+    :data:`lightning_para.options.LAYOUT_OPTIONS` (:meth:`strategy_kwargs` and :meth:`from_config` are
+    the one mapping each way; the ParaStrategy arguments that are no part of a layout are
+    :data:`NOT_LAYOUT_ARGUMENTS`; :data:`PLANNER_FIELDS` the fields with the planner's own type or default).
+    What the planner makes of them:
 
-    Args:
-        dp, tp, pp: data, tensor and pipeline parallel degrees.
-        ep: expert parallel degree, inside ``dp``: it must divide ``dp_shard`` (checked against
-            the model by :func:`~lightning_para.plan.cost.layout_problems`, like every rule that
-            depends on more than one argument's range).
-        cp: context parallel degree (the sequence split over ranks).
-        cp_method: ``"ring"`` (ring attention: K/V blocks passed peer-to-peer, overlapped with the
-            blockwise attention) or ``"all_to_all"`` (DeepSpeed-Ulysses: q, k, v and the output
-            re-sharded from sequence to heads; heads must divide by ``cp x tp``).
-        cp_load_balance: head-tail chunks (the sequence must divide by ``2 cp``; else by ``cp``).
-            Priced as balanced either way (the planner does not model the causal imbalance).
-        dp_replicate, dp_shard: hybrid sharding, ``dp = dp_replicate * dp_shard``; ZeRO shards
-            over ``dp_shard`` (default: all of ``dp``) and all-reduces over ``dp_replicate``.
-        zero: ZeRO stage 0-3.
-        zero3_units: ZeRO-3's FSDP2 units (``parallel/data/fsdp.py``): ``"blocks"`` (the
-            embedding, final norm and head one grouped unit), ``"blocks_and_ends"`` (a unit
-            each) or ``"auto"`` (grouped when they hold no more than the largest block).
-        sequence_parallel: Megatron sequence parallelism with ``tp`` (Korthikanti et al. 2022).
-        sp_save_input_shard: under SP, backward all-gathers each sublayer's saved input shard
-            again (ParaStrategy's default). Priced as ``True`` (the planner's SP activations).
-        loss_parallel: cross-entropy on vocabulary-sharded logits. Priced as ``True``.
-        activation_checkpointing: activation recomputation, ``None``, ``"selective"``, ``"selective_op"`` or ``"full"``
-        schedule: a pipeline schedule of ParaStrategy (:data:`~lightning_para.options.SCHEDULES`);
-            the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.
-        microbatches: microbatches per pipeline flush (``None``: all microbatches of the step
-            in one flush; otherwise the rest is gradient accumulation). Ignored without a
-            pipeline, where each microbatch is one accumulation step.
-        virtual_stages: model chunks per pipeline rank.
-        pipeline_split: where pipeline chunks start, as indices into the pipeline contract's
-            entries; ``None``: balanced by parameter count, as ParaStrategy does by default.
-        pipeline_balance: ``"params"`` or ``"time"`` (ParaStrategy measures stage times); the
-            planner splits by parameters either way.
-        zero_accumulation: ZeRO-2/3 over several microbatches: ``"no_sync"`` holds full
-            gradients and reduces once per step (and once per pipeline flush), ``"reduce_each_step"``
-            reduce-scatters every accumulation step, ``"reduce_each_microbatch"`` (ZeRO-2) also every
-            pipeline microbatch, stage by stage: one stage's whole gradients at most, ``m`` times the traffic.
-        compile: ``torch.compile`` per block (ParaStrategy's ``compile``; a dict of options there is
-            ``True`` here). Priced as a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`).
-        fp8: torchao float8 training (ParaStrategy's ``fp8``); priced with ``compile`` as
-            :data:`~lightning_para.plan.cost.COMPILE_FP8_SPEEDUP`, without it as eager (no memory change).
-        bucket_size_mb: ZeRO-0/1/2 gradient bucket size in MiB; ``None``: Megatron-LM's rule
-            (:func:`~lightning_para.plan.rank.bucket_bytes`), which the YAML then suggests. It
-            changes the number of calls, not the bytes.
+    * ``ep`` must divide ``dp_shard``; ``cp_method="all_to_all"`` needs heads divisible by ``cp x tp``:
+      checked against the model by :func:`~lightning_para.plan.cost.layout_problems`, with ParaStrategy's
+      rules (:data:`lightning_para.options.RUN_RULES`).
+    * ``dp_shard`` defaults to ``dp / dp_replicate``; ZeRO shards over it and all-reduces over ``dp_replicate``.
+    * ``cp_load_balance``: priced as balanced either way (the planner does not model the causal imbalance).
+    * ``sp_save_input_shard`` and ``loss_parallel``: priced as ``True``.
+    * ``schedule``: the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.
+    * ``microbatches``: microbatches per pipeline flush (``None``: all microbatches of the step in one
+      flush; otherwise the rest is gradient accumulation). Ignored without a pipeline.
+    * ``pipeline_split``: indices into the pipeline contract's entries; ``pipeline_balance``: the planner
+      splits by parameters either way.
+    * ``compile``: a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`); ``fp8`` with it
+      :data:`~lightning_para.plan.cost.COMPILE_FP8_SPEEDUP`, without it eager (no memory change).
+    * ``bucket_size_mb``: ``None`` is Megatron-LM's rule, which the YAML then suggests. It changes the
+      number of calls, not the bytes.
     """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp_replicate: int = 1
-    dp_shard: Optional[int] = None
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: Optional[int] = None
-    virtual_stages: int = 1
-    activation_checkpointing: Optional[str] = None
-    zero_accumulation: str = "no_sync"
-    pipeline_split: Optional[tuple[int, ...]] = None
-    bucket_size_mb: Optional[float] = None
-    cp_method: str = "ring"
-    cp_load_balance: bool = True
-    zero3_units: str = "auto"
-    sp_save_input_shard: bool = True
-    loss_parallel: bool = True
-    pipeline_balance: str = "params"
-    compile: bool = False
-    fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Each option's check and the rules between options are declared once (lightning_para.options), shared
         # with ParallelConfig and the --layout parser.
-        for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
-            check_option(name, getattr(self, name))
-        if self.dp_shard is None:
-            if self.dp % self.dp_replicate:
-                check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate})
-            object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
-        check_option("dp_shard", self.dp_shard)
-        check_option("zero", self.zero)
-        check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero})
         if isinstance(self.compile, Mapping):  # ParaStrategy's dict of torch.compile options: compiled
             object.__setattr__(self, "compile", True)
-        for name in ("sequence_parallel", "cp_load_balance", "sp_save_input_shard", "loss_parallel", "compile"):
-            check_option(name, getattr(self, name))
-        if self.sequence_parallel and self.tp == 1:
-            # ParaStrategy only warns (nothing to split over); the planner cannot price a sequence shard of tp=1.
-            raise ValueError("`sequence_parallel=True` needs `tp > 1` (it shards the sequence over the tp ranks).")
-        check_option("schedule", self.schedule)
-        if self.microbatches is not None:
-            check_option("microbatches", self.microbatches)
-        check_option("activation_checkpointing", self.activation_checkpointing)
         if self.pipeline_split is not None:
             object.__setattr__(self, "pipeline_split", tuple(int(i) for i in self.pipeline_split))
-        if self.bucket_size_mb is not None:
-            check_option("bucket_size_mb", self.bucket_size_mb)
-        for name in ("cp_method", "zero_accumulation"):
-            check_option(name, getattr(self, name))
-        check_rules({"zero_accumulation": self.zero_accumulation, "zero": self.zero})
-        for name in ("zero3_units", "pipeline_balance", "fp8"):
-            check_option(name, getattr(self, name))
+        for f in fields(self):
+            if f.name == "dp_shard" and self.dp_shard is None:
+                continue
+            check_option(f.name, getattr(self, f.name), _PLANNER_ALSO.get(f.name))
+        if self.dp_shard is None:
+            if self.dp % self.dp_replicate:
+                check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate}, LAYOUT_RULES)
+            object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
+        check_rules({f.name: getattr(self, f.name) for f in fields(self)}, LAYOUT_RULES)
+        problem = sequence_parallel_problem(self.sequence_parallel, self.tp)
+        if problem:  # ParaStrategy only warns (nothing to split over); the planner cannot price a sequence shard of tp=1
+            raise ValueError("`sequence_parallel=True` needs `tp > 1` (it shards the sequence over the tp ranks).")
 
     @property
     def reduces_each_microbatch(self) -> bool:

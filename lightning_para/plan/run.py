@@ -23,12 +23,15 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from lightning_para.config import ParallelConfig
-from lightning_para.options import check_option
+from lightning_para.options import OPTIONS, check_option
 from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
-from lightning_para.plan.layout import Layout
+from lightning_para.plan.layout import PLANNER_FIELDS, Layout
 from lightning_para.plan.model import ModelDesc
+
+# Options whose declared default is a value but whose planner field takes None (bucket_size_mb: Megatron's rule).
+PLANNER_NONE = {name for name, (_, default) in PLANNER_FIELDS.items() if default is None}
 
 def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
     """The planner's :class:`Layout` of a resolved ParaStrategy configuration (:meth:`Layout.from_config`)."""
@@ -37,24 +40,13 @@ def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
 
 # Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
 LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages", "bucket_mb": "bucket_size_mb"}
-
-
-def _field_kind(annotation: Any) -> type:
-    text = str(annotation)
-    for kind, name in ((bool, "bool"), (float, "float"), (tuple, "tuple"), (int, "int")):
-        if name in text:
-            return kind
-    return str
-
-
-# `--layout "tp=2,pp=2,zero=1"` keys -> (ParaStrategy argument, value type): Layout's fields, which are
+# `--layout "tp=2,pp=2,zero=1"` keys -> the option (lightning_para.options) they set: Layout's fields, which are
 # ParaStrategy's argument names (tests/unit/test_layout_vocabulary.py), and the short aliases.
-LAYOUT_KEYS: dict[str, tuple[str, type]] = {
-    **{f.name: (f.name, _field_kind(f.type)) for f in fields(Layout)},
-    **{alias: (name, _field_kind(next(f.type for f in fields(Layout) if f.name == name)))
-       for alias, name in LAYOUT_ALIASES.items()},
+LAYOUT_KEYS: dict[str, str] = {
+    **{f.name: f.name for f in fields(Layout)}, **LAYOUT_ALIASES,
 }
-_OPTIONAL = {f.name for f in fields(Layout) if "Optional" in str(f.type)}
+# How a value is read, by the option's kind in the declaration ("any": pipeline_split, a list of integers).
+_READ = {"degree": "integer", "zero": "integer", "flag": "bool", "compile": "bool", "number": "number", "any": "list"}
 
 
 def parse_layout(text: str) -> dict[str, Any]:
@@ -64,7 +56,8 @@ def parse_layout(text: str) -> dict[str, Any]:
     cp_method cp_load_balance dp_replicate dp_shard zero zero3_units sequence_parallel ... ``), and
     the aliases ``sp m v bucket_mb``. Booleans take ``1``/``0``/``true``/``false``; lists
     (``pipeline_split``) are written with ``:`` (``pipeline_split=0:3``); ``none`` is ``None`` where
-    the argument may be ``None``. The values are checked as a :class:`Layout` checks them.
+    the argument may be ``None``. Each value is checked by its option's one check
+    (:func:`lightning_para.options.check_option`).
     """
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -75,42 +68,37 @@ def parse_layout(text: str) -> dict[str, Any]:
                 f"`--layout` entry {item!r} is not KEY=VALUE with a key among {', '.join(LAYOUT_KEYS)}"
                 f" (e.g. --layout \"tp=2,pp=2\")."
             )
-        name, kind = LAYOUT_KEYS[key]
-        if name in _OPTIONAL and value.lower() in ("none", "null"):
+        name = LAYOUT_KEYS[key]
+        option = OPTIONS[name]
+        read = _READ.get(option.kind, "text")
+        if value.lower() in ("none", "null") and (None in option.also or None in option.choices or name in PLANNER_NONE):
             out[name] = None
-        elif kind is bool:
+            continue
+        if read == "bool":
             if value.lower() not in ("1", "0", "true", "false"):
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes true or false.")
             out[name] = value.lower() in ("1", "true")
-        elif kind is int:
-            if not value.isdigit() or int(value) < (0 if name == "zero" else 1):
+        elif read == "integer":
+            if not value.lstrip("-").isdigit():
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes a positive integer.")
             out[name] = int(value)
-        elif kind is float:
+        elif read == "number":
             try:
                 out[name] = float(value)
             except ValueError:
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes a number.") from None
-        elif kind is tuple:
+        elif read == "list":
             parts = value.split(":")
             if not all(p.strip().isdigit() for p in parts):
                 raise ValueError(f"`--layout` entry {item!r}: {key} takes integers separated by ':' (e.g. 0:3).")
             out[name] = [int(p) for p in parts]
         else:
-            out[name] = None if value.lower() in ("none", "null") and name in _OPTIONAL else value
-        _check_value(item, name, out[name])
+            out[name] = value
+        try:
+            check_option(name, out[name], ())  # the option's one check; "auto" is no layout value
+        except ValueError as err:
+            raise ValueError(f"`--layout` entry {item!r}: {err}") from None
     return out
-
-
-def _check_value(item: str, name: str, value: Any) -> None:
-    """A value as every layout option is checked (:func:`lightning_para.options.check_option`: degrees and choices;
-    the relations between values are ParaStrategy's to check, with the world size)."""
-    if value is None:
-        return
-    try:
-        check_option(name, value)
-    except ValueError as err:
-        raise ValueError(f"`--layout` entry {item!r}: {err}") from None
 
 
 def layout_arguments(layout: Layout) -> dict[str, Any]:

@@ -601,7 +601,7 @@ def test_selective_op_prices_torchtitans_policy():
 
     for mode in ("selective", "selective_op"):
         problems = layout_problems(model, cluster, training, Layout(dp=4, cp=2, zero=3, activation_checkpointing=mode))
-        assert any(f"'{mode}' with cp>1 is not supported" in p for p in problems), problems
+        assert any(f"'{mode}'` with `cp>1` is not supported" in p for p in problems), problems
 
 
 def test_ring_attention_score_tiles_are_priced_as_the_ring_computes_them():
