@@ -18,6 +18,7 @@ dimension registries that own their names.
 
 from __future__ import annotations
 
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -202,8 +203,6 @@ def check_option(name: str, value: Any, also: Optional[tuple[Any, ...]] = None) 
 def arguments_doc(extra: Optional[Mapping[str, str]] = None, indent: int = 8) -> str:
     """The ``Args`` entries of every layout option (then ``extra``: a front end's own arguments), one per
     name, wrapped at 116 columns: the text both front ends' docstrings show."""
-    import textwrap
-
     lines = []
     for name, doc in [*((o.name, o.doc) for o in LAYOUT_OPTIONS), *(extra or {}).items()]:
         lines += textwrap.wrap(f"{name}: {doc}", 116 - indent, initial_indent=" " * indent,
@@ -212,8 +211,9 @@ def arguments_doc(extra: Optional[Mapping[str, str]] = None, indent: int = 8) ->
 
 
 # ----------------------------------------------------------------------------- rules between options
-# Each rule reads the options it names and returns ``(what is wrong, why and the fix)`` or ``None``. The
-# planner shows the first part as the reason it excludes a layout; ParallelConfig raises with both.
+# Each rule's parameters are the options it reads, by their names (:func:`rule_problems` passes them so); it
+# returns ``(what is wrong, why and the fix)`` or ``None``. The planner shows the first part as the reason it
+# excludes a layout; ParallelConfig raises with both.
 Problem = Optional[tuple[str, str]]
 
 

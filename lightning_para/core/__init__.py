@@ -2,7 +2,8 @@
 
 The Trainer's ``ParaStrategy`` (``lightning_para/strategy.py``) and Fabric's
 (``lightning_para/fabric/``) are adapters: each translates its framework's hooks into the
-engine's calls, and neither implements a dimension itself.
+engine's calls, and neither implements a dimension itself. Both take their arguments from
+:class:`~lightning_para.core.front_end.ParaFrontEnd` (``front_end.py``).
 """
 
 from lightning_para.core.engine import ParaEngine
