@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_para.config import ParallelConfig
+from lightning_para.options import OPTIONS, PLANNED_SCHEDULES, ZERO_STAGES
 from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate
@@ -175,19 +176,22 @@ def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, wo
         dp_replicate = tuple(d for d in range(1, world_size + 1) if world_size % d == 0)
     else:
         dp_replicate = (1,)
+    def kept(name: str) -> bool:  # a value the user set: not the declared default (lightning_para.options)
+        return getattr(config, name) != OPTIONS[name].default
+
     return SearchSpace(
-        tp=(config.tp,) if config.tp != 1 or not tp_ok else None,
-        pp=(config.pp,) if config.pp != 1 or not pp_ok else None,
-        ep=(config.ep,) if config.ep != 1 or not model.is_moe else None,
+        tp=(config.tp,) if kept("tp") or not tp_ok else None,
+        pp=(config.pp,) if kept("pp") or not pp_ok else None,
+        ep=(config.ep,) if kept("ep") or not model.is_moe else None,
         cp=(config.cp,),
         dp_replicate=dp_replicate,
-        zero=(config.zero,) if config.zero != 0 else (0, 1, 2, 3),
-        schedules=(config.schedule,) if config.schedule != "1f1b" else ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
-        virtual_stages=(config.virtual_stages,) if config.virtual_stages != 1 else (1, 2, 4),
+        zero=(config.zero,) if kept("zero") else ZERO_STAGES,
+        schedules=(config.schedule,) if kept("schedule") else PLANNED_SCHEDULES,
+        virtual_stages=(config.virtual_stages,) if kept("virtual_stages") else (1, 2, 4),
         microbatches=(config.microbatches,),
-        recompute=(config.activation_checkpointing,) if config.activation_checkpointing else (None, "full"),
+        recompute=(config.activation_checkpointing,) if kept("activation_checkpointing") else (None, "full"),
         sequence_parallel=(config.sequence_parallel,),
-        zero_accumulation=(config.zero_accumulation,) if config.zero_accumulation != "no_sync" else ZERO_ACCUMULATION,
+        zero_accumulation=(config.zero_accumulation,) if kept("zero_accumulation") else ZERO_ACCUMULATION,
         options=Layout(**{name: getattr(config, name) for name in FIXED_OPTIONS}),
     )
 
