@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any, Optional, Protocol
 
 from lightning_para._dtensor import divisors
-from lightning_para.mesh import ParallelDims, check_expert_degree
+from lightning_para.mesh import ParallelDims
 from lightning_para.options import (
     ACTIVATION_CHECKPOINTING,
     LAYOUT_OPTIONS,
@@ -65,12 +65,12 @@ class ParallelConfig(_Options):
             self.loss_parallel = True
         for option in LAYOUT_OPTIONS:  # each value, as the declaration says
             check_option(option.name, getattr(self, option.name))
-        check_rules(self.__dict__)  # the rules between options (lightning_para.options.RULES)
+        # The rules between options (lightning_para.options.RULES; with an explicit dp, ep's too: known now, so it
+        # fails at construction, not at launch).
+        check_rules(self.__dict__)
         warn_rules(self.__dict__)
         if self.pp > 1:
             self.pipeline_microbatches = validate_pipeline_config(self.pp, self.schedule, self.microbatches, self.virtual_stages)
-        if isinstance(self.dp, int):  # known now: fail at construction, not at launch
-            check_expert_degree(self.ep, self.dp, self._replicas(self.dp))
 
     def with_layout(self, layout: StrategyLayout) -> "ParallelConfig":
         """This config with a planner layout's degrees and options, validated again.

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -67,21 +67,33 @@ _ALIASES = (("dp_shard", "dp_replicate", "dp"), ("dp_shard_cp", "cp", "dp_shard"
 LIGHTNING_ALIASES = {"data_parallel": "dp", "tensor_parallel": "tp"}
 
 
+def expert_degree_problem(
+    ep: int, dp: Any, dp_replicate: Optional[int] = None, dp_shard: Optional[int] = None
+) -> Optional[tuple[str, str]]:
+    """``ep`` must divide the sharded part of ``dp``: expert parallelism splits the data-parallel ranks of one
+    replica. ``(problem, why and the fix)`` or ``None`` (a rule of :data:`lightning_para.options.RUN_RULES`;
+    ``dp="auto"`` is checked once the world size resolves it)."""
+    if not isinstance(dp, int) or isinstance(dp, bool):
+        return None
+    replicas = dp_replicate if dp_replicate is not None else (dp // dp_shard if dp_shard else 1)
+    shard = dp // max(1, replicas)
+    if shard % ep == 0:
+        return None
+    if replicas == 1:
+        return (f"`ep={ep}` must divide `dp={dp}`",
+                f"expert parallelism splits the data-parallel ranks. Choose ep in {divisors(dp)} or a dp that is a"
+                f" multiple of {ep}.")
+    return (f"`ep={ep}` must divide `dp_shard={shard}`",
+            f"expert parallelism splits the data-parallel ranks of one replica (hybrid sharding replicates whole"
+            f" replicas over dp_replicate={replicas}). Choose ep in {divisors(shard)} or a dp_shard that is a multiple"
+            f" of {ep}.")
+
+
 def check_expert_degree(ep: int, dp: int, dp_replicate: int = 1) -> None:
-    """``ep`` must divide the sharded part of ``dp``: expert parallelism splits the data-parallel ranks
-    of one replica (raises ``ValueError``)."""
-    dp_shard = dp // dp_replicate
-    if dp_shard % ep:
-        if dp_replicate == 1:
-            raise ValueError(
-                f"`ep={ep}` must divide `dp={dp}`: expert parallelism splits the data-parallel ranks."
-                f" Choose ep in {divisors(dp)} or a dp that is a multiple of {ep}."
-            )
-        raise ValueError(
-            f"`ep={ep}` must divide `dp_shard={dp_shard}`: expert parallelism splits the data-parallel ranks of"
-            f" one replica (hybrid sharding replicates whole replicas over dp_replicate={dp_replicate})."
-            f" Choose ep in {divisors(dp_shard)} or a dp_shard that is a multiple of {ep}."
-        )
+    """``ValueError`` naming ``ep`` when it does not divide the sharded part of ``dp`` (:func:`expert_degree_problem`)."""
+    problem = expert_degree_problem(ep, dp, dp_replicate)
+    if problem:
+        raise ValueError(f"{problem[0]}: {problem[1]}")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
+from lightning_para.mesh import expert_degree_problem
 from lightning_para.parallel.activation_checkpoint import MODES as _AC_MODES
 from lightning_para.parallel.compile import compile_options
 from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
@@ -303,6 +304,7 @@ RuleFunction = Callable[..., Problem]
 # ``NOTE_RULES`` make an option idle (ParallelConfig warns).
 LAYOUT_RULES: tuple[RuleFunction, ...] = (data_parallel_factors_problem, hybrid_sharding_problem, zero_accumulation_problem)
 RUN_RULES: tuple[RuleFunction, ...] = (
+    expert_degree_problem,  # the degrees' own rule (mesh.py, which ParallelDims checks once "auto" is resolved)
     context_recompute_problem, fp8_tensor_parallel_problem, pipeline_zero3_problem, pipeline_compile_problem,
 )
 NOTE_RULES: tuple[RuleFunction, ...] = (sequence_parallel_problem, zero3_units_problem)
@@ -339,7 +341,7 @@ def warn_rules(values: Mapping[str, Any]) -> None:
 __all__ = [
     "LAYOUT_OPTIONS", "LAYOUT_RULES", "NOTE_RULES", "OPTIONS", "Option", "POSITIONAL",
     "RULES", "RUN_RULES", "arguments_doc", "check_option", "check_rules", "choices_text", "rule_problems",
-    "warn_rules", "data_parallel_factors_problem", "hybrid_sharding_problem", "zero_accumulation_problem",
+    "warn_rules", "data_parallel_factors_problem", "expert_degree_problem", "hybrid_sharding_problem", "zero_accumulation_problem",
     "context_recompute_problem", "fp8_tensor_parallel_problem", "pipeline_zero3_problem", "pipeline_compile_problem",
     "sequence_parallel_problem", "zero3_units_problem",
     "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS",

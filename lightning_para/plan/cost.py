@@ -239,11 +239,8 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
             if value % (lay.cp * lay.tp):
                 problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
-    # ParaStrategy's rules between options (lightning_para.options.RUN_RULES), each named by its problem.
-    problems += [f"{problem} by ParaStrategy" for problem, _ in rule_problems(lay.strategy_kwargs(), RUN_RULES)]
-    if lay.dp_shard % lay.ep:  # type: ignore[operator]
-        dp_name = "dp" if lay.dp_replicate == 1 else "dp_shard"
-        problems.append(f"ep={lay.ep} does not divide {dp_name}={lay.dp_shard} (experts shard inside data parallelism)")
+    # ParaStrategy's rules between options (lightning_para.options.RUN_RULES: ep divides dp_shard, ...), in its words.
+    problems += [problem for problem, _ in rule_problems(lay.strategy_kwargs(), RUN_RULES)]
     if lay.ep > 1 and not model.is_moe:
         problems.append(f"ep={lay.ep} needs experts, the model has none")
     elif model.is_moe and model.num_experts % lay.ep:
