@@ -66,18 +66,19 @@ FIXED_OPTIONS = (
     "pipeline_balance", "compile", "fp8",
 )
 
-# The fields: every planned option of the one declaration (lightning_para.options), in its order.
+
 def _planner_field(name: str) -> tuple[str, Any, Any]:
     annotation, default = PLANNER_FIELDS.get(name, (OPTIONS[name].annotation, OPTIONS[name].default))
     return name, annotation, field(default=default)
 
 
+# The fields: every planned option of the one declaration (lightning_para.options), in its order.
 _LayoutOptions = make_dataclass(
     "_LayoutOptions", [_planner_field(o.name) for o in LAYOUT_OPTIONS if not o.not_planned], frozen=True
 )
 _LayoutOptions.__module__ = __name__
-# The values a Layout takes besides its fields' kinds (the declaration's "auto" is resolved here).
-_PLANNER_ALSO = {"dp": (), "tp": (), "dp_replicate": (), "loss_parallel": (), "bucket_size_mb": (None,)}
+# The values a planner field takes besides its kind's: None where it is the planner's default, never "auto".
+_PLANNER_ALSO = {name: (None,) if default is None else () for name, (_, default) in PLANNER_FIELDS.items()}
 
 
 @dataclass(frozen=True)
