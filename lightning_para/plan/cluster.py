@@ -175,7 +175,8 @@ class Cluster:
             the matmuls): the efficiency at a rank's tokens per microbatch is interpolated in ``log(tokens)``
             between them and held at the ends (:meth:`matmul_efficiency`). Empty (the GPU presets):
             ``efficiency`` at every size. Calibrated on CPU, where two threads speed up 1,024-token matmuls
-            and barely 256-token ones.
+            and barely 256-token ones. With ``gemm`` (a calibration that timed the GEMM curve): the fraction of the
+            curve's rate at the calibration model's own GEMMs that the real model's matmuls reached.
     """
 
     nodes: int
@@ -225,13 +226,17 @@ class Cluster:
     def matmul_efficiency(self, tokens: float, gemms: tuple[Gemm, ...] = ()) -> float:
         """The fraction of ``peak_flops`` matmuls over ``tokens`` rows reach. With ``gemm`` and the model's ``gemms``
         (:func:`~lightning_para.plan.gemm.model_gemms`): their FLOP-weighted efficiency on the GEMM curve, times
-        ``at_scale_efficiency`` when the world has several GPUs. Else ``efficiency_by_tokens`` interpolated in
-        ``log(tokens)`` and held at the ends, or ``efficiency``."""
+        ``efficiency_by_tokens`` (then the real model's fraction of the curve) and ``at_scale_efficiency`` when the
+        world has several GPUs. Else ``efficiency_by_tokens`` interpolated in ``log(tokens)`` and held at the ends,
+        or ``efficiency``."""
         if self.gemm is not None and gemms:
-            return min(1.0, self.gemm.efficiency_of(gemms) * (self.at_scale_efficiency if self.world_size > 1 else 1.0))
+            residual = self._by_tokens(tokens) if self.efficiency_by_tokens else 1.0
+            at_scale = self.at_scale_efficiency if self.world_size > 1 else 1.0
+            return min(1.0, self.gemm.efficiency_of(gemms) * residual * at_scale)
+        return self._by_tokens(tokens) if self.efficiency_by_tokens else self.efficiency
+
+    def _by_tokens(self, tokens: float) -> float:
         points = sorted(self.efficiency_by_tokens)
-        if not points:
-            return self.efficiency
         if tokens <= points[0][0]:
             return points[0][1]
         for (t0, e0), (t1, e1) in zip(points, points[1:]):

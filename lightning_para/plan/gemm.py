@@ -122,12 +122,12 @@ class GemmModel:
         gemm = Gemm(m, n, k)
         return gemm.flops / self.seconds(gemm) / self.peak_flops
 
-    def efficiency_of(self, gemms: Iterable[Gemm]) -> float:
+    def efficiency_of(self, gemms: Iterable[Gemm], training: bool = True) -> float:
         """The FLOP-weighted efficiency of a training step's GEMMs: each of ``gemms`` (forward shapes) with its two
-        backward products, total FLOPs over total seconds."""
+        backward products (``training=False``: ``gemms`` as they are), total FLOPs over total seconds."""
         flops = seconds = 0.0
         for forward in gemms:
-            for gemm in forward.training():
+            for gemm in (forward.training() if training else (forward,)):
                 flops += gemm.flops
                 seconds += self.seconds(gemm)
         return flops / seconds / self.peak_flops if seconds else self.plateau
