@@ -62,10 +62,12 @@ COMM_SCALAR_BYTES = 4096  # per step and dimension: logged metrics' and norms' s
 # cannot be promised there, so the report prints this band instead.
 CPU_STEP_BAND = 0.60
 # Calibrated inside the run: the planner's step scaled by this run's own first warm steps, which carry the host's load
-# of the moment, predicts the median of the run's remaining steps. What repeated runs of the README demo measured
-# (benchmarks/results/step_prediction_cpu.md, "Calibrated inside the run"): within the band below on every run.
+# of the moment, predicts the median of the run's remaining steps. Ten runs of the README demo on the shared 2-core VM
+# (benchmarks/results/step_prediction_cpu.md, "Calibrated inside the run") measured -23% to +51%: 8 of 10 within 25%,
+# and the two runs during which other jobs started on the host +39% and +51%. So 25% cannot be promised there; the
+# band below covers every run measured.
 IN_RUN_CALIBRATION_STEPS = 10
-IN_RUN_STEP_BAND = 0.25
+IN_RUN_STEP_BAND = 0.55
 MIB = 2**20
 
 

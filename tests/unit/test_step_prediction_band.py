@@ -10,7 +10,7 @@ def test_the_first_warm_steps_calibrate_the_rest():
     check = PredictionCheck("tp2 pp2", [Comparison(0, "step", "step", 0.5, 0.26)])
     steps = [0.25] * 10 + [0.26] * 20
     assert check.in_run_step_band(steps) == ("calibrated on the first 10 warm steps (the model x 0.50): the rest"
-                                             " predicted 250 ms (band 188-312 ms), measured 260 ms: inside")
+                                             " predicted 250 ms (band 112-388 ms), measured 260 ms: inside")
 
 
 def test_a_run_that_slows_down_past_the_band_is_reported_outside():
