@@ -149,3 +149,16 @@ def test_the_curve_reproduces_the_matmul_kernel_time_profiled_inside_each_step(r
     seconds = sum(curve.seconds(g) for forward in gemms for g in forward.training())
     seconds += sum(curve.seconds(g) for g in recomputed)
     assert seconds / run["recipe"]["kernel_seconds"]["matmul"] == pytest.approx(1.0, abs=0.10)
+
+
+def test_a_detected_gpu_gets_its_curve(monkeypatch):
+    """What the profiler's check prices a run on a real H100 with: the preset's curve and at-scale factor."""
+    import torch
+
+    from lightning_para.calibrate import machine
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(machine, "detect_peak_flops", lambda device: 989e12)
+    cluster = machine.local_cluster(8, 8, torch.device("cuda", 0), memory_bytes=80e9)
+    preset_cluster = Cluster.of("h100", nodes=1)
+    assert cluster.gemm == preset_cluster.gemm and cluster.at_scale_efficiency == preset_cluster.at_scale_efficiency
