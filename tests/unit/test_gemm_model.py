@@ -108,12 +108,13 @@ FAKE_WORLD = sorted((ROOT / "benchmarks" / "results").glob("gpu_fake_world_h*.js
 def test_the_curve_prices_a_full_depth_rank_with_free_collectives(record):
     """Rank 0 of 8 or 128 (ZeRO-3 at 32 layers; ZeRO-1/2 at 8), real kernels under the fake process group, so the step
     is compute alone (``benchmarks/gpu_fake_world.py``): the preset's curve, communication made free, within -12% to
-    +5% (measured: -11% to +4%). The tp=2 rank is a gap (+29%): recorded, not gated."""
+    +5% (measured: -11% to +4%). The tp=2 rank is a gap (-35%): recorded, not gated."""
     run = json.loads(record.read_text())
     gpu = "h200" if "h200" in record.name else "h100"
     world, tp = run["world"], run.get("tp", 1)
     model = preset("llama3-8b").with_changes(layers=run["layers"], loss_upcast=run.get("loss_upcast", False))
-    training = Training(seq_len=run["seq"], global_batch=run["batch"] * world, micro_batch=run["batch"],
+    # Each data-parallel rank (world / tp of them) ran one microbatch of `batch` sequences per step.
+    training = Training(seq_len=run["seq"], global_batch=run["batch"] * world // tp, micro_batch=run["batch"],
                         precision=run["precision"])
     layout = Layout(dp=world // tp, tp=tp, zero=run.get("zero", 3), sequence_parallel=tp > 1,
                     activation_checkpointing=run["recompute"])
@@ -122,7 +123,9 @@ def test_the_curve_prices_a_full_depth_rank_with_free_collectives(record):
                       inter_node_latency=0.0, at_scale_efficiency=1.0)
     error = estimate(model, free, training, layout).step_seconds / min(s["seconds"] for s in run["steps"][1:]) - 1
     if tp > 1:
-        assert 0.2 < error < 0.4, error  # the gap as measured: a change that closes it updates docs/planner.md
+        # The gap as measured (-35%), not measured apart: likely DTensor's per-operator dispatch on the host, priced at 0
+        # on the GPU presets (launches assumed hidden behind the device's queue). Closing it updates docs/planner.md.
+        assert -0.45 < error < -0.25, error
     else:
         assert -0.12 <= error <= 0.05, error
 
