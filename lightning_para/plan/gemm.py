@@ -14,7 +14,7 @@ larger of
   - ``F_half``: the saturation term, the FLOPs a kernel's fixed costs are worth (launch, pipeline
     fill and drain, the epilogue's writes). A GEMM of ``F_half`` FLOPs reaches half the plateau. Two
     sizes of the same shapes give it: on the H100, 8,192-row GEMMs reached 0.75 of peak and
-    16,384-row ones 0.79, with the same wave fraction;
+    16,384-row ones 0.79, with nearly the same wave fraction (0.970 against 0.970-0.987);
 * **memory**: ``bytes / bandwidth``, the roofline bound (Williams et al. 2009). It reads both
   operands and writes the output once, ``e (m k + k n + m n)`` bytes. It binds small-``m`` and
   small-``k`` shapes: an expert's few tokens, a decoding step.
@@ -222,8 +222,9 @@ MEASURED_GEMMS: dict[str, tuple[GemmMeasurement, ...]] = {
 }
 
 # Streaming multiprocessors per GPU (the datasheets / whitepapers: H100 SXM5 132, H200 132 (the same GH100), H800
-# 132, A100 108, B200 148) and the output tile of cuBLAS's large bf16 kernels on Hopper and Blackwell (128 x 256,
-# CUTLASS's largest warp-specialized tile; `nvjet_tst_256x128_...` in the H100's profile) and Ampere (128 x 256).
+# 132, A100 108, B200 148) and one output tile for all: 128 x 256. The recorded H100 step's cuBLAS kernels
+# (`gpu_step_model_h100_l4_bf16_mixed.json`, top kernels) tile 320 x 128, 192 x 192 and 256 x 128; 128 x 256 has
+# their size (32-41 K outputs), and cuBLAS picks among them per shape, which one fixed tile only approximates.
 GPU_UNITS: dict[str, int] = {"h100": 132, "h100-96gb": 132, "h200": 132, "h800": 132, "b200": 148,
                              "a100-80gb": 108, "a100-40gb": 108}
 GPU_TILE = (128, 256)
