@@ -263,7 +263,7 @@ def predict(args: argparse.Namespace, bandwidth: float, efficiency: float, gpu: 
     base = Cluster.of(gpu, nodes=1, gpus_per_node=1)
     measured = replace(base, elementwise_bandwidth=bandwidth)
     if not math.isnan(efficiency):  # NaN on CPU (no GPU peak to divide by): the preset's
-        measured = replace(measured, efficiency=efficiency)
+        measured = replace(measured, efficiency=efficiency, gemm=None)  # the measured figure, not the GEMM curve
     for name, cluster in (("preset", base), ("measured_efficiency_and_bandwidth", measured)):
         est = estimate(model, cluster, training, layout)
         memory = est.memory

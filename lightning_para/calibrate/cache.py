@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_para.calibrate.measure import measure_dtensor_op_costs, measure_gloo, measure_rank_rates
+from lightning_para.calibrate.measure import measure_dtensor_op_costs, measure_gloo, measure_rank_gemms
+from lightning_para.plan.gemm import Gemm, GemmMeasurement, GemmModel, fit_gemm_model
 from lightning_para.threads import available_cores
 
 
@@ -65,6 +66,10 @@ class Calibration:
     # [[tokens, fraction of matmul_flops a real model's matmuls reach at that microbatch], ...] (None: 1)
     matmul_efficiency: Optional[list[list[float]]] = None
     dtensor_optimizer_op_seconds: Optional[float] = None  # per DTensor operator of the optimizer step (None: not apart)
+    # [[m, n, k, seconds], ...]: this machine's fp32 GEMMs (`measure_gemm_curve`; None: not measured)
+    gemm_curve: Optional[list[list[float]]] = None
+    # {tokens: [[m, n, k, count], ...]}: the matmuls of the model `matmul_efficiency` was measured on
+    matmul_shapes: Optional[dict[str, list[list[int]]]] = None
 
     def cluster_figures(self) -> dict[str, float]:
         """:class:`~lightning_para.plan.cluster.Cluster` fields: ``peak_flops`` is the square matmuls' rate and
@@ -87,7 +92,23 @@ class Calibration:
         if self.matmul_efficiency:
             figures["efficiency_by_tokens"] = tuple((float(t), float(e)) for t, e in self.matmul_efficiency)
             figures["efficiency"] = min(e for _, e in figures["efficiency_by_tokens"])
+        if self.gemm_curve:
+            # The planner prices each model's GEMMs on this machine's curve; what a real model's matmuls reached is
+            # kept as their fraction of the curve at that model's own GEMMs (attention, small products, caches).
+            gemm = self.gemm_model()
+            figures["gemm"] = gemm
+            shapes = self.matmul_shapes or {}
+            if self.matmul_efficiency and all(str(float(t)) in shapes for t, _ in self.matmul_efficiency):
+                figures["efficiency_by_tokens"] = tuple(
+                    (float(t), min(1.0, float(e) / gemm.efficiency_of(
+                        [Gemm(*shape) for shape in shapes[str(float(t))]], training=False)))
+                    for t, e in self.matmul_efficiency)
         return figures
+
+    def gemm_model(self) -> GemmModel:
+        """This machine's GEMM curve, fitted to ``gemm_curve`` against ``matmul_flops`` (fp32 operands)."""
+        measured = [GemmMeasurement(int(m), int(n), int(k), s, "calibration") for m, n, k, s in self.gemm_curve or ()]
+        return fit_gemm_model(measured, self.matmul_flops, bandwidth=self.elementwise_bandwidth or 0.0, element_bytes=4)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -127,7 +148,8 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         if found is not None:
             return found
     processes = max(1, available_cores() // threads)  # the ranks of a run that fills this machine
-    flops, op_seconds, bandwidth_elementwise, curve = measure_rank_rates(threads, processes, workload=compute_workload)
+    flops, op_seconds, bandwidth_elementwise, curve, gemm_curve, shapes = measure_rank_gemms(
+        threads, processes, workload=compute_workload)
     dtensor_op_seconds, dtensor_optimizer_op_seconds = (
         measure_dtensor_op_costs(threads, workload=dtensor_workload, processes=processes)
         if measure_dtensor else (None, None))
@@ -139,7 +161,8 @@ def calibrate(threads: Optional[int] = None, *, path: Optional[Path] = None, ref
         op_seconds=op_seconds, dtensor_op_seconds=dtensor_op_seconds, step_overhead_seconds=step_overhead_seconds,
         elementwise_bandwidth=bandwidth_elementwise, processes=processes,
         matmul_efficiency=[list(point) for point in curve] if curve else None,
-        dtensor_optimizer_op_seconds=dtensor_optimizer_op_seconds,
+        dtensor_optimizer_op_seconds=dtensor_optimizer_op_seconds, gemm_curve=gemm_curve,
+        matmul_shapes={str(t): [list(shape) for shape in found] for t, found in shapes.items()} or None,
     )
     data = _load(path)
     data[result.key] = asdict(result)

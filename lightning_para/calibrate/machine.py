@@ -17,7 +17,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 
 from lightning_para.calibrate.cache import cached_calibration
 from lightning_para.parallel.data import layout as data_layout
-from lightning_para.plan.cluster import GPU_SPECS, Cluster
+from lightning_para.plan.cluster import AT_SCALE_EFFICIENCY, GPU_SPECS, Cluster
+from lightning_para.plan.gemm import gpu_gemm_model
 from lightning_para.threads import available_cores, thread_budget, user_chose_threads
 
 # One CPU process talking gloo over the loopback device: rough figures (dense fp32 matmul FLOP/s of
@@ -66,6 +67,7 @@ def local_cluster(
     if world_size % per_node:
         per_node = 1
     memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device, per_node)
+    gpu: Optional[str] = None
     if device.type == "cpu":
         figures: dict[str, Any] = dict(CPU_PROCESS)
         # A rank's intra-op threads: this process's inside a run (the launcher gave it its budget);
@@ -89,12 +91,16 @@ def local_cluster(
         figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE
     else:
         name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
-        known = next((spec for key, spec in GPU_SPECS.items() if key.split("-")[0] in name), None)
+        gpu = next((key for key in GPU_SPECS if key.split("-")[0] in name), None)
+        known = GPU_SPECS.get(gpu) if gpu else None
         figures = {k: v for k, v in (known or UNKNOWN_GPU_LINKS).items() if k != "memory_bytes"}
         figures.pop("peak_flops", None)
         figures["peak_flops"] = detect_peak_flops(device) or (known or {}).get("peak_flops", 1e14)
     if peak_flops is not None:
         figures["peak_flops"] = peak_flops
+    if device.type != "cpu" and gpu is not None:  # its GEMM curve and at-scale factor, as `Cluster.of(gpu)` (plan/gemm.py)
+        figures["gemm"] = gpu_gemm_model(gpu, figures["peak_flops"], figures.get("elementwise_bandwidth", 0.0))
+        figures["at_scale_efficiency"] = AT_SCALE_EFFICIENCY[gpu]
     return Cluster(nodes=world_size // per_node, gpus_per_node=per_node, memory_bytes=memory, **figures)
 
 

@@ -50,12 +50,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from lightning_para.calibrate.gemm_curve import GEMM_CURVE_SHAPES, GemmShapes, measure_gemm_curve
 from lightning_para.calibrate.processes import measurement_context, run_measurement
 from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
 
 __all__ = ["EFFICIENCY_BATCHES", "EFFICIENCY_SEQ_LEN", "fit_alpha_beta", "measure_dtensor_op_costs",
-           "measure_dtensor_op_seconds", "measure_elementwise_bandwidth", "measure_gloo", "measure_matmul_efficiency",
-           "measure_matmul_flops", "measure_op_seconds", "measure_rank_rates", "synthetic_tp_workload"]
+           "measure_dtensor_op_seconds", "measure_elementwise_bandwidth", "measure_gemm_curve", "measure_gloo",
+           "measure_matmul_efficiency", "measure_matmul_flops", "measure_rank_gemms", "GEMM_CURVE_SHAPES", "measure_op_seconds", "measure_rank_rates", "synthetic_tp_workload"]
 
 
 def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats: int = 7) -> float:
@@ -169,15 +170,25 @@ def measure_matmul_efficiency(workload: Callable[[int, int], Callable[[], None]]
     (``FlopCounterMode``), operators and element-wise bytes (:class:`TrafficCounter`) are counted, and what its
     median time leaves after the operators' fixed cost and the bytes at ``bandwidth`` is the matmuls' time.
     Clamped to [0.05, 1]."""
+    return _matmul_efficiency_and_shapes(workload, batch, flops, op_seconds, bandwidth, repeats)[0]
+
+
+def _matmul_efficiency_and_shapes(workload: Callable[[int, int], Callable[[], None]], batch: int, flops: float,
+                                  op_seconds: float, bandwidth: float, repeats: int = 9,
+                                  ) -> tuple[float, list[tuple[int, int, int, int]]]:
+    """:func:`measure_matmul_efficiency` and the ``(m, n, k, count)`` of the step's matmuls (its GEMMs on the curve)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     step = workload(batch, EFFICIENCY_SEQ_LEN)
     step()  # warm-up
+    gemms = GemmShapes()
+    with gemms.mode:
+        step()
     with FlopCounterMode(display=False) as flop_counter, TrafficCounter() as traffic:
         step()
     matmul_seconds = _median_seconds(step, repeats) - traffic.ops * op_seconds - traffic.bytes / bandwidth
     efficiency = flop_counter.get_total_flops() / max(matmul_seconds, 1e-9) / flops
-    return min(1.0, max(0.05, efficiency))
+    return min(1.0, max(0.05, efficiency)), gemms.shapes
 
 
 def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Callable[[int, int], Callable[[], None]]],
@@ -187,9 +198,10 @@ def _rank_rates_worker(threads: int, start_together: Any, workload: Optional[Cal
     op_seconds = measure_op_seconds(threads)
     flops = measure_matmul_flops(threads)
     bandwidth = measure_elementwise_bandwidth(threads, op_seconds=op_seconds)
-    efficiencies = tuple(measure_matmul_efficiency(workload, batch, flops, op_seconds, bandwidth)
+    gemm_curve = measure_gemm_curve(threads)
+    efficiencies = tuple(_matmul_efficiency_and_shapes(workload, batch, flops, op_seconds, bandwidth)
                          for batch in EFFICIENCY_BATCHES) if workload is not None else ()
-    out.put((flops, op_seconds, bandwidth, efficiencies))
+    out.put((flops, op_seconds, bandwidth, efficiencies, gemm_curve))
 
 
 def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
@@ -199,14 +211,28 @@ def measure_rank_rates(threads: int, processes: int = 1, timeout: float = 300.0,
     rank with ``threads`` intra-op threads while ``processes`` such ranks run at once (each measured in a
     fresh process; medians across them). The efficiencies are :func:`measure_matmul_efficiency` on
     ``workload`` (a picklable module-level function of the batch and sequence length) at :data:`EFFICIENCY_BATCHES` sequences of
-    :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload."""
+    :data:`EFFICIENCY_SEQ_LEN` tokens; none without a workload. :func:`measure_rank_gemms` adds the GEMM curve."""
+    return measure_rank_gemms(threads, processes, timeout, workload)[:4]  # type: ignore[return-value]
+
+
+def measure_rank_gemms(threads: int, processes: int = 1, timeout: float = 300.0,
+                       workload: Optional[Callable[[int, int], Callable[[], None]]] = None,
+                       ) -> tuple[float, float, float, tuple[tuple[float, float], ...], list[list[float]],
+                                  dict[float, list[tuple[int, int, int, int]]]]:
+    """:func:`measure_rank_rates`, then this rank's GEMM curve (:func:`measure_gemm_curve`: ``[[m, n, k, seconds],
+    ...]``, medians across the processes) and the workload's matmul shapes per tokens (``{tokens: [(m, n, k,
+    count), ...]}``: where the measured efficiencies sit on that curve)."""
     start_together = measurement_context().Barrier(processes)
     results = run_measurement(_rank_rates_worker, [(threads, start_together, workload)] * processes, timeout,
                               "one rank's matmul, operator and bandwidth figures", results=processes)
     flops, op_seconds, bandwidth = (statistics.median(r[i] for r in results) for i in range(3))
-    curve = tuple((float(batch * EFFICIENCY_SEQ_LEN), statistics.median(r[3][k] for r in results))
+    curve = tuple((float(batch * EFFICIENCY_SEQ_LEN), statistics.median(r[3][k][0] for r in results))
                   for k, batch in enumerate(EFFICIENCY_BATCHES)) if workload is not None else ()
-    return flops, op_seconds, bandwidth, curve
+    shapes = {float(batch * EFFICIENCY_SEQ_LEN): results[0][3][k][1]
+              for k, batch in enumerate(EFFICIENCY_BATCHES)} if workload is not None else {}
+    gemm_curve = [[*results[0][4][i][:3], statistics.median(r[4][i][3] for r in results)]
+                  for i in range(len(results[0][4]))]
+    return flops, op_seconds, bandwidth, curve, gemm_curve, shapes
 
 
 class _SequenceParallelBlock(torch.nn.Module):

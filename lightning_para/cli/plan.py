@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     hw.add_argument("--peak-tflops", type=float, help="dense 16-bit peak TFLOP/s per device")
     hw.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-device bandwidth inside a node, one direction")
     hw.add_argument("--inter-bw", type=float, metavar="GB/s", help="per-device bandwidth between nodes, one direction")
-    hw.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach (default 0.5)")
+    hw.add_argument("--efficiency", type=float,
+                    help="fraction of peak the matmuls reach, one figure for every shape (default: with --gpu, the"
+                         " GPU's GEMM curve by shape, docs/planner.md; else 0.5)")
     hw.add_argument("--reserved-memory", type=float, metavar="GB", default=0.0, help="memory the framework keeps")
     run = p.add_argument_group("run")
     run.add_argument("--seq-len", type=int, help="tokens per sequence")

@@ -426,6 +426,9 @@ class ParaProfiler(Callback):
             self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
             # On CPU the step time is a band (its ranks share the host's cores; `CPU_STEP_BAND`), not one figure.
             band = check.step_band() if trainer.strategy.root_device.type == "cpu" else None
+            if band:  # and the tighter band this run's own first steps calibrate (`IN_RUN_STEP_BAND`)
+                in_run = check.in_run_step_band(self._untraced_seconds)
+                band = f"{band}; {in_run}" if in_run else band
             worst = ", ".join(f"{k} {v:.1%}" if k not in IDLE_KINDS else f"{k} {v:.3f}"
                               for k, v in check.worst().items() if not (band and k == "step"))
             failing = len(check.failures())

@@ -19,6 +19,7 @@ from lightning_para.parallel.context.ring import score_tile_rows
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, collective, per_call_seconds
 from lightning_para.plan.layout import Layout
+from lightning_para.plan.gemm import model_gemms
 from lightning_para.plan.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
@@ -717,7 +718,8 @@ def price_rank(
     :mod:`lightning_para.plan.cost`). ``training.micro_batch`` must be resolved (an int)."""
     resident = resident_states(model, training, layout, part)
     flops, score_flops = _compute_flops(model, training, layout, part)
-    speed = cluster.peak_flops * cluster.matmul_efficiency(training.micro_batch * training.seq_len / layout.cp)
+    tokens = training.micro_batch * training.seq_len / layout.cp
+    speed = cluster.peak_flops * cluster.matmul_efficiency(tokens, model_gemms(model, tokens, layout.tp, layout.ep))
     compute = flops / speed / compute_speedup(layout)
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds

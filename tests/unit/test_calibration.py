@@ -8,6 +8,7 @@ import torch
 from lightning_para import calibrate as cal
 from lightning_para.instrument.operators import TrafficCounter
 from lightning_para.calibrate.machine import CPU_PROCESS, local_cluster
+from lightning_para.plan.gemm import Gemm
 
 
 def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_path, monkeypatch):
@@ -31,6 +32,14 @@ def test_calibration_is_cached_per_thread_budget_and_used_by_local_cluster(tmp_p
     share = min(1.0, available_cores() / (2 * threads))
     assert cluster.peak_flops == pytest.approx(first.matmul_flops * share) and cluster.efficiency == 1.0
     assert cluster.elementwise_bandwidth == pytest.approx(first.elementwise_bandwidth * share)
+    # This machine's GEMM curve: timed at GEMM_CURVE_SHAPES, fitted, and given to the planner.
+    assert cluster.gemm == first.gemm_model() and len(first.gemm_curve) == len(cal.GEMM_CURVE_SHAPES)
+    import statistics
+
+    # A fit through the measured points (by least squares, or the median rate when the host's noise hides the
+    # saturation): the median shape is priced within 2x on a shared host.
+    ratios = [cluster.gemm.seconds(Gemm(m, n, k)) / s for m, n, k, s in first.gemm_curve]
+    assert 0.5 < statistics.median(ratios) < 2.0, ratios
 
 
 def test_matmul_efficiency_is_interpolated_in_log_tokens_and_held_at_the_ends():
@@ -93,7 +102,14 @@ def test_lightning_para_calibrate_caches_the_recipe_dtensor_cost_and_the_step_ov
     assert [t for t, _ in found.matmul_efficiency] == [256.0, 1024.0]
     assert all(0.05 <= e <= 1.0 for _, e in found.matmul_efficiency)
     figures = found.cluster_figures()
-    assert figures["efficiency_by_tokens"] == tuple(map(tuple, found.matmul_efficiency))
+    # This machine's GEMM curve is timed too; the recipe's efficiency is kept as its fraction of the curve at the
+    # recipe's own matmuls (forward and backward, as dispatched), which the planner multiplies by a model's curve.
+    assert len(found.gemm_curve) == len(cal.GEMM_CURVE_SHAPES) and all(s > 0 for *_, s in found.gemm_curve)
+    assert sorted(found.matmul_shapes) == ["1024.0", "256.0"]
+    assert figures["gemm"] == found.gemm_model()
+    for (tokens, within), (_, measured) in zip(figures["efficiency_by_tokens"], found.matmul_efficiency):
+        on_curve = figures["gemm"].efficiency_of([Gemm(*s) for s in found.matmul_shapes[str(tokens)]], training=False)
+        assert within == pytest.approx(min(1.0, measured / on_curve))
     assert figures["dtensor_op_seconds"] == found.dtensor_op_seconds
     assert figures["dtensor_optimizer_op_seconds"] == found.dtensor_optimizer_op_seconds
     assert figures["step_overhead_seconds"] == found.step_overhead_seconds

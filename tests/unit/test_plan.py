@@ -571,6 +571,7 @@ def test_selective_op_prices_torchtitans_policy():
     """``"selective_op"`` (torchtitan's per-op recomputation) sits between ``"selective"`` and
     ``"full"`` in memory, and costs the forward of the matmuls it recomputes (k, o, up: ``2 x
     tokens x (h kv d + a d h + h f)`` per layer) plus, under SP, one more all-gather per block."""
+    from lightning_para.plan.gemm import model_gemms
     from lightning_para.plan.memory import selective_op_recompute_params
 
     # matmul FLOPs alone (the replayed forward's element-wise bytes are priced too, on the preset)
@@ -580,9 +581,9 @@ def test_selective_op_prices_torchtitans_policy():
            for m in (None, "selective", "selective_op", "full")}
     assert est["full"].memory.activations < est["selective_op"].memory.activations < est["selective"].memory.activations
     tokens = training.micro_batch * training.seq_len
-    extra = 2 * selective_op_recompute_params(model) * tokens * model.layers / (cluster.peak_flops * cluster.efficiency)
-    assert extra == pytest.approx(2 * tokens * model.layers * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)
-                                  / (cluster.peak_flops * cluster.efficiency))
+    speed = cluster.peak_flops * cluster.matmul_efficiency(tokens, model_gemms(model, tokens))  # the GEMM curve's
+    extra = 2 * selective_op_recompute_params(model) * tokens * model.layers / speed
+    assert extra == pytest.approx(2 * tokens * model.layers * (4096 * 1024 + 4096 * 4096 + 4096 * 14336) / speed)
     rank = {m: e.ranks[0].compute_seconds for m, e in est.items()}
     assert rank["selective_op"] - rank["selective"] == pytest.approx(extra)
     assert rank["selective_op"] < rank["full"]

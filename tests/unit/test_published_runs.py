@@ -1,8 +1,8 @@
 """The planner against published training runs (issue 23): one row per run, each with its source.
 
 The rows and the tolerances are the issue's. Every row is priced with the same global
-constants (``Cluster.efficiency = 0.5``, the GPU presets of ``plan/cluster.py``); nothing is
-tuned per row. A row either meets its tolerance (asserted) or is a documented gap: its test
+constants (the GPU presets of ``plan/cluster.py``: each GEMM on the GPU's measured curve, ``plan/gemm.py``, times
+the one ``AT_SCALE_EFFICIENCY``; issue 23's ``Cluster.efficiency = 0.5`` before); nothing is tuned per row. A row either meets its tolerance (asserted) or is a documented gap: its test
 pins the gap as measured, so a planner change that closes (or widens) it shows up here and the
 table in ``docs/planner.md`` must be updated. ``print_table`` writes that table:
 ``python -m pytest -q -s tests/unit/test_published_runs.py -k table``.
