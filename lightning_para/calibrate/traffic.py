@@ -25,7 +25,8 @@ from lightning_para.plan.cluster import Training
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.overhead import TrafficCoefficients
-from lightning_para.plan.rank import head_bytes, layer_traffic_basis
+from lightning_para.plan.rank import layer_traffic_basis
+from lightning_para.plan.rank_memory import head_bytes
 
 __all__ = ["count_traffic_coefficients"]
 

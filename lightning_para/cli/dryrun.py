@@ -302,8 +302,7 @@ def render(results: list[RankDryRun]) -> str:
         coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
         lines.append(
             f"rank {r.rank} of {r.world_size} ({coords}; pipeline rank {r.pipeline_rank}, {r.layers} layers,"
-            + (f" its whole interleaved schedule of {r.in_flight} microbatches)" if r.whole_schedule
-               else f" {r.in_flight} microbatch(es) in flight)") + "  wall: "
+            + f" {r.microbatches} microbatch(es) through the pipeline runner, {r.in_flight} in flight)  wall: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items())
         )
         lines.append(f"  {'memory (' + unit + ')':<14}{'dry run':>10}{'planner':>10}{'diff':>9}")

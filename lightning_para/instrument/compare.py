@@ -266,10 +266,10 @@ _PER_MICROBATCH_DIMS = ("tp", "cp", "ep")
 
 
 def predicted_rank(
-    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, in_flight: int
+    model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, microbatches_run: int
 ) -> tuple[MemoryFigures, list[CommFigure], int]:
     """The planner's figures for pipeline rank ``pp_rank`` of a dry run (the predicted record beside its measured one). Its per-microbatch collectives (tp, cp, ep) are
-    scaled from the step's microbatches to the ``in_flight`` ones the dry run runs, so both sides count
+    scaled from the step's microbatches to the ``microbatches_run`` the dry run runs, so both sides count
     the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
     ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
@@ -284,7 +284,7 @@ def predicted_rank(
     comm = []
     for c in rank.collectives:
         per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (layout.reduces_each_microbatch and c.what.startswith("gradient"))
-        calls = c.calls * in_flight / microbatches if per_microbatch else c.calls
+        calls = c.calls * microbatches_run / microbatches if per_microbatch else c.calls
         comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
     return figures, comm, rank.layers
 

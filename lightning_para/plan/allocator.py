@@ -245,6 +245,9 @@ class AllocationTrace:
 
     events: list[tuple[str, Hashable, int, Hashable]] = field(default_factory=list)
     states: list[int] = field(default_factory=list)
+    # Storages the step made that a later step does not make again, beside the optimizer state (e.g. the pipeline
+    # stage's receive buffers, made when its schedule first runs): kept, not freed at `zero_grad`.
+    made_once: set[Hashable] = field(default_factory=set)
 
     def alloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
         self.events.append(("alloc", key, nbytes, stream))
@@ -272,7 +275,8 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_a
     """Replay ``trace`` as ``steps`` consecutive training steps and return the last one's peaks.
 
     The storages alive when the step ends are carried into the next step as a real loop carries them:
-    the optimizer state made in the first step's ``optimizer.step()`` stays (it is not made again), and the
+    the optimizer state made in the first step's ``optimizer.step()`` and the storages named ``made_once`` stay
+    (they are not made again), and the
     gradients made before it are freed at the next step's ``gradients_freed_at`` mark: Lightning calls
     ``zero_grad`` between the training step and ``backward``, so after the forward (``"forward_end"``), and
     under a pipeline, whose runner keeps them aside while its schedule runs, after the schedule
@@ -296,7 +300,8 @@ def steady_state_peaks(trace: AllocationTrace, steps: int = 3, gradients_freed_a
         elif op == "mark" and key == gradients_freed_at:
             replayed.append(("zero_grad", -1, 0, 0))
     survivors = set(live_alloc.values())
-    optimizer_state = {index for index in survivors if index > optimizer_start}
+    kept = {live_alloc[key] for key in trace.made_once if key in live_alloc}
+    optimizer_state = {index for index in survivors if index > optimizer_start} | kept
     gradients = survivors - optimizer_state
     model = ExpandableSegmentsModel() if expandable_segments else CachingAllocatorModel()
     for index, nbytes in enumerate(trace.states):

@@ -55,14 +55,8 @@ from lightning_para.plan.pipeline import (
     schedule_problem,
     unit_split,
 )
-from lightning_para.plan.rank import (
-    COMPILE_FP8_SPEEDUP,
-    COMPILE_SPEEDUP,
-    MemoryBreakdown,
-    RankEstimate,
-    bucket_bytes,
-    price_rank,
-)
+from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
+from lightning_para.plan.rank_states import MemoryBreakdown, bucket_bytes
 
 __all__ = [
     "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",

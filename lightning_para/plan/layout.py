@@ -33,7 +33,7 @@ RECOMPUTE = ACTIVATION_CHECKPOINTING  # the search's name for the same list (Sea
 # The layout options a Layout holds with the planner's own type and default (the rest: the declaration's).
 # The planner prices resolved layouts: whole degrees, a bool for loss parallel and compile (a dict of
 # torch.compile options is ``True`` here), ``dp_shard`` derived from ``dp / dp_replicate``, the split as a
-# tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.rank.bucket_bytes`).
+# tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.rank_states.bucket_bytes`).
 PLANNER_FIELDS: dict[str, tuple[Any, Any]] = {
     "dp": (int, 1), "tp": (int, 1), "dp_replicate": (int, 1), "loss_parallel": (bool, True), "compile": (bool, False),
     "pipeline_split": (Optional[tuple[int, ...]], None), "bucket_size_mb": (Optional[float], None),

@@ -1,32 +1,21 @@
-"""One pipeline rank's memory, compute and communication: the per-rank half of :func:`~lightning_para.plan.cost.estimate`.
+"""One pipeline rank's price: its compute, its non-matmul traffic and the collectives of every dimension with their
+overlap (the per-rank half of :func:`~lightning_para.plan.cost.estimate`); its memory is :mod:`.rank_memory`'s.
 
 The assumptions are listed in :mod:`lightning_para.plan.cost`; the formulas' sources in
-:mod:`~lightning_para.plan.memory` and :mod:`~lightning_para.plan.comm`.
-
-Why this module is long: one rank's price has four parts (resident state, peak memory, compute,
-the collectives of every dimension with their overlap), and each mirrors what ParaStrategy does
-on that rank, down to which ZeRO-3 unit is gathered how often; split apart, each part would
-re-derive the rank's tensors and windows.
+:mod:`~lightning_para.plan.memory` and :mod:`~lightning_para.plan.comm`; the measurements behind the terms in
+``docs/planner.md``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Optional, Union
+from dataclasses import dataclass
 
-from lightning_para.parallel.context.ring import score_tile_rows
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, collective, per_call_seconds
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.gemm import model_gemms
-from lightning_para.plan.memory import (
-    embedding_activation_bytes,
-    head_activation_bytes,
-    layer_activation_bytes,
-    selective_op_recompute_params,
-    zero_state_bytes,
-)
+from lightning_para.plan.memory import layer_activation_bytes, selective_op_recompute_params
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.overhead import (
     TRAFFIC_BY_PRECISION,
@@ -35,100 +24,17 @@ from lightning_para.plan.overhead import (
     optimizer_dtensor_ops,
     optimizer_ops,
 )
-from lightning_para.parallel.pipeline.schedules import compute_order
-from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
-from lightning_para.plan.tensors import (
-    ParamTensor,
-    layer_tensors,
-    part_tensors,
-    shard_numel,
-    total_numel,
+from lightning_para.plan.pipeline import RankLayers
+from lightning_para.plan.rank_memory import activation_kwargs, head_bytes, peak_memory
+from lightning_para.plan.rank_states import (
+    MemoryBreakdown,
+    bucket_bytes,
+    rank_params,
+    rank_tensors,
+    resident_states,
+    zero3_ends,
 )
-
-
-def bucket_bytes(group_size: int, grad_bytes: int) -> float:
-    """Gradient bucket for ZeRO-0/1/2 over ``group_size`` ranks: ``max(40M, 1M * n)`` elements,
-    Megatron-LM's rule (``megatron/core/distributed``), so that each ring collective moves enough
-    bytes per step to amortize its ``n - 1`` hop latencies. Rendered as ``bucket_size_mb``."""
-    return max(40e6, 1e6 * group_size) * grad_bytes
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one rank holds at its peak."""
-
-    params: float
-    grads: float
-    optimizer: float  # fp32 masters and optimizer state
-    activations: float
-    buffers: float  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
-    # Of `activations`: the larger of two transients (`transient`), what recomputing one layer in backward brings
-    # back ("full", "selective_op"; else 0) and the logits the training step holds while the loss runs (the last
-    # stage, eager torch code); the rest is what the in-flight microbatches hold when their forwards are done
-    # (what the dry run measures).
-    recomputed: float = 0.0
-    loss_logits: float = 0.0
-    # ParaStrategy's separate fp32 master (bf16-true, 16-true; ZeRO 0-2) keeps its fp32 gradient of the last step
-    # beside the 16-bit one until `zero_grad`, which Lightning calls after the forward: both are held at the forward's
-    # peak (measured on an H100, benchmarks/results/gpu_step_model_h100.md). Outside the ZeRO paper's model states.
-    master_grads: float = 0.0
-    # ParaStrategy's ring attention (cp_method="ring", eager torch code) computes fp32 scores per (query chunk, key
-    # chunk) pair in tiles of query rows: two tiles (P and dP) live during a layer's backward, beside what that
-    # layer's recomputation brought back (parallel/context/ring.py; the dry run measured them at 131K, cp=16).
-    ring_scores: float = 0.0
-    # The loss's backward (the last stage, eager torch code): the gradients of the log-probabilities and of the
-    # logits, two logits-sized tensors in the activation dtype (one for the vocab-parallel loss, fp32 after an
-    # upcast), while the log-probabilities are still saved
-    # (measured on an H100: +7.8 GB in bf16-true and +7.9 GB in bf16-mixed at 2 x 8,192 tokens x 128K; the dry run:
-    # the same two under FSDP2). By then Lightning's `zero_grad` has freed the last step's gradients, which the
-    # forward's peak holds, unless this step's earlier microbatches have accumulated their own
-    # (`loss_backward_freed`: the gradient bytes not held then).
-    loss_backward: float = 0.0
-    loss_backward_freed: float = 0.0
-    # The optimizer step, when the activations are gone (`optimizer_step_total`): the states as the rank keeps them
-    # between steps (`resident`: ZeRO-1/2 hold gradient shards by then), plus the larger of AdamW's multi-tensor
-    # temporaries (torch's default on a GPU: an fp32 copy of every element the rank steps, `_foreach_sqrt` of the
-    # second moments) and ZeRO-1/2's gather of the updated weights (one receive buffer of all of them, in the
-    # weights' dtype). Counted by the dry run; the peak where the states outweigh the activations (short sequences,
-    # an MoE rank's experts).
-    optimizer_step_total: float = 0.0
-    # A pipeline rank's gradients come into being chunk by chunk, at each chunk's first backward of the step
-    # (autograd allocates `.grad` after `zero_grad(set_to_none=True)`): at the peak of activations plus gradients
-    # (`plan.pipeline.lazy_gradient_peak` walks the schedule's order) these bytes of `grads` do not exist yet.
-    # GPipe, and an interleaved schedule whose warm-up covers every microbatch (the Llama 3 16K-GPU rows), peak
-    # when every forward is done and before most gradients exist. 0 without a pipeline, with accumulation over
-    # several flushes, for the zero-bubble schedules and under `Training.persistent_grad_buffer`.
-    grads_not_yet_allocated: float = 0.0
-    # ZeRO-2's "reduce_each_microbatch" under a pipeline: one chunk's whole gradients during its backward, until
-    # reduce-scattered, beyond the activations its backward has freed by then, plus the last bucket still on the
-    # wire (`lazy_gradient_peak(freed_after_backward=True)`); a transient of backward, with a layer's recomputation.
-    reducing: float = 0.0
-
-    @property
-    def model_states(self) -> float:
-        """Parameters, gradients and optimizer state: the ZeRO paper's "model states"."""
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def held_grads(self) -> float:
-        """Gradient bytes at the peak: the ZeRO paper's plus a separate master's fp32 gradients (or the last step's
-        set aside under a pipeline), less those this step's schedule has not made yet."""
-        return self.grads + self.master_grads - self.grads_not_yet_allocated
-
-    @property
-    def transient(self) -> float:
-        """The peak's transient part of ``activations``: one layer's recomputation (with ring attention's score
-        blocks and a chunk's gradients being reduced in its backward), the loss's logits, or the loss's backward
-        less the gradients it finds freed."""
-        return max(self.recomputed + self.ring_scores + self.reducing, self.loss_logits,
-                   self.loss_backward - self.loss_backward_freed)
-
-    @property
-    def total(self) -> float:
-        """The peak: the forward and backward's (model states, activations, gathered buffers), or the optimizer
-        step's (``optimizer_step_total``), which comes after the activations are freed."""
-        during_step = self.params + self.held_grads + self.optimizer + self.activations + self.buffers
-        return max(during_step, self.optimizer_step_total)
+from lightning_para.plan.tensors import layer_tensors, shard_numel, total_numel
 
 
 @dataclass(frozen=True)
@@ -165,108 +71,13 @@ def _layer_parts(model: ModelDesc, index: int) -> tuple[float, float, float]:
     return parallel, replicated + moe_dense, model.routed_expert_params_per_layer()
 
 
-def rank_tensors(model: ModelDesc, layout: Layout, part: RankLayers) -> list[ParamTensor]:
-    """The parameter tensors one rank of pipeline rank ``part`` holds (local shapes after tp/ep)."""
-    # A tied head on another rank than the embedding keeps its own copy (Megatron-LM does too).
-    own_matrix = part.head and (not model.tied_embeddings or not part.embedding)
-    return part_tensors(
-        model, part.layers, embedding=part.embedding, final_norm=part.final_norm, head_matrix=own_matrix,
-        tp=layout.tp, ep=layout.ep,
-    )
-
-
-def _rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[float, float, float]:
-    """``(dense, expert, largest layer)`` parameters on one rank of this pipeline rank's stage."""
-    tensors = rank_tensors(model, layout, part)
-    dense = total_numel(t for t in tensors if not t.expert)
-    expert = total_numel(t for t in tensors if t.expert)
-    largest = max((total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers), default=0)
-    return float(dense), float(expert), float(largest)
-
-
-def resident_states(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> MemoryBreakdown:
-    """Parameters, gradients and optimizer state one rank holds *between* optimizer steps, as
-    ParaStrategy keeps them (what ``strategy.memory_breakdown()`` measures after a step).
-
-    It differs from the ZeRO paper's peak (:class:`MemoryBreakdown` of ``memory``) where the
-    implementation frees or re-types tensors once a step is done:
-
-    * ZeRO-1 and 2 keep only the reduced gradient *shard* (the full gradients are freed into the
-      reduce-scatter buckets), in the dtype of the optimizer's tensor: fp32;
-    * a separate fp32 master (``bf16-true``, ``16-true``) holds the fp32 gradient, and the model's
-      ``p.grad`` shows the reduced 16-bit gradient beside it until the next backward
-      (``ZeroDataParallel._finish``: the bucket's reduced shard under ZeRO-1/2, the whole reduced
-      bucket under ZeRO-0), so such a rank holds ``4 + 2`` gradient bytes per element it steps
-      (the dry run counts these 6 bytes: tests/unit/test_dryrun.py); without a
-      separate master (``32-true``, ``*-mixed``) a ZeRO-1/2 master is a view of the parameter's own
-      rows and its gradient is the one shown (no extra bytes);
-    * ZeRO-3 (FSDP2) keeps its sharded parameters in fp32 (they are the master), gradients too;
-    * shards are ``ceil(rows / N)`` rows of each tensor, padding included (:mod:`.tensors`);
-    * Adam keeps a 4-byte ``step`` tensor per parameter tensor next to its two moments.
-    """
-    tensors = rank_tensors(model, layout, part)
-    precision = training.bytes
-    separate_master = precision.master > 0 and layout.zero < 3
-    fp32, state = 4, training.optimizer_state_bytes
-    counters = 4 * len(tensors) if training.optimizer == "adam" else 0
-    params = grads = optimizer = 0.0
-    for expert, dim in ((False, "dp"), (True, "edp")):
-        group = [t for t in tensors if t.expert == expert]
-        if not group:
-            continue
-        full, shard = total_numel(group), shard_numel(group, layout.group(dim)[0])
-        held = shard if layout.zero >= 1 else full  # what the optimizer steps on this rank
-        if layout.zero == 3:
-            params += fp32 * shard
-            grads += fp32 * shard
-        else:
-            params += precision.weight * full
-            if separate_master:  # the master's fp32 gradient and the 16-bit one `p.grad` shows
-                grads += (fp32 + precision.grad) * held
-            else:
-                grads += (fp32 if layout.zero >= 1 else precision.grad) * held
-        optimizer += state * held + (precision.master * held if separate_master else 0)
-    return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
-
-
-def _activation_kwargs(training: Training, layout: Layout) -> tuple[dict, dict]:
-    """Keyword arguments of the activation formulas for this layout: ``(every term's, a layer's)``."""
-    kwargs = {"tp": layout.tp, "sequence_parallel": layout.sequence_parallel, "cp": layout.cp}
-    torch_code = training.activation_profile == "torch"
-    # ParaStrategy saves each sublayer's input shard under SP (`sp_save_input_shard`, Megatron-SP) unless
-    # activation checkpointing is on (parallelize.py): then "selective" keeps the gathered input.
-    gathered = torch_code and (not layout.sp_save_input_shard or layout.activation_checkpointing in ("selective", "selective_op"))
-    layer_kwargs = {**kwargs, "sp_saves_gathered_inputs": gathered, "swiglu_tensors": 4 if torch_code else 3,
-                    "expert_parallel": layout.ep > 1}
-    return kwargs, layer_kwargs
-
-
-def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
-    """The head's (final norm, output projection, loss) activation bytes for one microbatch on one rank: what its
-    memory holds and what its traffic is priced per (``TrafficCoefficients.head_per_activation_byte``)."""
-    e, torch_code = training.bytes.activation, training.activation_profile == "torch"
-    # Autocast runs the cross-entropy in fp32, and so does a loss that casts the logits first (`loss_upcast`);
-    # without either (``*-true``) torch's keeps the dtype of the logits.
-    logit_bytes = e if torch_code and not training.bytes.autocast and not model.loss_upcast else 4
-    held = head_activation_bytes(
-        model, training.seq_len, training.micro_batch, activation_bytes=e, logit_bytes=logit_bytes,
-        sp_saves_gathered_inputs=torch_code, **_activation_kwargs(training, layout)[0],
-    )
-    if torch_code and training.bytes.autocast:
-        # Measured on an H100 (`benchmarks/gpu_fake_world.py`): under autocast the cross-entropy holds,
-        # after the forward, a 16-bit logits-sized tensor besides its fp32 log-probabilities (3.91 GiB at
-        # 2 x 8,192 tokens x 128K in bf16-mixed, at 2 and 8 layers; none in bf16-true).
-        held += e * training.seq_len / layout.cp * training.micro_batch * model.vocab / layout.tp
-    return held
-
-
 def layer_traffic_basis(model: ModelDesc, training: Training, layout: Layout, index: int) -> float:
     """The activation bytes layer ``index`` keeps for one microbatch without recomputation: what its
     non-matmul traffic is priced per (``TrafficCoefficients.layer_per_activation_byte``)."""
     return layer_activation_bytes(
         model, training.seq_len, training.micro_batch, flash_attention=training.flash_attention,
         activation_bytes=training.bytes.activation, moe_layer=model.is_moe_layer(index),
-        **_activation_kwargs(training, layout)[1],
+        **activation_kwargs(training, layout)[1],
     )
 
 
@@ -283,7 +94,7 @@ def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layou
         layers *= 4.0 / 3.0  # the forward, replayed
     traffic = rates.layer_per_activation_byte * layers
     layer_params = sum(total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers)
-    dense, expert, _ = _rank_params(model, layout, part)
+    dense, expert, _ = rank_params(model, layout, part)
     weight = training.bytes.weight
     traffic += rates.layer_per_param_byte * layer_params * weight
     traffic += rates.embedding_head_per_param_byte * max(0.0, dense + expert - layer_params) * weight
@@ -299,189 +110,10 @@ def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layou
 def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
     """Bytes one rank's AdamW step reads and writes: ``optimizer_bytes_per_param`` per element it steps (its
     1/N shard under ZeRO; SGD counted alike, an upper bound)."""
-    dense, expert, _ = _rank_params(model, layout, part)
+    dense, expert, _ = rank_params(model, layout, part)
     if layout.zero >= 1:
         dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
     return TRAFFIC_BY_PRECISION[training.precision].optimizer_bytes_per_param * (dense + expert)
-
-
-def _memory(
-    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: MemoryBreakdown,
-    flushes: int = 1,
-) -> MemoryBreakdown:
-    """The peak (see :class:`MemoryBreakdown`); ``resident``: :func:`resident_states` of the same rank."""
-    dense, expert, largest = _rank_params(model, layout, part)
-    precision = training.bytes
-    k_bytes = precision.master + training.optimizer_state_bytes
-    # Gradients stay whole until reduced: across a pipeline flush (every pipeline engine accumulates its
-    # microbatches locally, but ZeRO-2's "reduce_each_microbatch"), and across accumulation steps with "no_sync".
-    each_microbatch = layout.reduces_each_microbatch
-    full_grads = layout.zero >= 2 and (
-        (layout.pp > 1 and not each_microbatch) or (layout.zero_accumulation == "no_sync" and per_step > 1)
-    )
-    shards = {"dense": layout.group("dp")[0], "expert": layout.group("edp")[0]}
-    states = [0.0, 0.0, 0.0]
-    for params, n in ((dense, shards["dense"]), (expert, shards["expert"])):
-        parts = zero_state_bytes(
-            params, zero=layout.zero, shards=n, weight_bytes=precision.weight, grad_bytes=training.grad_bytes,
-            optimizer_bytes=k_bytes, full_grads=full_grads,
-        )
-        states = [a + b for a, b in zip(states, parts, strict=True)]
-    buffers = 0.0
-    # Autocast's 16-bit copy of a weight, which its matmul saves for backward. Inside a block that recomputes
-    # (any `activation_checkpointing`) the copy is not kept: backward casts again. Then only the output
-    # projection's copy is (on an H100, rank 0 of ZeRO-3 jobs of Llama 3 8B; on CPU, per layer).
-    if not precision.autocast:
-        autocast_copies = 0.0
-    elif layout.activation_checkpointing and part.layers:
-        autocast_copies = 2.0 * model.vocab * model.hidden / layout.tp if part.last_stage else 0.0
-    else:
-        autocast_copies = 2.0 * (dense + expert)
-    if layout.zero == 3:
-        # Gathered weights, in the parameters' dtype (fp32 under autocast: FSDP2 gathers what it holds):
-        # all of them while "no_sync" keeps them, else the current and the prefetched layer and the units
-        # kept gathered for backward (the head, or the grouped embedding, norm and head), plus one layer's
-        # unsharded gradients before its reduce-scatter.
-        gathered = (dense + expert) if full_grads else 2 * largest + _zero3_kept_ends(model, layout, part)
-        buffers = gathered * precision.weight + (0 if full_grads else largest * training.grad_bytes) + autocast_copies
-    else:
-        buffers = autocast_copies
-    kwargs, layer_kwargs = _activation_kwargs(training, layout)
-    if precision.autocast:  # the residual stream is in the weights' dtype (`layer_activation_bytes`)
-        layer_kwargs = {**layer_kwargs, "residual_bytes": precision.weight}
-    s, b, e = training.seq_len, training.micro_batch, precision.activation
-    torch_code = training.activation_profile == "torch"
-    per_layer = [
-        layer_activation_bytes(
-            model, s, b, recompute=layout.activation_checkpointing, flash_attention=training.flash_attention,
-            activation_bytes=e, moe_layer=model.is_moe_layer(i), **layer_kwargs,
-        ) for i in part.layers
-    ]
-    held = sum(per_layer)
-    # torch.distributed.pipelining keeps each chunk's output until its backward (the stage's `fwd_cache`); no
-    # layer of the chunk saves it (the dry run's held bytes). Megatron-LM frees the sent output's data
-    # (`deallocate_pipeline_outputs`), so its profile does not count it.
-    stage_output = e * s / layout.cp * b * model.hidden / (layout.tp if layout.sequence_parallel else 1) \
-        if torch_code else 0.0
-    held += part.sends_forward * stage_output
-    if part.embedding:
-        held += embedding_activation_bytes(model, s, b, **kwargs)
-    if part.last_stage:
-        held += head_bytes(model, training, layout)
-    activations, recomputed = part.in_flight * held, 0.0
-    # The order this rank runs its forwards and backwards in (one flush; None for the zero-bubble schedules).
-    walk = compute_order(layout.schedule, layout.pp, per_step, layout.virtual_stages, part.rank) \
-        if layout.pp > 1 and flushes == 1 else None
-    # Several chunks per rank (interleaved): they hold different bytes (the embedding's or the head's chunk), and
-    # the schedule's order decides how many microbatches of each are held at once: walk it (spread evenly over the
-    # chunks, rank 0 of Llama 3 405B at v=8 was 8% over the dry run's walk of the same order).
-    chunk_held: Optional[list[float]] = None
-    if len(part.chunks) > 1:
-        by_layer = dict(zip(part.layers, per_layer))
-        chunk_held = [
-            sum(by_layer[i] for i in chunk.layers) + chunk.sends_forward * stage_output
-            + (embedding_activation_bytes(model, s, b, **kwargs) if chunk.embedding else 0.0)
-            + (head_bytes(model, training, layout) if chunk.last_stage else 0.0)
-            for chunk in part.chunks
-        ]
-        if walk is not None:
-            activations = held_activations_peak(walk, chunk_held)
-    if layout.activation_checkpointing == "full" and part.layers:
-        # Backward recomputes one layer at a time: its full activations are live once more.
-        recomputed = max(
-            layer_activation_bytes(
-                model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
-                moe_layer=model.is_moe_layer(i), **layer_kwargs,
-            ) for i in part.layers
-        )
-    elif layout.activation_checkpointing == "selective_op" and part.layers:
-        # The recomputation of one layer brings back what its policy dropped, until that layer's
-        # backward is done: its activations without recomputation, less what stayed kept.
-        recomputed = max(
-            layer_activation_bytes(
-                model, s, b, flash_attention=training.flash_attention, activation_bytes=e,
-                moe_layer=model.is_moe_layer(i), **layer_kwargs,
-            ) - per_layer[k] for k, i in enumerate(part.layers)
-        )
-    loss_logits = 0.0
-    logit_elements = s / layout.cp * b * model.vocab / layout.tp
-    if torch_code and part.last_stage:
-        # The training step holds the logits (activation dtype) while the cross-entropy makes its log-probabilities
-        # (counted in `head_bytes`); measured on an H100: the forward's peak, 3.9 GiB at 2 x 8,192 tokens x 128K.
-        # A loss that casts 16-bit logits to fp32 first (`ModelDesc.loss_upcast`) holds that copy too while it runs.
-        loss_logits = (e + (4 if model.loss_upcast and e < 4 else 0)) * logit_elements
-        if layout.tp > 1 and layout.loss_parallel:
-            # The vocab-parallel log-softmax (torch's `loss_parallel`, run op by op inside DTensor's handler) makes
-            # fp32 copies of the local logits: the input cast to fp32 (when it is 16-bit), the max-shifted input and
-            # its exp (then the result), before the 16-bit log-probabilities. Measured on an H200
-            # (`benchmarks/gpu_fake_world.py --tp 2`): 14 bytes per local logit at the loss's peak in bf16-true,
-            # 13.7 GiB at 2 x 8,192 tokens x 64K; a fused single-device kernel makes none of them.
-            sixteen_bit_input = e < 4 and not model.loss_upcast and not precision.autocast
-            loss_logits += (12 if sixteen_bit_input else 8) * logit_elements
-    master_grads = 0.0
-    lazy = layout.pp > 1 and not training.persistent_grad_buffer
-    if torch_code and lazy:
-        # ParaStrategy's pipeline runner sets the last step's gradients aside while the schedule runs (Lightning's
-        # `zero_grad` comes after the training step): all of them, as the rank keeps them between steps, are held
-        # beside this step's (ZeRO-1/2: shards; ZeRO-0: whole, plus a separate master's fp32 ones).
-        master_grads = resident.grads
-    elif torch_code and precision.master > 0 and layout.zero < 3:
-        master_grads = max(0.0, resident.grads - states[1])  # beyond what the ZeRO paper's peak already holds
-    ring_scores = 0.0
-    if torch_code and layout.cp > 1 and layout.cp_method == "ring" and part.layers:
-        # Two fp32 [b, heads/t, rows, c] tiles (P and dP) of a chunk pair, c = s / cp / 2 with head-tail chunks,
-        # rows as the ring itself chooses them.
-        chunk = int(s // layout.cp // (2 if layout.cp_load_balance else 1))
-        heads = max(1, model.heads // layout.tp)
-        ring_scores = 2 * 4.0 * b * heads * score_tile_rows(b, heads, chunk) * chunk
-    # The loss's backward (see MemoryBreakdown.loss_backward): with one microbatch per step it finds the last step's
-    # gradients freed by `zero_grad`, so of the states only the weights and optimizer state as the rank keeps them
-    # between steps (`resident`: FSDP2's fp32 shards, where the paper's peak counts 16-bit weights and gradients);
-    # a later microbatch finds this step's accumulated gradients.
-    # Counted on meta tensors (the eager ops' own outputs): torch's cross-entropy backward makes two logits-sized
-    # gradients (of the log-probabilities, then of the logits), the vocab-parallel one (tp > 1) one, in the loss's
-    # dtype (fp32 after an upcast; under autocast the activation dtype's size, as the H100 measured).
-    loss_grads = 1 if layout.tp > 1 and layout.loss_parallel else 2
-    loss_backward = loss_grads * (4 if model.loss_upcast else e) * logit_elements if loss_logits else 0.0
-    freed = 0.0
-    if per_step == 1:
-        freed = max(0.0, sum(states) + master_grads - resident.params - resident.optimizer)
-    stepped = (dense / shards["dense"] + expert / shards["expert"]) if layout.zero >= 1 else dense + expert
-    step_temporaries = 4.0 * stepped if training.optimizer == "adam" else 0.0
-    if layout.zero in (1, 2) and max(shards.values()) > 1:
-        step_temporaries = max(step_temporaries, precision.weight * (dense + expert))  # the updated weights' gather
-    optimizer_step_total = resident.params + resident.grads + resident.optimizer + step_temporaries
-    not_yet = 0.0
-    order = walk if lazy and part.layers else None
-    reducing = 0.0
-    if each_microbatch:
-        # One chunk's whole gradients exist during each of its backwards, until reduce-scattered
-        # (`parallel/data/zero.py`); the last bucket may still be on the wire while the next forward runs.
-        v = layout.virtual_stages
-        chunk_grads = training.grad_bytes * (dense + expert) / v
-        if order is not None:
-            peak = lazy_gradient_peak(order, _layers_per_chunk(part, v), chunk_held or held / v, chunk_grads,
-                                      freed_after_backward=True)
-            reducing = max(0.0, peak - activations)
-        else:
-            reducing = chunk_grads
-        n = shards["dense"]
-        capacity = layout.bucket_size_mb * 2**20 if layout.bucket_size_mb is not None else bucket_bytes(n, training.grad_bytes)
-        reducing += min(capacity, chunk_grads)
-    elif order is not None:
-        v = layout.virtual_stages
-        peak = lazy_gradient_peak(order, _layers_per_chunk(part, v), chunk_held or held / v, states[1] / v)
-        not_yet = max(0.0, activations + states[1] - peak)
-    breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
-                                master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet, reducing)
-    return replace(breakdown, activations=activations + breakdown.transient)
-
-
-def _layers_per_chunk(part: RankLayers, virtual_stages: int) -> Union[int, list[int]]:
-    """Layers in each of the rank's chunks (what `lazy_gradient_peak` spreads a chunk's backward over)."""
-    if len(part.chunks) > 1:
-        return [max(1, len(chunk.layers)) for chunk in part.chunks]
-    return max(1, round(len(part.layers) / virtual_stages))
 
 
 def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:
@@ -650,27 +282,13 @@ def _dp_collectives(
     return exposed, sum(c.exposed_seconds for c in exposed)
 
 
-def _zero3_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[list[ParamTensor], bool]:
-    """The tensors outside the blocks (embedding, final norm, head; tied or not) and whether they
-    form one grouped unit: always under ``zero3_units="blocks"``, never under ``"blocks_and_ends"``,
-    and under ``"auto"`` when they hold no more than the largest block, experts included
-    (``parallel/data/fsdp.py``'s rule, on the same local sizes)."""
-    layers = [layer_tensors(model, i, layout.tp, layout.ep) for i in part.layers]
-    in_layers = {t for layer in layers for t in layer}
-    ends = [t for t in rank_tensors(model, layout, part) if t not in in_layers]
-    if layout.zero3_units != "auto":  # the user's choice: "blocks" groups the ends, "blocks_and_ends" does not
-        return ends, layout.zero3_units == "blocks"
-    grouped = bool(layers) and total_numel(ends) <= max(total_numel(layer) for layer in layers)
-    return ends, grouped
-
-
 def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: bool, n: int) -> tuple[int, int, int]:
     """``(elements gathered, all-gathers, units)`` per ZeRO-3 step on one rank, as
     ``parallel/data/fsdp.py`` shards (padding included; ``expert``: the expert units over edp).
 
     Blocks gather for forward and again for backward, except the last block, which stays gathered;
     the embedding and the head (tied or not) are gathered once (the embedding's backward needs no
-    weight, the head stays gathered); grouped or a unit each (:func:`_zero3_ends`).
+    weight, the head stays gathered); grouped or a unit each (:func:`zero3_ends`).
     """
     tp, ep = layout.tp, layout.ep
     if expert:  # one expert unit per MoE layer, resharded after forward like any block
@@ -678,20 +296,13 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
         units = sum(1 for i in part.layers if any(t.expert for t in layer_tensors(model, i, tp, ep)))
         return 2 * n * shard_numel(tensors, n), 2 * units, units
     layers = [[t for t in layer_tensors(model, i, tp, ep) if not t.expert] for i in part.layers]
-    ends, grouped = _zero3_ends(model, layout, part)
+    ends, grouped = zero3_ends(model, layout, part)
     twice = [t for layer in layers[:-1] for t in layer]
     once = (layers[-1] if layers else []) + ends
     end_units = (1 if grouped else int(part.embedding) + int(part.head or part.final_norm)) if ends else 0
     units = len(layers) + end_units
     gathers = 2 * max(0, len(layers) - 1) + int(bool(layers)) + end_units
     return n * (2 * shard_numel(twice, n) + shard_numel(once, n)), gathers, units
-
-
-def _zero3_kept_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> float:
-    """Parameters outside the blocks that ZeRO-3 holds gathered from forward to backward: all of
-    them when they form one grouped unit, else the head and final norm."""
-    ends, grouped = _zero3_ends(model, layout, part)
-    return float(total_numel(ends if grouped else (t for t in ends if not t.name.startswith("embedding"))))
 
 
 # Compute-time speedups of ParaStrategy's performance options, from torchtitan's published
@@ -757,7 +368,7 @@ def price_rank(
     )
     return RankEstimate(
         pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
-        in_flight=part.in_flight, memory=_memory(model, training, layout, part, per_step, resident, flushes),
+        in_flight=part.in_flight, memory=peak_memory(model, training, layout, part, per_step, resident, flushes),
         resident=resident, collectives=tuple(collectives + dp_items), compute_seconds=compute,
         microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
         optimizer_seconds=optimizer_seconds,

@@ -11,21 +11,21 @@
    (``training.precision``: ``bf16-true`` -- bf16 weights, fp32 masters -- ``16-true`` or ``32-true``; the
    planner is asked for the same one). Meta tensors have shapes and no memory, so a 405B model costs
    nothing: the pipeline split keeps only this rank's stage before anything else.
-3. One training step: ``in_flight`` microbatches forward through this rank's stage (1F1B keeps
-   ``min(pp - r, M)`` in flight on pipeline rank ``r``, GPipe all ``M``), their backward, or the
-   interleaved schedule's whole order over the rank's chunks (``parallel.pipeline.schedules.compute_order``), then
-   the ZeRO gradient sync and ``optimizer.step()`` (AdamW). Torch's pipeline schedule is not
-   used: its start-up handshake reads tensor values (``.item()``), which meta tensors do not
-   have; the stage modules, hooks and loss are the real ones.
+3. One training step. Under a pipeline, the real
+   :class:`~lightning_para.parallel.pipeline.runner.PipelineRunner` runs it as ``ParaStrategy`` routes
+   ``training_step`` to it: torch's schedule over all the step's microbatches, in its order, then the runner's
+   ``finish_backward`` (the gradient sync), then ``optimizer.step()`` (AdamW). Meta tensors have no values for
+   torch's run-time shape exchange (a vote read with ``.item()``, metadata sent as pickled objects), so the
+   stages' shapes are given to the runner up front (``PipelineRunner.use_static_shapes``), and the fake backend
+   also serves the meta device, where the schedule batches its sends and receives. Without a pipeline: the
+   module's forward, loss and backward, then the ZeRO gradient sync and the optimizer step.
 4. Measured: parameters, gradients and optimizer state this rank holds after the step (bytes of
    distinct storages), the activations held when all in-flight microbatches have run forward
    (what the schedule's peak keeps), the peak of all live bytes during the step (a steady-state
    step's: the optimizer moments this first step creates count as held through forward and
    backward, without a pipeline the last step's gradients count as held through the forward (Lightning's
    ``zero_grad`` comes after it), with one through the whole schedule (the pipeline runner sets them aside
-   until ``zero_grad``), and with more microbatches than in flight the in-flight microbatches run
-   once untracked first, so the measured ones find the accumulated gradients), and every collective
-   with its bytes per mesh dimension.
+   until ``zero_grad``)), and every collective with its bytes per mesh dimension.
 5. Modelled: the CUDA caching allocator's reserved peak (``MemoryFigures.reserved``, and
    ``reserved_expandable`` with ``expandable_segments``): the step's storages are recorded in the order they
    are allocated and freed, with the stream current at each, and replayed as steady-state steps through
@@ -86,15 +86,9 @@ from lightning_para.parallelize import parallelize
 from lightning_para.plan.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.model import ModelDesc
-from lightning_para.parallel.pipeline.schedules import compute_order
 from lightning_para.precision import ParaPrecision
 from lightning_para.simulate.kernels import FusedKernels
-from lightning_para.simulate.step import (
-    in_flight_microbatches,
-    reduced_shards,
-    reduces_each_microbatch,
-    train_step,
-)
+from lightning_para.simulate.step import finish_step, in_flight_microbatches, train_step
 from lightning_para.simulate.world import count_loss_parallel, fsdp_on_meta, start_fake_world
 
 
@@ -114,9 +108,9 @@ class RankDryRun:
     predicted_comm: list[CommFigure] = field(default_factory=list)
     step_ran: bool = True
     seconds: dict[str, float] = field(default_factory=dict)
-    # The interleaved schedule: the rank ran its whole order (every chunk of every microbatch; `in_flight` is then
-    # the step's microbatches), not 1F1B's or GPipe's in-flight microbatches forward then backward.
-    whole_schedule: bool = False
+    # The microbatches the step ran (the pipeline's whole schedule; 1 without a pipeline); `in_flight`: those whose
+    # activations the schedule holds at once on this rank.
+    microbatches: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,15 +180,8 @@ def dry_run_rank(
     clock["parallelize"] = time.perf_counter() - t
     pp_rank = dims.local_rank("pp") if dims.pp > 1 else 0
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1
-    whole_schedule = dims.pp > 1 and config.schedule == "interleaved"
-    if whole_schedule:
-        # The interleaved schedule's peak depends on its order across the rank's chunks: run all of it, in the order
-        # torch runs it (`schedules.compute_order`, checked against torch's schedule).
-        order = compute_order("interleaved", dims.pp, microbatches, config.virtual_stages, pp_rank)
-        in_flight = microbatches
-    else:
-        in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches)
-        order = (("F", 0),) * in_flight + (("B", 0),) * in_flight
+    in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches, config.virtual_stages) \
+        if dims.pp > 1 else 1
     live, comm = LiveBytes(), CollectiveCounter(dry_run_labels(dims), time_collectives=False)
     live.exclude = {storage_key(local_shard(p)) for p in module.parameters()}
     live.exclude |= {storage_key(local_shard(q)) for g in optimizer.param_groups for q in g["params"]}
@@ -209,37 +196,14 @@ def dry_run_rank(
     activations, schedule_peak, backward_peak = 0.0, 0, 0
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
-        if microbatches > in_flight:
-            # With more microbatches than in flight, a later microbatch runs while the earlier ones'
-            # gradients are held (accumulated unsharded until the step's sync): run the in-flight
-            # microbatches once untracked first, so the measured pass finds those gradients.
-            untracked = LiveBytes()
-            with FusedKernels(), balanced_routing(*parallel.parts), fsdp_on_meta(untracked):
-                train_step(module, parallel, dims, seq_len, micro_batch, hidden, order, untracked,
-                            precision.param_dtype or torch.float32)
-            # The accumulated gradients count as live bytes of the measured pass: the step's gradient sync
-            # frees each one as it packs it into its bucket (ZeRO-1/2), which a constant added to the peak
-            # would miss (it made the 405B last rank's peak 30% over the planner: a second gradient copy).
-            for tensor in [p.grad for p in module.parameters()] + [
-                q.grad for g in optimizer.param_groups for q in g["params"]
-            ] + reduced_shards(parallel):
-                if tensor is not None:
-                    live.track(tensor)
-
         with FusedKernels(), comm, live, balanced_routing(*parallel.parts), fsdp_on_meta(live), \
                 count_loss_parallel(live):
-            activations = train_step(
-                module, parallel, dims, seq_len, micro_batch, hidden, order, live,
-                precision.param_dtype or torch.float32,
+            activations, live.trace.made_once = train_step(
+                module, parallel, dims, seq_len, micro_batch, hidden, live, precision.param_dtype or torch.float32,
             )
             schedule_peak = live.peak
             live.mark("schedule_end")
-            if parallel.data_parallel is not None:
-                if reduces_each_microbatch(parallel):
-                    parallel.data_parallel.commit_microbatches()  # reduced during the schedule, as the runner's
-                else:
-                    parallel.data_parallel.sync_now()
-                parallel.data_parallel.flush()
+            finish_step(parallel)
             backward_peak = live.peak
             live.mark("optimizer_start")
             optimizer.step()
@@ -265,13 +229,13 @@ def dry_run_rank(
         live.trace, gradients_freed_at="schedule_end" if dims.pp > 1 else "forward_end", expandable_segments=expand,
     ).reserved) if run_step else None for expand in (False, True)]
     measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), *reserved)
-    predicted, predicted_comm, layers = predicted_rank(model, config, dims, training, pp_rank, in_flight)
+    predicted, predicted_comm, layers = predicted_rank(model, config, dims, training, pp_rank, microbatches)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0
     return RankDryRun(
         rank=rank, world_size=world_size, coordinates=coords, pipeline_rank=pp_rank, layers=layers,
-        in_flight=in_flight, measured=measured, predicted=predicted, comm=comm.payload_figures(),
-        predicted_comm=predicted_comm, step_ran=run_step, seconds=clock, whole_schedule=whole_schedule,
+        in_flight=in_flight, microbatches=microbatches, measured=measured, predicted=predicted,
+        comm=comm.payload_figures(), predicted_comm=predicted_comm, step_ran=run_step, seconds=clock,
     )
 
 

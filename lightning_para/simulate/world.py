@@ -18,9 +18,16 @@ def start_fake_world(world_size: int, rank: int, gpus_per_node: int = 8) -> None
     """Start torch's fake process group: ``world_size`` ranks, this process is ``rank``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (no network)
 
+    from torch._C._distributed_c10d import FakeWork  # the fake backend's handle of an async collective
+
+    # A fake collective moves nothing, so it is done when issued; torch's FakeWork says it is not yet
+    # (`is_completed()` is False until waited for). Code that frees what is done without waiting (ZeRO-2's
+    # "reduce_each_microbatch" settles its buckets so) would otherwise keep every bucket of a backward alive.
+    FakeWork.is_completed = lambda self: True  # type: ignore[method-assign]
     if not isinstance(getattr(torch, "meta", None), _MetaDeviceModule):
         torch.meta = _MetaDeviceModule(gpus_per_node)  # type: ignore[attr-defined]
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # The fake backend on the meta device too: the pipeline schedule's sends and receives are batched per device type.
+    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 class _MetaDeviceModule:

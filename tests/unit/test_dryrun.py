@@ -198,16 +198,17 @@ def test_moe_dry_run_runs_the_step_with_balanced_routing():
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
-    assert r["step_ran"] and r["layers"] == 2 and r["in_flight"] == 2
+    assert r["step_ran"] and r["layers"] == 2 and r["in_flight"] == 2 and r["microbatches"] == 4
     # By hand, per MoE layer and microbatch: the rows-per-expert exchange (E int64) and four token all-to-alls
     # (dispatch, combine and their backward), each of the T k rows this rank routes, h wide, in bf16.
     tokens, k, h, experts, moe_layers = 64, 2, 128, 8, 1
     per_microbatch = moe_layers * (8 * experts + 4 * tokens * k * h * 2)
     ep = {(c["op"]): (c["calls"], c["bytes"]) for c in r["comm"] if c["dim"] == "ep"}
-    assert ep == {"all_to_all": (2 * 5 * moe_layers, 2 * per_microbatch)}
-    # The planner's ep all-to-alls for the same two microbatches: the same bytes.
+    # The pipeline runner runs the step's 4 microbatches.
+    assert ep == {"all_to_all": (4 * 5 * moe_layers, 4 * per_microbatch)}
+    # The planner's ep all-to-alls for the same four microbatches: the same bytes.
     predicted = sum(c["bytes"] for c in r["predicted_comm"] if c["dim"] == "ep")
-    assert predicted == 2 * per_microbatch
+    assert predicted == 4 * per_microbatch
     measured = r["measured"]
     for key in ("params", "optimizer"):
         assert measured[key] == pytest.approx(r["predicted"][key], rel=1e-9), key
@@ -299,7 +300,7 @@ def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_pri
         assert b["measured"]["peak"] == pytest.approx(b["predicted"]["peak"], rel=0.05), pipeline_rank
         reduced = sum(c["bytes"] for c in b["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         reduced_once = sum(c["bytes"] for c in a["comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
-        assert reduced == pytest.approx(b["in_flight"] * reduced_once, rel=1e-6)
+        assert reduced == pytest.approx(b["microbatches"] * reduced_once, rel=1e-6)
         # The planner's figure, scaled to the microbatches the dry run ran, as its per-microbatch collectives are.
         planned = sum(c["bytes"] for c in b["predicted_comm"] if c["dim"] == "dp" and c["op"] == "reduce_scatter")
         assert reduced == pytest.approx(planned, rel=1e-3), (reduced, planned)
@@ -315,7 +316,7 @@ def test_dry_run_walks_the_interleaved_schedule():
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
         r = json.loads(line[len("RESULT "):])
-        assert r["whole_schedule"] and r["in_flight"] == 8 and r["step_ran"]
+        assert r["microbatches"] == 8 and r["step_ran"]
         comm = {(c["dim"], c["op"]): c["calls"] for c in r["comm"]}
         planned = {(c["dim"], c["op"]): c["calls"] for c in r["predicted_comm"]}
         assert comm[("tp", "reduce_scatter")] == planned[("tp", "reduce_scatter")], (comm, planned)

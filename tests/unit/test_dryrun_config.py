@@ -77,8 +77,8 @@ def test_dryrun_config_prints_per_rank_figures(capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert dryrun.main(["--config", DEMO, "--gpus", "8", "--ranks", "first,last"]) == 0
     out = capsys.readouterr().out
-    assert "rank 0 of 8 (pp=0 dp=0 tp=0; pipeline rank 0, 2 layers, 2 microbatch(es) in flight)" in out
-    assert "rank 7 of 8 (pp=1 dp=1 tp=1; pipeline rank 1, 2 layers, 1 microbatch(es) in flight)" in out
+    assert "rank 0 of 8 (pp=0 dp=0 tp=0; pipeline rank 0, 2 layers, 2 microbatch(es) through the pipeline runner, 2 in flight)" in out
+    assert "rank 7 of 8 (pp=1 dp=1 tp=1; pipeline rank 1, 2 layers, 2 microbatch(es) through the pipeline runner, 1 in flight)" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["params"], ["grads"], ["optimizer"])]
     assert len(rows) == 6
     for name, measured, predicted, diff in rows:
@@ -117,7 +117,7 @@ def test_dryrun_runs_hugging_face_models(capsys, monkeypatch):
     assert dryrun.main(["--config", str(ROOT / "recipes" / "hf-llama-cpu-demo.yaml"), "--gpus", "8",
                         "--ranks", "first,last"]) == 0
     out = capsys.readouterr().out
-    assert "rank 7 of 8 (pp=1 dp=1 tp=1; pipeline rank 1, 2 layers, 1 microbatch(es) in flight)" in out, out
+    assert "rank 7 of 8 (pp=1 dp=1 tp=1; pipeline rank 1, 2 layers, 2 microbatch(es) through the pipeline runner, 1 in flight)" in out, out
     for name in ("params", "grads", "optimizer"):
         assert [f[2] for f in _figures(out, name)] == [0.0, 0.0], (name, out)
     assert len(_figures(out, "activations")) == 2 and all(abs(f[2]) < 5 for f in _figures(out, "activations")), out

@@ -109,7 +109,8 @@ print("RESULT " + json.dumps(result.to_dict()))
 def test_dry_run_gpipe_peak_agrees_with_the_walk():
     """The last pipeline rank of pp=2 x dp=2 (ZeRO-1, GPipe, 2 microbatches), where activations and gradients are
     of one size: the dry run's measured peak of ParaStrategy's code is the walk's within 5% (3% measured); with every gradient
-    held from the first forward (the planner before) it was 13% over."""
+    held from the first forward (the planner before) it is 8% over (13% before the dry run ran the real pipeline
+    runner, whose per-microbatch receive buffers both sides now hold)."""
     proc = run_code(CHILD, timeout=600)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
@@ -123,4 +124,4 @@ def test_dry_run_gpipe_peak_agrees_with_the_walk():
     memory = estimate(desc, Cluster.of("h100", nodes=1, gpus_per_node=4), training, desc_layout).ranks[1].memory
     assert memory.total == pytest.approx(predicted, rel=1e-6)
     every_gradient_held = memory.total + memory.grads_not_yet_allocated
-    assert every_gradient_held / measured - 1 > 0.10, (every_gradient_held, measured)
+    assert every_gradient_held / measured - 1 > 0.07, (every_gradient_held, measured)

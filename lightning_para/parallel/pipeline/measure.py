@@ -204,7 +204,8 @@ class TimedPipelineStage(PipelineStage):
 
     def __init__(
         self, *args: Any, recorder: StepRecorder, backward_context: Callable[[], Any] = contextlib.nullcontext,
-        after_weight_gradients: Optional[Callable[[], None]] = None, **kwargs: Any
+        after_weight_gradients: Optional[Callable[[], None]] = None,
+        after_action: Optional[Callable[[str, int, int], None]] = None, static_metadata: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         self.recorder = recorder
@@ -214,6 +215,27 @@ class TimedPipelineStage(PipelineStage):
         # Called once a microbatch's weight gradients of this stage are complete (a full backward, or the
         # weight half of a split one): ZeRO-2 reduces them then under "reduce_each_microbatch".
         self.after_weight_gradients = after_weight_gradients
+        # Called after each action with (action, stage index, microbatch): "F", "B", "I" or "W".
+        self.after_action = after_action
+        # Every stage of the pipeline (on every rank) was given its input and output metadata up front
+        # (`input_args`/`output_args`): torch's start-up vote on static vs run-time shape inference has one answer.
+        self.static_metadata = static_metadata
+
+    # With static metadata on every rank the vote is known: skip its exchange and its `.item()` of the result,
+    # which a meta-device run (the dry run) cannot read.
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: Optional[Tensor] = None) -> Tensor:  # private override
+        if self.static_metadata:
+            return torch.ones(1, dtype=torch.int32)
+        return super()._warmup_forward_vote(has_backward, received_acc=received_acc)
+
+    def _warmup_backward_result(self, received_result: Optional[Tensor] = None) -> Tensor:  # private override
+        if self.static_metadata:
+            return torch.ones(1, dtype=torch.int32)
+        return super()._warmup_backward_result(received_result=received_result)
+
+    def _acted(self, action: str, microbatch: int) -> None:
+        if self.after_action is not None:
+            self.after_action(action, self.stage_index, microbatch)
 
     # Shape inference (first step per input shape) runs a real forward, loss and input-grad
     # backward; the recorder marks it so the loss wrapper does not count that loss.
@@ -228,21 +250,25 @@ class TimedPipelineStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         with self.recorder.action(self.stage_index, fwd_chunk_id, "F"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._acted("F", fwd_chunk_id)
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         with self.recorder.action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"), self.backward_context():
             result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
             if full_backward and self.after_weight_gradients is not None:
                 self.after_weight_gradients()
-            return result
+        self._acted("B" if full_backward else "I", bwd_chunk_id)
+        return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         with self.recorder.action(self.stage_index, bwd_chunk_id, "W"), self.backward_context():
             result = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             if self.after_weight_gradients is not None:
                 self.after_weight_gradients()
-            return result
+        self._acted("W", bwd_chunk_id)
+        return result
 
 
 class SavedActivationMeter:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Protocol
 
@@ -67,6 +68,24 @@ class GradientSync(Protocol):
     def reduce_part(self, part: int) -> None: ...
 
     def commit_microbatches(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StaticStageShapes:
+    """The pipeline's stage metadata given up front, instead of torch's run-time shape inference.
+
+    torch's ``PipelineStage`` otherwise votes across the pipeline on how to infer the stages' input and output
+    shapes, reads the vote's result (``.item()``), and sends each stage's output metadata to the next rank: steps a
+    run without tensor values (the dry run, on meta tensors under the fake process group) cannot take.
+
+    ``activation()`` makes one microbatch's activation passed between stages (its shape, dtype and
+    ``requires_grad`` are what counts: a meta tensor is enough); ``model_has_moe``: whether any stage of the whole
+    model has MoE layers (otherwise read once from the first step's loss all-reduce). Every pipeline rank must be
+    given the same (each skips the vote).
+    """
+
+    activation: Callable[[], Tensor]
+    model_has_moe: bool
 
 
 class PipelineRunner:
@@ -110,6 +129,8 @@ class PipelineRunner:
         self._model_has_moe: Optional[bool] = None  # any stage (not only this rank's) has MoE layers
         self.loss_parallel = False  # set by `enable_loss_parallel` once tensor parallelism shards the head
         self.sequence_multiple = 1  # set by `require_sequence_multiple` under sequence parallelism
+        self.static_shapes: Optional[StaticStageShapes] = None  # set by `use_static_shapes`
+        self._action_observers: list[Callable[[str, int, int], None]] = []
 
     @property
     def inferring_shapes(self) -> bool:
@@ -124,6 +145,23 @@ class PipelineRunner:
         """Sequence parallelism splits the sequence (dim 1 of the first-stage input) over ``tp``: every
         pipeline rank checks each batch before the schedule, so a bad length cannot leave a stage waiting."""
         self.sequence_multiple = tp
+
+    def use_static_shapes(self, shapes: StaticStageShapes) -> None:
+        """Give the stages' metadata up front (:class:`StaticStageShapes`): the schedule skips torch's run-time
+        shape inference and its start-up exchange."""
+        self.static_shapes = shapes
+        self._model_has_moe = shapes.model_has_moe
+        self._schedules.clear()
+
+    def add_action_observer(self, observer: Callable[[str, int, int], None]) -> None:
+        """Call ``observer(action, stage_index, microbatch)`` after each of this rank's schedule actions
+        (``"F"`` forward, ``"L"`` the last stage's loss, ``"B"`` full backward, ``"I"``/``"W"`` the input/weight
+        halves of a split one)."""
+        self._action_observers.append(observer)
+
+    def _after_action(self, action: str, stage_index: int, microbatch: int) -> None:
+        for observer in self._action_observers:
+            observer(action, stage_index, microbatch)
 
     # ---------------------------------------------------------------- Lightning steps
     def run(
@@ -297,6 +335,7 @@ class PipelineRunner:
             TimedPipelineStage(
                 m, m.stage_index, self.num_stages, self.device, group=self.group, recorder=recorder,
                 backward_context=self._backward_context(), after_weight_gradients=partial(self._after_weight_gradients, i),
+                after_action=self._after_action, **self._static_metadata(m.stage_index, inputs),
             )
             for i, m in enumerate(self.stage_modules)
         ]
@@ -306,13 +345,26 @@ class PipelineRunner:
             self._schedules.popitem(last=False)
         return self._schedules[key]
 
+    def _static_metadata(self, stage_index: int, inputs: tuple[Tensor, ...]) -> dict[str, Any]:
+        """A stage's example input and output (one microbatch's) when the shapes are static, for torch's stage."""
+        if self.static_shapes is None:
+            return {}
+        activation = self.static_shapes.activation
+        first = tuple(t.tensor_split(self.microbatches)[0] for t in inputs)  # torch's split along dim 0
+        # The last stage's output goes to the loss, not to a rank: torch neither sends nor checks it.
+        return {"input_args": first if stage_index == 0 else (activation(),), "output_args": (activation(),),
+                "static_metadata": True}
+
     def _scaled_loss(self, outputs: Any, targets: Any) -> Tensor:
         if self.recorder.inferring:  # torch's shape inference, not a microbatch of this step
             return self.spec.loss_fn(outputs, targets) * self._loss_factor
-        with self.recorder.action(self.num_stages - 1, len(self._raw_losses), "L"):
+        microbatch = len(self._raw_losses)
+        with self.recorder.action(self.num_stages - 1, microbatch, "L"):
             loss = self.spec.loss_fn(outputs, targets)
             self._raw_losses.append(full_tensor(loss.detach()))
-            return loss * self._loss_factor
+            scaled = loss * self._loss_factor
+        self._after_action("L", self.num_stages - 1, microbatch)
+        return scaled
 
     def _trainable_params(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -435,4 +487,4 @@ class PipelineRunner:
                 del state[key]
 
 
-__all__ = ["GradientSync", "PipelineRunner"]
+__all__ = ["GradientSync", "PipelineRunner", "StaticStageShapes"]
