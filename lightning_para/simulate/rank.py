@@ -89,7 +89,12 @@ from lightning_para.plan.model import ModelDesc
 from lightning_para.precision import ParaPrecision
 from lightning_para.simulate.kernels import FusedKernels
 from lightning_para.simulate.step import finish_step, in_flight_microbatches, train_step
-from lightning_para.simulate.world import count_loss_parallel, fsdp_on_meta, start_fake_world
+from lightning_para.simulate.world import (
+    count_loss_parallel,
+    fsdp_on_meta,
+    start_fake_world,
+    uncounted_sharding_propagation,
+)
 
 
 @dataclass
@@ -197,7 +202,7 @@ def dry_run_rank(
     if run_step:
         # MoE layers route with a fixed balanced assignment: meta tensors have no values to route by.
         with FusedKernels(), comm, live, balanced_routing(*parallel.parts), fsdp_on_meta(live), \
-                count_loss_parallel(live):
+                count_loss_parallel(live), uncounted_sharding_propagation():
             activations, live.trace.made_once = train_step(
                 module, parallel, dims, seq_len, micro_batch, hidden, live, precision.param_dtype or torch.float32,
             )

@@ -104,4 +104,28 @@ def fsdp_on_meta(live: Optional[LiveBytes] = None) -> Any:
         torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
 
 
-__all__ = ["count_loss_parallel", "fsdp_on_meta", "start_fake_world"]
+@contextlib.contextmanager
+def uncounted_sharding_propagation() -> Any:
+    """Keep DTensor's sharding propagation out of the dry run's counters.
+
+    DTensor learns an op's output shapes by running it on meta stand-ins of the *global* tensors, once per op and
+    input shapes (then cached). On a GPU those stand-ins are meta tensors and hold no memory; in the dry run every
+    tensor is meta, so the live-bytes counter would take them for allocations (at 405B, 2.5 GiB of global-vocab
+    logits at a step's first loss). The propagation runs with the dispatch modes off."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator  # private: see docs/architecture.md
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+__all__ = ["count_loss_parallel", "fsdp_on_meta", "start_fake_world", "uncounted_sharding_propagation"]
