@@ -145,6 +145,19 @@ def peak_memory(
         ]
         if walk is not None:
             activations = held_activations_peak(walk, chunk_held)
+    # What torch's stage keeps of a microbatch until that microbatch's backward is done (its output: the activation
+    # it sent, or the logits): constant through the backward, not freed layer by layer as the gradient walks below
+    # take the rest of the held bytes to be.
+    kept = part.sends_forward * stage_output + (stage_logits if part.last_stage else 0.0)
+    walk_held, walk_chunk_held = held - kept, None
+    walk_activations = part.in_flight * walk_held
+    if chunk_held is not None:
+        walk_chunk_held = [
+            h - chunk.sends_forward * stage_output - (stage_logits if chunk.last_stage else 0.0)
+            for h, chunk in zip(chunk_held, part.chunks)
+        ]
+        if walk is not None:
+            walk_activations = held_activations_peak(walk, walk_chunk_held)
     # torch's pipeline stage allocates a receive buffer per microbatch of the flush when it sets up, held through
     # the whole step (added after the gradient walks below, which it does not move): one for the input of each
     # chunk fed by another rank, one for the output gradient of each chunk that feeds another rank, both of the
@@ -223,9 +236,9 @@ def peak_memory(
         v = layout.virtual_stages
         chunk_grads = training.grad_bytes * (dense + expert) / v
         if order is not None:
-            peak = lazy_gradient_peak(order, layers_per_chunk(part, v), chunk_held or held / v, chunk_grads,
+            peak = lazy_gradient_peak(order, layers_per_chunk(part, v), walk_chunk_held or walk_held / v, chunk_grads,
                                       freed_after_backward=True)
-            reducing = max(0.0, peak - activations)
+            reducing = max(0.0, peak - walk_activations)
         else:
             reducing = chunk_grads
         n = shards["dense"]
@@ -233,8 +246,8 @@ def peak_memory(
         reducing += min(capacity, chunk_grads)
     elif order is not None:
         v = layout.virtual_stages
-        peak = lazy_gradient_peak(order, layers_per_chunk(part, v), chunk_held or held / v, states[1] / v)
-        not_yet = max(0.0, activations + states[1] - peak)
+        peak = lazy_gradient_peak(order, layers_per_chunk(part, v), walk_chunk_held or walk_held / v, states[1] / v)
+        not_yet = max(0.0, walk_activations + states[1] - peak)
     activations += receive_buffers
     breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
                                 master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet, reducing)
