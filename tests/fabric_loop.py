@@ -145,6 +145,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def lm_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The step a cp loop hands to ``fabric.strategy.run_step``: forward and loss on (its chunks of) a batch."""
+    inputs, targets = batch
+    return loss_fn(model(inputs), targets)
+
+
 def train(
     fabric: L.Fabric, model: nn.Module, optimizer: Any, loader: Any, *, steps: int, accumulate: int,
     pipeline: bool, max_norm: float = 1.0, first_step: int = 0, save_at: Optional[int] = None,
@@ -158,6 +164,8 @@ def train(
     sharded_loss = loss_context is not None and fabric.strategy.config.loss_parallel
     # ParaStrategy: MoE layers scale their aux-loss gradient over the accumulation as the loss is scaled.
     backward_kwargs = {"accumulate": accumulate} if loss_context is not None else {}
+    # ParaStrategy(cp>1): the forward and the loss run through `run_step` on this rank's sequence chunks.
+    context_parallel = loss_context is not None and fabric.strategy.config.cp > 1
     for _ in range(0 if data_from_start else first_step * accumulate):  # a resumed run continues the data
         next(batches)
     for step in range(first_step, steps):
@@ -175,6 +183,9 @@ def train(
                         loss = loss_fn(logits, targets)
                     fabric.backward(loss / accumulate, **backward_kwargs)
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                elif context_parallel:
+                    loss = fabric.strategy.run_step(model, lm_step, (inputs, targets))
+                    fabric.backward(loss / accumulate, **backward_kwargs)
                 else:
                     loss = loss_fn(model(inputs), targets)
                     fabric.backward(loss / accumulate, **backward_kwargs)
@@ -216,12 +227,19 @@ def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
     resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False, joint_setup: bool = False,
-    data_from_start: bool = False,
+    data_from_start: bool = False, planted_local_positions: bool = False,
 ) -> dict[str, Any]:
-    """``planted_sampler_per_process``: a planted bug, one sample stream per process instead of per dp rank
-    (tensor-parallel ranks of one dp rank then compute on different samples)."""
-    """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate."""
+    """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate.
+
+    Planted bugs: ``planted_sampler_per_process``, one sample stream per process instead of per dp rank
+    (tensor-parallel ranks of one dp rank then compute on different samples); ``planted_local_positions``,
+    LitGPT's cp adapter left out, so under cp each chunk's RoPE starts at position 0."""
     from lightning_para.fabric import ParaStrategy
+
+    if planted_local_positions:
+        from lightning_para.integrations.litgpt import context
+
+        context._global_rope = lambda *args, **kwargs: None
 
     strategy = ParaStrategy(**strategy_kwargs)
     fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
@@ -251,6 +269,17 @@ def fabric_job(
         except RuntimeError as error:
             result["direct_call"] = str(error)
     return result
+
+
+def fabric_direct_call_job(strategy_kwargs: dict[str, Any]) -> None:
+    """Inside a worker: the set-up model called directly (not through ``run_step``)."""
+    from lightning_para.fabric import ParaStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ParaStrategy(**strategy_kwargs))
+    fabric.launch()
+    model = fabric.setup(build(fabric, "recipe", empty_init=True))
+    inputs, _ = token_dataset(2)[:]
+    model(inputs)
 
 
 def fabric_reference(

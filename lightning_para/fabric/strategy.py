@@ -20,7 +20,8 @@ Fabric's strategy protocol. What Fabric calls, and what it does here:
 * ``fabric.save`` / ``fabric.load``: the Trainer's sharded, atomic, checksummed format (either
   front end loads the other's, into any layout), ``fabric.load_raw``, and one full file with
   ``save_distributed_checkpoint=False``;
-* pipeline parallelism: :meth:`ParaStrategy.pipeline_step` runs the schedule over a batch.
+* pp: :meth:`ParaStrategy.pipeline_step` runs the schedule over a batch; cp: :meth:`ParaStrategy.run_step`
+  runs the loop's forward and loss on this rank's sequence chunks (attention across the cp group).
 
 The arguments, and the views shared with the Trainer's front end, are
 :class:`~lightning_para.core.front_end.ParaFrontEnd`'s.
@@ -48,6 +49,7 @@ from lightning_para.core import ParaEngine
 from lightning_para.core.front_end import ParaFrontEnd
 from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
+from lightning_para.fabric.steps import check_accumulate, check_run_step, outside_run_step_error, pipeline_forward_error, schedule_only
 from lightning_para.fabric.wrappers import repoint, unwrap
 from lightning_para.parallel.data import MemoryBreakdown
 
@@ -67,8 +69,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     * ``loss_parallel="auto"`` is ``False``: the loss is computed in the user's loop, outside
       the strategy, so the head's logits come out whole. With ``True`` they are vocab-sharded
       DTensors and the loss must be computed inside ``with strategy.loss_parallel():``.
-    * ``layout="auto"`` (planned from the Trainer's datamodule) and ``cp > 1`` (the batch split
-      and whole-sequence loss wrap the Trainer's ``training_step``) raise a ``ValueError``.
+    * ``layout="auto"`` (planned from the Trainer's datamodule) raises a ``ValueError``.
+    * ``cp > 1``: the loop runs its forward and loss through :meth:`ParaStrategy.run_step`, which
+      gives the model this rank's sequence chunks (a Fabric loop has no ``training_step`` to wrap).
     * ``on_sigterm`` (a checkpoint in the Trainer's ``default_root_dir`` at the next step boundary) is
       not taken: ``"auto"`` is ``None`` here, another value raises. ``check_finite`` (every loss passed to
       ``fabric.backward``, every gradient before the step), ``watchdog_timeout`` and
@@ -86,12 +89,6 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             raise ValueError(
                 "ParaStrategy(layout='auto') plans from the Trainer's datamodule and is not available under Fabric."
                 " Pass the degrees (dp=, tp=, pp=, zero=...); `lightning-para plan` prints a layout for your model."
-            )
-        if config.cp > 1:
-            raise ValueError(
-                f"ParaStrategy(cp={config.cp}) is not supported under Fabric yet: context parallelism splits each"
-                " batch and computes the loss over the whole sequence around the Trainer's `training_step`, which a"
-                " Fabric loop does not have. Use cp=1, or the Trainer's lightning_para.ParaStrategy."
             )
         if on_sigterm not in ("auto", None):
             raise ValueError(
@@ -116,6 +113,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self._optimizers: list[Optimizer] = []
         self._module: Optional[nn.Module] = None  # the set-up model (scheduled integrity checks read it)
         self._step = 0  # optimizer steps taken (the step guard's and the watchdog's step number)
+        self._in_step = False  # inside `run_step` (under cp the model is called only there)
 
     # ------------------------------------------------------------------ Fabric plumbing
     # Lightning's Fabric ModelParallelStrategy does exactly what this strategy needs for these (device
@@ -176,7 +174,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self.core.parallelize(module, self.root_device, precision)
         self._module = module
         if self.core.parallel_model.pipeline is not None:
-            module.register_forward_pre_hook(_pipeline_forward_error)
+            module.register_forward_pre_hook(pipeline_forward_error)
         else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
             module.register_forward_pre_hook(self._report_forward)
         self.core.connect(self.root_device, precision, lambda: self._step, self._check_step)
@@ -206,7 +204,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         """``fabric.backward(loss)``. ``accumulate``: the micro-steps per optimizer step (``fabric.backward(loss / A,
         accumulate=A)``), read by MoE layers, which feed their aux-loss gradient themselves and scale it as the
         loss is scaled; without MoE layers it changes nothing."""
-        _check_accumulate("backward", accumulate)
+        check_accumulate("backward", accumulate)
         self.core.report(f"backward and gradient sync (step {self._step})", exempt=self.core.compiling("backward", self._step))
         if self.core.has_pipeline:
             # `pipeline_step` ran forward and backward of every microbatch: its gradients join `.grad` and sync.
@@ -225,19 +223,44 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         ``fabric.no_backward_sync``); ``accumulate``: micro-steps before the optimizer step (each adds
         ``1/accumulate`` of its gradients; do not divide the loss yourself). The model states the split
         with ``configure_pipeline()`` (``docs/pipeline_parallel.md``)."""
-        _check_accumulate("pipeline_step", accumulate)
+        check_accumulate("pipeline_step", accumulate)
         self.core.report(f"pipeline step (step {self._step})", exempt=self.core.compiling("pipeline step", self._step))
-        module = unwrap(module)
-        batch = self.batch_to_device(batch)
-        with self.precision.forward_context():
-            loss = self.core.pipeline_run("training_step", module, batch, self.precision, accumulate=accumulate)
+        loss = self._schedule("training_step", module, batch, accumulate)
         self.core.observe_loss(loss, self._step)
         return loss
 
     def pipeline_eval_step(self, module: nn.Module, batch: Any) -> Tensor:
         """The pipeline's forward-only loss over ``batch`` (``pp > 1``), on every rank."""
-        with torch.no_grad(), self.precision.forward_context():
-            return self.core.pipeline_run("validation_step", unwrap(module), self.batch_to_device(batch), self.precision)
+        with torch.no_grad():
+            return self._schedule("validation_step", module, batch, None)
+
+    def _schedule(self, name: str, module: nn.Module, batch: Any, accumulate: Optional[int]) -> Any:
+        # Through the core's step routing, so that under cp each stage sees this rank's sequence chunks.
+        return self.core.run_step(
+            name, unwrap(module), (self.batch_to_device(batch),), {}, self.precision.forward_context(),
+            call=schedule_only, precision=self.precision, accumulate=accumulate,
+        )
+
+    def run_step(self, module: nn.Module, step: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
+        """``step(module, local_batch)`` on this rank's share of ``batch``; returns what it returns.
+
+        ``cp=1``: ``step(module, batch)``. ``cp > 1``: every tensor of ``batch`` with two or more dims is cut
+        along dim 1 (pass inputs and targets already shifted), SDPA inside ``step`` runs across the cp group,
+        ``F.cross_entropy`` returns the whole sequence's loss on every cp rank (gradients exact after the dp x cp
+        average), and the first call checks positions (``cp_check``). Under pp use :meth:`pipeline_step`.
+        ``docs/fabric.md`` ("Context parallelism") has the contract.
+        """
+        check_run_step(step, pipeline=self.core.has_pipeline)
+        batch = self.batch_to_device(batch)
+        name = "training_step" if torch.is_grad_enabled() else "validation_step"
+        self._in_step = True
+        try:
+            return self.core.run_step(
+                name, unwrap(module), (batch,), {}, contextlib.nullcontext(), call=lambda local: step(module, local),
+                precision=self.precision,
+            )
+        finally:
+            self._in_step = False
 
     @contextlib.contextmanager
     def loss_parallel(self) -> Any:
@@ -258,6 +281,8 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         return output
 
     def _report_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._in_step and self.core.parallel_dims.cp > 1:
+            raise RuntimeError(outside_run_step_error(self.core.parallel_dims.cp))
         phase = "forward" if torch.is_grad_enabled() else "forward without gradients"
         self.core.report(f"{phase} (step {self._step})", exempt=self.core.compiling(phase, self._step))
 
@@ -370,19 +395,6 @@ class _ParaBackwardSyncControl(_BackwardSyncControl):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return self._core.accumulation_no_sync() if enabled else contextlib.nullcontext()
-
-
-def _check_accumulate(method: str, accumulate: Any) -> None:
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise ValueError(f"{method}(accumulate={accumulate!r}): pass the number of micro-steps per optimizer step, an int >= 1.")
-
-
-def _pipeline_forward_error(module: nn.Module, args: Any) -> None:
-    raise RuntimeError(
-        "Under pipeline parallelism (pp > 1) no rank holds the whole model, so it cannot be called directly."
-        " Run the schedule instead: `loss = fabric.strategy.pipeline_step(model, batch)`, then"
-        " `fabric.backward(loss)` (docs/fabric.md)."
-    )
 
 
 __all__ = ["ParaStrategy"]

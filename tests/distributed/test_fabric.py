@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.fabric_loop import (
+    fabric_direct_call_job,
     fabric_job,
     fabric_load_params_job,
     fabric_reference,
@@ -27,6 +28,7 @@ from tests.fabric_loop import (
     mean_over_dp,
     trainer_job,
 )
+from tests.harness import WorkerError
 from tests.parity import FP32_RTOL, assert_losses_close
 
 GLOBAL_BATCH = 8
@@ -59,6 +61,9 @@ LAYOUTS_2 = [
     pytest.param("litgpt", {"tp": 2}, id="litgpt-tp2", marks=needs_litgpt),
     pytest.param("litgpt", {"tp": 2, "sequence_parallel": True}, id="litgpt-tp2-sp", marks=needs_litgpt),
     pytest.param("litgpt_pp", {"pp": 2}, id="litgpt-pp2", marks=needs_litgpt),
+    pytest.param("litgpt", {"cp": 2}, id="litgpt-cp2-ring", marks=needs_litgpt),
+    pytest.param("litgpt", {"cp": 2, "cp_method": "all_to_all"}, id="litgpt-cp2-all-to-all", marks=needs_litgpt),
+    pytest.param("recipe", {"cp": 2}, id="recipe-cp2"),
 ]
 
 
@@ -147,6 +152,16 @@ def test_zz_hybrid_sharding(pools):
     assert_losses_close(mean_over_dp(results), reference("recipe"), rtol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("model,layout", [
+    pytest.param("litgpt", {"dp": 2, "cp": 2, "zero": 3}, id="litgpt-dp2-cp2-zero3", marks=needs_litgpt),
+    pytest.param("litgpt", {"cp": 2, "tp": 2, "sequence_parallel": True}, id="litgpt-cp2-tp2-sp", marks=needs_litgpt),
+    pytest.param("recipe", {"cp": 2, "pp": 2}, id="recipe-cp2-pp2"),
+])
+def test_zz_fabric_loop_with_cp_4_ranks_matches_one_device(pools, model, layout):
+    results = pools.get(4).run(fabric_job, model, layout, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference(model), rtol=FP32_RTOL)
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 @pytest.mark.parametrize("model", ["recipe", pytest.param("litgpt", marks=needs_litgpt)])
 def test_zz_fabric_loop_dp2_tp2_matches_one_device(pools, zero, model):
@@ -161,6 +176,30 @@ def test_pipeline_step_losses_equal_the_trainers_pp2(pools):
     trainer = pools.get(2).run(trainer_job, {"pp": 2}, GLOBAL_BATCH)
     # Lightning reports each micro-step's loss divided by accumulate_grad_batches (its closure's loss); the loop, whole.
     assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
+
+
+def test_run_step_cp2_losses_equal_the_trainers(pools):
+    """``strategy.run_step`` under Fabric and the Trainer's cp2 (the same core step routing): the same losses."""
+    fabric = pools.get(2).run(fabric_job, "recipe", {"cp": 2}, GLOBAL_BATCH)
+    trainer = pools.get(2).run(trainer_job, {"cp": 2}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
+
+
+@needs_litgpt
+def test_planted_bug_local_positions_under_cp_fails_parity_and_the_check_names_it(pools):
+    """The cp parity can fail: without LitGPT's adapter each chunk's RoPE starts at 0. With ``cp_check=False``
+    the losses differ from one device's; with the check on, the first ``run_step`` raises naming positions."""
+    results = pools.get(2).run(fabric_job, "litgpt", {"cp": 2, "cp_check": False}, GLOBAL_BATCH, planted_local_positions=True)
+    with pytest.raises(AssertionError):
+        assert_losses_close(mean_over_dp(results), reference("litgpt"), rtol=FP32_RTOL)
+    with pytest.raises(WorkerError, match="positions built from the local length"):
+        pools.get(2).run(fabric_job, "litgpt", {"cp": 2}, GLOBAL_BATCH, planted_local_positions=True)
+
+
+def test_model_called_outside_run_step_under_cp_raises(pools):
+    """Under cp a direct call would run the whole sequence on every cp rank: it raises naming ``run_step``."""
+    with pytest.raises(WorkerError, match="fabric.strategy.run_step"):
+        pools.get(2).run(fabric_direct_call_job, {"cp": 2})
 
 
 def test_trainer_checkpoint_loads_into_fabric_and_back(pools, tmp_path):
