@@ -418,3 +418,47 @@ def fabric_reliability_job(part: str) -> dict[str, Any]:
     optimizer.step()
     result["reports"] = list(strategy.core.integrity.reports)
     return result
+
+
+def fabric_preemption_job(
+    path: str, on_sigterm: str, *, steps: int, signal_after: Optional[int] = None, resume: bool = False
+) -> dict[str, Any]:
+    """Inside a worker (dp2, ZeRO-1): a loop that saves and stops when ``fabric.strategy.preempted`` turns true.
+    ``signal_after``: rank 1 sends itself a real SIGTERM after that step's ``optimizer.step()``; ``resume``: load
+    ``path`` first and continue the data where it stopped. Returns the losses, the step each rank stopped after
+    (``None``: ran to the end) and, under ``on_sigterm="exit"``, the exit code the strategy raised."""
+    import signal
+
+    from lightning_para.fabric import ParaStrategy
+
+    strategy = ParaStrategy(dp=2, zero=1, on_sigterm=on_sigterm)
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    model, optimizer, loader = setup(fabric, "recipe", 4, empty_init=True)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(path, state)
+    batches = iter(loader)
+    for _ in range(state["step"]):
+        next(batches)
+    result: dict[str, Any] = {"losses": [], "stopped_after": None, "exit_code": None, "dp_rank": strategy.parallel_dims.local_rank("dp")}
+    try:
+        for step in range(state["step"], steps):
+            inputs, targets = next(batches)
+            loss = loss_fn(model(inputs), targets)
+            fabric.backward(loss)
+            result["losses"].append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] = step + 1
+            if step == signal_after and fabric.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if strategy.preempted:
+                fabric.save(path, state)
+                result["stopped_after"] = state["step"]
+                break
+    except SystemExit as stop:
+        result["exit_code"], result["stopped_after"] = stop.code, state["step"]
+    finally:
+        strategy.teardown()  # restores the SIGTERM handler of this pool worker
+    return result

@@ -51,7 +51,9 @@ FRONT_END_ARGUMENTS: dict[str, str] = {
     "on_sigterm": "``\"checkpoint\"``: after SIGTERM on any rank, every rank saves ``hpc_ckpt_<n>.ckpt`` in"
     " ``default_root_dir`` at the next step boundary and exits with code 143; ``\"exit\"``: the same without"
     " saving; ``None``: Lightning's own SIGTERM handling. ``\"auto\"``: ``\"checkpoint\"`` under the Trainer,"
-    " ``None`` under Fabric (which takes no other value yet).",
+    " ``None`` under Fabric. Under Fabric the loop owns its state: with ``\"checkpoint\"`` every rank sees"
+    " ``fabric.strategy.preempted`` turn true after the same ``optimizer.step()`` (the loop saves and exits);"
+    " ``\"exit\"`` raises ``Preempted`` (code 143) there.",
     "run_id": "this run's id across restarts, recorded in every checkpoint; the Trainer's ``ckpt_path=\"hpc\"``/"
     "``\"last\"`` resume the newest complete checkpoint of this run (default: ``LIGHTNING_PARA_RUN_ID``, else the"
     " scheduler's job id, else the run a resume continues; ``docs/reliability.md``).",

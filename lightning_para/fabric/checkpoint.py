@@ -149,4 +149,29 @@ def restore_other(state: dict[str, Any], parts: FabricState, loaded: dict[str, A
     return rest
 
 
-__all__ = ["FABRIC_KEYS", "FabricState", "for_the_trainer", "from_full_file", "restore_other", "split_state", "to_fabric_file", "to_trainer_format"]
+def check_save_arguments(storage_options: Any, filter: Any, *, sharded: bool) -> None:
+    """``fabric.save``'s arguments this strategy cannot honour, named."""
+    if storage_options is not None:
+        raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
+    if filter is not None and sharded:
+        raise NotImplementedError(
+            "ParaStrategy cannot load filtered sharded checkpoints, so saving them is disabled: pass"
+            " `save_distributed_checkpoint=False` to save a filtered full file."
+        )
+
+
+def check_load_state(state: Any) -> None:
+    """``fabric.load``'s ``state``: a dict holding the model, or one model (``load_raw``), never empty or an optimizer."""
+    if not state:
+        raise ValueError(
+            f"ParaStrategy.load_checkpoint(..., state={state!r}) needs a state with the model to load into:"
+            " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+        )
+    if isinstance(state, Optimizer):
+        raise NotImplementedError(
+            "ParaStrategy cannot load an optimizer alone: load it with its model,"
+            " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+        )
+
+
+__all__ = ["FABRIC_KEYS", "FabricState", "check_load_state", "check_save_arguments", "for_the_trainer", "from_full_file", "restore_other", "split_state", "to_fabric_file", "to_trainer_format"]

@@ -47,7 +47,7 @@ from lightning_para.checkpoint.run import RUN_KEY
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
 from lightning_para.core.front_end import ParaFrontEnd
-from lightning_para.fabric.checkpoint import from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
+from lightning_para.fabric.checkpoint import check_load_state, check_save_arguments, from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
 from lightning_para.fabric.steps import check_accumulate, check_run_step, outside_run_step_error, pipeline_forward_error, schedule_only
 from lightning_para.fabric.wrappers import repoint, unwrap
@@ -72,8 +72,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     * ``layout="auto"`` (planned from the Trainer's datamodule) raises a ``ValueError``.
     * ``cp > 1``: the loop runs its forward and loss through :meth:`ParaStrategy.run_step`, which
       gives the model this rank's sequence chunks (a Fabric loop has no ``training_step`` to wrap).
-    * ``on_sigterm`` (a checkpoint in the Trainer's ``default_root_dir`` at the next step boundary) is
-      not taken: ``"auto"`` is ``None`` here, another value raises. ``check_finite`` (every loss passed to
+    * ``on_sigterm``: ``"auto"`` is ``None``. The loop owns its state, so with ``"checkpoint"`` every rank
+      sees :attr:`ParaStrategy.preempted` turn true after the same ``optimizer.step()``, for the loop to
+      ``fabric.save`` and exit; ``"exit"`` raises ``Preempted`` (exit code 143) there. ``check_finite`` (every loss passed to
       ``fabric.backward``, every gradient before the step), ``watchdog_timeout`` and
       ``integrity_check_every_n_steps`` (after every N-th ``optimizer.step()``) work as there. ``run_id`` is
       recorded in every checkpoint as there; Fabric loads the path it is given (no ``"hpc"``/``"last"`` lookup).
@@ -89,12 +90,6 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             raise ValueError(
                 "ParaStrategy(layout='auto') plans from the Trainer's datamodule and is not available under Fabric."
                 " Pass the degrees (dp=, tp=, pp=, zero=...); `lightning-para plan` prints a layout for your model."
-            )
-        if on_sigterm not in ("auto", None):
-            raise ValueError(
-                f"ParaStrategy(on_sigterm={on_sigterm!r}) is not supported under Fabric yet: the preemption checkpoint"
-                " is saved by the Trainer at a step boundary it owns. Leave on_sigterm out, or save with `fabric.save`"
-                " from your own SIGTERM handler."
             )
 
     def _init_strategy(
@@ -178,6 +173,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
             module.register_forward_pre_hook(self._report_forward)
         self.core.connect(self.root_device, precision, lambda: self._step, self._check_step)
+        self.core.guard.install_signal_handler()  # on_sigterm: the signal is only recorded, agreed at a step
         self.barrier()
         return module
 
@@ -275,10 +271,26 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         if self.core.compile_watch is not None:
             self.core.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
         self._step += 1
+        if self.core.guard.stop_signal is not None and self.core.guard.on_sigterm == "exit":
+            self._stop_preempted()
         integrity = self.core.integrity
         if integrity is not None and integrity.due(self._step) and self._module is not None:
             self.check_integrity(self._module)  # `integrity_check_every_n_steps`, after the step's ZeRO gather
         return output
+
+    @property
+    def preempted(self) -> bool:
+        """True on every rank once all ranks agreed on a SIGTERM (``on_sigterm="checkpoint"``), from the same
+        ``optimizer.step()`` on: save with ``fabric.save`` and exit (code 143 tells schedulers to restart). Read
+        from the step guard's agreement: no collective or device sync of its own."""
+        return self.core.guard.stop_signal is not None
+
+    def _stop_preempted(self) -> None:
+        try:
+            self.core.guard.stop_at_boundary(lambda: None)
+        except BaseException as preempted:
+            self.core.on_exception(preempted)  # every rank agreed: the watchdog stops as after a finished run
+            raise
 
     def _report_forward(self, module: nn.Module, args: Any) -> None:
         if not self._in_step and self.core.parallel_dims.cp > 1:
@@ -330,13 +342,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     ) -> None:
         """Sharded (DCP folder) or, with ``save_distributed_checkpoint=False``, one full file; atomic and
         checksummed; readable by the Trainer's ParaStrategy and by this one, in any layout (collective)."""
-        if storage_options is not None:
-            raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        if filter is not None and self.save_distributed_checkpoint:
-            raise NotImplementedError(
-                "ParaStrategy cannot load filtered sharded checkpoints, so saving them is disabled: pass"
-                " `save_distributed_checkpoint=False` to save a filtered full file."
-            )
+        check_save_arguments(storage_options, filter, sharded=self.save_distributed_checkpoint)
         parts = split_state(state, unwrap, "save_checkpoint")
         full = not self.save_distributed_checkpoint
         model_state = self.core.model_state(parts.module, full=full)
@@ -353,18 +359,10 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     ) -> dict[str, Any]:
         """Load in place: ``state`` a dict with one model (and its optimizers, other entries), or one model
         (``fabric.load_raw``: a sharded folder, a full checkpoint file or a plain ``state_dict`` file)."""
-        if not state:
-            raise ValueError(
-                f"ParaStrategy.load_checkpoint(..., state={state!r}) needs a state with the model to load into:"
-                " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
-            )
+        check_load_state(state)
         path = Path(self.broadcast(str(path)))
         state = unwrap(state) if not isinstance(state, dict) else state
-        if isinstance(state, Optimizer):
-            raise NotImplementedError(
-                "ParaStrategy cannot load an optimizer alone: load it with its model,"
-                " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
-            )
+        check_load_state(state)
         if isinstance(state, nn.Module):
             self._load_raw(path, state, strict)
             return {}

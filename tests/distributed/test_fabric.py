@@ -265,3 +265,28 @@ def test_trainer_resumes_from_a_fabric_checkpoint(pools, tmp_path):
     )
     trainer = pools.get(2).run(trainer_job, {"tp": 2}, GLOBAL_BATCH, steps=2, resume=path)
     assert_losses_close(mean_over_dp(fabric), [2 * loss for loss in mean_over_dp(trainer)], rtol=FP32_RTOL)
+
+
+# ----------------------------------------------------------------------------- SIGTERM (on_sigterm)
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_and_resumes_exactly(pools, tmp_path):
+    """A real SIGTERM to rank 1 after step 2: every rank sees ``strategy.preempted`` after the same later step
+    (the step guard's agreement, read a step late), the loop saves there, and a resumed run continues with the
+    uninterrupted run's losses (1e-6)."""
+    from tests.fabric_loop import fabric_preemption_job
+
+    path = str(tmp_path / "preempted")
+    full = pools.get(2).run(fabric_preemption_job, str(tmp_path / "unused"), "checkpoint", steps=7)
+    assert all(r["stopped_after"] is None for r in full)
+    stopped = pools.get(2).run(fabric_preemption_job, path, "checkpoint", steps=7, signal_after=1)
+    after = {r["stopped_after"] for r in stopped}
+    assert len(after) == 1 and after.pop() == 4, [r["stopped_after"] for r in stopped]  # signal at 2, agreed read at 4
+    resumed = pools.get(2).run(fabric_preemption_job, path, "checkpoint", steps=7, resume=True)
+    assert_losses_close(mean_over_dp(stopped) + mean_over_dp(resumed), mean_over_dp(full), rtol=1e-6)
+
+
+def test_sigterm_with_on_sigterm_exit_raises_exit_code_143_on_every_rank_at_the_same_step(pools, tmp_path):
+    from tests.fabric_loop import fabric_preemption_job
+
+    results = pools.get(2).run(fabric_preemption_job, str(tmp_path / "unused"), "exit", steps=7, signal_after=1)
+    # Raised inside the fourth optimizer.step() (where the checkpoint run sees `preempted`), before the loop counts it.
+    assert [(r["exit_code"], r["stopped_after"]) for r in results] == [(143, 3), (143, 3)]

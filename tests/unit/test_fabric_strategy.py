@@ -40,7 +40,7 @@ def test_degrees_that_cannot_fit_raise_before_any_worker():
         L.Fabric(accelerator="cpu", devices=2, strategy=ParaStrategy(tp=3))._strategy._configure_launcher()
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"layout": "auto"}, "layout='auto'"), ({"on_sigterm": "exit"}, "on_sigterm='exit'")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"layout": "auto"}, "layout='auto'"), ({"on_sigterm": "stop"}, "on_sigterm='stop'")])
 def test_trainer_only_options_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParaStrategy(**kwargs)

@@ -89,8 +89,9 @@ def test_front_end_defaults_of_auto():
     assert FabricParaStrategy().config.loss_parallel is False
     assert FabricParaStrategy().core.guard.on_sigterm is None
     assert FabricParaStrategy(loss_parallel=True).config.loss_parallel is True
-    with pytest.raises(ValueError, match="on_sigterm='exit'"):
-        FabricParaStrategy(on_sigterm="exit")
+    assert FabricParaStrategy(on_sigterm="exit").core.guard.on_sigterm == "exit"
+    with pytest.raises(ValueError, match="on_sigterm='stop'"):
+        FabricParaStrategy(on_sigterm="stop")
 
 
 # A value each option does not take (the "any" options are checked where they are applied).
