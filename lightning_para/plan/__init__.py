@@ -21,7 +21,7 @@ from lightning_para.plan.cluster import (
 from lightning_para.plan.comm import Collective
 from lightning_para.plan.cost import (
     Estimate,
-    MemoryBreakdown,
+    PredictedMemory,
     RankEstimate,
     estimate,
     layout_problems,
@@ -36,7 +36,7 @@ from lightning_para.plan.search import SearchSpace, search
 
 __all__ = [
     "GPU_SPECS", "OPTIMIZERS", "PRECISIONS", "PRESETS", "SCHEDULES",
-    "Cluster", "Collective", "Estimate", "Layout", "MemoryBreakdown", "ModelDesc", "PlanResult", "RankEstimate",
+    "Cluster", "Collective", "Estimate", "Layout", "PredictedMemory", "ModelDesc", "PlanResult", "RankEstimate",
     "Rejected", "SearchSpace", "Training",
     "bubble_fraction", "describe_module", "estimate", "layer_activation_bytes", "layout_problems", "preset",
     "search", "zero_state_bytes",

@@ -56,10 +56,10 @@ from lightning_para.plan.pipeline import (
     unit_split,
 )
 from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
-from lightning_para.plan.rank_states import MemoryBreakdown, bucket_bytes
+from lightning_para.plan.rank_states import PredictedMemory, bucket_bytes
 
 __all__ = [
-    "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "MemoryBreakdown", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
+    "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "PredictedMemory", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
 ]
 
 DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
@@ -86,7 +86,7 @@ class Estimate:
         return max(self.ranks, key=lambda r: r.memory.total)
 
     @property
-    def memory(self) -> MemoryBreakdown:
+    def memory(self) -> PredictedMemory:
         return self.peak_rank.memory
 
     @property

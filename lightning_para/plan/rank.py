@@ -27,7 +27,7 @@ from lightning_para.plan.overhead import (
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.rank_memory import activation_kwargs, head_bytes, peak_memory
 from lightning_para.plan.rank_states import (
-    MemoryBreakdown,
+    PredictedMemory,
     bucket_bytes,
     rank_params,
     rank_tensors,
@@ -46,10 +46,10 @@ class RankEstimate:
     embedding: bool
     head: bool
     in_flight: float
-    memory: MemoryBreakdown
+    memory: PredictedMemory
     # What the rank holds between optimizer steps, as ParaStrategy keeps it and
     # `ParaStrategy.memory_breakdown()` measures it (activations and buffers are 0): see `resident_states`.
-    resident: MemoryBreakdown
+    resident: PredictedMemory
     collectives: tuple[Collective, ...]
     compute_seconds: float  # per microbatch
     microbatch_seconds: float  # compute plus exposed tp/ep/cp/pp communication, per microbatch

@@ -1,5 +1,5 @@
 """One pipeline rank's memory at its peak (:func:`peak_memory`, the
-:class:`~lightning_para.plan.rank_states.MemoryBreakdown` the planner predicts), each term mirroring what
+:class:`~lightning_para.plan.rank_states.PredictedMemory` the planner predicts), each term mirroring what
 ParaStrategy's code holds on that rank. The measurements behind the terms are in ``docs/planner.md`` ("Memory terms")."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_para.plan.memory import (
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
 from lightning_para.plan.rank_states import (
-    MemoryBreakdown,
+    PredictedMemory,
     bucket_bytes,
     rank_params,
     zero3_kept_ends,
@@ -58,10 +58,10 @@ def head_bytes(model: ModelDesc, training: Training, layout: Layout) -> float:
 
 
 def peak_memory(
-    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: MemoryBreakdown,
+    model: ModelDesc, training: Training, layout: Layout, part: RankLayers, per_step: int, resident: PredictedMemory,
     flushes: int = 1,
-) -> MemoryBreakdown:
-    """The peak (see :class:`MemoryBreakdown`); ``resident``: :func:`resident_states` of the same rank."""
+) -> PredictedMemory:
+    """The peak (see :class:`PredictedMemory`); ``resident``: :func:`resident_states` of the same rank."""
     dense, expert, largest = rank_params(model, layout, part)
     precision = training.bytes
     k_bytes = precision.master + training.optimizer_state_bytes
@@ -210,7 +210,7 @@ def peak_memory(
         chunk = int(s // layout.cp // (2 if layout.cp_load_balance else 1))
         heads = max(1, model.heads // layout.tp)
         ring_scores = 2 * 4.0 * b * heads * score_tile_rows(b, heads, chunk) * chunk
-    # The loss's backward (see MemoryBreakdown.loss_backward): with one microbatch per step it finds the last step's
+    # The loss's backward (see PredictedMemory.loss_backward): with one microbatch per step it finds the last step's
     # gradients freed by `zero_grad`, so of the states only the weights and optimizer state as the rank keeps them
     # between steps (`resident`: FSDP2's fp32 shards, where the paper's peak counts 16-bit weights and gradients);
     # a later microbatch finds this step's accumulated gradients.
@@ -249,7 +249,7 @@ def peak_memory(
         peak = lazy_gradient_peak(order, layers_per_chunk(part, v), walk_chunk_held or walk_held / v, states[1] / v)
         not_yet = max(0.0, walk_activations + states[1] - peak)
     activations += receive_buffers
-    breakdown = MemoryBreakdown(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
+    breakdown = PredictedMemory(states[0], states[1], states[2], activations, buffers, recomputed, loss_logits,
                                 master_grads, ring_scores, loss_backward, freed, optimizer_step_total, not_yet, reducing)
     return replace(breakdown, activations=activations + breakdown.transient)
 

@@ -1,5 +1,5 @@
 """What one pipeline rank holds: its parameter tensors (local shapes after tp/ep), the states it keeps between
-optimizer steps (:func:`resident_states`), and the planner's record of a rank's memory (:class:`MemoryBreakdown`,
+optimizer steps (:func:`resident_states`), and the planner's record of a rank's memory (:class:`PredictedMemory`,
 the predicted record the dry run and the profiler compare their measurements with)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def bucket_bytes(group_size: int, grad_bytes: int) -> float:
 
 
 @dataclass(frozen=True)
-class MemoryBreakdown:
+class PredictedMemory:
     """Bytes one rank holds at its peak."""
 
     params: float
@@ -115,11 +115,11 @@ def rank_params(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[flo
     return float(dense), float(expert), float(largest)
 
 
-def resident_states(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> MemoryBreakdown:
+def resident_states(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> PredictedMemory:
     """Parameters, gradients and optimizer state one rank holds *between* optimizer steps, as
     ParaStrategy keeps them (what ``strategy.memory_breakdown()`` measures after a step).
 
-    It differs from the ZeRO paper's peak (:class:`MemoryBreakdown` of ``memory``) where the
+    It differs from the ZeRO paper's peak (:class:`PredictedMemory` of ``memory``) where the
     implementation frees or re-types tensors once a step is done:
 
     * ZeRO-1 and 2 keep only the reduced gradient *shard* (the full gradients are freed into the
@@ -157,7 +157,7 @@ def resident_states(model: ModelDesc, training: Training, layout: Layout, part: 
             else:
                 grads += (fp32 if layout.zero >= 1 else precision.grad) * held
         optimizer += state * held + (precision.master * held if separate_master else 0)
-    return MemoryBreakdown(params, grads, optimizer + counters, 0.0, 0.0)
+    return PredictedMemory(params, grads, optimizer + counters, 0.0, 0.0)
 
 
 def zero3_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> tuple[list[ParamTensor], bool]:
@@ -182,5 +182,5 @@ def zero3_kept_ends(model: ModelDesc, layout: Layout, part: RankLayers) -> float
 
 
 __all__ = [
-    "MemoryBreakdown", "bucket_bytes", "rank_params", "rank_tensors", "resident_states", "zero3_ends", "zero3_kept_ends",
+    "PredictedMemory", "bucket_bytes", "rank_params", "rank_tensors", "resident_states", "zero3_ends", "zero3_kept_ends",
 ]
