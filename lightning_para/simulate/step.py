@@ -15,7 +15,7 @@ from lightning_para.instrument.live_bytes import LiveBytes
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import moe_layers
 from lightning_para.parallel.pipeline import schedules
-from lightning_para.parallel.pipeline.runner import StaticStageShapes
+from lightning_para.parallel.pipeline.contracts import StaticStageShapes
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallelize import ParallelModel

@@ -325,6 +325,18 @@ class SavedActivationMeter:
             self._counts[key] = count
 
 
+def step_stats(wall: float, recorder: StepRecorder, meter: Any) -> PipelineStepStats:
+    """One training step's record: its wall time, the recorder's busy time and events, and the saved-activation
+    peak when ``meter`` measured it."""
+    busy = recorder.busy_time
+    idle = max(wall - busy, 0.0)
+    return PipelineStepStats(
+        step_time_s=wall, busy_time_s=busy, idle_time_s=idle, idle_fraction=idle / wall if wall > 0 else 0.0,
+        step_start_unix=recorder.step_start_unix, events=tuple(recorder.events),
+        peak_saved_activation_bytes=meter.peak_bytes if isinstance(meter, SavedActivationMeter) else None,
+    )
+
+
 class _SavedTensor:
     __slots__ = ("meter", "tensor", "key")
 
@@ -347,4 +359,5 @@ __all__ = [
     "SavedActivationMeter",
     "StepRecorder",
     "TimedPipelineStage",
+    "step_stats",
 ]

@@ -17,19 +17,16 @@
   their aux gradients are scaled by the same ``scale / (m * A)``;
 * validate/test/predict run a forward-only pipeline.
 
-Why this module is long: the runner is where Lightning's step order (``training_step``, then
-``zero_grad``, then ``backward``) meets a schedule that runs forward and backward at once, so the
-losses, the gradients set aside, data parallelism's sync policy and the per-step measurements
-share one object's state; the schedules and measurements themselves live in their own modules.
+The losses' sharing over the pipeline ranks is ``losses.py``; a checkpoint's per-stage handling
+``checkpoint.py``; the schedules and measurements live in their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,54 +35,22 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_para._dtensor import full_tensor
-from lightning_para.moe import aux_loss, aux_loss_grad_scale, moe_layers, set_aux_loss_grad_scale
+from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.pipeline.measure import (
     PipelineStats,
     PipelineStepStats,
     SavedActivationMeter,
     StepRecorder,
     TimedPipelineStage,
+    step_stats,
 )
 from lightning_para.parallel.pipeline.build import build_schedule
+from lightning_para.parallel.pipeline.contracts import GradientSync, StaticStageShapes
+from lightning_para.parallel.pipeline.checkpoint import keep_own_stages, merge_param_group_names
+from lightning_para.parallel.pipeline.losses import mean_loss, share_from_last, share_train_losses, stages_aux_loss
 from lightning_para.parallel.pipeline.schedules import expected_bubble
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
-
-
-class GradientSync(Protocol):
-    """What the runner needs of data parallelism (``lightning_para.parallel.data.DataParallel``):
-    skip sync over the schedule, then sync once."""
-
-    sync_enabled: bool
-    reduces_each_microbatch: bool
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def sync_now(self) -> None: ...
-
-    def each_microbatch(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def reduce_part(self, part: int) -> None: ...
-
-    def commit_microbatches(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class StaticStageShapes:
-    """The pipeline's stage metadata given up front, instead of torch's run-time shape inference.
-
-    torch's ``PipelineStage`` otherwise votes across the pipeline on how to infer the stages' input and output
-    shapes, reads the vote's result (``.item()``), and sends each stage's output metadata to the next rank: steps a
-    run without tensor values (the dry run, on meta tensors under the fake process group) cannot take.
-
-    ``activation()`` makes one microbatch's activation passed between stages (its shape, dtype and
-    ``requires_grad`` are what counts: a meta tensor is enough); ``model_has_moe``: whether any stage of the whole
-    model has MoE layers (otherwise read once from the first step's loss all-reduce). Every pipeline rank must be
-    given the same (each skips the vote).
-    """
-
-    activation: Callable[[], Tensor]
-    model_has_moe: bool
 
 
 class PipelineRunner:
@@ -375,38 +340,20 @@ class PipelineRunner:
         return list(seen.values())
 
     def _mean(self, losses: list[Tensor]) -> Tensor:
-        if not losses:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
-        return torch.stack([full_tensor(loss).float() for loss in losses]).mean()
+        return mean_loss(losses, self.device)
 
     def _moe_aux_loss(self) -> Optional[Tensor]:
-        """This rank's MoE aux-loss values (each layer's mean over the microbatches), if it has MoE layers:
-        ``loss_fn`` sees only the last stage, the aux losses live in every stage (``lightning_para.moe``)."""
-        if not any(True for stage in self.stage_modules for _ in moe_layers(stage)):
-            return None
-        return sum(aux_loss(stage).to(device=self.device, dtype=torch.float32) for stage in self.stage_modules)
+        return stages_aux_loss(self.stage_modules, self.device)
 
     def _share_from_last(self, loss: Tensor) -> Tensor:
-        """The last stage's loss on every pipeline rank (the others add an exact 0.0)."""
-        loss = loss.detach().to(device=self.device, dtype=torch.float32).clone()
-        if not self.has_last:
-            loss.zero_()
-        dist.all_reduce(loss, group=self.group)
-        return loss
+        return share_from_last(loss, has_last=self.has_last, group=self.group, device=self.device)
 
     def _share_train_losses(self, loss: Tensor, aux: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-        """In one all-reduce over pp: the last stage's loss, the sum of every stage's MoE aux losses, and
-        whether any stage has MoE layers (``None`` for the aux loss when none has)."""
-        values = torch.zeros(3, dtype=torch.float32, device=self.device)
-        if self.has_last:
-            values[0] = loss.detach().float()
-        if aux is not None:
-            values[1] = aux.detach().float()
-            values[2] = 1.0
-        dist.all_reduce(values, group=self.group)
+        shared, aux_sum, any_moe = share_train_losses(loss, aux, has_last=self.has_last, group=self.group,
+                                                      device=self.device)
         if self._model_has_moe is None:  # the layout is fixed: read (and synchronise on) the flag once
-            self._model_has_moe = bool(values[2] > 0)
-        return values[0], (values[1] if self._model_has_moe else None)
+            self._model_has_moe = bool(any_moe > 0)
+        return shared, (aux_sum if self._model_has_moe else None)
 
     def _log(self, module: Any, prefix: str, loss: Tensor, **kwargs: Any) -> None:
         if self.spec.log_name is not None and getattr(module, "_trainer", None) is not None:
@@ -414,17 +361,7 @@ class PipelineRunner:
 
     # ---------------------------------------------------------------- measurement
     def _record_step(self, wall: float, meter: Any) -> None:
-        busy = self.recorder.busy_time
-        entry = PipelineStepStats(
-            step_time_s=wall,
-            busy_time_s=busy,
-            idle_time_s=max(wall - busy, 0.0),
-            idle_fraction=max(wall - busy, 0.0) / wall if wall > 0 else 0.0,
-            step_start_unix=self.recorder.step_start_unix,
-            events=tuple(self.recorder.events),
-            peak_saved_activation_bytes=meter.peak_bytes if isinstance(meter, SavedActivationMeter) else None,
-        )
-        self._history.append(entry)
+        self._history.append(step_stats(wall, self.recorder, meter))
         del self._history[:-64]  # a bounded history; `stats()` summarizes it
 
     def stats(self) -> PipelineStats:
@@ -451,40 +388,13 @@ class PipelineRunner:
 
     # ---------------------------------------------------------------- checkpoints
     def merge_param_group_names(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Optimizer param groups with the parameter names of *every* stage, in layer order.
-
-        Each rank's optimizer holds only its stages' parameters; a checkpoint's groups must name
-        the whole model's so consolidation numbers all of them (collective over ``pp``).
-        """
-        gathered: list[Any] = [None] * self.pp
-        dist.all_gather_object(gathered, [list(g["params"]) for g in groups], group=self.group)
-        by_length = sorted(enumerate(self.layer_names), key=lambda item: -len(item[1]))
-
-        def layer_index(name: str) -> int:
-            return next((i for i, layer in by_length if name == layer or name.startswith(layer + ".")), -1)
-
-        merged = []
-        for gi, group in enumerate(groups):
-            names: list[str] = []
-            for per_rank in gathered:
-                names.extend(n for n in per_rank[gi] if n not in names)
-            merged.append({**group, "params": sorted(names, key=layer_index)})  # stable: keeps in-layer order
-        return merged
+        """Optimizer param groups naming every stage's parameters (collective over ``pp``; see
+        :func:`~lightning_para.parallel.pipeline.checkpoint.merge_param_group_names`)."""
+        return merge_param_group_names(groups, self.layer_names, pp=self.pp, group=self.group)
 
     def check_full_checkpoint(self, checkpoint: dict[str, Any], has_optimizers: bool) -> None:
         """Keep a single-file checkpoint's weights of this rank's stages; refuse its optimizer state."""
-        if has_optimizers and checkpoint.get("optimizer_states"):
-            raise ValueError(
-                "Resuming a pipeline-parallel run needs a sharded checkpoint directory (the default"
-                " `save_distributed_checkpoint=True`): a single-file checkpoint numbers optimizer state over the"
-                " whole model, and no pipeline rank holds the whole model to map those numbers to parameters."
-            )
-        held = {name for m in self.stage_modules for name, _ in m.named_parameters()}
-        others = set(self.layer_names) - {n for m in self.stage_modules for n in m.layer_names}
-        state = checkpoint["state_dict"]
-        for key in list(state):
-            if key not in held and any(key.startswith(layer + ".") for layer in others):
-                del state[key]
+        keep_own_stages(checkpoint, has_optimizers, self.stage_modules, self.layer_names)
 
 
 __all__ = ["GradientSync", "PipelineRunner", "StaticStageShapes"]
