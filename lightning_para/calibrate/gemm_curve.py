@@ -18,7 +18,7 @@ __all__ = ["GEMM_CURVE_SHAPES", "GemmShapes", "measure_gemm_curve", "median_seco
 
 
 def median_seconds(run: Callable[[], None], repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``run``."""
+    """Median wall seconds of ``repeats`` calls of ``run`` (a preempted call skews a median less than a mean)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_para.calibrate.gemm_curve import GEMM_CURVE_SHAPES, GemmShapes, measure_gemm_curve
+from lightning_para.calibrate.gemm_curve import GEMM_CURVE_SHAPES, GemmShapes, measure_gemm_curve, median_seconds
 from lightning_para.calibrate.processes import measurement_context, run_measurement
 from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
 
@@ -77,16 +77,6 @@ def measure_matmul_flops(threads: Optional[int] = None, size: int = 512, repeats
     finally:
         torch.set_num_threads(before)
     return 2.0 * size**3 / statistics.median(times)
-
-
-def _median_seconds(run: Callable[[], None], repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``run`` (a preempted call skews a median less than a mean)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _op_chain(x: torch.Tensor, w: torch.Tensor, links: int) -> torch.Tensor:
@@ -116,7 +106,7 @@ def measure_op_seconds(threads: Optional[int] = None, links: int = 50, repeats: 
         _op_chain(x, w, links).backward()  # warm-up
         with _Count() as counter:
             _op_chain(x, w, links).backward()
-        seconds = _median_seconds(lambda: _op_chain(x, w, links).backward(), repeats)
+        seconds = median_seconds(lambda: _op_chain(x, w, links).backward(), repeats)
     finally:
         torch.set_num_threads(before)
     return seconds / counter.ops
@@ -149,7 +139,7 @@ def measure_elementwise_bandwidth(threads: Optional[int] = None, tokens: int = 1
         run()  # warm-up
         with TrafficCounter() as counter:
             run()
-        seconds = _median_seconds(run, repeats)
+        seconds = median_seconds(run, repeats)
         fixed = counter.ops * (op_seconds if op_seconds is not None else measure_op_seconds(threads))
     finally:
         torch.set_num_threads(before)
@@ -186,7 +176,7 @@ def _matmul_efficiency_and_shapes(workload: Callable[[int, int], Callable[[], No
         step()
     with FlopCounterMode(display=False) as flop_counter, TrafficCounter() as traffic:
         step()
-    matmul_seconds = _median_seconds(step, repeats) - traffic.ops * op_seconds - traffic.bytes / bandwidth
+    matmul_seconds = median_seconds(step, repeats) - traffic.ops * op_seconds - traffic.bytes / bandwidth
     efficiency = flop_counter.get_total_flops() / max(matmul_seconds, 1e-9) / flops
     return min(1.0, max(0.05, efficiency)), gemms.shapes
 
