@@ -249,31 +249,33 @@ def _report(best: Estimate, runner_up: Optional[Estimate], result: PlanResult, d
     return "\n".join(lines)
 
 
-def plan_layout(
-    config: ParallelConfig,
-    module: nn.Module,
-    datamodule: Any,
-    *,
-    world_size: int,
-    processes_per_node: int,
-    device: torch.device,
-    precision: str,
-    accumulation: int = 1,
-    trainer: Any = None,
-) -> LayoutChoice:
+@dataclass(frozen=True)
+class RunSetting:
+    """What ``layout="auto"`` reads of the run besides the config, the model and the data: built once by
+    :func:`auto_configure` and passed down whole."""
+
+    world_size: int
+    processes_per_node: int
+    device: torch.device
+    precision: str
+    accumulation: int = 1
+    trainer: Any = None
+
+
+def plan_layout(config: ParallelConfig, module: nn.Module, datamodule: Any, run: RunSetting) -> LayoutChoice:
     """Search the best layout for this run (no communication; see :func:`auto_configure`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a parameter-count warning would print on every rank
         model = describe_module(module)
-    training = run_training_of(module, datamodule, precision, accumulation, trainer)
+    training = run_training_of(module, datamodule, run.precision, run.accumulation, run.trainer)
     memory = config.layout_memory_gb * GB if config.layout_memory_gb is not None else None
-    cluster = local_cluster(world_size, processes_per_node, device, memory_bytes=memory)
+    cluster = local_cluster(run.world_size, run.processes_per_node, run.device, memory_bytes=memory)
     dp = config.dp if isinstance(config.dp, int) else None
-    space = search_space(config, module, model, world_size)
+    space = search_space(config, module, model, run.world_size)
     best, runner_up, result = choose(model, cluster, training, space, dp, config.dp_shard)
     return LayoutChoice(
         layout=best.layout, summary=best.summary(), runner_up=runner_up.summary() if runner_up else None,
-        report=_report(best, runner_up, result, device.type),
+        report=_report(best, runner_up, result, run.device.type),
     )
 
 
@@ -294,10 +296,8 @@ def auto_configure(
     payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            payload[0] = plan_layout(
-                config, module, datamodule, world_size=world_size, processes_per_node=processes_per_node,
-                device=device, precision=precision, accumulation=accumulation, trainer=trainer,
-            )
+            run = RunSetting(world_size, processes_per_node, device, precision, accumulation, trainer)
+            payload[0] = plan_layout(config, module, datamodule, run)
         except ValueError as err:
             payload[0] = str(err)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -309,6 +309,6 @@ def auto_configure(
 
 
 __all__ = [
-    "LayoutChoice", "auto_configure", "batch_shape", "choose", "first_batch_shape", "plan_layout", "run_training_of",
+    "LayoutChoice", "RunSetting", "auto_configure", "batch_shape", "choose", "first_batch_shape", "plan_layout", "run_training_of",
     "search_space",
 ]

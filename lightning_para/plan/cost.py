@@ -43,18 +43,14 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lightning_para.options import RUN_RULES, rule_problems
+from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
+from lightning_para.parallel.pipeline.split import explicit_split
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import (
-    SCHEDULES,
-    bubble_fraction,
-    pipeline_ranks,
-    schedule_problem,
-    unit_split,
-)
+from lightning_para.plan.pipeline import SCHEDULES, pipeline_ranks
 from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
 from lightning_para.plan.rank_states import PredictedMemory, bucket_bytes
 
@@ -253,7 +249,7 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         return problems
     if lay.pipeline_split is not None and lay.pp > 1:
         try:
-            unit_split([1.0] * len(model.units()), lay.pp * lay.virtual_stages, lay.pipeline_split)
+            explicit_split(lay.pipeline_split, len(model.units()), lay.pp * lay.virtual_stages)
         except ValueError as err:
             problems.append(str(err))
     if training.micro_batch is None:
@@ -273,7 +269,8 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
     if per_step % flush:
         problems.append(f"microbatches={flush} does not divide the {per_step} microbatches per step of a dp rank")
     elif lay.pp > 1:
-        problem = schedule_problem(lay.schedule, lay.pp, flush, lay.virtual_stages)
+        # The schedule is one the planner prices (checked above): ask its own rules.
+        problem = schedules.schedule_problem(lay.schedule, lay.pp, flush, lay.virtual_stages)
         if problem:
             problems.append(problem)
     return problems
@@ -288,6 +285,12 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
     problems = layout_problems(model, cluster, training, layout)
     if problems:
         raise ValueError(f"Layout {layout.label()} cannot run {model.name}: " + "; ".join(problems) + ".")
+    return price_layout(model, cluster, training, layout)
+
+
+def price_layout(model: ModelDesc, cluster: Cluster, training: Training, layout: Layout) -> Estimate:
+    """:func:`estimate` of a layout :func:`layout_problems` already accepted: one downward pass that splits the
+    model once (:func:`~lightning_para.plan.pipeline.pipeline_ranks`) and reads the schedule's own math."""
     training, flush, flushes = resolve_batch(training, layout)
     per_step = flush * flushes
     parts = pipeline_ranks(model, layout.schedule, layout.pp, layout.virtual_stages, flush, layout.pipeline_split)
@@ -303,7 +306,7 @@ def estimate(model: ModelDesc, cluster: Cluster, training: Training, layout: Lay
         if key not in priced:
             priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
-    bubble = bubble_fraction(layout.schedule, layout.pp, flush, layout.virtual_stages)
+    bubble = schedules.expected_bubble(layout.schedule, layout.pp, flush, layout.virtual_stages) or 0.0
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
     step = pipeline_seconds + max(r.dp_exposed_seconds + r.optimizer_seconds for r in ranks)
     step += cluster.step_overhead_seconds  # the framework's fixed cost per step (0 on the GPU presets)

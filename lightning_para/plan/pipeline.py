@@ -144,6 +144,7 @@ def pipeline_ranks(
             rank=0, layers=tuple(range(model.layers)), embedding=True, head=True, sends_forward=0, sends_backward=0,
             in_flight=1.0, final_norm=True, last_stage=True,
         )]
+    check_schedule(schedule)  # once: the ranks below read the schedule's own math directly
     chunks = pp * virtual_stages
     costs = [float(total_numel(unit_tensors(model, unit))) for unit in units]
     starts = unit_split(costs, chunks, split) + [len(units)]
@@ -161,7 +162,7 @@ def pipeline_ranks(
                 # Only boundaries to another rank communicate (ZB-V's rank p-1 holds chunks p-1 and p).
                 sends_forward=sum(c != chunks - 1 and placement[c + 1] != rank for c in owned),
                 sends_backward=sum(c != 0 and placement[c - 1] != rank for c in owned),
-                in_flight=in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
+                in_flight=schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
                 final_norm=any(u.final_norm for u in held),
                 last_stage=chunks - 1 in owned,
                 chunks=tuple(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
-from lightning_para.plan.cost import Estimate, estimate, format_bytes, layout_problems
+from lightning_para.plan.cost import Estimate, format_bytes, layout_problems, price_layout
 from lightning_para.plan.layout import FIXED_OPTIONS, RECOMPUTE, ZERO_ACCUMULATION, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
@@ -174,7 +174,7 @@ def _price(
         if problems:
             misses.append(Rejected(layout, "; ".join(problems)))
             continue
-        priced = estimate(model, cluster, training, layout)
+        priced = price_layout(model, cluster, training, layout)  # accepted just above: no second check
         if priced.fits:
             fits.append(priced)
         else:

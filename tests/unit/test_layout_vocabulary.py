@@ -20,7 +20,7 @@ from lightning_para.options import ACTIVATION_CHECKPOINTING, PRECISIONS, SCHEDUL
 from lightning_para.parity import strategy_arguments
 from lightning_para.parity.run import world_of
 from lightning_para.plan import Cluster, Layout, Training, describe_module, estimate, preset
-from lightning_para.auto_layout import batch_shape, plan_layout, run_training_of, search_space
+from lightning_para.auto_layout import RunSetting, batch_shape, plan_layout, run_training_of, search_space
 from lightning_para.plan.cost import layout_problems
 from lightning_para.plan.layout import NOT_LAYOUT_ARGUMENTS
 from lightning_para.plan.run import LAYOUT_ALIASES, LAYOUT_KEYS, parse_layout
@@ -160,8 +160,7 @@ def test_parity_layout_cp2_is_a_two_process_layout():
 def _plan(config: ParallelConfig, module=None, data=None, world: int = 4, **kwargs):
     module = module or _meta(n_layer=4, n_embd=64, n_head=4, block_size=64)
     data = data if data is not None else SimpleNamespace(seq_len=64, global_batch_size=16)
-    return plan_layout(config, module, data, world_size=world, processes_per_node=world, device=CPU,
-                       precision="32-true", **kwargs)
+    return plan_layout(config, module, data, RunSetting(world, world, CPU, "32-true", **kwargs))
 
 
 @pytest.mark.parametrize("fixed, check", [

@@ -314,3 +314,42 @@ def test_the_cpu_step_time_is_reported_as_the_band_it_can_promise():
     outside = PredictionCheck("x", [Comparison(0, "step", "step", 0.5, 0.5 * (1 + CPU_STEP_BAND) + 0.01)])
     assert outside.step_band().endswith(": OUTSIDE")
     assert PredictionCheck("x", [Comparison(0, "memory", "params", 1.0, 1.0)]).step_band() is None
+
+
+def test_auto_configure_checks_the_schedule_and_splits_the_model_once_per_priced_layout(monkeypatch):
+    """One downward pass: a layout the search accepts is priced without being checked again, so each priced
+    pipeline layout checks its schedule once and splits the model once (counted by wrapping the real functions)."""
+    import sys
+
+    import lightning_para.plan.pipeline as pipeline
+
+    search_module = sys.modules["lightning_para.plan.search"]  # `lightning_para.plan.search` is also the function
+    config = ParallelConfig(layout="auto", layout_memory_gb=1.0)
+    searched_schedules = len(search_space(config, _meta(GPT), describe_module(_meta(GPT)), 4).schedules)
+
+    calls = {"check_schedule": 0, "unit_split": 0}
+    priced: list = []
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    real_price = search_module.price_layout
+
+    def counting_price(model, cluster, training, layout):
+        priced.append(layout)
+        return real_price(model, cluster, training, layout)
+
+    monkeypatch.setattr(pipeline, "check_schedule", counting("check_schedule", pipeline.check_schedule))
+    monkeypatch.setattr(search_module, "check_schedule", counting("check_schedule", search_module.check_schedule))
+    monkeypatch.setattr(pipeline, "unit_split", counting("unit_split", pipeline.unit_split))
+    monkeypatch.setattr(search_module, "price_layout", counting_price)
+    auto_configure(config, _meta(GPT), SimpleNamespace(seq_len=64, global_batch_size=16), world_size=4,
+                   processes_per_node=4, device=torch.device("cpu"), precision="32-true")
+    pipelined = sum(layout.pp > 1 for layout in priced)
+    assert pipelined > 0, "the search should price some pipeline layouts of a model with configure_pipeline()"
+    # The search space checks each schedule it may try once; then each priced pipeline layout checks its own once.
+    assert calls["check_schedule"] == searched_schedules + pipelined
+    assert calls["unit_split"] == pipelined
