@@ -9,6 +9,7 @@ rows of its own shards, and an all-gather rebuilds the full parameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -259,3 +260,51 @@ def unpack_rank_major(src: Tensor, chunk: int, offset: int, flat: Tensor) -> Non
     rest = n - full * chunk
     if rest:
         flat[full * chunk :].copy_(src[full, offset : offset + rest])
+
+
+def make_master(slot: ParamSlot, master_dtype: Optional[torch.dtype]) -> Optional[nn.Parameter]:
+    """The optimizer's copy of ``slot``'s weights (``None``: it steps the model parameter itself): a view of
+    this rank's rows, or a ``master_dtype`` copy of them."""
+    local = slot.local
+    if master_dtype is None:
+        if not slot.sharded:
+            return None  # the optimizer steps the model parameter itself
+        # A view of the model parameter's own rows: the optimizer updates them in place.
+        return nn.Parameter(slot.local_rows(local.detach()), requires_grad=True)
+    source = slot.local_rows(local.detach()) if slot.sharded else local.detach()
+    return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
+
+
+def build_buckets(slots: Sequence[ParamSlot], capacity_bytes: int) -> list[Bucket]:
+    """``slots`` in buckets of ``capacity_bytes`` (the first one smaller), in reverse order; sets each slot's
+    ``offset`` and ``bucket``. A bucket holds one group, dtype and pipeline stage."""
+    # The first bucket (the last layers, whose gradients backward produces first) is small, as
+    # DDP's is (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so its collective starts early in backward.
+    first_capacity = min(capacity_bytes, FIRST_BUCKET_BYTES)
+    buckets: list[Bucket] = []
+    current: list[ParamSlot] = []
+
+    def close() -> None:
+        if current:
+            seg = 0
+            for s in current:
+                s.offset, s.bucket = seg, len(buckets)
+                seg += s.segment_numel
+            buckets.append(Bucket(slots=list(current), segment_numel=seg, part=current[0].part))
+            current.clear()
+
+    size = 0
+    for slot in reversed(slots):  # backward produces gradients roughly in reverse order
+        nbytes = slot.numel * slot.local.element_size()
+        if current and (
+            slot.group is not current[0].group
+            or slot.local.dtype != current[0].local.dtype
+            or slot.part != current[0].part
+            or size + nbytes > (capacity_bytes if buckets else first_capacity)
+        ):
+            close()
+            size = 0
+        current.append(slot)
+        size += nbytes
+    close()
+    return buckets

@@ -10,11 +10,12 @@ stage  what each of the N data-parallel ranks holds (Adam)    traffic per optimi
 
 (ZeRO paper, Rajbhandari et al. 2020, Fig. 1 and Sec. 7; stage 3 is FSDP2, see ``fsdp.py``.)
 
-Why this module is long: one engine owns the whole gradient/parameter round trip of a step
-(hooks, buckets, launch, wait, optimizer sharding, the gather after the step) because each
-part depends on the order and state the others leave; the layout arithmetic is in ``layout.py``.
+Three modules share the work: this one synchronises the gradients (hooks, buckets, launch, wait),
+``zero_optimizer.py`` shards the optimizer and gathers the parameters after its step,
+``zero_microbatch.py`` reduces once per pipeline microbatch, and ``layout.py`` holds the shard and
+bucket arithmetic.
 
-Hybrid sharding (``replicate_mesh``, issue 16): ZeRO-1/2 state is sharded over each parameter's
+Hybrid sharding (``replicate_mesh``): ZeRO-1/2 state is sharded over each parameter's
 mesh (``dp_shard``, normally inside a node) and replicated over ``replicate_mesh``
 (``dp_replicate``, across nodes). A bucket's gradients are reduce-scattered within the shard
 group, then the shard alone is all-reduced across replicas: ``2 psi / dp_shard`` bytes cross
@@ -35,31 +36,8 @@ How it works:
   all-reduced *in place* instead (the same bytes on the wire, without the clone and the copy)
   and this rank's segment of it is the shard (:func:`~.layout.reduce_scatter_is_all_reduce`).
   NCCL and every other backend take the real reduce-scatter.
-* After the optimizer step the updated shards of all buckets that share a group and dtype
-  are all-gathered in **one** collective (not one per bucket).
-* Sharding is by rows (dim 0) and follows ``torch.chunk``, the same layout FSDP2 uses, so a
-  shard is a contiguous slice of the flat parameter and the optimizer state of ZeRO-1/2 can
-  be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
-* The user's optimizer is kept and edited in place: each param group's ``params`` are
-  replaced by this rank's shards ("masters"), so LR schedulers, per-group hyperparameters
-  and ``optimizer.state_dict()`` stay the user's. A step post-hook all-gathers the updated
-  parameters. Gradients are complete after backward (an end-of-backward callback), and
-  :meth:`ZeroDataParallel.flush` completes them if a rank's backward touched no parameter.
-* With fp32 parameters a master is a *view* of the model parameter's rows (no copy).
-  With bf16 parameters (``precision="bf16-true"``) masters are fp32 copies: the 4 extra
-  bytes/param of the ZeRO paper, sharded with the stage.
 * Gradient accumulation: inside :meth:`ZeroDataParallel.no_sync` the hooks do nothing, so
   gradients accumulate locally and the last micro-step communicates once.
-* One reduction per pipeline microbatch (``zero_accumulation="reduce_each_microbatch"``, stage 2):
-  under a pipeline, no sync means every stage's whole gradients exist until the schedule ends.
-  Inside :meth:`ZeroDataParallel.reduce_each_microbatch` a bucket never spans two of the rank's
-  stages (``part_of``); a stage's buckets launch as its backward of one microbatch fills them, the
-  runner calls :meth:`ZeroDataParallel.reduce_part` after that backward (zeros where a gradient is
-  missing: every rank issues the same collectives), and the shards add up in ``Bucket.pending``, in
-  the masters' dtype. The rank then holds one stage's whole gradients at most, plus its fp32 shards
-  (the Llama 3 paper, Sec. 3.3.2: FSDP shards the gradients under pipelining, FP32 accumulation),
-  for ``m`` times the gradient traffic. :meth:`ZeroDataParallel.commit_pending` hands the sum to the
-  masters once Lightning's ``zero_grad`` has run.
 * Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
   the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
   itself. Stages 1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's
@@ -69,9 +47,6 @@ How it works:
   next backward starts (:meth:`ZeroDataParallel.before_backward`, and a tensor hook before
   accumulation), so autograd never adds into it.
   ``docs/data_parallel.md`` says what users may do with it per stage.
-
-Why this module is long: it is one engine whose backward hooks, bucket launches and
-optimizer hooks share the bucket state; the shard and bucket layout itself is in ``layout.py``.
 """
 
 from __future__ import annotations
@@ -92,16 +67,17 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
-    FIRST_BUCKET_BYTES,
-    all_gather_single,
+    build_buckets,
+    make_master,
     pack_rank_major,
     reduce_scatter_is_all_reduce,
     reduce_scatter_single,
-    unpack_rank_major,
 )
+from lightning_para.parallel.data.zero_microbatch import MicrobatchReduction
+from lightning_para.parallel.data.zero_optimizer import OptimizerSharding
 
 
-class ZeroDataParallel:
+class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
     """Bucketed gradient synchronisation and optimizer sharding for ZeRO stages 0, 1, 2.
 
     Args:
@@ -142,8 +118,8 @@ class ZeroDataParallel:
             raise ValueError("Hybrid sharding (dp_replicate > 1) needs ZeRO stage 1 or 2 here; stage 0 shards nothing.")
         self.replicate_group = replicate_mesh.get_group() if self.replicas > 1 else None  # type: ignore[union-attr]
         self.stage = stage
-        # Every stage overlaps its reduction with backward (issue 17). Stage 1 used to wait for the
-        # end of backward; launching early frees each bucket's full gradients sooner, nothing else.
+        # Every stage overlaps its reduction with backward: launching early frees each bucket's full
+        # gradients sooner, and changes nothing else.
         self.launch_during_backward = True
         self.sync_enabled = True
         self._callback_queued = False
@@ -165,14 +141,14 @@ class ZeroDataParallel:
             alone = mesh.size() == 1 and self.replicas == 1  # nobody else holds this gradient
             slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone,
                              part=part_of(param) if part_of is not None else None)
-            slot.master = self._make_master(slot, master_dtype)
+            slot.master = make_master(slot, master_dtype)
             if alone and slot.master is None:
                 self._untouched.add(id(param))
                 continue
             self.slots.append(slot)
             self._slot_of[param] = slot
         self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
-        self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
+        self.buckets = build_buckets(self.slots, int(bucket_size_mb * 1024 * 1024))
         self._buckets_of_part: dict[int, list[Bucket]] = {}
         for bucket in self.buckets:
             if bucket.part is not None:
@@ -195,50 +171,6 @@ class ZeroDataParallel:
             slot.param.register_hook(partial(self._before_accumulate, slot))
             slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    # ------------------------------------------------------------------ construction
-    @staticmethod
-    def _make_master(slot: ParamSlot, master_dtype: Optional[torch.dtype]) -> Optional[nn.Parameter]:
-        local = slot.local
-        if master_dtype is None:
-            if not slot.sharded:
-                return None  # the optimizer steps the model parameter itself
-            # A view of the model parameter's own rows: the optimizer updates them in place.
-            return nn.Parameter(slot.local_rows(local.detach()), requires_grad=True)
-        source = slot.local_rows(local.detach()) if slot.sharded else local.detach()
-        return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
-
-    def _build_buckets(self, capacity_bytes: int) -> list[Bucket]:
-        # The first bucket (the last layers, whose gradients backward produces first) is small, as
-        # DDP's is (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so its collective starts early in backward.
-        first_capacity = min(capacity_bytes, FIRST_BUCKET_BYTES)
-        buckets: list[Bucket] = []
-        current: list[ParamSlot] = []
-
-        def close() -> None:
-            if current:
-                seg = 0
-                for s in current:
-                    s.offset, s.bucket = seg, len(buckets)
-                    seg += s.segment_numel
-                buckets.append(Bucket(slots=list(current), segment_numel=seg, part=current[0].part))
-                current.clear()
-
-        size = 0
-        for slot in reversed(self.slots):  # backward produces gradients roughly in reverse order
-            nbytes = slot.numel * slot.local.element_size()
-            if current and (
-                slot.group is not current[0].group
-                or slot.local.dtype != current[0].local.dtype
-                or slot.part != current[0].part
-                or size + nbytes > (capacity_bytes if buckets else first_capacity)
-            ):
-                close()
-                size = 0
-            current.append(slot)
-            size += nbytes
-        close()
-        return buckets
-
     # ------------------------------------------------------------------ accumulation
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -248,33 +180,6 @@ class ZeroDataParallel:
             yield
         finally:
             self.sync_enabled = previous
-
-    @contextlib.contextmanager
-    def reduce_each_microbatch(self) -> Iterator[None]:
-        """Around a pipeline schedule: reduce each stage's gradients after each of its microbatch
-        backwards (:meth:`reduce_part`) into ``Bucket.pending``; :meth:`commit_pending` afterwards."""
-        if self.stage == 0:
-            raise ValueError("One reduction per microbatch keeps gradients sharded: it needs ZeRO stage 2, not 0.")
-        previous, self._each_microbatch = self._each_microbatch, True
-        self._discard_pending()  # nothing of an earlier schedule that failed before its commit
-        try:
-            yield
-            self._settle(block=True)
-        except BaseException:
-            # A failed schedule: its partial sums are no step's gradients, and waiting for collectives that other
-            # ranks may never issue would turn the error into a hang.
-            self._discard_pending()
-            raise
-        finally:
-            self._each_microbatch = previous
-
-    def _discard_pending(self) -> None:
-        # Buffers of collectives still on the wire stay referenced (a backend may still write into them).
-        self._abandoned = [(b.work, b.buffer, b.output) for b in self._in_flight if b.work is not None]
-        self._in_flight = []
-        for bucket in self.buckets:
-            bucket.pending = bucket.work = bucket.buffer = bucket.output = None
-            bucket.ready, bucket.launched = 0, False
 
     # ------------------------------------------------------------------ backward side
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -332,47 +237,6 @@ class ZeroDataParallel:
                 self._reduce_over_replicas(bucket)
         for bucket in buckets:
             self._finish(bucket, into_pending=into_pending)
-
-    def reduce_part(self, part: int) -> None:
-        """End one microbatch's backward of this rank's stage ``part`` (inside :meth:`reduce_each_microbatch`):
-        reduce what its buckets hold and add the shards to ``Bucket.pending``; its whole gradients are freed."""
-        if not self._each_microbatch:
-            raise RuntimeError("reduce_part() runs inside reduce_each_microbatch() only.")
-        # The previous microbatch's buckets first (long done by now): a split backward's weight half
-        # (zero-bubble schedules) writes `.grad` itself, so no gradient hook settled them.
-        self._settle(block=True)
-        buckets = self._buckets_of_part.get(part, ())
-        for bucket in buckets:
-            if not bucket.launched:
-                self._launch(bucket)
-        # Not waited for here: the last buckets' collectives overlap what the rank runs next. Those already
-        # done are added now, so only the few still on the wire keep their whole-gradient buffers.
-        self._in_flight.extend(buckets)
-        self._settle(block=False)
-
-    def _settle(self, *, block: bool) -> None:
-        """Add in-flight buckets to ``Bucket.pending`` in launch order: all of them (``block``), or while
-        their collective is done (hybrid sharding's second collective waits for the first: only ``block``)."""
-        while self._in_flight:
-            bucket = self._in_flight[0]
-            if not block and (self.replicate_group is not None or (bucket.work is not None and not bucket.work.is_completed())):
-                return
-            self._in_flight.pop(0)
-            if self.replicate_group is not None:
-                self._reduce_over_replicas(bucket)
-            self._finish(bucket, into_pending=True)
-
-    def commit_pending(self) -> None:
-        """After a schedule under :meth:`reduce_each_microbatch` (and after Lightning's ``zero_grad``): reduce
-        the gradients of parameters outside any one stage, then add every bucket's summed shards to its
-        masters' gradients and show them in ``.grad``, as :meth:`sync_now` does."""
-        self._settle(block=True)
-        self._sync([b for b in self.buckets if b.part is None], into_pending=True)
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                self._accept_shards(bucket, bucket.pending)
-                bucket.pending = None
-        self._synced_since_step = True
 
     def _reduce_over_replicas(self, bucket: Bucket) -> None:
         """Hybrid sharding: once the shard group's reduce-scatter is done, all-reduce the shard across replicas."""
@@ -499,118 +363,6 @@ class ZeroDataParallel:
         for slot in self.slots:
             slot.clear_exposed_grad()
 
-    # ------------------------------------------------------------------ optimizer side
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer`` at this rank's masters and hook the gather after each step."""
-        if optimizer in self._buckets_of_optimizer:
-            return
-        if any(optimizer.state.values()):
-            raise ValueError(
-                "The optimizer already has state (was it stepped before `trainer.fit`?). ZeRO shards the optimizer"
-                " when the strategy sets it up; create it in `configure_optimizers` without stepping it."
-            )
-        own: set[int] = set()
-        for group in optimizer.param_groups:
-            new_params = []
-            for p in group["params"]:
-                slot = self._slot_of.get(p)
-                if slot is None:
-                    known = id(p) in self._untouched or any(p is s.optimizer_param for s in self.slots)
-                    if p.requires_grad and not known:
-                        raise ValueError(
-                            "An optimizer parameter is not a parameter of the LightningModule; ZeRO can only shard"
-                            " parameters of the model it set up. Build the optimizer from `self.parameters()`."
-                        )
-                    new_params.append(p)
-                    continue
-                new_params.append(slot.optimizer_param)
-                own.add(slot.bucket)
-            group["params"] = new_params
-        self._buckets_of_optimizer[optimizer] = sorted(own)
-        # No step *pre*-hook: torch runs pre-hooks before calling the closure (i.e. before
-        # backward), so a flush there would synchronise stale gradients. Whoever reads the
-        # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
-        self._hook_zero_grad(optimizer)
-
-    def _hook_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.zero_grad()`` also drop the gradients shown in the model's ``p.grad``.
-
-        The optimizer's parameters are the masters, so its own ``zero_grad`` never reaches the
-        model's ``.grad``; DDP's ``.grad`` is gone after ``zero_grad(set_to_none=True)`` (manual
-        optimization checks this). ``torch.optim`` has no ``zero_grad`` hook, and Lightning's
-        ``LightningOptimizer`` finds ``zero_grad`` on its class (one made from the optimizer's
-        class), not on the instance, so the optimizer gets a subclass of its own class that adds
-        the drop (``isinstance`` checks still hold). The strategy builds its LightningOptimizers
-        after this. With ``set_to_none=False`` the masters' gradients are zeroed in place and the
-        shown views read zeros, as DDP's do.
-        """
-        slots = [slot for index in self._buckets_of_optimizer[optimizer] for slot in self.buckets[index].slots]
-        users_class = type(optimizer)
-
-        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            users_class.zero_grad(opt, set_to_none)
-            if set_to_none:
-                for slot in slots:
-                    slot.clear_exposed_grad()
-
-        optimizer.__class__ = type(users_class.__name__, (users_class,),
-                                   {"zero_grad": zero_grad, "__module__": users_class.__module__,
-                                    "__doc__": users_class.__doc__})
-
-    def after_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Write the stepped masters back into the model (all-gather for ZeRO-1/2)."""
-        self._synced_since_step = False
-        if self._suppress_gather:
-            return
-        buckets = self.buckets
-        if optimizer is not None and optimizer in self._buckets_of_optimizer:
-            buckets = [self.buckets[i] for i in self._buckets_of_optimizer[optimizer]]
-        # The gradients shown to users stay until the next backward (DDP keeps `.grad` until zero_grad).
-        self.gather_params(buckets)
-
-    @torch.no_grad()
-    def gather_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
-        """Write the updated shards back into every rank's full parameters.
-
-        Stages 1-2: one all-gather per (group, dtype), over all the buckets given laid end to end:
-        a bucket's segments are contiguous in each rank's part, so the unpacking is the same.
-        """
-        buckets = self.buckets if buckets is None else buckets
-        if self.stage == 0:
-            for bucket in buckets:
-                for slot in bucket.slots:
-                    if slot.master is not None:
-                        slot.local.copy_(slot.master.view(slot.local.shape))
-            return
-        pending = []
-        for group_buckets in _coalescable(buckets):
-            first = group_buckets[0]
-            device, world = first.slots[0].local.device, first.world
-            total = sum(b.segment_numel for b in group_buckets)
-            # Padding after each shard is never read back (unpacking reads only real rows): `empty`.
-            send = torch.empty(total, dtype=first.dtype, device=device)
-            base = 0
-            for bucket in group_buckets:
-                for slot in bucket.slots:
-                    start = base + slot.offset
-                    send[start : start + slot.shard_numel].copy_(slot.master.reshape(-1))
-                base += bucket.segment_numel
-            if world == 1:
-                pending.append((group_buckets, send.view(1, -1), None))
-                continue
-            out = torch.empty(world, total, dtype=first.dtype, device=device)
-            work = all_gather_single(out.view(-1), send, group=first.slots[0].group, async_op=True)
-            pending.append((group_buckets, out, work))
-        for group_buckets, out, work in pending:
-            if work is not None:
-                work.wait()
-            base = 0
-            for bucket in group_buckets:
-                for slot in bucket.slots:
-                    unpack_rank_major(out, slot.segment_numel, base + slot.offset, slot.local.view(-1))
-                base += bucket.segment_numel
-
     # ------------------------------------------------------------------ introspection
     def slot_of(self, param: Tensor) -> Optional[ParamSlot]:
         return self._slot_of.get(param)
@@ -618,23 +370,6 @@ class ZeroDataParallel:
     def slot_for_optimizer_param(self, tensor: Tensor) -> Optional[ParamSlot]:
         slot = self._slot_of_optimizer_param.get(id(tensor))
         return slot if slot is not None and slot.optimizer_param is tensor else None
-
-    @torch.no_grad()
-    def reset_masters_from_params(self) -> None:
-        """Separate masters (ZeRO-1/2 shards, fp32 copies) take the model's current weights (after loading them)."""
-        for slot in self.slots:
-            if slot.master is not None:
-                slot.load_master(slot.local)
-
-
-def _coalescable(buckets: Sequence[Bucket]) -> list[list[Bucket]]:
-    """``buckets`` grouped by (process group, dtype, device), each group in bucket order: one
-    all-gather each. Every rank builds the same buckets, so the groups and their order agree."""
-    groups: dict[tuple, list[Bucket]] = {}
-    for bucket in buckets:
-        slot = bucket.slots[0]
-        groups.setdefault((id(slot.group), bucket.dtype, slot.local.device), []).append(bucket)
-    return list(groups.values())
 
 
 def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
