@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_para.reliability.watchdog import node_fingerprint, process_alive
+from lightning_para.reliability.processes import node_fingerprint, process_alive
 
 LOCK_FILENAME = ".para_lock.json"
 REFRESH_S = 15.0

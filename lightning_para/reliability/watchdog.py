@@ -6,37 +6,21 @@ gradient all-reduce, Lightning's per-step broadcast -- until the process-group `
 ranks nothing else ends them. With ``ParaStrategy(watchdog_timeout=T)`` every surviving rank logs
 which rank was lost and what it was doing, and exits with :data:`WATCHDOG_EXIT_CODE`.
 
-How (a daemon thread per rank, started when the strategy sets up the process group):
-
-* **Heartbeat.** Every ``interval`` (``T/10``, clamped to 0.5-5 s) the thread writes one small
-  JSON record to the process group's TCPStore (through its own client connection, so it never
-  waits behind the main thread): a beat counter, the wall time, its pid and node, and what the
-  main thread last reported (``"training_step (global step 12)"``, ``"saving checkpoint ..."``).
-  The training loop only assigns two attributes per hook: nothing on the training path waits.
-* **Dead peers.** Each rank reads the records of its next two ranks (ring order): a beat that
-  has not changed for ``T`` seconds means the rank is gone. Peers on the same node are also
-  checked by pid every 0.25 s, so a killed local rank is noticed at once; the rank hosting the
-  store (rank 0, except under torchrun) is presumed gone when the store stays unreachable.
-* **Stuck peers.** A rank whose main thread has reported no progress for ``T`` seconds (outside
-  setup and checkpoint I/O, which may legitimately take longer) reads every record once and
-  names the culprit: a gone rank first, then one that stopped after an exception, then the
-  stalled rank that is furthest behind.
-* **One verdict.** The first rank to decide writes the verdict to the store (compare-and-set);
-  every rank polls that key, so all survivors print the same lines and exit within about one
-  interval of each other.
-* **A rank that raised.** A rank whose main thread raised an error that is not a lost peer (an
-  ``IndexError`` from a bad batch on one dp rank, a user error) posts a *failure notice*. Its peers
-  are usually blocked in their next collective, waiting for it; each rank that still runs
-  :data:`FAILURE_GRACE` intervals after reading the notice turns it into the verdict and exits
-  (ranks that raised the same error themselves have stopped their watchdog by then and raise
-  normally). So one rank's error releases the others in seconds instead of ``timeout``.
+How (a daemon thread per rank, started when the strategy sets up the process group; ``docs/reliability.md``
+explains each step): every ``interval`` (``T/10``, clamped to 0.5-5 s) the thread writes a **heartbeat**
+record to the process group's TCPStore through its own client; the training loop only assigns two
+attributes per hook. Each rank watches its next two ranks' beats (**dead peers**: a beat unchanged for
+``T``), its local peers' pids every 0.25 s, and its own progress (**stuck**: no report for ``T`` outside
+setup and checkpoint I/O, then every record is read once to name the culprit). The first rank to decide
+writes **one verdict** (compare-and-set) that every rank polls. A rank whose main thread **raised** an
+error that is not a lost peer posts a failure notice; its peers, blocked in their next collective, turn it
+into the verdict after :data:`FAILURE_GRACE` intervals.
 
 Choose ``T`` above the longest gap between progress reports (a training step, a validation
 batch) and below the process-group ``timeout``: the watchdog only helps if it fires first.
 
-Why this module is long: one class with three detectors (heartbeat age, local pids, stalls),
-the store-failure handling that must work while the store's host is gone, and the verdict
-text, which is the point of the feature; splitting them would scatter one state machine.
+This module runs the detectors and the one-verdict protocol; :mod:`.processes` says whether a
+process lives (and which peers share this node), and :mod:`.verdict` writes the verdict text, which is the point of the feature.
 """
 
 from __future__ import annotations
@@ -53,13 +37,19 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store  # private: see docs/architecture.md
+
+from lightning_para.reliability.processes import (
+    LocalPeers,
+    looks_like_a_lost_peer,
+    node_fingerprint,
+    store_client,
+)
+from lightning_para.reliability.verdict import gone_text, name_the_stall
 
 WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a peer failed; restart from the last checkpoint
 LOCAL_CHECK_SECONDS = 0.25
 FAILURE_GRACE = 3  # intervals a rank waits after a peer's failure notice before exiting itself
 NEIGHBOURS = 2
-_LOCAL_WINDOW = 64  # ranks on either side whose records are read once, to find this node's peers
 
 
 def check_watchdog_timeout(value: Optional[float], timeout: Optional[timedelta] = None) -> None:
@@ -82,59 +72,6 @@ def check_watchdog_timeout(value: Optional[float], timeout: Optional[timedelta] 
             " timeout): otherwise a rank blocked on a lost peer fails with the collective's timeout before the"
             " watchdog names the lost rank. Lower `watchdog_timeout` or raise `timeout`."
         )
-
-
-def node_fingerprint() -> str:
-    """Which kernel and pid namespace this process lives in: peers with the same one can be checked by pid."""
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        parts.append("no-proc")
-    return "/".join(parts)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie -- killed, not yet reaped by its parent -- counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-_PEER_FAILURE_HINTS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "nccl")
-
-
-def looks_like_a_lost_peer(error: BaseException) -> bool:
-    """A collective failed because another rank went away (gloo/NCCL errors, process-group timeouts)."""
-    if isinstance(error, (dist.DistError, TimeoutError, ConnectionError)):
-        return True
-    return isinstance(error, RuntimeError) and any(hint in str(error).lower() for hint in _PEER_FAILURE_HINTS)
-
-
-def store_client(timeout: float) -> dist.Store:
-    """A store client of its own for the watchdog thread: a new connection to the default group's
-    TCPStore (so a blocked main-thread store call never delays a heartbeat), else the store itself."""
-    store = _get_default_store()
-    base = store
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    if isinstance(base, dist.TCPStore):
-        # A short operation timeout: once the store's host is gone every operation (a reconnect) waits this long.
-        client = dist.TCPStore(
-            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
-        return client  # the default group's own keys stay under their prefix; ours get their own (Watchdog)
-    return store
 
 
 @dataclass
@@ -197,11 +134,8 @@ class Watchdog:
         self._node, self._pid = node_fingerprint(), os.getpid()
         self._main_ident = threading.main_thread().ident
         self._watched = {r: _Watched() for r in self._neighbours()}
-        self._local_peers: dict[int, dict[str, Any]] = {}  # rank -> latest record, for peers on this node
-        self._dead_local: dict[int, int] = {}  # local peers whose process is gone -> the check that saw it
+        self._local = LocalPeers(rank, world_size, self._node)  # peers on this node, checked by pid
         self._last_store_error = ""
-        self._pid_checks = 0
-        self._local_unknown = set(range(max(0, rank - _LOCAL_WINDOW), min(world_size, rank + _LOCAL_WINDOW + 1))) - {rank}
         self._store_down_since: Optional[float] = None
         self._failure_seen_at: Optional[float] = None
 
@@ -290,7 +224,7 @@ class Watchdog:
         next_beat = 0.0
         while not self._stop.wait(min(LOCAL_CHECK_SECONDS, self.interval)):
             try:
-                if self._check_local_pids():  # no store operation: works while the store is down
+                if self._local.check_pids():  # no store operation: works while the store is down
                     # A local peer just died: decide now (two store operations), before anything else --
                     # under Lightning's launcher its child observer SIGKILLs every survivor within 5 s.
                     self._confirm_dead_local_peers()
@@ -304,7 +238,7 @@ class Watchdog:
                 self._store_down_since = None
                 self._read_verdict()
                 self._read_failure(now)
-                self._learn_local_peers()
+                self._local.learn(self._get)
                 self._confirm_dead_local_peers()
                 self._watch_neighbours(now)
                 self._check_self(now)
@@ -363,53 +297,21 @@ class Watchdog:
                 continue
             silent = now - seen.beat_seen_at
             if silent >= self.timeout:
-                self._decide(self._gone(record, f"no heartbeat for {silent:.1f} s"))
-
-    def _learn_local_peers(self) -> None:
-        """Read the records of nearby ranks (once each) to find the peers on this node, and keep the
-        latest record of each local peer (what it was doing, whether it finished)."""
-        for rank in sorted(self._local_unknown):
-            record = self._get(rank)
-            if record is not None:
-                self._local_unknown.discard(rank)
-                if record["node"] == self._node:
-                    self._local_peers[rank] = record
-        for rank in list(self._local_peers):
-            if rank not in self._dead_local:
-                self._local_peers[rank] = self._get(rank) or self._local_peers[rank]  # latest: finished or not
-
-    def _check_local_pids(self) -> bool:
-        """Whether a local peer's process was newly found gone."""
-        self._pid_checks += 1
-        found = False
-        for rank, record in self._local_peers.items():
-            if rank not in self._dead_local and record["state"] != "done" and not process_alive(record["pid"]):
-                self._dead_local[rank] = self._pid_checks
-                found = True
-        return found
-
-    def _first_dead_local(self) -> list[dict[str, Any]]:
-        """The local peers seen dead first (survivors that exit after their own verdict die later)."""
-        if not self._dead_local:
-            return []
-        first = min(self._dead_local.values())
-        return [self._local_peers[r] for r, seen in sorted(self._dead_local.items()) if seen == first]
+                self._decide(gone_text(record, f"no heartbeat for {silent:.1f} s"))
 
     def _confirm_dead_local_peers(self) -> None:
         """A local peer's process is gone: unless its last record says it finished, it is lost."""
-        for rank in sorted(self._dead_local):
-            record = self._get(rank) or self._local_peers[rank]
-            if record["state"] == "done":
-                del self._dead_local[rank]
-                self._local_peers.pop(rank, None)
-                continue
-            self._decide(self._gone(record, "its process no longer exists"))
+        for record in self._local.confirm_dead(self._get):
+            self._decide(gone_text(record, "its process no longer exists"))
 
     def _check_self(self, now: float) -> None:
         report = self._report
         if not self._armed or report.exempt or now - report.since < self.timeout:
             return
-        self._decide(self._diagnose_stall(now - report.since))
+        idle = now - report.since
+        records = {r: self._get(r) for r in range(self.world_size) if r != self.rank}
+        me = {"rank": self.rank, "what": report.what, "idle": idle, "seq": report.seq, "armed": True, "exempt": False}
+        self._decide(name_the_stall(records, me, self.timeout, stale_after=max(self.timeout / 2, 3 * self.interval)))
 
     def _store_unreachable(self, error: Optional[BaseException]) -> None:
         """The store fails. A local peer that died is the likely host (rank 0, unless torchrun's agent
@@ -421,11 +323,11 @@ class Watchdog:
         if self._store_down_since is None:
             self._store_down_since = now
         down = now - self._store_down_since
-        self._check_local_pids()
-        dead = self._first_dead_local()
+        self._local.check_pids()
+        dead = self._local.first_dead()
         if dead and down >= min(self.timeout, 2.0):
             self._die("; ".join(
-                self._gone(record, "its process no longer exists, and the process group's store (it probably hosted"
+                gone_text(record, "its process no longer exists, and the process group's store (it probably hosted"
                            f" it) has been unreachable for {down:.1f} s") for record in dead
             ), by_other=False)
         if down >= min(self.timeout, 10.0):
@@ -435,42 +337,6 @@ class Watchdog:
                 " torchrun) is presumed gone",
                 by_other=False,
             )
-
-    # ---------------------------------------------------------------- verdicts
-    @staticmethod
-    def _gone(record: dict[str, Any], why: str) -> str:
-        ago = f", {time.time() - record['t']:.1f} s before" if record.get("t") else ""
-        state = f"; it had stopped after {record['error']}" if record.get("state") == "failed" else ""
-        return (
-            f"rank {record['rank']} (pid {record['pid']} on {record['host']}) is gone: {why}{state}."
-            f" Its last report{ago}: {record['what']!r}"
-        )
-
-    def _diagnose_stall(self, idle: float) -> str:
-        """This rank has made no progress for ``timeout``: read every record once and name the culprit."""
-        records = {r: self._get(r) for r in range(self.world_size) if r != self.rank}
-        stale_after = max(self.timeout / 2, 3 * self.interval)
-        missing = [r for r, rec in records.items() if rec is None]
-        if missing:
-            return f"rank(s) {', '.join(map(str, missing))} never started their watchdog"
-        live = {r: rec for r, rec in records.items() if rec["state"] != "done"}
-        gone = [rec for rec in live.values() if rec["t"] is not None and time.time() - rec["t"] > stale_after]
-        if gone:
-            return "; ".join(self._gone(rec, f"no heartbeat for {time.time() - rec['t']:.1f} s") for rec in gone)
-        failed = [rec for rec in live.values() if rec["state"] == "failed"]
-        if failed:
-            return "; ".join(f"rank {rec['rank']} stopped after {rec['error']} while doing {rec['what']!r}" for rec in failed)
-        me = {"rank": self.rank, "what": self._report.what, "idle": idle, "seq": self._report.seq, "armed": True, "exempt": False}
-        stalled = [rec for rec in [*live.values(), me] if rec["armed"] and not rec["exempt"] and rec["idle"] >= self.timeout / 2]
-        if not stalled:
-            return f"rank {self.rank} made no progress for {idle:.0f} s in {self._report.what!r} while its peers did"
-        behind = min(rec["seq"] for rec in stalled)
-        culprits = [rec for rec in stalled if rec["seq"] == behind]
-        waiting = sorted({rec["what"] for rec in stalled if rec["seq"] != behind})
-        text = "; ".join(f"rank {rec['rank']} is stuck: no progress for {rec['idle']:.0f} s in {rec['what']!r}" for rec in culprits)
-        if waiting:
-            text += f" (the other stalled ranks wait in: {', '.join(repr(w) for w in waiting[:4])})"
-        return text
 
     def _decide(self, verdict: str) -> None:
         # First writer wins, so every survivor prints the same verdict.
@@ -520,7 +386,6 @@ __all__ = [
     "Watchdog",
     "check_watchdog_timeout",
     "looks_like_a_lost_peer",
-    "process_alive",
     "start_watchdog",
     "store_client",
 ]

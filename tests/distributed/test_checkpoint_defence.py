@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_para.checkpoint.atomic import checkpoint_problems, partial_path, read_marker
-from lightning_para.reliability.watchdog import node_fingerprint
+from lightning_para.reliability.processes import node_fingerprint
 from tests.models import RegressionNet, regression_dataset
 from tests.parity import ShardedData, trainer_kwargs
 

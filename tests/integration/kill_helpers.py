@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lightning_para.reliability.watchdog import process_alive
+from lightning_para.reliability.processes import process_alive
 
 SCRIPT = Path(__file__).with_name("reliability_train.py")
 REPO = SCRIPT.parents[2]

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_para.reliability.watchdog import FAILURE_GRACE, WATCHDOG_EXIT_CODE, Watchdog, node_fingerprint
+from lightning_para.reliability.processes import node_fingerprint
+from lightning_para.reliability.watchdog import FAILURE_GRACE, WATCHDOG_EXIT_CODE, Watchdog
 
 TIMEOUT = 1.0
 
