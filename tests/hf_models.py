@@ -50,29 +50,45 @@ def mixtral_config(**overrides):
     return MixtralConfig(**kwargs)
 
 
-class HFCausalLM(L.LightningModule):
-    """An ordinary LightningModule around a transformers causal LM (the "after" of docs/transformers.md)."""
+class CausalLMModule(L.LightningModule):
+    """An ordinary LightningModule around a causal LM ``self.model`` of one integration (``transformers`` or
+    ``litgpt``: whose ``pipeline_spec`` splits it); subclasses build the model and compute the loss."""
 
-    def __init__(self, config=None, lr: float = SHARP_LR) -> None:
+    integration = "transformers"
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_config(config if config is not None else llama_config())
+        self.model = model
         self.lr = lr
 
+    def loss(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
     def training_step(self, batch, batch_idx):
-        input_ids, labels = batch
-        loss = self.model(input_ids=input_ids, labels=labels).loss
+        loss = self.loss(batch)
         self.log("train_loss", loss)
         return loss
 
     def configure_pipeline(self):
-        from lightning_para.integrations.transformers import pipeline_spec
+        import importlib
 
-        return pipeline_spec(self.model)
+        return importlib.import_module(f"lightning_para.integrations.{self.integration}").pipeline_spec(self.model)
 
     def configure_optimizers(self):
         return make_optimizer(self.parameters(), "sgd", self.lr)
+
+
+class HFCausalLM(CausalLMModule):
+    """An ordinary LightningModule around a transformers causal LM (the "after" of docs/transformers.md)."""
+
+    def __init__(self, config=None, lr: float = SHARP_LR) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__(AutoModelForCausalLM.from_config(config if config is not None else llama_config()), lr)
+
+    def loss(self, batch) -> torch.Tensor:
+        input_ids, labels = batch
+        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def llama():

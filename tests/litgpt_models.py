@@ -12,8 +12,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from tests.hf_models import SHARP_LR, SHARP_RANGE
-from tests.tp_models import make_optimizer
+from tests.hf_models import SHARP_LR, SHARP_RANGE, CausalLMModule
 
 VOCAB = 128  # the data uses ids < 64 (tests/tp_models.TokenDataset)
 
@@ -39,31 +38,22 @@ def sharpen(model: torch.nn.Module, std: float = SHARP_RANGE) -> None:
                 torch.nn.init.zeros_(module.bias)
 
 
-class LitGPTModule(L.LightningModule):
+class LitGPTModule(CausalLMModule):
     """An ordinary LightningModule around ``litgpt.model.GPT`` (the "after" of docs/litgpt.md)."""
 
+    integration = "litgpt"
+
     def __init__(self, config=None, lr: float = SHARP_LR) -> None:
-        super().__init__()
         from litgpt.model import GPT
 
-        self.model = GPT(config if config is not None else litgpt_config())
-        sharpen(self.model)
-        self.lr = lr
+        model = GPT(config if config is not None else litgpt_config())
+        sharpen(model)
+        super().__init__(model, lr)
 
-    def training_step(self, batch, batch_idx):
+    def loss(self, batch) -> torch.Tensor:
         x, y = batch
         logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_pipeline(self):
-        from lightning_para.integrations.litgpt import pipeline_spec
-
-        return pipeline_spec(self.model)
-
-    def configure_optimizers(self):
-        return make_optimizer(self.parameters(), "sgd", self.lr)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def gqa():

@@ -1,7 +1,7 @@
 """One cheap agreement per optimizer step: stop on a non-finite loss or gradient, and on SIGTERM.
 
 Two things must never happen silently or leave a rank behind, and both need every rank to take
-the same decision at the same step (issue 24):
+the same decision at the same step:
 
 * **Non-finite values.** A NaN/inf loss or gradient, left alone, turns the parameters into NaN
   and the run goes on (Megatron-LM checks loss and gradient norm for NaN by default, too). Each
