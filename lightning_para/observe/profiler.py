@@ -1,39 +1,25 @@
 """``ParaProfiler``: what a parallel run is doing, in TensorBoard.
 
-A Lightning ``Callback`` (the ``lightning-para`` CLI adds it by default) that logs, through
-the trainer's loggers (TensorBoard by default, under ``lightning_logs/``):
-
-* ``perf/lr``, ``perf/tokens_per_s`` (global), ``perf/step_ms`` and, when the peak is known
-  or given, ``perf/mfu``: ``flops_per_token * tokens/s / (peak FLOP/s * world size)`` with
-  ``flops_per_token = 6 N (+ attention)`` (Kaplan et al. 2020; PaLM App. B). The model may
-  define ``flops_per_token(seq_len)``; otherwise ``6 * parameters`` is used;
-* ``memory/rank{r}/...``: each rank's :meth:`ParaStrategy.memory_breakdown` (params, grads,
-  optimizer state) against the ZeRO formula's expectation;
-* ``comm/{dim}/{kind}_MB`` and ``_ms``: bytes and time per mesh dimension and collective,
-  measured by :class:`~lightning_para.instrument.collectives.CollectiveCounter` on sampled steps;
-* ``pipeline/idle_fraction/stage{s}`` and a ``pipeline/timeline`` image drawn from the
-  measured schedule events (``pp > 1``);
-* ``plan/...``: the planner's prediction for this run against what was measured, per rank:
-  memory per component, comm bytes per mesh dimension, the pipeline idle fraction, step time
-  (``check_predictions``; :mod:`.prediction`, :mod:`lightning_para.instrument.compare`), and a
-  ``plan/predicted_vs_measured`` table;
-* optional ``torch.profiler`` traces for a window of steps (``trace_start_step``), written
-  per rank to ``<log_dir>/traces`` (open in TensorBoard's profiler plugin or Perfetto);
-* at the end of ``fit``, ``<log_dir>/para_summary.json`` and a one-line summary: loss at
-  step 0, final validation loss, throughput.
+A Lightning ``Callback`` (the ``lightning-para`` CLI adds it by default) that logs, through the trainer's
+loggers (TensorBoard by default, under ``lightning_logs/``), ``perf/...`` (lr, global tokens/s, step time and MFU: ``flops_per_token * tokens/s / (peak FLOP/s * world
+size)`` with ``flops_per_token = 6 N (+ attention)``, Kaplan et al. 2020; PaLM App. B; a model may define
+``flops_per_token(seq_len)``), ``memory/rank{r}/...`` against the ZeRO formula, ``comm/{dim}/{kind}_MB`` and
+``_ms`` per mesh dimension, ``pipeline/...`` idle fractions and a timeline image (``pp > 1``), ``plan/...``
+(the planner's prediction against what was measured, ``check_predictions``), optional ``torch.profiler``
+traces of a window of steps, and at the end of ``fit`` ``<log_dir>/para_summary.json`` with a one-line
+summary. ``docs/profiling.md`` lists every tag.
 
 Sampled work (comm tracing, memory, timeline) runs only on its steps, and every collective
 it needs is issued by all ranks at the same step; with everything off the per-step cost is
 two clock reads.
 
-Why this module is long: it is one Lightning callback whose hooks share the sampling state;
-what it measures lives in :mod:`lightning_para.instrument`, :mod:`.memory` and :mod:`.timeline`.
+The callback owns when to sample; what it measures lives in :mod:`lightning_para.instrument`, :mod:`.prediction`
+and :mod:`.timeline`, the panels it draws in :mod:`.panels`, and how they are gathered and written in :mod:`.publish`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +33,9 @@ from torch import Tensor
 
 from lightning_para.moe import MoEStats, moe_layers
 from lightning_para.instrument.collectives import CollectiveCounter, group_labels
+from lightning_para.observe.panels import comm_metrics, memory_panel, moe_metrics, prediction_metrics
+from lightning_para.observe.traces import start_trace
+from lightning_para.observe.publish import gather_objects, log_image, log_scalars, log_text, world_size
 from lightning_para.observe.prediction import check_run, describe_for_prediction, measure_rank
 from lightning_para.observe.timeline import draw_timeline, pipeline_metrics, rank_pipeline_record
 from lightning_para.parallel.data import MemoryBreakdown
@@ -54,21 +43,6 @@ from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.instrument.compare import IDLE_KINDS, PredictionCheck
 from lightning_para.plan.model import ModelDesc
 from lightning_para.calibrate.machine import detect_peak_flops
-
-MIB = 2**20
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` on every rank (a world collective: call it on all ranks)."""
-    if _world() == 1:
-        return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _parallel_dims(strategy: Any) -> Any:
@@ -216,7 +190,7 @@ class ParaProfiler(Callback):
         runner = _pipeline_runner(trainer.strategy)
         if runner is not None and (self._timeline_pending or self._due(self.timeline_every_n_steps)):
             runner.measure_timing = True  # per-action device events for this step's timeline (no host sync)
-        if self._due(self.comm_every_n_steps) and _world() > 1:
+        if self._due(self.comm_every_n_steps) and world_size() > 1:
             self._tracer = CollectiveCounter(self._labels, self.time_collectives)
             self._tracer.__enter__()
             self._traced = True
@@ -331,30 +305,13 @@ class ParaProfiler(Callback):
             if self.peak_flops:
                 achieved = self._flops_per_token(pl_module, tokens) * tokens_per_s
                 metrics["perf/mfu"] = achieved / (self.peak_flops * trainer.world_size)
-        self._log_scalars(trainer, metrics)
+        log_scalars(trainer, metrics)
 
     def _log_comm(self, trainer: L.Trainer, tracer: CollectiveCounter, step_seconds: float) -> None:
         per_rank = gather_objects(tracer.summary())
         if not trainer.is_global_zero:
             return
-        metrics: dict[str, float] = {}
-        totals: dict[str, list[float]] = {}
-        for key in sorted({k for r in per_rank for k in r}):
-            entries = [r.get(key, {}) for r in per_rank]
-            mb = sum(e.get("bytes", 0.0) for e in entries) / len(entries) / 1e6
-            metrics[f"comm/{key}_MB"] = mb
-            dim = key.split("/")[0]
-            totals.setdefault(dim, [0.0, 0.0])[0] += mb
-            if any("seconds" in e for e in entries):
-                ms = 1e3 * sum(e.get("seconds", 0.0) for e in entries) / len(entries)
-                metrics[f"comm/{key}_ms"] = ms
-                totals[dim][1] += ms
-        for dim, (mb, ms) in totals.items():
-            metrics[f"comm/{dim}/total_MB"] = mb
-            if ms:
-                metrics[f"comm/{dim}/total_ms"] = ms
-        metrics["comm/traced_step_ms"] = 1e3 * step_seconds
-        self._log_scalars(trainer, metrics)
+        log_scalars(trainer, comm_metrics(per_rank, step_seconds))
 
     def _log_memory(self, trainer: L.Trainer) -> None:
         breakdown_fn = getattr(trainer.strategy, "memory_breakdown", None)
@@ -368,28 +325,9 @@ class ParaProfiler(Callback):
         per_rank: list[tuple[MemoryBreakdown, Optional[int]]] = gather_objects((mine, device_max))
         if not trainer.is_global_zero:
             return
-        metrics = {}
-        rows = ["| rank | params MiB | grads MiB | optimizer MiB | total MiB | ZeRO formula MiB | measured / formula |",
-                "|---|---|---|---|---|---|---|"]
-        for rank, (b, rank_device_max) in enumerate(per_rank):
-            expected = b.expected.total
-            for key in ("params", "grads", "optimizer", "total"):
-                metrics[f"memory/rank{rank}/{key}_MiB"] = getattr(b, key) / MIB
-                metrics[f"memory/rank{rank}/expected_{key}_MiB"] = getattr(b.expected, key) / MIB
-            if expected:
-                metrics[f"memory/rank{rank}/measured_over_expected"] = b.total / expected
-            if rank_device_max is not None:
-                metrics[f"memory/rank{rank}/device_max_allocated_MiB"] = rank_device_max / MIB
-            ratio = f"{b.total / expected:.3f}" if expected else "-"
-            rows.append(f"| {rank} | {b.params / MIB:.2f} | {b.grads / MIB:.2f} | {b.optimizer / MIB:.2f}"
-                        f" | {b.total / MIB:.2f} | {expected / MIB:.2f} | {ratio} |")
-        self._log_scalars(trainer, metrics)
-        first = per_rank[0][0]
-        header = f"ZeRO-{first.zero} over dp={first.dp} (edp={first.edp}): {first.formula}\n\n"
-        if first.dp_replicate > 1 or first.cp > 1:  # N = dp_shard x cp shards the state
-            header = (f"ZeRO-{first.zero} sharded over N={first.dp} ranks (dp_shard x cp, cp={first.cp}),"
-                      f" replicated over dp_replicate={first.dp_replicate}: {first.formula}\n\n")
-        self._log_text(trainer, "memory/breakdown", header + "\n".join(rows))
+        metrics, text = memory_panel(per_rank)
+        log_scalars(trainer, metrics)
+        log_text(trainer, "memory/breakdown", text)
 
     def _check_predictions(self, trainer: L.Trainer) -> None:
         """Predicted against measured for this run (every rank measures; all ranks get the result)."""
@@ -412,18 +350,10 @@ class ParaProfiler(Callback):
                 print(f"lightning-para: the planner cannot price this run: {err}", flush=True)
             return
         self.prediction_check = check
-        metrics: dict[str, float] = {}
-        for row in check.rows:
-            key = f"plan/rank{row.rank}/{row.kind}_{row.name}" if row.kind in ("memory", "comm") else f"plan/rank{row.rank}/{row.kind}"
-            metrics[key + "_predicted"] = row.predicted
-            metrics[key + "_measured"] = row.measured
-            idle = row.kind in IDLE_KINDS
-            metrics[key + ("_diff" if idle else "_ratio")] = row.error if idle else row.ratio
-        for kind, value in check.worst().items():
-            metrics[f"plan/worst_{kind}_error"] = value
-        self._log_scalars(trainer, metrics)
+        metrics = prediction_metrics(check)
+        log_scalars(trainer, metrics)
         if trainer.is_global_zero:
-            self._log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
+            log_text(trainer, "plan/predicted_vs_measured", "```\n" + check.table() + "\n```")
             # On CPU the step time is a band (its ranks share the host's cores; `CPU_STEP_BAND`), not one figure.
             band = check.step_band() if trainer.strategy.root_device.type == "cpu" else None
             if band:  # and the tighter band this run's own first steps calibrate (`IN_RUN_STEP_BAND`)
@@ -445,10 +375,10 @@ class ParaProfiler(Callback):
         if not trainer.is_global_zero:
             return
         metrics, events = pipeline_metrics(per_rank)
-        self._log_scalars(trainer, metrics)
+        log_scalars(trainer, metrics)
         if events:
             title = f"pipeline timeline of step {trainer.global_step} (measured; rows: ranks, boxes: action + microbatch)"
-            self._log_image(trainer, "pipeline/timeline", draw_timeline(events, title=title))
+            log_image(trainer, "pipeline/timeline", draw_timeline(events, title=title))
 
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
@@ -458,59 +388,12 @@ class ParaProfiler(Callback):
             if stats is not None:
                 mine[name] = stats
         per_rank = gather_objects(mine)
-        if not trainer.is_global_zero:
-            return
-        merged: dict[str, list[MoEStats]] = {}
-        for r in per_rank:
-            for name, stats in r.items():
-                merged.setdefault(name, []).append(stats)
-        metrics: dict[str, float] = {}
-        imbalance = []
-        for name, entries in sorted(merged.items()):
-            for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
-                metrics[f"moe/{name}/{key}"] = sum(getattr(e, key) for e in entries) / len(entries)
-            counts = [sum(c) for c in zip(*(e.tokens_per_expert for e in entries))]
-            mean = sum(counts) / max(len(counts), 1)
-            # Global balance: max/mean of the tokens each expert got from all ranks together.
-            metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0
-            imbalance.append(metrics[f"moe/{name}/global_load_imbalance"])
-        if imbalance:
-            metrics["moe/mean_global_load_imbalance"] = sum(imbalance) / len(imbalance)
-        self._log_scalars(trainer, metrics)
+        log_scalars(trainer, moe_metrics(per_rank))  # rank 0 writes
 
     # ------------------------------------------------------------------ torch.profiler
     def _start_torch_profiler(self, trainer: L.Trainer) -> None:
-        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-        activities = [ProfilerActivity.CPU]
-        if trainer.strategy.root_device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        folder = (self.log_dir or Path(trainer.default_root_dir)) / "traces"
-        handler = tensorboard_trace_handler(str(folder), worker_name=f"rank{trainer.global_rank}")
-        self._torch_profiler = profile(activities=activities, on_trace_ready=handler, record_shapes=False)
-        self._torch_profiler.__enter__()
+        self._torch_profiler = start_trace(trainer, self.log_dir)
 
     def _stop_torch_profiler(self) -> None:
         profiler, self._torch_profiler = self._torch_profiler, None
         profiler.__exit__(None, None, None)
-
-    # ------------------------------------------------------------------ writing
-    @staticmethod
-    def _log_scalars(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-        if not trainer.is_global_zero or not metrics:
-            return
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        for logger in trainer.loggers:
-            logger.log_metrics(clean, step=trainer.global_step)
-
-    @staticmethod
-    def _tensorboards(trainer: L.Trainer) -> list[Any]:
-        return [lg.experiment for lg in trainer.loggers if hasattr(getattr(lg, "experiment", None), "add_image")]
-
-    def _log_image(self, trainer: L.Trainer, tag: str, image: Any) -> None:
-        for tb in self._tensorboards(trainer):
-            tb.add_image(tag, image, trainer.global_step, dataformats="HWC")
-
-    def _log_text(self, trainer: L.Trainer, tag: str, text: str) -> None:
-        for tb in self._tensorboards(trainer):
-            tb.add_text(tag, text, trainer.global_step)
