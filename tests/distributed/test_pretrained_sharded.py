@@ -152,6 +152,15 @@ def _check(results: list[dict], expected: list[float], model_bytes: int, largest
         assert r["memory"]["anon"] <= model_bytes // 2, (r["memory"], model_bytes)
 
 
+def run_sharded(folder: Path, layout: dict, *, world: int, **kwargs) -> list:
+    """``sharded_fit_job`` on ``world`` fresh processes (a pool of its own, closed after): every rank's result."""
+    pool = WorkerPool(world)
+    try:
+        return pool.run(sharded_fit_job, str(folder), layout, **kwargs)
+    finally:
+        pool.close()
+
+
 def _sizes(folder: Path) -> tuple[int, int]:
     from lightning_para.checkpoint import stored_tensors
 
@@ -163,11 +172,7 @@ def _sizes(folder: Path) -> tuple[int, int]:
 def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(tmp_path):
     folder = write_llama(tmp_path / "llama")
     expected = reference(folder)
-    pool = WorkerPool(2)
-    try:
-        results = pool.run(sharded_fit_job, str(folder), {"zero": 3})
-    finally:
-        pool.close()
+    results = run_sharded(folder, {"zero": 3}, world=2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
@@ -180,11 +185,7 @@ def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
     folder = write_llama(tmp_path / "llama")
     expected = reference(folder)
     world = 4 if layout.get("tp", 1) * layout.get("pp", 1) == 4 else 2
-    pool = WorkerPool(world)
-    try:
-        results = pool.run(sharded_fit_job, str(folder), layout)
-    finally:
-        pool.close()
+    results = run_sharded(folder, layout, world=world)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
@@ -194,11 +195,7 @@ def test_tied_embeddings_stay_tied(tmp_path, layout):
     """Llama 3.2's head is its embedding: the files hold it once; every layout keeps one parameter for both."""
     folder = write_llama(tmp_path / "llama", tie_word_embeddings=True)
     expected = reference(folder)
-    pool = WorkerPool(4 if "tp" in layout else 2)
-    try:
-        results = pool.run(sharded_fit_job, str(folder), layout)
-    finally:
-        pool.close()
+    results = run_sharded(folder, layout, world=4 if "tp" in layout else 2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
@@ -209,11 +206,7 @@ def test_mixtral_per_expert_files_load_into_stacked_experts_under_ep(tmp_path, l
     """transformers writes Mixtral one tensor per expert; each ep rank reads only its experts' pieces."""
     folder = write_llama(tmp_path / "mixtral", factory=mixtral_config)
     expected = reference(folder)
-    pool = WorkerPool(4 if layout.get("zero") == 1 else 2)
-    try:
-        results = pool.run(sharded_fit_job, str(folder), layout)
-    finally:
-        pool.close()
+    results = run_sharded(folder, layout, world=4 if layout.get("zero") == 1 else 2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
@@ -221,11 +214,8 @@ def test_mixtral_per_expert_files_load_into_stacked_experts_under_ep(tmp_path, l
 def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(tmp_path):
     folder = write_llama(tmp_path / "llama")
     expected = reference(folder)
-    pool = WorkerPool(2)  # its own processes: the planted reader must not outlive this test
-    try:
-        results = pool.run(sharded_fit_job, str(folder), {"zero": 3}, planted=True)
-    finally:
-        pool.close()
+    # Its own processes: the planted reader must not outlive this test.
+    results = run_sharded(folder, {"zero": 3}, planted=True, world=2)
     with pytest.raises(AssertionError, match="per-step loss differs"):
         assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
@@ -237,11 +227,8 @@ def test_llama_76m_loads_sharded_within_half_the_model_per_rank(tmp_path, layout
     model_bytes, largest = _sizes(folder)
     assert 75e6 <= model_bytes / 4 <= 77e6
     expected = reference(folder)
-    pool = WorkerPool(4)  # fresh processes: no freed memory of an earlier job to reuse
-    try:
-        results = pool.run(sharded_fit_job, str(folder), layout, timeout=500)
-    finally:
-        pool.close()
+    # Fresh processes: no freed memory of an earlier job to reuse.
+    results = run_sharded(folder, layout, timeout=500, world=4)
     print({"layout": layout, "model_MB": model_bytes / 2**20,
            "per_rank_MB": [(r["memory"]["anon"] / 2**20, r["memory"]["hwm"] / 2**20) for r in results]})
     _check(results, expected, model_bytes, largest)
