@@ -1,6 +1,6 @@
 """The model arguments that ``lightning-para plan`` and ``lightning-para dryrun`` share.
 
-``--model`` names a preset (:data:`lightning_para.plan.model.PRESETS`) or a Hugging Face
+``--model`` names a preset (:data:`lightning_para.plan.presets.PRESETS`) or a Hugging Face
 ``config.json``; the shape arguments (``--layers --hidden --heads --kv-heads --ffn --vocab
 --experts --experts-per-token --expert-ffn``) either describe a model on their own or replace
 those fields of ``--model``'s. :func:`resolve_model` turns them into one
@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from lightning_para.plan.model import PRESETS, ModelDesc, from_hf_config, preset
+from lightning_para.plan.hf_config import from_hf_config
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.presets import PRESETS, preset
 
 # (argument, ModelDesc field, minimum value)
 SHAPE_ARGUMENTS: tuple[tuple[str, str, int], ...] = (

@@ -63,7 +63,8 @@ from lightning_para.auto_layout import search_space
 from lightning_para.instrument.compare import PredictionCheck
 from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.layout import RECOMPUTE
-from lightning_para.plan.model import PRESETS, ModelDesc
+from lightning_para.plan.model import ModelDesc
+from lightning_para.plan.presets import PRESETS
 from lightning_para.calibrate.machine import local_cluster
 from lightning_para.plan.run import layout_arguments, parse_layout, strategy_overrides
 from lightning_para.plan.search import SearchSpace, search

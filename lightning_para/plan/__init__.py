@@ -29,8 +29,9 @@ from lightning_para.plan.cost import (
 from lightning_para.plan.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.memory import layer_activation_bytes, zero_state_bytes
-from lightning_para.plan.model import PRESETS, ModelDesc, preset
+from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, bubble_fraction
+from lightning_para.plan.presets import PRESETS, preset
 from lightning_para.plan.result import PlanResult, Rejected
 from lightning_para.plan.search import SearchSpace, search
 

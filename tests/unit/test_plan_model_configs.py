@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from lightning_para.plan.model import from_hf_config, preset
+from lightning_para.plan.hf_config import from_hf_config
+from lightning_para.plan.presets import preset
 
 # The published configs (Hugging Face hub, trimmed to the keys the planner reads, plus a few it ignores).
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None, "n_positions": 1024,

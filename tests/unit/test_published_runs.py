@@ -205,7 +205,7 @@ def test_model_from_hugging_face_config(tmp_path, capsys) -> None:
     import json
 
     from lightning_para.cli import main
-    from lightning_para.plan.model import from_hf_config
+    from lightning_para.plan.hf_config import from_hf_config
 
     config = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
               "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False}
