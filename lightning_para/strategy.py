@@ -65,7 +65,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             precision_plugin=ParaPrecision(precision) if precision is not None else as_para_precision(precision_plugin),
         )
         self.num_nodes = 1
-        self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose (issue 15)
+        self.layout_choice: Optional[LayoutChoice] = None  # what layout="auto" chose
 
     # ------------------------------------------------------------------ Lightning plumbing
     # Lightning's ModelParallelStrategy does exactly what this strategy needs for these, so they
@@ -95,7 +95,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
     @property
     def compile_watch(self) -> Optional[CompileWatch]:
-        """``compile=True``: the compiled block graphs and their recompilations (issue 25)."""
+        """``compile=True``: the compiled block graphs and their recompilations."""
         return self.core.compile_watch
 
     @property
@@ -116,7 +116,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self.lightning_module._device_mesh = dims.mesh
         self._start_watchdog()
 
-    # ------------------------------------------------------------------ watchdog (issue 14)
+    # ------------------------------------------------------------------ watchdog
     def _start_watchdog(self) -> None:
         self.core.start_watchdog(self.world_size, self.broadcast)
 
@@ -283,7 +283,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         with self.core.accumulation_no_sync():
             yield
 
-    # ------------------------------------------------------------------ non-finite values, SIGTERM (issue 24)
+    # ------------------------------------------------------------------ non-finite values, SIGTERM
     def on_train_start(self) -> None:
         super().on_train_start()
         self.core.guard.start_fit(self.lightning_module.trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
@@ -302,7 +302,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self._report(f"finite check (global step {self._global_step()})", exempt=self._compiling("finite check"))
         self.core.check_step(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
 
-    # ------------------------------------------------------------------ integrity (issue 14)
+    # ------------------------------------------------------------------ integrity
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step

@@ -1,4 +1,4 @@
-"""Calibrate the planner's step-time model on this machine, once, and cache it (issue 23, item 3).
+"""Calibrate the planner's step-time model on this machine, once, and cache it.
 
 The CPU figures of :data:`~lightning_para.calibrate.machine.CPU_PROCESS` are nominal; on a real machine the
 step-time prediction was off by 165% (README demo). :func:`calibrate` measures, for one thread

@@ -1,4 +1,4 @@
-"""Count the non-matmul bytes of the GPT recipe and fit the planner's traffic coefficients (issue 23).
+"""Count the non-matmul bytes of the GPT recipe and fit the planner's traffic coefficients.
 
 The planner prices the non-matmul operators of a microbatch (norms, RoPE, SwiGLU's products, residual
 adds, casts, the loss's softmax) and of AdamW by the bytes they read and write, divided by

@@ -109,7 +109,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # Views and in-place results share an input's storage: only new storages are allocations.
         # A DTensor is a wrapper whose storage has the *global* size; the memory is its local shard's
-        # (issue 23: counting the wrappers made sequence-parallel activations and the vocab-parallel
+        # (counting the wrappers would make sequence-parallel activations and the vocab-parallel
         # log-softmax look t times larger).
         inputs = {storage_key(local_shard(t)) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):

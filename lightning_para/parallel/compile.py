@@ -1,4 +1,4 @@
-"""``torch.compile`` per transformer block: ``ParaStrategy(compile=True)`` (issue 25).
+"""``torch.compile`` per transformer block: ``ParaStrategy(compile=True)``.
 
 Each block (the same blocks activation checkpointing wraps: :func:`find_blocks`) is compiled
 with ``nn.Module.compile``, which keeps the module and its parameter names (checkpoints are the

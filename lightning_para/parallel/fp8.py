@@ -1,4 +1,4 @@
-"""Float8 training through torchao: ``ParaStrategy(fp8="tensorwise" | "rowwise")`` (issue 25, part 2).
+"""Float8 training through torchao: ``ParaStrategy(fp8="tensorwise" | "rowwise")``.
 
 :func:`apply_float8` swaps the chosen ``nn.Linear`` modules for torchao's ``Float8Linear``
 (``torchao.float8.convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``):
@@ -37,7 +37,7 @@ plan):
 * **dp x tp**: an activation DTensor lives on the tp sub-mesh, so its amax is reduced over the replica's tp
   group only and each dp replica casts with the scale of its own micro-batch (as dp alone). Checked per cast
   against torchao's one-device run (``test_fp8_dp2_tp2_sp_casts_each_replica_with_its_own_micro_batch_scales``).
-  Loss parity there is 2.6e-4, not 1e-5, and that is not a wrong reduction (issue 25): the row-parallel
+  Loss parity there is 2.6e-4, not 1e-5, and that is not a wrong reduction: the row-parallel
   partial sums leave an activation a few fp32 ulps from one device's, and one element sitting on an e4m3
   rounding midpoint rounds the other way (one quantum, 1/16 relative). Any float8 parity at 1e-5 holds only
   while no element lands that close to a midpoint.

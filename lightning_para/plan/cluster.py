@@ -113,7 +113,7 @@ GPU_SPECS: dict[str, dict[str, float]] = {
 }
 
 # What a multi-GPU run loses beyond one GPU's GEMMs and element-wise bytes, as a factor on the matmul rate
-# (`Cluster.at_scale_efficiency`). Issue 23 priced every published run with one matmul efficiency, 0.5, set across
+# (`Cluster.at_scale_efficiency`). The planner used to price every published run with one matmul efficiency, 0.5, set across
 # all of them (docs/planner.md, "Published runs"); the GEMMs it stood for are measured: 0.79 of peak at those widths
 # and 16,384 rows on the lent H100 (the median below). The residual is the ratio, 0.5 / 0.79 = 0.63: the old
 # constant's calibration made explicit, not refitted. A measurement agrees with it: rank 0 of torchtitan's two 8B
@@ -147,7 +147,7 @@ class Cluster:
             efficiency is then each of the model's GEMMs priced by its ``(m, n, k)`` (:meth:`matmul_efficiency`).
         at_scale_efficiency: what a multi-GPU run's step loses beyond one GPU's GEMMs and element-wise bytes, as a
             factor on the matmul rate, applied with ``gemm`` when the world has more than one GPU. Not a measured
-            term: the part of issue 23's global 0.5 the GEMM curve does not explain (see :data:`AT_SCALE_EFFICIENCY`).
+            term: the part of the former global 0.5 the GEMM curve does not explain (see :data:`AT_SCALE_EFFICIENCY`).
         intra_node_latency, inter_node_latency: seconds per message hop (alpha of the
             alpha-beta model, Hockney 1994), paid ``n - 1`` times by ring collectives.
         reserved_bytes: memory the framework keeps per GPU (CUDA context, allocator slack).

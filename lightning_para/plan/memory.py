@@ -94,9 +94,8 @@ def layer_activation_bytes(
       gate multiply keeps the scattered copy) ``3 e h`` and its hidden activations; the shared
       experts' hidden activations. Experts are not tensor parallel: they see ``1/t`` of the tokens
       with SP and all of them without. ``expert_parallel`` (``ep > 1``): the dispatcher's own
-      combine keeps the local experts' output once more, ``4 e h`` per copy. (Issue 23: the dry
-      run's saved tensors of the MoE layer; before, the planner counted ``2 e h`` per copy and no
-      router input.)
+      combine keeps the local experts' output once more, ``4 e h`` per copy. (What the dry
+      run measures of the MoE layer's saved tensors; docs/planner.md has the history.)
 
     Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
     """

@@ -90,7 +90,7 @@ def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: Optional[float]) -> Tens
 class FusedKernels(TorchFunctionMode):
     """The fused GPU kernels' saved tensors for attention and RMSNorm, on meta tensors.
 
-    Issue 23 (dry run vs planner, activations ~3x): on the meta (and CPU) device two ops take
+    Without it the dry run's activations came out ~3x the planner's: on the meta (and CPU) device two ops take
     composite paths that keep more for backward than the CUDA kernels a real run uses:
 
     * ``scaled_dot_product_attention`` takes its math fallback, which keeps the ``heads x s x s``

@@ -34,7 +34,7 @@
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
 
-MoE models (issue 23): a router picks experts by their values, and expert parallelism's all-to-all
+MoE models: a router picks experts by their values, and expert parallelism's all-to-all
 split sizes are those picks counted, which meta tensors do not have. During the step every MoE layer
 routes with :func:`~lightning_para.moe.balanced_routing`: token ``t``'s ``j``-th choice is expert
 ``(t * top_k + j) mod E``, so each expert gets ``T k / E`` rows (to one), the perfectly balanced

@@ -56,8 +56,8 @@ def count_loss_parallel(live: LiveBytes) -> Any:
 
     DTensor runs those ops in Python handlers on the local shards while it handles the op, with every dispatch
     mode off: the log-softmax's fp32 copies of the local logits (the input cast, the max-shifted input, its
-    exp, the result), 14 bytes per local logit at its peak in bf16, were invisible to the dry run (issue 23:
-    13.7 GiB at tp=2 on an H200, `benchmarks/gpu_fake_world.py --tp 2`). Each handler runs under ``live`` for the
+    exp, the result), 14 bytes per local logit at its peak in bf16, were invisible to the dry run
+    (13.7 GiB at tp=2 on an H200, `benchmarks/gpu_fake_world.py --tp 2`). Each handler runs under ``live`` for the
     step; ``loss_parallel()`` copies them into DTensor's table when it is entered, so they are wrapped first."""
     handlers = _tp_loss.customized_loss_ops
     originals = dict(handlers)

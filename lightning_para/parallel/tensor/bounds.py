@@ -1,4 +1,4 @@
-"""Range checks where tensor parallelism would otherwise hide bad indices (issue 24).
+"""Range checks where tensor parallelism would otherwise hide bad indices.
 
 On one device ``F.embedding`` raises ``IndexError: index out of range in self`` for an id outside
 ``[0, num_embeddings)`` and ``F.cross_entropy`` raises ``IndexError: Target 7 is out of bounds.``.
