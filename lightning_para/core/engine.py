@@ -15,8 +15,8 @@ The Trainer's :class:`lightning_para.ParaStrategy` (``strategy.py``) and Fabric'
 A front end supplies only what its framework knows: the world size, the step counter, how a
 step is called (Lightning's forward redirection) and the accumulation factor.
 
-Why this module is long: it is the one object both front ends hold for a run; each method is a
-few lines that delegate to a dimension's, the reliability or the checkpoint package.
+The run guard's methods are :class:`~lightning_para.core.run_guard.EngineRunGuard`'s and the checkpoint IO's
+:class:`~lightning_para.core.checkpoints.EngineCheckpoints`' (the engine's own state, in two more modules).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import contextlib
 import weakref
 from collections.abc import Generator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +35,8 @@ from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
 from lightning_para.checkpoint.pretrained import load_pretrained_into, materialize_for_loading, pending_weights, real_buffers
 from lightning_para.config import ParallelConfig
+from lightning_para.core.checkpoints import EngineCheckpoints
+from lightning_para.core.run_guard import EngineRunGuard
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
@@ -46,15 +47,15 @@ from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
-from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
-from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
+from lightning_para.reliability.step_guard import StepGuard, pipeline_rank_info
+from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout
 
 # The layout each module was parallelized with, so a second `fit`/`setup` of the same module reuses it
 # (a module is parallelized in place, once). Weak: it keeps no module alive.
 _PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, ParallelModel]" = weakref.WeakKeyDictionary()
 
 
-class ParaEngine:
+class ParaEngine(EngineRunGuard, EngineCheckpoints):
     """One run's layout, parallel model, run guard and checkpoint IO (see the module docstring).
 
     Args:
@@ -148,73 +149,6 @@ class ParaEngine:
         if not self.has_pipeline:
             raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
         return self.parallel_model.pipeline.stats()
-
-    # ------------------------------------------------------------------ run guard
-    def start_watchdog(self, world_size: int, broadcast: Callable[[Any], Any]) -> None:
-        if self.watchdog_timeout is None or world_size < 2 or self.watchdog is not None:
-            return
-        token = broadcast(ckpt.new_token())  # the heartbeats' key namespace for this run, agreed at setup
-        self.watchdog = start_watchdog(self.watchdog_timeout, token)
-        self.report("setup", exempt=True)
-
-    def report(self, what: str, exempt: bool = False) -> None:
-        """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
-        if self.watchdog is not None:
-            self.watchdog.progress(what, exempt)
-
-    def compiling(self, phase: str, step: int) -> bool:
-        """Under compile, the first optimizer step and the first call of each other step kind compile the
-        blocks (minutes with inductor on a large model, at different times on different ranks): exempt
-        from the watchdog, like setup. Later recompilations are not."""
-        if self.compile_watch is None:
-            return False
-        first = phase not in self._compiled_phases
-        self._compiled_phases.add(phase)
-        return first or step <= 0
-
-    def on_exception(self, exception: BaseException) -> None:
-        if self.watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
-            if isinstance(exception, Preempted):  # every rank agreed to stop here: a finished run, no failure
-                self.watchdog.stop()
-            else:
-                self.watchdog.failed(exception)
-            self.watchdog = None
-
-    def teardown(self) -> None:
-        self.guard.restore_signal_handler()
-        self.checkpoint_run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
-
-    def after_training_step(self, output: Any, step: int) -> None:
-        """A training step's loss is out: note a non-finite one; warn once on a recompile storm (``compile=True``)."""
-        if self.compile_watch is not None:
-            self.compile_watch.check()  # names dynamo's reasons
-        self.observe_loss(output, step)
-
-    def observe_loss(self, output: Any, step: int) -> None:
-        """Device-side notes of a non-finite local loss (no sync, no collective); under pp the loss is the
-        last stage's, shared, so only that rank's counts."""
-        pipeline = self.parallel.pipeline if self.parallel is not None else None
-        local = pipeline is None or pipeline.has_last
-        if self.guard.active:
-            self.guard.observe_loss(output, step, local=local)
-        if self.integrity is not None and local:
-            self.integrity.observe_loss(output, step)
-
-    def check_step(self, step: int, params: Optional[Any]) -> None:
-        """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
-        self.guard.check(step, params)
-
-    def check_integrity(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device) -> list[str]:
-        """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
-        parallel = self.parallel_model
-        checker = self.integrity or IntegrityChecker(1, "raise")
-        return checker.check_model(
-            step, module, optimizers, self.parallel_dims, device,
-            fully_sharded=parallel.fully_sharded, is_expert=parallel.expert_predicate(),
-        )
 
     # ------------------------------------------------------------------ model
     def parallelize(
@@ -415,63 +349,5 @@ class ParaEngine:
         parallel = self.parallel_model
         assert parallel.pipeline is not None
         parallel.pipeline.finish_backward(parallel.data_parallel)
-
-    # ------------------------------------------------------------------ checkpoints
-    def reshard(self, module: Optional[nn.Module]) -> None:
-        """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
-        ones the optimizer and checkpoints name."""
-        if module is not None and self.data_parallel is not None:
-            self.data_parallel.reshard(module)
-
-    def optim_views(self, module: nn.Module) -> Any:
-        return ckpt.optimizer_params(module, self.data_parallel, self.parallel_dims)
-
-    def model_state(self, module: nn.Module, *, full: bool) -> dict[str, Any]:
-        """Sharded (DTensors) on every rank; ``full``: plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
-        self.reshard(module)
-        if not full:
-            return module.state_dict()
-        return ckpt.full_model_state(module, self.data_parallel, self.parallel_dims)
-
-    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
-        """By parameter name with global DTensors; ``full``: PyTorch's own format with full plain tensors on
-        rank 0 and ``{}`` elsewhere (collective)."""
-        self.reshard(module)
-        state = ckpt.optimizer_state_dict(optimizer, self.optim_views(module))
-        pipeline = self.parallel.pipeline if self.parallel is not None else None
-        if pipeline is not None:  # each stage's optimizer names only its own parameters
-            state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
-        if full:
-            return ckpt.full_optimizer_state(state, module, self.parallel_dims)
-        return state
-
-    def save_checkpoint(self, path: Path, token: str, checkpoint: dict[str, Any], *, sharded: bool, module: Optional[nn.Module], step: int) -> None:
-        """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically, with
-        checksums; ``path`` and ``token`` are rank 0's, broadcast by the front end (collective)."""
-        self.guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
-        if module is not None:
-            # What integrations record about the model (transformers: each model's class and config).
-            checkpoint.update(ckpt.model_info(module))
-        self.report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
-        ckpt.save_checkpoint(path, checkpoint, sharded=sharded, token=token, run=self.checkpoint_run)
-        self.report(f"checkpoint {path} saved (global step {step})")
-
-    def load_checkpoint(
-        self, path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: Optional[bool] = None,
-        convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
-    ) -> dict[str, Any]:
-        """Load model and optimizer state in place (sharded DCP folder of any layout, or one full file) and
-        return the rest of the checkpoint. ``strict`` (default ``module.strict_loading``): missing or unexpected
-        model keys raise; ``convert``: a single file's layout into Lightning's (``checkpoint.load_checkpoint_in_place``)."""
-        self.report(f"loading checkpoint {path}", exempt=True)
-        self.reshard(module)
-        # A load may run under torch.inference_mode(): tensors DCP reads there could not be copied into
-        # parameters ("Cannot set version_counter for inference tensor").
-        with torch.inference_mode(False), torch.no_grad():
-            return ckpt.load_checkpoint_in_place(
-                path, module, optimizers, self.optim_views(module), data_parallel=self.data_parallel,
-                pipeline=self.parallel.pipeline if self.parallel is not None else None, strict=strict, convert=convert,
-            )
-
 
 __all__ = ["ParaEngine"]

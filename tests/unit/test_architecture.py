@@ -422,7 +422,7 @@ def test_data_parallel_has_one_interface_that_the_strategy_uses():
         apply_data_parallel,
     )
 
-    for front in ("strategy.py", "core/engine.py", "fabric/strategy.py"):  # the front ends and the core they share
+    for front in ("strategy.py", "core/engine.py", "core/checkpoints.py", "core/run_guard.py", "fabric/strategy.py"):  # the front ends and the core
         assert _zero_internals_used(ast.parse((ROOT / front).read_text())) == [], front
     # The check sees the old forms.
     old = "def f(self):\n    self._parallel.zero.flush()\n    count_grad_replication(q, d, self._parallel.zero, e)\n"
