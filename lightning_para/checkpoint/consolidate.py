@@ -13,14 +13,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # private: see docs/architecture.md
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private: see docs/architecture.md
 
-from lightning_para.checkpoint.atomic import (
-    commit,
-    fsync_file,
-    new_token,
-    partial_path,
-    remove_partial,
-    verify_checkpoint,
-)
+from lightning_para.checkpoint.atomic import fsync_file, new_token, partial_path, verify_checkpoint
+from lightning_para.checkpoint.swap import commit, remove_partial
 from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.checkpoint import atomic, failures
+from lightning_para.checkpoint import atomic, failures, swap
 from lightning_para.checkpoint.consolidate import trainer_format, write_file_atomically
 from lightning_para.checkpoint.format import (
     METADATA_FILENAME,
@@ -81,7 +81,7 @@ def _agree(
     if _is_rank0():
         removed = partial is not None and (partial.exists() or partial.is_symlink())
         if removed:
-            atomic.remove_partial(partial)
+            swap.remove_partial(partial)
         newest = atomic.newest_complete_checkpoint(folder) if folder.is_dir() else None
         needed = failures.checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
         decided = failures.verdict(summaries, path, needed, newest, removed)
@@ -174,7 +174,7 @@ def save_checkpoint(
             try:
                 atomic.write_marker(partial, info, {k: v for rank_sums in everyone for k, v in rank_sums.items()})
                 removable = None  # from here on `partial` may hold the previous checkpoint (exchanged): keep it
-                atomic.commit(partial, path)
+                swap.commit(partial, path)
             except failures.SAVE_ERRORS as error:
                 failure = error
         _agree(failure, path, removable, needed)  # no rank reads `path` (or saves again) before it is in place
@@ -182,7 +182,7 @@ def save_checkpoint(
 
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint (rank 0) without ever leaving a half-deleted one under its name."""
-    atomic.remove_checkpoint(path)
+    swap.remove_checkpoint(path)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_para.checkpoint import atomic
+from lightning_para.checkpoint import atomic, swap
 from lightning_para.checkpoint.lock import DirectoryLock
 
 RUN_ID_ENV = "LIGHTNING_PARA_RUN_ID"
@@ -114,7 +114,7 @@ class CheckpointRun:
             folder.mkdir(parents=True, exist_ok=True)
             self.lock.acquire(folder)
             held.add(folder.resolve())
-            removed += atomic.sweep_interrupted(folder)
+            removed += swap.sweep_interrupted(folder)
         if hpc_folder is not None and Path(hpc_folder).resolve() not in held:
             self._shared = Path(hpc_folder)
             removed += self.sweep_shared(self._shared)
@@ -125,7 +125,7 @@ class CheckpointRun:
         Lightning's ``hpc_ckpt_<n>`` lookup would misread (written by lightning-para before names
         carried the run)."""
         mine = [f"{tag}{name_tag(self._id)}-" for tag in atomic.HIDDEN_TAGS]
-        return atomic.sweep_interrupted(
+        return swap.sweep_interrupted(
             folder, keep=keep, only=lambda name: any(m in name for m in mine) or "ckpt_" in name
         )
 
@@ -139,7 +139,7 @@ class CheckpointRun:
         """Rank 0, before a save to ``path``: the leftovers of interrupted saves in its folder."""
         if self.shares(path):
             return self.sweep_shared(path.parent, keep=keep)
-        return atomic.sweep_interrupted(path.parent, keep=keep)
+        return swap.sweep_interrupted(path.parent, keep=keep)
 
     @contextlib.contextmanager
     def holding(self, path: Path) -> Iterator[None]:

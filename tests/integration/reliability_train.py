@@ -75,7 +75,7 @@ def install_kill(point: str, rank: int, nth: int) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     from lightning_para import strategy as strategy_module
-    from lightning_para.checkpoint import atomic, io as ckpt_io
+    from lightning_para.checkpoint import atomic, io as ckpt_io, swap
 
     saves = {"n": 0}
 
@@ -122,8 +122,8 @@ def install_kill(point: str, rank: int, nth: int) -> None:
     wrap(dcp_fs.FileSystemWriter, "write_data", after="shards-written")
     wrap(ckpt_io, "save_sharded", after="dcp-and-meta-written")
     wrap(atomic, "write_marker", before="before-marker", after="marker-written")
-    wrap(atomic, "_remove", before="swapped-old-not-deleted")
-    wrap(atomic, "commit", after="committed")
+    wrap(swap, "_remove", before="swapped-old-not-deleted")
+    wrap(swap, "commit", after="committed")
 
 
 def main() -> None:

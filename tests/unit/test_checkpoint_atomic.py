@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_para.checkpoint import atomic
+from lightning_para.checkpoint import atomic, swap
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint, write_file_atomically
 
 
@@ -54,14 +54,14 @@ def test_commit_exchanges_an_existing_checkpoint_and_never_leaves_the_name_empty
     seen = []
 
     def watching_exchange(a: Path, b: Path) -> None:
-        atomic._exchange(a, b)
+        swap._exchange(a, b)
         seen.append(_saved_step(b))  # the instant after the swap: the new one is in place
 
-    atomic.commit(partial, target, exchange=watching_exchange)
+    swap.commit(partial, target, exchange=watching_exchange)
     assert seen == [10] and _saved_step(target) == 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # the old copy is gone, nothing hidden left
     # A new name is one rename.
-    atomic.commit(_write_checkpoint(atomic.partial_path(tmp_path / "step=3.ckpt", "t2"), 3), tmp_path / "step=3.ckpt")
+    swap.commit(_write_checkpoint(atomic.partial_path(tmp_path / "step=3.ckpt", "t2"), 3), tmp_path / "step=3.ckpt")
     assert _saved_step(tmp_path / "step=3.ckpt") == 3
 
 
@@ -86,15 +86,15 @@ def test_commit_without_atomic_exchange_keeps_a_complete_last_at_every_instant(t
     os_rename, atomic.os.rename = atomic.os.rename, crash_after_first_rename
     try:
         with pytest.raises(KeyboardInterrupt):
-            atomic.commit(partial, target, exchange=unsupported)
+            swap.commit(partial, target, exchange=unsupported)
     finally:
         atomic.os.rename = os_rename
     assert crashed == [["last.previous.ckpt"]]
     assert atomic.checkpoint_problems(tmp_path / "last.previous.ckpt").complete
     # The next save sweeps what the crash left once a complete `last.ckpt` exists again.
-    atomic.commit(_write_checkpoint(atomic.partial_path(target, "t2"), 15), target, exchange=unsupported)
+    swap.commit(_write_checkpoint(atomic.partial_path(target, "t2"), 15), target, exchange=unsupported)
     assert _saved_step(target) == 15
-    removed = {p.name for p in atomic.sweep_interrupted(tmp_path)}
+    removed = {p.name for p in swap.sweep_interrupted(tmp_path)}
     assert removed == {".last.ckpt.partial-t1", "last.previous.ckpt"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -123,7 +123,7 @@ def test_verification_names_what_is_missing_and_the_newest_complete_checkpoint(t
 
 def test_remove_and_single_file_writes_are_atomic(tmp_path):
     target = _write_checkpoint(tmp_path / "epoch=0-step=3.ckpt", 3)
-    atomic.remove_checkpoint(target)
+    swap.remove_checkpoint(target)
     assert list(tmp_path.iterdir()) == []
     single = tmp_path / "model.ckpt"
     write_file_atomically(single, {"state_dict": {"w": torch.ones(2)}})
