@@ -359,10 +359,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     ) -> dict[str, Any]:
         """Load in place: ``state`` a dict with one model (and its optimizers, other entries), or one model
         (``fabric.load_raw``: a sharded folder, a full checkpoint file or a plain ``state_dict`` file)."""
-        check_load_state(state)
-        path = Path(self.broadcast(str(path)))
         state = unwrap(state) if not isinstance(state, dict) else state
         check_load_state(state)
+        path = Path(self.broadcast(str(path)))
         if isinstance(state, nn.Module):
             self._load_raw(path, state, strict)
             return {}

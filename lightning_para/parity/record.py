@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_para._dtensor import local_tensor
+from lightning_para.observe.publish import gather_objects, world_size
 
 
 @dataclass
@@ -48,19 +48,6 @@ class RunRecord:
     def from_dict(cls, data: dict[str, Any]) -> "RunRecord":
         return cls(data["label"], int(data["world_size"]), data["precision"], list(data["losses"]),
                    list(data["grad_norms"]), [dict(d) for d in data["param_grad_norms"]])
-
-
-def world_size() -> int:
-    """Ranks of the current process group (1 outside one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _gather(obj: Any) -> list[Any]:
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 class ParityRecorder(Callback):
@@ -87,14 +74,14 @@ class ParityRecorder(Callback):
                 name = names(q)
                 mine[name] = mine.get(name, 0.0) + float(grad.pow(2).sum()) / replication(q)
         total: dict[str, float] = {}
-        for part in _gather(mine):
+        for part in gather_objects(mine):
             for name, value in part.items():
                 total[name] = total.get(name, 0.0) + value
         self.param_grad_norms.append({name: math.sqrt(value) for name, value in sorted(total.items())})
 
     def losses(self) -> list[float]:
         """The global batch's loss per step: the mean over ranks (a world collective)."""
-        per_rank = _gather(self._losses)
+        per_rank = gather_objects(self._losses)
         return [sum(values) / len(values) for values in zip(*per_rank, strict=True)]
 
 
