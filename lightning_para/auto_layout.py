@@ -44,12 +44,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.options import OPTIONS, PLANNED_SCHEDULES, ZERO_STAGES
+from lightning_para.options import OPTIONS, PLANNED_SCHEDULES, ZERO_ACCUMULATION, ZERO_STAGES
 from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate
 from lightning_para.plan.describe import describe_module
-from lightning_para.plan.layout import FIXED_OPTIONS, ZERO_ACCUMULATION, Layout
+from lightning_para.plan.layout import FIXED_OPTIONS, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.result import PlanResult
 from lightning_para.calibrate.machine import local_cluster

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_para.config import ParallelConfig
+from lightning_para.options import ACTIVATION_CHECKPOINTING
 from lightning_para.cli.fit import ConfigurationError, run_cli
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
 from lightning_para.cli.run_config import (
@@ -62,7 +63,6 @@ from lightning_para.observe.profiler import ParaProfiler
 from lightning_para.auto_layout import search_space
 from lightning_para.instrument.compare import PredictionCheck
 from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIONS, Cluster, Training
-from lightning_para.plan.layout import RECOMPUTE
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.presets import PRESETS
 from lightning_para.calibrate.machine import local_cluster
@@ -186,7 +186,7 @@ def _space(args: argparse.Namespace, module: Optional[nn.Module], model: ModelDe
     recompute = []
     for item in args.recompute.split(","):
         value = None if item.strip().lower() in ("none", "null", "") else item.strip()
-        if value not in RECOMPUTE:
+        if value not in ACTIVATION_CHECKPOINTING:
             raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective, selective_op.")
         recompute.append(value)
     capable = search_space(ParallelConfig(), module, model, world) if module is not None else None

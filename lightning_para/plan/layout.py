@@ -14,11 +14,9 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_para.options import (
-    ACTIVATION_CHECKPOINTING,
     LAYOUT_OPTIONS,
     LAYOUT_RULES,
     OPTIONS,
-    ZERO_ACCUMULATION,  # noqa: F401 - the search's and layout="auto"'s name for it
     check_option,
     check_rules,
     sequence_parallel_problem,
@@ -27,8 +25,6 @@ from lightning_para.options import (
 if TYPE_CHECKING:
     from lightning_para.config import ParallelConfig
     from lightning_para.mesh import ParallelDims
-
-RECOMPUTE = ACTIVATION_CHECKPOINTING  # the search's name for the same list (SearchSpace.recompute)
 
 # The layout options a Layout holds with the planner's own type and default (the rest: the declaration's).
 # The planner prices resolved layouts: whole degrees, a bool for loss parallel and compile (a dict of

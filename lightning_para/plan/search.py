@@ -17,7 +17,8 @@ from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, format_bytes, layout_problems, price_layout
-from lightning_para.plan.layout import FIXED_OPTIONS, RECOMPUTE, ZERO_ACCUMULATION, Layout
+from lightning_para.options import ACTIVATION_CHECKPOINTING, ZERO_ACCUMULATION
+from lightning_para.plan.layout import FIXED_OPTIONS, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, check_schedule
 from lightning_para.plan.result import PlanResult, Rejected
@@ -65,7 +66,7 @@ class SearchSpace:
     schedules: Sequence[str] = SCHEDULES
     virtual_stages: Sequence[int] = (1, 2, 4)
     microbatches: Sequence[Optional[int]] = (None,)
-    recompute: Sequence[Optional[str]] = RECOMPUTE
+    recompute: Sequence[Optional[str]] = ACTIVATION_CHECKPOINTING
     sequence_parallel: Sequence[bool] = (True,)
     zero_accumulation: Sequence[str] = ZERO_ACCUMULATION
     tp_within_node: bool = True
@@ -83,8 +84,10 @@ class SearchSpace:
             raise ValueError(f"`zero={self.zero!r}` must list ZeRO stages from 0, 1, 2, 3.")
         for schedule in self.schedules:
             check_schedule(schedule)
-        if any(r not in RECOMPUTE for r in self.recompute):
-            raise ValueError(f"`recompute={self.recompute!r}` must list choices from {', '.join(map(repr, RECOMPUTE))}.")
+        if any(r not in ACTIVATION_CHECKPOINTING for r in self.recompute):
+            raise ValueError(
+                f"`recompute={self.recompute!r}` must list choices from {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}."
+            )
         if any(z not in ZERO_ACCUMULATION for z in self.zero_accumulation):
             raise ValueError(
                 f"`zero_accumulation={self.zero_accumulation!r}` must list choices from {', '.join(map(repr, ZERO_ACCUMULATION))}."
