@@ -296,7 +296,7 @@ def render(results: list[RankDryRun]) -> str:
     """The per-rank table: measured, planner and difference, memory in GiB, collectives in GiB per step
     (MiB both, for a job whose peaks stay under 1 GiB: a CPU recipe's)."""
     lines = []
-    largest = max((max(r.measured.peak, r.predicted.peak) for r in results), default=0.0)
+    largest = max((max(r.measured.peak, r.predicted_peak.total) for r in results), default=0.0)
     unit, size = ("GiB", GiB) if largest >= GiB else ("MiB", 1024**2)
     for r in results:
         coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
@@ -306,9 +306,9 @@ def render(results: list[RankDryRun]) -> str:
             + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items())
         )
         lines.append(f"  {'memory (' + unit + ')':<14}{'dry run':>10}{'planner':>10}{'diff':>9}")
-        for name in ("params", "grads", "optimizer", "activations", "peak"):
-            m, p = getattr(r.measured, name), getattr(r.predicted, name)
-            lines.append(f"  {name:<14}{m / size:>10.2f}{p / size:>10.2f}{_pct(m, p):>9}")
+        for row in r.memory_rows():
+            m, p = row.measured, row.predicted
+            lines.append(f"  {row.name:<14}{m / size:>10.2f}{p / size:>10.2f}{_pct(m, p):>9}")
         if r.measured.reserved is not None:  # modelled from the step's allocations; the planner counts tensors
             lines.append(f"  {'reserved':<14}{r.measured.reserved / size:>10.2f}{'-':>10}{'':>9}"
                          "   (the caching allocator's peak, modelled;"

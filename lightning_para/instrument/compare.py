@@ -29,8 +29,11 @@ stage 0 of the demo's tp2 x pp2 1F1B layout 0.068 under its prediction and stage
 dimension where the planner predicts none counts as no error: that is scalars (a metric logged
 with ``sync_dist=True``, the clipping norm), not the layout's traffic.
 
-The dry run's side (:func:`predicted_rank`): the planner's memory and collectives of one pipeline rank as the
-records the dry run measures (:mod:`lightning_para.instrument.records`), its collectives in payload bytes.
+Memory is compared part by part (:func:`memory_comparisons`), the same way for the profiler's run and the dry run:
+a :class:`~lightning_para.memory.MeasuredMemory` against the planner's
+:class:`~lightning_para.memory.PredictedMemory`. The dry run's side (:func:`predicted_rank`): the planner's memory
+and collectives of one pipeline rank, its collectives in payload bytes as the dry run counts them
+(:class:`~lightning_para.instrument.records.CommFigure`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_para.config import ParallelConfig
-from lightning_para.instrument.records import CommFigure, MemoryFigures
+from lightning_para.instrument.records import CommFigure
+from lightning_para.memory import MeasuredMemory, PredictedMemory
 from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
@@ -73,12 +77,12 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class MeasuredRank:
-    """What one rank measured: memory per component (bytes), comm bytes per mesh dimension over one
+    """What one rank measured: the states it holds between steps, comm bytes per mesh dimension over one
     optimizer step, its pipeline idle fraction and step seconds (``None`` when not measured)."""
 
     rank: int
     pp_rank: int
-    memory: Mapping[str, float] = field(default_factory=dict)
+    memory: Optional[MeasuredMemory] = None
     comm: Mapping[str, float] = field(default_factory=dict)
     idle: Optional[float] = None  # replayed with CPU times (gated)
     step_seconds: Optional[float] = None
@@ -211,6 +215,21 @@ class PredictionCheck:
         }
 
 
+def memory_comparisons(
+    rank: int, measured: MeasuredMemory, resident: PredictedMemory, peak: Optional[PredictedMemory] = None
+) -> list[Comparison]:
+    """One rank's memory, part by part: the states it holds between steps against the planner's ``resident``, and
+    where ``measured`` has a step's figures (the dry run's) and the planner's ``peak`` is given, the activations the
+    in-flight forwards hold and the step's peak."""
+    rows = [Comparison(rank, "memory", part, float(getattr(resident, part)), float(getattr(measured, part)))
+            for part in MEMORY_PARTS]
+    if peak is not None and measured.activations is not None:
+        rows.append(Comparison(rank, "memory", "activations", peak.held_after_forwards, float(measured.activations)))
+    if peak is not None and measured.peak is not None:
+        rows.append(Comparison(rank, "memory", "peak", peak.total, float(measured.peak)))
+    return rows
+
+
 def comm_by_dimension(tracer_summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """``{"tp/all_reduce": {"bytes": ...}, ...}`` (a CollectiveCounter summary) -> bytes per dimension."""
     out: dict[str, float] = {}
@@ -241,9 +260,8 @@ def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: M
                   sum(sum(v) / len(v) for v in measured_by_stage.values()) / len(measured_by_stage))
     for rank in sorted(measured, key=lambda r: r.rank):
         priced = estimate.ranks[rank.pp_rank]
-        for part in MEMORY_PARTS:
-            if part in rank.memory:
-                rows.append(Comparison(rank.rank, "memory", part, getattr(priced.resident, part), float(rank.memory[part])))
+        if rank.memory is not None:
+            rows += memory_comparisons(rank.rank, rank.memory, priced.resident)
         if rank.comm:
             predicted: dict[str, float] = {}
             for item in priced.collectives:
@@ -267,26 +285,26 @@ _PER_MICROBATCH_DIMS = ("tp", "cp", "ep")
 
 def predicted_rank(
     model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, microbatches_run: int
-) -> tuple[MemoryFigures, list[CommFigure], int]:
-    """The planner's figures for pipeline rank ``pp_rank`` of a dry run (the predicted record beside its measured one). Its per-microbatch collectives (tp, cp, ep) are
-    scaled from the step's microbatches to the ``microbatches_run`` the dry run runs, so both sides count
+) -> tuple[PredictedMemory, PredictedMemory, list[CommFigure], int]:
+    """The planner's figures for pipeline rank ``pp_rank`` of a dry run (the predicted side beside its measured one):
+    ``(states held between steps, the step's peak record, collectives, layers)``. Its per-microbatch collectives (tp,
+    cp, ep) are scaled from the step's microbatches to the ``microbatches_run`` the dry run runs, so both sides count
     the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
     ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
     layout = layout_from_config(config, dims)
     est = estimate(model, cluster, training, layout)
     rank = est.ranks[pp_rank]
-    res, mem = rank.resident, rank.memory
-    # The dry run's activations are what the forwards leave held; the layer that full recomputation
-    # rebuilds in backward comes later (it is in both peaks).
-    figures = MemoryFigures(res.params, res.grads, res.optimizer, mem.activations - mem.transient, mem.total)
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
     for c in rank.collectives:
         per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (layout.reduces_each_microbatch and c.what.startswith("gradient"))
         calls = c.calls * microbatches_run / microbatches if per_microbatch else c.calls
         comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
-    return figures, comm, rank.layers
+    return rank.resident, rank.memory, comm, rank.layers
 
 
-__all__ = ["predicted_rank", "BUBBLE_TOLERANCE", "IDLE_TOLERANCE", "Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare"]
+__all__ = [
+    "BUBBLE_TOLERANCE", "IDLE_TOLERANCE", "Comparison", "MeasuredRank", "PredictionCheck", "comm_by_dimension", "compare",
+    "memory_comparisons", "predicted_rank",
+]

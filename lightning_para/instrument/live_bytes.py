@@ -1,6 +1,7 @@
 """The one live-bytes counter: storages created while it is active and still alive, their peak, and the
-allocation trace the caching-allocator model replays (:mod:`lightning_para.plan.allocator`); plus the bytes of
-the distinct storages a rank holds (:func:`measure_states`). Used by the dry run (:mod:`lightning_para.simulate`).
+allocation trace the caching-allocator model replays (:mod:`lightning_para.plan.allocator`). Used by the dry run
+(:mod:`lightning_para.simulate`), which counts the states a rank holds with :func:`lightning_para.memory.measure_states`
+and this module's :func:`storage_key`.
 
 Storages are told apart by their StorageImpl (meta tensors all have ``data_ptr() == 0``), and a DTensor counts
 its local shard (its wrapper's storage has the global size)."""
@@ -11,11 +12,10 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
 
-from lightning_para.parallel.data.memory import StorageCounter
 from lightning_para.plan.allocator import AllocationTrace
 
 
@@ -25,19 +25,6 @@ def storage_key(t: Tensor) -> int:
 
 
 
-
-def measure_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
-    """``(params, grads, optimizer)`` bytes of distinct storages this rank holds (masters count as optimizer)."""
-    counter = StorageCounter(key=storage_key)
-    params = [p for p in module.parameters()]
-    param_bytes = sum(counter.add(p.data) for p in params)
-    grads = sum(counter.add(p.grad) for p in params)
-    opt_params = [q for g in optimizer.param_groups for q in g["params"]]
-    grads += sum(counter.add(q.grad) for q in opt_params)
-    opt = sum(counter.add(q.data) for q in opt_params)
-    for state in optimizer.state.values():
-        opt += sum(counter.add(v) for v in state.values() if isinstance(v, Tensor))
-    return param_bytes, grads, opt
 
 def local_shard(t: Tensor) -> Tensor:
     """A DTensor's local shard (the tensor that holds its memory); any other tensor itself."""
@@ -122,4 +109,4 @@ class LiveBytes(TorchDispatchMode):
 
 
 
-__all__ = ["LiveBytes", "local_shard", "measure_states", "storage_key"]
+__all__ = ["LiveBytes", "local_shard", "storage_key"]

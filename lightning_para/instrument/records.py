@@ -1,29 +1,13 @@
-"""The typed records a measurement and the planner's prediction of it share: one rank's memory figures and one
-kind of collective over one mesh dimension. The dry run fills one of each from its step and one from the planner
-(:func:`~lightning_para.instrument.compare.predicted_rank`), so the two sides read alike."""
+"""The record a measurement of collectives and the planner's prediction of them share: one kind of collective over
+one mesh dimension. The dry run fills a list of them from its step and one from the planner
+(:func:`~lightning_para.instrument.compare.predicted_rank`), so the two sides read alike. Memory's two records are
+:mod:`lightning_para.memory`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class MemoryFigures:
-    """Bytes of one rank: states held between steps, activations held at the schedule's peak, the peak."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    peak: float
-    # The caching allocator's reserved peak of a steady-state step, its trace replayed through
-    # `plan.allocator` (dry run only: None in the planner's figures, and when the step did not run), with the
-    # default settings and with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
-    reserved: Optional[float] = None
-    reserved_expandable: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +19,4 @@ class CommFigure:
     calls: int
     bytes: float
 
-
-
-__all__ = ["CommFigure", "GiB", "MemoryFigures"]
+__all__ = ["CommFigure", "GiB"]

@@ -72,7 +72,7 @@ def measure_rank(
         events = [list(rank_pipeline_record(step, rank, stage).events) for step in pipeline_steps]
     measured = MeasuredRank(
         rank=rank, pp_rank=dims.local_rank("pp"),
-        memory={k: float(getattr(memory, k)) for k in ("params", "grads", "optimizer")},
+        memory=memory.measured,
         comm=comm_by_dimension(comm_summary) if comm_summary else {},
         step_seconds=step_seconds, idle_wall=wall,
     )

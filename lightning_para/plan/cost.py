@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from lightning_para.memory import PredictedMemory
 from lightning_para.options import RUN_RULES, rule_problems
 from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
@@ -52,7 +53,7 @@ from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import SCHEDULES, pipeline_ranks
 from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
-from lightning_para.plan.rank_states import PredictedMemory, bucket_bytes
+from lightning_para.plan.rank_states import bucket_bytes
 
 __all__ = [
     "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "PredictedMemory", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",

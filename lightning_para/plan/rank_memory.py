@@ -1,5 +1,5 @@
 """One pipeline rank's memory at its peak (:func:`peak_memory`, the
-:class:`~lightning_para.plan.rank_states.PredictedMemory` the planner predicts), each term mirroring what
+:class:`~lightning_para.memory.PredictedMemory` the planner predicts), each term mirroring what
 ParaStrategy's code holds on that rank. The measurements behind the terms are in ``docs/planner.md`` ("Memory terms")."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from lightning_para.plan.memory import (
     layer_activation_bytes,
     zero_state_bytes,
 )
+from lightning_para.memory import PredictedMemory
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
 from lightning_para.plan.rank_states import (
-    PredictedMemory,
     bucket_bytes,
     rank_params,
     zero3_kept_ends,

@@ -7,12 +7,8 @@ record). What it counts, and the planner's prediction beside it, are :mod:`light
 The command line is ``lightning-para dryrun``.
 """
 
-from lightning_para.instrument.records import CommFigure, MemoryFigures
-from lightning_para.simulate.rank import RankDryRun, dry_run_rank, measure_states
+from lightning_para.simulate.rank import RankDryRun, dry_run_rank
 from lightning_para.simulate.step import causal_lm_step_loss, in_flight_microbatches
 from lightning_para.simulate.world import start_fake_world
 
-__all__ = [
-    "CommFigure", "MemoryFigures", "RankDryRun", "causal_lm_step_loss", "dry_run_rank", "in_flight_microbatches",
-    "measure_states", "start_fake_world",
-]
+__all__ = ["RankDryRun", "causal_lm_step_loss", "dry_run_rank", "in_flight_microbatches", "start_fake_world"]

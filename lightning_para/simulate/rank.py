@@ -26,7 +26,7 @@
    backward, without a pipeline the last step's gradients count as held through the forward (Lightning's
    ``zero_grad`` comes after it), with one through the whole schedule (the pipeline runner sets them aside
    until ``zero_grad``)), and every collective with its bytes per mesh dimension.
-5. Modelled: the CUDA caching allocator's reserved peak (``MemoryFigures.reserved``, and
+5. Modelled: the CUDA caching allocator's reserved peak (``MeasuredMemory.reserved``, and
    ``reserved_expandable`` with ``expandable_segments``): the step's storages are recorded in the order they
    are allocated and freed, with the stream current at each, and replayed as steady-state steps through
    :mod:`lightning_para.plan.allocator`.
@@ -77,9 +77,10 @@ from torch import nn
 
 from lightning_para.config import ParallelConfig
 from lightning_para.instrument.collectives import CollectiveCounter, dry_run_labels
-from lightning_para.instrument.compare import predicted_rank
-from lightning_para.instrument.live_bytes import LiveBytes, local_shard, measure_states, storage_key
-from lightning_para.instrument.records import CommFigure, MemoryFigures
+from lightning_para.instrument.compare import Comparison, memory_comparisons, predicted_rank
+from lightning_para.instrument.live_bytes import LiveBytes, local_shard, storage_key
+from lightning_para.instrument.records import CommFigure
+from lightning_para.memory import MeasuredMemory, PredictedMemory, measure_states
 from lightning_para.moe import balanced_routing
 from lightning_para.parallel.tensor import step_mixed_groups_per_tensor
 from lightning_para.parallelize import parallelize
@@ -107,8 +108,10 @@ class RankDryRun:
     pipeline_rank: int
     layers: int
     in_flight: int
-    measured: MemoryFigures
-    predicted: MemoryFigures
+    measured: MeasuredMemory
+    # The planner's records of the same pipeline rank: the states held between steps, and the step's peak.
+    predicted_resident: PredictedMemory
+    predicted_peak: PredictedMemory
     comm: list[CommFigure] = field(default_factory=list)
     predicted_comm: list[CommFigure] = field(default_factory=list)
     step_ran: bool = True
@@ -117,14 +120,21 @@ class RankDryRun:
     # activations the schedule holds at once on this rank.
     microbatches: int = 1
 
+    def memory_rows(self) -> list[Comparison]:
+        """Measured against predicted, part by part: params, grads, optimizer, activations, peak."""
+        return memory_comparisons(self.rank, self.measured, self.predicted_resident, self.predicted_peak)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready: every field, and under ``"predicted"`` the planner's figure for each part ``"measured"``
+        names (read from :meth:`memory_rows`; :meth:`from_dict` does not need it back)."""
+        return {**asdict(self), "predicted": {row.name: row.predicted for row in self.memory_rows()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RankDryRun":
-        data = dict(data)
-        data["measured"] = MemoryFigures(**data["measured"])
-        data["predicted"] = MemoryFigures(**data["predicted"])
+        data = {key: value for key, value in data.items() if key != "predicted"}
+        data["measured"] = MeasuredMemory(**data["measured"])
+        data["predicted_resident"] = PredictedMemory(**data["predicted_resident"])
+        data["predicted_peak"] = PredictedMemory(**data["predicted_peak"])
         data["comm"] = [CommFigure(**c) for c in data["comm"]]
         data["predicted_comm"] = [CommFigure(**c) for c in data["predicted_comm"]]
         return cls(**data)
@@ -195,8 +205,8 @@ def dry_run_rank(
     states = {storage_key(local_shard(t)): local_shard(t).untyped_storage().nbytes() for t in
               [*module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]}
     live.trace = AllocationTrace(states=list(states.values()))
-    states_before = measure_states(module, optimizer)  # weights and fp32 masters, made before the step
-    before = sum(states_before)
+    states_before = measure_states(module, optimizer, key=storage_key)  # weights and fp32 masters, made before the step
+    before = states_before.model_states
     t = time.perf_counter()
     activations, schedule_peak, backward_peak = 0.0, 0, 0
     if run_step:
@@ -214,7 +224,8 @@ def dry_run_rank(
             optimizer.step()
             live.mark("step_end")
     clock["step"] = time.perf_counter() - t
-    params, grads, opt = measure_states(module, optimizer)
+    states = measure_states(module, optimizer, key=storage_key)
+    params, grads, opt = states.params, states.grads, states.optimizer
     # The peak: what existed before the step (weights, masters) plus the step's own live peak (which
     # counts the accumulated gradients while they live). The optimizer's moments appear in this first
     # step's `optimizer.step()`; from the second step on they exist through forward and backward too,
@@ -223,7 +234,7 @@ def dry_run_rank(
     # keeps them between steps (`grads`), are held through the forward too (measured on an H100: the forward's
     # peak holds them). A pipeline's schedule runs before it, and ParaStrategy's runner sets those gradients aside
     # while the schedule runs: held through its forwards and backwards, gone by the gradient sync.
-    moments = opt - states_before[2]
+    moments = opt - states_before.optimizer
     if dims.pp == 1:
         steady = max(live.forward_peak + moments + grads, backward_peak + moments, live.peak)
     else:
@@ -233,15 +244,16 @@ def dry_run_rank(
     reserved = [float(steady_state_peaks(
         live.trace, gradients_freed_at="schedule_end" if dims.pp > 1 else "forward_end", expandable_segments=expand,
     ).reserved) if run_step else None for expand in (False, True)]
-    measured = MemoryFigures(float(params), float(grads), float(opt), float(activations), float(peak), *reserved)
-    predicted, predicted_comm, layers = predicted_rank(model, config, dims, training, pp_rank, microbatches)
+    measured = MeasuredMemory(float(params), float(grads), float(opt), float(activations), float(peak), *reserved)
+    resident, step_peak, predicted_comm, layers = predicted_rank(model, config, dims, training, pp_rank, microbatches)
     coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0
     return RankDryRun(
         rank=rank, world_size=world_size, coordinates=coords, pipeline_rank=pp_rank, layers=layers,
-        in_flight=in_flight, microbatches=microbatches, measured=measured, predicted=predicted,
+        in_flight=in_flight, microbatches=microbatches, measured=measured,
+        predicted_resident=resident, predicted_peak=step_peak,
         comm=comm.payload_figures(), predicted_comm=predicted_comm, step_ran=run_step, seconds=clock,
     )
 
 
-__all__ = ["CommFigure", "MemoryFigures", "RankDryRun", "dry_run_rank", "in_flight_microbatches", "measure_states"]
+__all__ = ["RankDryRun", "dry_run_rank", "in_flight_microbatches"]

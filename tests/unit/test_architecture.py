@@ -31,7 +31,7 @@ MAX_LINES = 400
 # schedules`` is a leaf registry, the rest of ``parallel/`` is a layer up). ``docs/architecture.md``
 # ("Layers") says why each sits where it does.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("_dtensor", "threads", "parallel.pipeline.schedules")),
+    ("leaves", ("_dtensor", "threads", "memory", "parallel.pipeline.schedules")),
     ("mesh", ("mesh",)),
     ("models", ("moe",)),
     ("parallel", ("parallel",)),
@@ -508,3 +508,27 @@ def collective_counters(modules: dict[str, Path]) -> list[str]:
 
 def test_one_collective_counting_class():
     assert collective_counters(_modules()) == [f"{PACKAGE}.instrument.collectives.CollectiveCounter"]
+
+
+def memory_records(modules: dict[str, Path]) -> list[str]:
+    """Dataclasses that record a rank's memory: fields named ``params``, ``grads`` and ``optimizer`` of their own (a
+    record that holds the two records, ``parallel.data.MemoryBreakdown``, has none)."""
+    found = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if {"params", "grads", "optimizer"} <= fields:
+                    found.append(f"{name}.{node.name}")
+    return found
+
+
+def test_memory_record_check_sees_a_second_record(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from dataclasses import dataclass\n@dataclass\nclass Figures:\n    params: float\n    grads: float\n"
+                   "    optimizer: float\n")
+    assert memory_records({f"{PACKAGE}.bad": bad}) == [f"{PACKAGE}.bad.Figures"]
+
+
+def test_one_measured_and_one_predicted_memory_record():
+    assert memory_records(_modules()) == [f"{PACKAGE}.memory.MeasuredMemory", f"{PACKAGE}.memory.PredictedMemory"]

@@ -22,7 +22,7 @@ from lightning_para.parallel.data.grad_norm import (
 )
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.data.layout import ParamSlot
-from lightning_para.parallel.data.memory import BytesPerParam, MemoryBreakdown, MemoryBytes
+from lightning_para.parallel.data.memory import BytesPerParam, MemoryBreakdown
 from lightning_para.parallel.data.sync_batchnorm import DataParallelBatchNorm, convert_sync_batchnorm
 from lightning_para.parallel.data.zero import ZeroDataParallel
 
@@ -32,7 +32,6 @@ __all__ = [
     "DataParallelBatchNorm",
     "FullyShardedData",
     "MemoryBreakdown",
-    "MemoryBytes",
     "UserFullyShardedData",
     "ZeroData",
     "apply_data_parallel",

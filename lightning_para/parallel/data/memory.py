@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_para._dtensor import local_tensor
+from lightning_para.memory import MeasuredMemory, PredictedMemory, measure_states
 
 # Optimizer state tensors per parameter element, by optimizer class (for the expected bytes).
 _STATES_PER_ELEMENT = {
@@ -58,47 +58,6 @@ def optimizer_states_per_element(optimizer: torch.optim.Optimizer) -> Optional[i
     return _STATES_PER_ELEMENT.get(name)
 
 
-class StorageCounter:
-    """Bytes of each distinct storage, once: a ZeRO master that views its parameter's rows adds
-    nothing, and FSDP2's sharded gradients (views into one reduce-scatter buffer) count that
-    whole buffer, padding included -- what the rank really holds.
-
-    ``key`` tells storages apart (default: the data pointer; the dry run's meta storages all have
-    pointer 0 and pass their own)."""
-
-    def __init__(self, key: Optional[Callable[[Tensor], int]] = None) -> None:
-        self._seen: set[int] = set()
-        self._key = key or (lambda t: t.untyped_storage().data_ptr())
-
-    def add(self, t: Optional[Tensor]) -> int:
-        if t is None:
-            return 0
-        t = local_tensor(t)
-        if t.numel() == 0:
-            return 0
-        key = self._key(t)
-        if key in self._seen:
-            return 0
-        self._seen.add(key)
-        return t.untyped_storage().nbytes()
-
-
-@dataclass(frozen=True)
-class MemoryBytes:
-    """Bytes for parameters, gradients and optimizer state (measured: ints; expected: floats)."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    def as_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
-
-
 @dataclass(frozen=True)
 class BytesPerParam:
     """The formulas' bytes per parameter element: ``p`` (weight), ``g`` (gradient), ``K`` (optimizer, master included)."""
@@ -112,20 +71,18 @@ class BytesPerParam:
 class MemoryBreakdown:
     """This rank's bytes, measured and as the ZeRO formulas expect them (see the module docstring).
 
-    ``params``/``grads``/``optimizer``/``total`` are measured on this rank; ``expert`` and
-    ``dense`` split them (MoE experts shard over ``edp``); ``expected*`` are the formulas' bytes
-    for the same split. ``dp``/``edp`` are the formulas' ``N`` (ranks that shard dense / expert
-    state: ``dp_shard x cp``, ``edp x cp``); ``dp_replicate`` and ``cp`` are reported alongside.
+    ``measured`` is what this rank holds (``params``/``grads``/``optimizer``/``total`` read it); ``expert`` and
+    ``dense`` split it (MoE experts shard over ``edp``); ``expected*`` are the formulas' bytes for the same split.
+    ``dp``/``edp`` are the formulas' ``N`` (ranks that shard dense / expert state: ``dp_shard x cp``,
+    ``edp x cp``); ``dp_replicate`` and ``cp`` are reported alongside.
     """
 
-    params: int
-    grads: int
-    optimizer: int
-    expert: MemoryBytes
-    dense: MemoryBytes
-    expected: MemoryBytes
-    expected_expert: MemoryBytes
-    expected_dense: MemoryBytes
+    measured: MeasuredMemory
+    expert: MeasuredMemory
+    dense: MeasuredMemory
+    expected: PredictedMemory
+    expected_expert: PredictedMemory
+    expected_dense: PredictedMemory
     zero: int
     dp: int
     edp: int
@@ -137,52 +94,33 @@ class MemoryBreakdown:
     formula: str
 
     @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+    def params(self) -> int:
+        return int(self.measured.params)
 
     @property
-    def measured(self) -> MemoryBytes:
-        return MemoryBytes(self.params, self.grads, self.optimizer)
+    def grads(self) -> int:
+        return int(self.measured.grads)
+
+    @property
+    def optimizer(self) -> int:
+        return int(self.measured.optimizer)
+
+    @property
+    def total(self) -> int:
+        return int(self.measured.model_states)
 
     def as_dict(self) -> dict[str, Any]:
         """The record as plain nested values (for text and TensorBoard output, JSON)."""
         return {
-            "params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total,
-            "expert": self.expert.as_dict(), "dense": self.dense.as_dict(), "expected": self.expected.as_dict(),
-            "expected_expert": self.expected_expert.as_dict(), "expected_dense": self.expected_dense.as_dict(),
+            **self.measured.states(),
+            "expert": self.expert.states(), "dense": self.dense.states(), "expected": self.expected.states(),
+            "expected_expert": self.expected_expert.states(), "expected_dense": self.expected_dense.states(),
             "zero": self.zero, "dp": self.dp, "edp": self.edp, "dp_replicate": self.dp_replicate, "cp": self.cp,
             "num_params": self.num_params, "num_expert_params": self.num_expert_params,
             "bytes_per_param": {"param": self.bytes_per_param.param, "grad": self.bytes_per_param.grad,
                                 "optimizer": self.bytes_per_param.optimizer},
             "formula": self.formula,
         }
-
-
-def measure(
-    module: nn.Module, optimizers: list[torch.optim.Optimizer], only: Optional[Callable[[Tensor], bool]] = None
-) -> MemoryBytes:
-    """Bytes this rank holds for parameters, gradients and optimizer state (storage-deduplicated).
-
-    ``only`` keeps the parameters (model or optimizer tensors) it accepts, e.g. MoE experts.
-    """
-
-    def keep(t: Tensor) -> bool:
-        return only is None or only(t)
-
-    counter = StorageCounter()
-    model_params = [p for p in module.parameters() if keep(p)]
-    params = sum(counter.add(p.data) for p in model_params)
-    grads = sum(counter.add(p.grad) for p in model_params)
-    opt_params = [q for o in optimizers for g in o.param_groups for q in g["params"] if keep(q)]
-    grads += sum(counter.add(q.grad) for q in opt_params)
-    optimizer = sum(counter.add(q.data) for q in opt_params)  # separate masters only: views were counted
-    for o in optimizers:
-        for q, state in o.state.items():
-            if keep(q):
-                for value in state.values():
-                    if isinstance(value, Tensor):
-                        optimizer += counter.add(value)
-    return MemoryBytes(params, grads, optimizer)
 
 
 def expected(
@@ -195,7 +133,7 @@ def expected(
     param_bytes: int,
     grad_bytes: int,
     optimizer_bytes: int,
-) -> MemoryBytes:
+) -> PredictedMemory:
     """The ZeRO formula per category for this rank (see module docstring)."""
 
     def shard(psi: int, n: int, sharded: bool) -> float:
@@ -204,7 +142,7 @@ def expected(
     out = {}
     for key, per, from_stage in (("params", param_bytes, 3), ("grads", grad_bytes, 2), ("optimizer", optimizer_bytes, 1)):
         out[key] = per * (shard(psi_dense, dp, stage >= from_stage) + shard(psi_expert, edp, stage >= from_stage))
-    return MemoryBytes(**out)
+    return PredictedMemory(**out)
 
 
 def formula(stage: int, n: int) -> str:
@@ -234,7 +172,7 @@ def memory_breakdown(
     ``dp``/``edp`` are the numbers of ranks that shard dense/expert state (the formulas' ``N``);
     ``dp_replicate`` and ``cp`` are reported alongside. ``is_expert`` tells MoE expert tensors
     (model parameters and the optimizer's masters of them)."""
-    measured = measure(module, optimizers)
+    measured = measure_states(module, optimizers)
     states = None
     for o in optimizers:
         states = optimizer_states_per_element(o)
@@ -248,14 +186,13 @@ def memory_breakdown(
         param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes,
     )
     # Expert vs dense split (MoE): experts are replicated over edp only, dense over dp.
-    expert = measure(module, optimizers, only=is_expert) if psi_expert else MemoryBytes(0, 0, 0)
-    dense = MemoryBytes(
+    expert = measure_states(module, optimizers, only=is_expert) if psi_expert else MeasuredMemory(0, 0, 0)
+    dense = MeasuredMemory(
         measured.params - expert.params, measured.grads - expert.grads, measured.optimizer - expert.optimizer
     )
     kwargs = dict(stage=stage, dp=dp, edp=edp, param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes=optimizer_bytes)
     return MemoryBreakdown(
-        params=measured.params, grads=measured.grads, optimizer=measured.optimizer,
-        expert=expert, dense=dense, expected=exp,
+        measured=measured, expert=expert, dense=dense, expected=exp,
         expected_expert=expected(psi_dense=0, psi_expert=psi_expert, **kwargs),
         expected_dense=expected(psi_dense=psi_dense, psi_expert=0, **kwargs),
         zero=stage, dp=dp, edp=edp, dp_replicate=dp_replicate, cp=cp,
@@ -265,4 +202,4 @@ def memory_breakdown(
     )
 
 
-__all__ = ["BytesPerParam", "MemoryBreakdown", "MemoryBytes", "expected", "formula", "measure", "memory_breakdown"]
+__all__ = ["BytesPerParam", "MemoryBreakdown", "expected", "formula", "memory_breakdown"]
