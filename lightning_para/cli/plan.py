@@ -159,6 +159,22 @@ def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
     return Cluster(nodes=gpus // per_node, gpus_per_node=per_node, **base)
 
 
+def _require_all(args: argparse.Namespace, config: Optional[dict[str, Any]], gpus: Optional[int], cpu_config: bool) -> None:
+    """One error naming every missing argument the search needs, rather than one per try."""
+    missing = []
+    if not gpus:
+        missing.append("`--gpus N`" + (" (the config's trainer.devices is not a number)" if config else ""))
+    if args.gpu is None and args.gpu_memory is None and not cpu_config:
+        missing.append("the devices: `--gpu NAME` (" + ", ".join(sorted(GPU_SPECS)) + ") or `--gpu-memory GB`")
+    from_data = " (the config's data section does not say it)" if config else ""
+    if not (args.seq_len or (data_value(config, "seq_len") if config else None)):
+        missing.append("`--seq-len`" + from_data)
+    if not (args.global_batch or (data_value(config, "global_batch_size") if config else None)):
+        missing.append("`--global-batch`" + from_data)
+    if missing:
+        raise PlanError("Give " + "; ".join(missing) + ".")
+
+
 def _training(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> Training:
     seq_len = args.seq_len or (data_value(config, "seq_len") if config else None)
     batch = args.global_batch or (data_value(config, "global_batch_size") if config else None)
@@ -249,9 +265,8 @@ def run(argv: list[str]) -> int:
     devices = trainer_value(config, "devices") if config else None
     nodes = int(trainer_value(config, "num_nodes") or 1) if config else 1
     gpus = args.gpus or (int(devices) * nodes if isinstance(devices, int) else None)
-    if not gpus:
-        raise PlanError("Give `--gpus N` (the config's trainer.devices is not a number).")
     cpu_config = bool(config) and trainer_value(config, "accelerator") == "cpu"
+    _require_all(args, config, gpus, cpu_config)
     cluster = _cluster(args, gpus, cpu_config)
     training = _training(args, config)
     result = search(model, cluster, training, _space(args, module, model, gpus))

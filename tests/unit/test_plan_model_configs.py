@@ -61,3 +61,59 @@ def test_lightning_para_plan_takes_a_gpt2_config(tmp_path, capsys):
                  "--global-batch", "64", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("gpt2: 124M params") or out.startswith("gpt2: 124.4M params"), out[:200]
+
+
+# Tiny configs of families whose layers differ from Llama's (or read under other names), built with transformers'
+# own config classes: the planner's count must equal transformers' model of the same config, counted on meta.
+SMALL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
+             vocab_size=1000)
+FAMILIES = [
+    ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL, 0.0),
+    ("PhiConfig", "PhiForCausalLM", SMALL, 1e-4),  # one LayerNorm per layer (parallel attention and MLP)
+    ("Starcoder2Config", "Starcoder2ForCausalLM", SMALL, 0.0),
+    ("NemotronConfig", "NemotronForCausalLM", SMALL, 1e-3),  # its LayerNorms have biases, its linears none
+    ("OPTConfig", "OPTForCausalLM", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, ffn_dim=704,
+                                         vocab_size=1000, word_embed_proj_dim=256), 0.0),
+    ("StableLmConfig", "StableLmForCausalLM", SMALL, 1e-3),  # LayerNorm biases, unbiased linears
+    ("FalconConfig", "FalconForCausalLM", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                               vocab_size=1000), 1e-3),
+    ("FalconConfig", "FalconForCausalLM", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                               vocab_size=1000, new_decoder_architecture=True, num_kv_heads=2), 1e-3),
+    ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=256, n_layer=2, n_head=4, vocab_size=1000, rotary_dim=32), 2e-3),
+    ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=256, n_layer=2, n_head=4, vocab_size=1000,
+                                                       multi_query=True), 0.0),
+    ("Qwen2Config", "Qwen2ForCausalLM", SMALL, 1e-3),  # q/k/v biases only
+    ("GemmaConfig", "GemmaForCausalLM", {**SMALL, "head_dim": 64}, 0.0),
+    ("MixtralConfig", "MixtralForCausalLM", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2}, 0.0),
+    ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**SMALL, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 64,
+        "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}, 0.0),
+]
+
+
+@pytest.mark.parametrize("config_class, model_class, kwargs, rel", FAMILIES,
+                         ids=[f"{f[1]}-{i}" for i, f in enumerate(FAMILIES)])
+def test_family_counts_equal_transformers_model(config_class, model_class, kwargs, rel):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import warnings
+
+    config = getattr(transformers, config_class)(**kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a family the planner knows is priced without a warning
+        planned = from_hf_config(config.to_dict()).total_params()
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config)
+    assert planned == pytest.approx(sum(p.numel() for p in model.parameters()), rel=rel, abs=0)
+
+
+def test_unknown_model_type_is_priced_as_llama_layers_with_a_warning():
+    config = {**SMALL, "model_type": "my_new_lm"}
+    with pytest.warns(UserWarning, match="model_type 'my_new_lm' is not one the planner knows"):
+        model = from_hf_config(config)
+    assert (model.gated_mlp, model.norm, model.bias) == (True, "rmsnorm", False)
+
+
+def test_moe_config_without_experts_per_token_names_the_key():
+    with pytest.raises(ValueError, match="no `num_experts_per_tok`"):
+        from_hf_config({**MIXTRAL, "num_experts_per_tok": None})

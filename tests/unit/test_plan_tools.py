@@ -63,6 +63,8 @@ def test_plan_cli_on_a_config_with_chart(capsys, tmp_path):
          "`--gpus 0` must be a positive integer"),
         (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8", "--global-batch", "8"], "Give the devices: `--gpu NAME`"),
         (["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"], "Give `--seq-len`"),
+        (["--model", "llama3-8b"], "Give `--gpus N`; the devices: `--gpu NAME` (a100-40gb, a100-80gb, b200, h100, h100-96gb,"
+         " h200, h800) or `--gpu-memory GB`; `--seq-len`; `--global-batch`."),  # every missing one at once
         (["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "8", "--global-batch", "8", "--tp", "two"],
          "`--tp two` must be comma-separated integers"),
         (["--model", "llama3-8b", "--gpus", "6", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "8",
