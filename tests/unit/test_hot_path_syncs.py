@@ -6,7 +6,8 @@ the test counts what would be one: a read (``aten::_local_scalar_dense``, a copy
 of a tensor whose storage an operator of the *current* training step created. The step guard's agreement is read
 one step late (``reliability/step_guard.py``): it reads the previous step's flags, which is no such read.
 Counted over several steps of a real ``Trainer.fit`` (warm-up steps left out), against Lightning's own loop on the
-same model; and the old synchronous read, planted back, is counted (so the counter sees what it must).
+same model, with and without clipping, under the Trainer and under Fabric; and the old synchronous read, planted
+back, is counted (so the counter sees what it must).
 """
 
 from __future__ import annotations
@@ -109,11 +110,12 @@ class Tiny(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
 
 
-def _reads(strategy) -> list[tuple[int, str]]:  # noqa: ANN001
+def _reads(strategy, *, clip: bool = False) -> list[tuple[int, str]]:  # noqa: ANN001
     counter = SameStepReads()
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, callbacks=[counter],
+        gradient_clip_val=1.0 if clip else None,
     )
     try:
         with counter.modes[0], counter.modes[1]:
@@ -125,9 +127,11 @@ def _reads(strategy) -> list[tuple[int, str]]:  # noqa: ANN001
     return counter.reads
 
 
-def test_the_step_guard_adds_no_same_step_read_to_lightnings_loop():
-    lightning = _reads("auto")
-    para = _reads(ParaStrategy())
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_the_step_guard_adds_no_same_step_read_to_lightnings_loop(clip):
+    """Clipping too: ParaPrecision clips by the global norm without reading it on the host."""
+    lightning = _reads("auto", clip=clip)
+    para = _reads(ParaStrategy(), clip=clip)
     assert lightning == [] and para == [], (para, lightning)
 
 
@@ -144,5 +148,53 @@ def test_the_counter_sees_a_synchronous_read(monkeypatch):
     assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"tolist"}, reads
 
 
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])
+def _fabric_reads(strategy, *, clip: bool = False) -> list[tuple[int, str]]:  # noqa: ANN001
+    """The same count over a Fabric loop: forward, ``fabric.backward``, (clipping), ``optimizer.step``."""
+    from lightning.fabric import Fabric
+
+    counter = SameStepReads()
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    module = Tiny()
+    model, optimizer = fabric.setup(module.net, module.configure_optimizers())
+    loader = fabric.setup_dataloaders(module.train_dataloader())
+    try:
+        with counter.modes[0], counter.modes[1]:
+            for step, (x, y) in zip(range(STEPS), loader):
+                counter.on_train_batch_start(None, None, None, step)
+                loss = nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss)
+                if clip:
+                    fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert counter.step == STEPS
+    return counter.reads
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_fabrics_loop_has_no_same_step_read_either(clip):
+    """Fabric's ParaStrategy runs the same step guard (finite check, preemption flag) at ``optimizer.step()``."""
+    from lightning_para.fabric import ParaStrategy as FabricParaStrategy
+
+    lightning = _fabric_reads("auto", clip=clip)
+    para = _fabric_reads(FabricParaStrategy(), clip=clip)
+    assert lightning == [] and para == [], (para, lightning)
+
+
+def test_the_counter_sees_a_synchronous_read_under_fabric(monkeypatch):
+    """The planted bug under Fabric: the guard settling its own step's flags is counted."""
+    from lightning_para.fabric import ParaStrategy as FabricParaStrategy
+
+    original = StepGuard.check
+
+    def synchronous(self, step, params=None):  # noqa: ANN001
+        original(self, step, params)
+        self.settle()
+
+    monkeypatch.setattr(StepGuard, "check", synchronous)
+    reads = _fabric_reads(FabricParaStrategy())
+    assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"tolist"}, reads
