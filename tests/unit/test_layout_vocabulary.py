@@ -88,9 +88,11 @@ def test_option_lists_are_defined_once():
     import lightning_para.config as config
     import lightning_para.plan.cluster as cluster
     import lightning_para.plan.layout as layout
+    from lightning_para.plan.search import SearchSpace
 
     assert config.PRECISIONS is cluster.PRECISIONS is PRECISIONS and "16-true" in PRECISIONS
-    assert config.ACTIVATION_CHECKPOINTING is layout.RECOMPUTE is ACTIVATION_CHECKPOINTING
+    assert config.ACTIVATION_CHECKPOINTING is SearchSpace().recompute is ACTIVATION_CHECKPOINTING
+    assert not hasattr(layout, "RECOMPUTE")  # no second name for the same list
     for precision in PRECISIONS:  # the planner prices every precision ParaStrategy has
         Training(seq_len=8, global_batch=8, precision=precision)
     for schedule in SCHEDULES:  # and can hold every schedule (pricing the ones it models)
