@@ -127,27 +127,6 @@ def _reads(strategy, *, clip: bool = False) -> list[tuple[int, str]]:  # noqa: A
     return counter.reads
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
-def test_the_step_guard_adds_no_same_step_read_to_lightnings_loop(clip):
-    """Clipping too: ParaPrecision clips by the global norm without reading it on the host."""
-    lightning = _reads("auto", clip=clip)
-    para = _reads(ParaStrategy(), clip=clip)
-    assert lightning == [] and para == [], (para, lightning)
-
-
-def test_the_counter_sees_a_synchronous_read(monkeypatch):
-    """The planted bug: the step guard reading its own step's flags (the old ``flags.tolist()``) is counted."""
-    original = StepGuard.check
-
-    def synchronous(self, step, params=None):  # noqa: ANN001
-        original(self, step, params)
-        self.settle()
-
-    monkeypatch.setattr(StepGuard, "check", synchronous)
-    reads = _reads(ParaStrategy())
-    assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"tolist"}, reads
-
-
 def _fabric_reads(strategy, *, clip: bool = False) -> list[tuple[int, str]]:  # noqa: ANN001
     """The same count over a Fabric loop: forward, ``fabric.backward``, (clipping), ``optimizer.step``."""
     from lightning.fabric import Fabric
@@ -175,20 +154,30 @@ def _fabric_reads(strategy, *, clip: bool = False) -> list[tuple[int, str]]:  # 
     return counter.reads
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
-def test_fabrics_loop_has_no_same_step_read_either(clip):
-    """Fabric's ParaStrategy runs the same step guard (finite check, preemption flag) at ``optimizer.step()``."""
+def _front_end(name: str):  # noqa: ANN202
+    """``(count the reads of a short run, ParaStrategy)`` of the Trainer or of Fabric."""
+    if name == "trainer":
+        return _reads, ParaStrategy
     from lightning_para.fabric import ParaStrategy as FabricParaStrategy
 
-    lightning = _fabric_reads("auto", clip=clip)
-    para = _fabric_reads(FabricParaStrategy(), clip=clip)
+    return _fabric_reads, FabricParaStrategy
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_the_step_guard_adds_no_same_step_read_to_lightnings_loop(front_end, clip):
+    """The same step guard (finite check, preemption flag) under both front ends; clipping too: ParaPrecision
+    clips by the global norm without reading it on the host."""
+    count, para_strategy = _front_end(front_end)
+    lightning = count("auto", clip=clip)
+    para = count(para_strategy(), clip=clip)
     assert lightning == [] and para == [], (para, lightning)
 
 
-def test_the_counter_sees_a_synchronous_read_under_fabric(monkeypatch):
-    """The planted bug under Fabric: the guard settling its own step's flags is counted."""
-    from lightning_para.fabric import ParaStrategy as FabricParaStrategy
-
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_the_counter_sees_a_synchronous_read(monkeypatch, front_end):
+    """The planted bug: the step guard reading its own step's flags (the old ``flags.tolist()``) is counted."""
+    count, para_strategy = _front_end(front_end)
     original = StepGuard.check
 
     def synchronous(self, step, params=None):  # noqa: ANN001
@@ -196,5 +185,5 @@ def test_the_counter_sees_a_synchronous_read_under_fabric(monkeypatch):
         self.settle()
 
     monkeypatch.setattr(StepGuard, "check", synchronous)
-    reads = _fabric_reads(FabricParaStrategy())
+    reads = count(para_strategy())
     assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"tolist"}, reads
