@@ -1,26 +1,30 @@
 """Matmul efficiency by GPU and shape: a GEMM's time from its ``(m, n, k)``, anchored on measured GEMMs.
 
-A ``m x k`` by ``k x n`` GEMM does ``F = 2 m n k`` FLOPs. Its time on one GPU (:meth:`GemmModel.seconds`) is the
-larger of
+A ``m x k`` by ``k x n`` GEMM does ``F = 2 m n k`` FLOPs. Its time on one GPU (:meth:`GemmModel.seconds`) is a fixed
+cost plus the larger of its compute and its memory time, ``t0 + max(compute, memory)``:
 
-* **compute**: ``(F + F_half) / (peak x plateau x waves(m, n))``:
+* **compute**: ``F / (peak x plateau x waves(m, n))``:
 
   - ``plateau``: the fraction of the dense peak a large GEMM sustains (clocks under the power limit,
     the tensor cores' issue rate);
   - ``waves(m, n)``: wave quantization. The output is cut into ``tile_m x tile_n`` tiles, one per
-    streaming multiprocessor at a time. ``t`` tiles on ``s`` SMs run in ``ceil(t / s)`` waves; the
-    last wave is partly idle, so the useful fraction is ``t / (ceil(t / s) s)`` (NVIDIA's "Matrix
-    Multiplication Background" user guide, "Wave quantization");
-  - ``F_half``: the saturation term, the FLOPs a kernel's fixed costs are worth (launch, pipeline
-    fill and drain, the epilogue's writes). A GEMM of ``F_half`` FLOPs reaches half the plateau. Two
-    sizes of the same shapes give it: on the H100, 8,192-row GEMMs reached 0.75 of peak and
-    16,384-row ones 0.79, with nearly the same wave fraction (0.970 against 0.970-0.987);
+    streaming multiprocessor at a time. ``t`` tiles on ``s`` SMs run in ``ceil(t / s)`` waves, and a tile
+    computes its whole area even where the output ends inside it; so the useful fraction of the SMs' work is
+    ``m n / (ceil(t / s) s tile_m tile_n)`` (NVIDIA's "Matrix Multiplication Background" user guide, "Wave
+    quantization"). A GEMM's time therefore never falls as ``m``, ``n`` or ``k`` grow;
 * **memory**: ``bytes / bandwidth``, the roofline bound (Williams et al. 2009). It reads both
   operands and writes the output once, ``e (m k + k n + m n)`` bytes. It binds small-``m`` and
-  small-``k`` shapes: an expert's few tokens, a decoding step.
+  small-``k`` shapes: an expert's few tokens, a decoding step;
+* ``t0``: the fixed seconds of one GEMM call (launch, pipeline fill and drain, the epilogue's writes), added once
+  -- not spread over the waves, or a GEMM with few tiles would take longer than a larger one.
 
 The measured GEMMs (:data:`MEASURED_GEMMS`) are this module's data: per GPU, the shapes timed on the lent machines
-and the records they come from. :func:`fit_gemm_model` fits ``plateau`` and ``F_half`` to them by least squares.
+and the records they come from. :func:`fit_gemm_model` fits ``plateau`` and ``t0`` to measured GEMMs by least
+squares (``lightning-para calibrate``'s CPU curve). The GPU presets take ``t0 = 0``
+(:func:`gpu_gemm_model`): the isolated GEMMs were each timed alone between two synchronizations, so their
+intercept (about 110 us on the H100) holds the host's launch and synchronization, which a training step overlaps;
+the matmul kernels the profiler timed inside the recorded steps show no fixed cost at these sizes (docs/planner.md,
+"Matmul efficiency"). All measured GEMMs have 8,192 rows or more: below that the curve extrapolates.
 ``lightning-para calibrate`` times this machine's GEMMs and fits the same curve (:mod:`lightning_para.calibrate`).
 
 A training step runs three GEMMs per linear layer: the forward ``(m, n, k)``, the input gradient
@@ -83,7 +87,7 @@ class GemmModel:
         peak_flops: the dense 16-bit peak (a GPU preset's) or the peak the curve is expressed against.
         plateau: the fraction of ``peak_flops`` a large, wave-aligned GEMM sustains (above 1 when ``peak_flops`` is a
             measured reference rate that some shapes beat).
-        half_flops: ``F_half``: the FLOPs a kernel's fixed costs are worth.
+        fixed_seconds: ``t0``: the fixed seconds of one GEMM call.
         bandwidth: bytes/s the operands stream at (the roofline's memory bound); 0: no bound.
         units: streaming multiprocessors (wave quantization); 1 with ``tile = (1, 1)`` turns it off (CPU).
         tile: ``(tile_m, tile_n)`` output tile of one unit.
@@ -92,7 +96,7 @@ class GemmModel:
 
     peak_flops: float
     plateau: float
-    half_flops: float = 0.0
+    fixed_seconds: float = 0.0
     bandwidth: float = 0.0
     units: int = 1
     tile: tuple[int, int] = (1, 1)
@@ -101,24 +105,26 @@ class GemmModel:
     def __post_init__(self) -> None:
         # `plateau` may exceed 1 when `peak_flops` is a measured rate, not a datasheet peak (a CPU calibration's
         # square matmul, timed while other processes ran, against GEMMs that fit its caches better).
-        if not (self.peak_flops > 0 and self.plateau > 0 and self.half_flops >= 0 and self.bandwidth >= 0):
-            raise ValueError(f"GemmModel needs peak_flops > 0, plateau > 0, half_flops >= 0 and bandwidth >= 0;"
-                             f" got {self.peak_flops}, {self.plateau}, {self.half_flops}, {self.bandwidth}.")
+        if not (self.peak_flops > 0 and self.plateau > 0 and self.fixed_seconds >= 0 and self.bandwidth >= 0):
+            raise ValueError(f"GemmModel needs peak_flops > 0, plateau > 0, fixed_seconds >= 0 and bandwidth >= 0;"
+                             f" got {self.peak_flops}, {self.plateau}, {self.fixed_seconds}, {self.bandwidth}.")
         if self.units < 1 or min(self.tile) < 1:
             raise ValueError(f"GemmModel needs units >= 1 and tile sides >= 1; got {self.units}, {self.tile}.")
 
     def wave_fraction(self, m: float, n: float) -> float:
-        """Useful fraction of the last wave's SMs: ``tiles / (ceil(tiles / units) units)``."""
+        """Useful fraction of the SMs' work: ``m n / (ceil(tiles / units) units tile_m tile_n)`` (whole tiles, whole
+        waves)."""
         tiles = math.ceil(m / self.tile[0]) * math.ceil(n / self.tile[1])
-        return tiles / (math.ceil(tiles / self.units) * self.units)
+        return m * n / (math.ceil(tiles / self.units) * self.units * self.tile[0] * self.tile[1])
 
     def seconds(self, gemm: Gemm) -> float:
-        """One GEMM's time (times its ``count``): the larger of its compute and its operands' bytes."""
+        """One GEMM's time (times its ``count``): its fixed cost plus the larger of its compute and its operands'
+        bytes."""
         flops = 2.0 * gemm.m * gemm.n * gemm.k
-        compute = (flops + self.half_flops) / (self.peak_flops * self.plateau * self.wave_fraction(gemm.m, gemm.n))
+        compute = flops / (self.peak_flops * self.plateau * self.wave_fraction(gemm.m, gemm.n))
         memory = (self.element_bytes * (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n) / self.bandwidth
                   if self.bandwidth else 0.0)
-        return max(compute, memory) * gemm.count
+        return (self.fixed_seconds + max(compute, memory)) * gemm.count
 
     def efficiency(self, m: float, n: float, k: float) -> float:
         """The fraction of ``peak_flops`` one ``(m, n, k)`` GEMM reaches."""
@@ -137,28 +143,28 @@ class GemmModel:
 
 
 def fit_gemm_model(measurements: Sequence[GemmMeasurement], peak_flops: float, bandwidth: float = 0.0,
-                   units: int = 1, tile: tuple[int, int] = (1, 1), half_flops: Optional[float] = None,
+                   units: int = 1, tile: tuple[int, int] = (1, 1), fixed_seconds: Optional[float] = None,
                    element_bytes: int = BF16_BYTES) -> GemmModel:
-    """The :class:`GemmModel` whose compute time best fits ``measurements`` (least squares on
-    ``t x peak x waves = F / plateau + F_half / plateau``, linear in ``1 / plateau`` and ``F_half / plateau``).
-    ``half_flops`` given (or fewer than two distinct sizes measured): only ``plateau`` is fitted, as the median
+    """The :class:`GemmModel` whose compute time best fits ``measurements``: least squares on
+    ``t = t0 + x / plateau`` with ``x = F / (peak x waves)``, linear in ``t0`` and ``1 / plateau``.
+    ``fixed_seconds`` given (or fewer than two distinct sizes measured): only ``plateau`` is fitted, as the median
     ratio. The roofline's ``bandwidth`` is not fitted: the measured shapes are compute-bound."""
     if not measurements:
         raise ValueError("fit_gemm_model needs at least one GemmMeasurement.")
     shape = GemmModel(peak_flops, 1.0, 0.0, 0.0, units, tile, element_bytes)
-    xs = [g.flops for g in measurements]
-    ys = [g.seconds * peak_flops * shape.wave_fraction(g.m, g.n) for g in measurements]
-    if half_flops is None and len({round(x) for x in xs}) >= 2:
+    xs = [g.flops / (peak_flops * shape.wave_fraction(g.m, g.n)) for g in measurements]
+    ys = [g.seconds for g in measurements]
+    if fixed_seconds is None and len({round(g.flops) for g in measurements}) >= 2:
         x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
         slope = (sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys))
                  / sum((x - x_mean) ** 2 for x in xs))
         intercept = y_mean - slope * x_mean
         if slope > 0 and intercept >= 0:
-            return GemmModel(peak_flops, 1.0 / slope, intercept / slope, bandwidth, units, tile, element_bytes)
-        half_flops = 0.0  # noise made the saturation term negative: a plateau alone
-    half = half_flops or 0.0
-    plateau = statistics.median((x + half) / y for x, y in zip(xs, ys))
-    return GemmModel(peak_flops, plateau, half, bandwidth, units, tile, element_bytes)
+            return GemmModel(peak_flops, 1.0 / slope, intercept, bandwidth, units, tile, element_bytes)
+        fixed_seconds = 0.0  # noise made the fixed cost negative: a plateau alone
+    fixed = fixed_seconds or 0.0
+    plateau = statistics.median(x / (y - fixed) for x, y in zip(xs, ys) if y > fixed)
+    return GemmModel(peak_flops, plateau, fixed, bandwidth, units, tile, element_bytes)
 
 
 def model_gemms(model: "ModelDesc", tokens: float, tp: int = 1, ep: int = 1) -> tuple[Gemm, ...]:
@@ -229,29 +235,29 @@ GPU_UNITS: dict[str, int] = {"h100": 132, "h100-96gb": 132, "h200": 132, "h800":
                              "a100-80gb": 108, "a100-40gb": 108}
 GPU_TILE = (128, 256)
 
-# Which measured GPU a preset's curve comes from. Measured: h100 and h200. The others borrow the H100's plateau and
-# saturation, the fraction of *their own* peak (read as +-15%: not measured). The H200's single size cannot fit the
-# saturation term, so it takes the H100's (the same GH100 die and clocks).
+# Which measured GPU a preset's curve comes from. Measured: h100 and h200. The others borrow the H100's plateau, a
+# fraction of *their own* peak (read as +-15%: not measured).
 MEASURED_AS: dict[str, str] = {"h100": "h100", "h200": "h200", "h100-96gb": "h100", "h800": "h100", "b200": "h100",
                                "a100-80gb": "h100", "a100-40gb": "h100"}
 
 
 # The dense bf16 peak the measured GPUs' fractions are taken against (H100 and H200 SXM datasheets).
 MEASURED_PEAK_FLOPS = 989e12
+# A GEMM's fixed seconds inside a training step on the GPU presets: none measurable at the recorded sizes (the
+# matmul kernels the profiler timed in the recorded steps fit -95 us; the isolated timings' +110 us is the host's
+# per-call launch and synchronization). docs/planner.md, "Matmul efficiency".
+GPU_FIXED_SECONDS = 0.0
 
 
 def gpu_gemm_model(gpu: str, peak_flops: float, bandwidth: float) -> GemmModel:
-    """The GEMM curve of a GPU preset: ``plateau`` and ``F_half`` fitted to :data:`MEASURED_GEMMS` of the GPU it is
-    measured as (:data:`MEASURED_AS`), carried to the preset's own peak (the same fraction of it, and the same fixed
-    seconds per kernel: ``F_half`` scales with the peak), SM count and memory bandwidth (the roofline)."""
-    units = GPU_UNITS[gpu]
-    h100 = fit_gemm_model(MEASURED_GEMMS["h100"], MEASURED_PEAK_FLOPS, units=GPU_UNITS["h100"], tile=GPU_TILE)
+    """The GEMM curve of a GPU preset: ``plateau`` fitted to :data:`MEASURED_GEMMS` of the GPU it is measured as
+    (:data:`MEASURED_AS`) with no fixed cost (:data:`GPU_FIXED_SECONDS`, module docstring), carried to the preset's
+    own peak (the same fraction of it), SM count and memory bandwidth (the roofline)."""
     source = MEASURED_AS[gpu]
-    fitted = h100 if source == "h100" else fit_gemm_model(
-        MEASURED_GEMMS[source], MEASURED_PEAK_FLOPS, units=GPU_UNITS[source], tile=GPU_TILE, half_flops=h100.half_flops)
-    return GemmModel(peak_flops, fitted.plateau, fitted.half_flops * peak_flops / MEASURED_PEAK_FLOPS, bandwidth,
-                     units, GPU_TILE)
+    fitted = fit_gemm_model(MEASURED_GEMMS[source], MEASURED_PEAK_FLOPS, units=GPU_UNITS[source], tile=GPU_TILE,
+                            fixed_seconds=GPU_FIXED_SECONDS)
+    return GemmModel(peak_flops, fitted.plateau, fitted.fixed_seconds, bandwidth, GPU_UNITS[gpu], GPU_TILE)
 
 
-__all__ = ["GPU_TILE", "GPU_UNITS", "Gemm", "GemmMeasurement", "GemmModel", "MEASURED_AS", "MEASURED_GEMMS", "MEASURED_PEAK_FLOPS",
+__all__ = ["GPU_FIXED_SECONDS", "GPU_TILE", "GPU_UNITS", "Gemm", "GemmMeasurement", "GemmModel", "MEASURED_AS", "MEASURED_GEMMS", "MEASURED_PEAK_FLOPS",
            "fit_gemm_model", "gpu_gemm_model", "model_gemms"]

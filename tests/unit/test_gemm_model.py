@@ -11,7 +11,7 @@ import pytest
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.plan.cluster import AT_SCALE_EFFICIENCY, MEASURED_LLAMA_GEMM_EFFICIENCY
 from lightning_para.plan.gemm import (
-    GPU_TILE, GPU_UNITS, MEASURED_GEMMS, MEASURED_PEAK_FLOPS, Gemm, GemmMeasurement, GemmModel, fit_gemm_model,
+    GPU_FIXED_SECONDS, GPU_TILE, GPU_UNITS, MEASURED_GEMMS, MEASURED_PEAK_FLOPS, Gemm, GemmMeasurement, GemmModel, fit_gemm_model,
     gpu_gemm_model, model_gemms,
 )
 
@@ -32,25 +32,74 @@ def test_the_measured_table_is_the_records():
 
 @pytest.mark.parametrize("gpu", sorted(MEASURED_GEMMS))
 def test_the_curve_reproduces_every_measured_gemm(gpu):
-    """Fitted per GPU (plateau and saturation): every measured shape within 4% (measured spread: 0.75-0.82)."""
+    """Fitted per GPU (a plateau, no fixed cost): every measured shape within 6% (measured spread: 0.75-0.82; each
+    was timed alone between two synchronizations, so the 8,192-row ones carry more of the host's per-call time)."""
     model = gpu_gemm_model(gpu, MEASURED_PEAK_FLOPS, 0.0)
+    assert model.fixed_seconds == GPU_FIXED_SECONDS == 0.0
     for g in MEASURED_GEMMS[gpu]:
         measured = g.flops / g.seconds / MEASURED_PEAK_FLOPS
-        assert model.efficiency(g.m, g.n, g.k) == pytest.approx(measured, rel=0.04), g
+        assert model.efficiency(g.m, g.n, g.k) == pytest.approx(measured, rel=0.06), g
     assert 0.75 < MEASURED_LLAMA_GEMM_EFFICIENCY < 0.82
 
 
+SIDES = (64, 128, 200, 256, 384, 1000, 1024, 2048, 4096, 8192, 14336, 16896)
+
+
+def _growing_gets_faster(model: GemmModel) -> list[tuple[tuple[int, int, int], int]]:
+    """``((m, n, k), axis)`` where growing ``axis`` to the next of :data:`SIDES` makes the GEMM faster."""
+    found = []
+    for m in SIDES:
+        for n in SIDES:
+            for k in SIDES:
+                now = model.seconds(Gemm(m, n, k))
+                for axis in range(3):
+                    shape = [m, n, k]
+                    if shape[axis] == SIDES[-1]:
+                        continue
+                    shape[axis] = SIDES[SIDES.index(shape[axis]) + 1]
+                    if model.seconds(Gemm(*shape)) < now * (1 - 1e-12):
+                        found.append(((m, n, k), axis))
+    return found
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200", "a100-80gb", "b200"])
+def test_a_gemm_never_gets_faster_as_it_grows(gpu):
+    """Wave quantization counts whole tiles and whole waves, and the fixed cost is added once: a GEMM with more rows,
+    columns or depth never takes less time (partial tiles and partial waves included)."""
+    curve = Cluster.of(gpu, nodes=1, gpus_per_node=1).gemm
+    assert _growing_gets_faster(curve) == []
+    assert _growing_gets_faster(replace(curve, fixed_seconds=100e-6)) == []
+
+
+def test_planted_bug_a_fixed_cost_spread_over_the_waves_is_caught():
+    """The old curve's saturation term, ``(F + F_half) / (peak x plateau x waves)`` with a tile count's wave fraction,
+    made a 1024 x 2048 x 2048 GEMM slower than a 1024 x 4096 x 4096 one: the check finds such shapes."""
+
+    class SpreadFixedCost(GemmModel):
+        def seconds(self, gemm: Gemm) -> float:
+            import math
+
+            tiles = math.ceil(gemm.m / self.tile[0]) * math.ceil(gemm.n / self.tile[1])
+            waves = tiles / (math.ceil(tiles / self.units) * self.units)
+            return (2 * gemm.m * gemm.n * gemm.k + 87e9) / (self.peak_flops * self.plateau * waves) * gemm.count
+
+    curve = Cluster.of("h100", nodes=1, gpus_per_node=1).gemm
+    planted = SpreadFixedCost(curve.peak_flops, curve.plateau, units=curve.units, tile=curve.tile)
+    assert planted.seconds(Gemm(1024, 2048, 2048)) > planted.seconds(Gemm(1024, 4096, 4096))
+    assert _growing_gets_faster(planted)
+
+
 def test_fit_recovers_a_known_curve_and_wave_quantization_and_roofline_bind():
-    truth = GemmModel(1e15, 0.8, 5e10, units=132, tile=GPU_TILE)
+    truth = GemmModel(1e15, 0.8, 60e-6, units=132, tile=GPU_TILE)
     shapes = [(8192, 14336, 4096), (16384, 14336, 4096), (16384, 4096, 14336), (4096, 14336, 16384)]
     measured = [GemmMeasurement(m, n, k, truth.seconds(Gemm(m, n, k)), "synthetic") for m, n, k in shapes]
     fitted = fit_gemm_model(measured, 1e15, units=132, tile=GPU_TILE)
-    assert fitted.plateau == pytest.approx(0.8) and fitted.half_flops == pytest.approx(5e10, rel=1e-6)
+    assert fitted.plateau == pytest.approx(0.8) and fitted.fixed_seconds == pytest.approx(60e-6, rel=1e-6)
     # 133 tiles on 132 SMs: two waves, the second nearly idle.
     assert truth.wave_fraction(128 * 133, 256) == pytest.approx(133 / 264)
     assert truth.wave_fraction(128 * 132, 256) == 1.0
     # The roofline: 16 rows against a 4096 x 14336 weight are bound by reading the weight.
-    bound = replace(truth, half_flops=0.0, bandwidth=2.55e12)
+    bound = replace(truth, fixed_seconds=0.0, bandwidth=2.55e12)
     weight_read = 2 * (16 * 4096 + 4096 * 14336 + 16 * 14336) / 2.55e12
     assert bound.seconds(Gemm(16, 14336, 4096)) == pytest.approx(weight_read)
     assert bound.efficiency(16, 14336, 4096) < 0.05 < bound.efficiency(16384, 14336, 4096)
@@ -83,12 +132,13 @@ def test_presets_price_matmuls_by_shape_and_efficiency_overrides_the_curve():
 
 
 def test_planted_bug_a_curve_that_ignores_the_shape_is_caught():
-    """A curve stuck at its plateau would put the 8,192-row GEMMs 10% above what the H100 measured."""
+    """A curve stuck at its plateau (no wave quantization) would put the 8,192-row GEMMs 5-8% above what the H100
+    measured; the curve with it is within -4.6% to +4.3% of every measured GEMM."""
     model = gpu_gemm_model("h100", MEASURED_PEAK_FLOPS, 0.0)
-    flat = replace(model, half_flops=0.0, units=1, tile=(1, 1))
+    flat = replace(model, fixed_seconds=0.0, units=1, tile=(1, 1))
     small = [g for g in MEASURED_GEMMS["h100"] if 8192 in (g.m, g.k)]
     errors = [flat.efficiency(g.m, g.n, g.k) / (g.flops / g.seconds / MEASURED_PEAK_FLOPS) - 1 for g in small]
-    assert min(errors) > 0.04
+    assert min(errors) > 0.05
 
 
 def test_a_single_gpu_step_is_priced_from_the_curve():
