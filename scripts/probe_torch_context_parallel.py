@@ -6,7 +6,7 @@ Two gloo processes shard q, k, v (the buffers) with ``context_parallel``, call
 ``F.scaled_dot_product_attention`` inside it, and compare output and gradients with one-process
 SDPA; ``CommDebugMode`` shows what DTensor communicated. Self-contained on purpose, so it can
 be re-run on a new torch release. Results for torch 2.13 are in
-lightning_para/parallel/context/NOTES.md.
+docs/context_parallel_torch_probe.md.
 """
 
 import os
