@@ -20,7 +20,8 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
     ``num_experts_per_tok``; the expert width ``moe_intermediate_size`` (else
     ``intermediate_size``); shared experts ``n_shared_experts`` x ``moe_intermediate_size``
     (DeepSeek) or ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first layers
-    ``first_k_dense_replace``; MoE every ``decoder_sparse_step`` / ``moe_layer_freq`` layers.
+    ``first_k_dense_replace``; MoE every ``decoder_sparse_step`` layers, except ``mlp_only_layers`` (Qwen-MoE); as
+    transformers builds these models, DeepSeek's ``moe_layer_freq`` is not read.
     DeepSeek's MLA (``kv_lora_rank``) is counted by :func:`mla_attention_params`, with the value
     head dim as the head dim (as the ``deepseek-v3`` preset). These architectures use SwiGLU,
     RMSNorm, RoPE and no biases (the :class:`ModelDesc` defaults). Families written with the same keys whose layers
@@ -69,7 +70,8 @@ def from_hf_config(config: Any, name: Optional[str] = None) -> ModelDesc:
             num_experts=experts, top_k=int(config["num_experts_per_tok"]),
             moe_ffn=int(expert_ffn) if expert_ffn else None, shared_expert_ffn=shared,
             first_k_dense=int(config.get("first_k_dense_replace") or 0),
-            moe_every=int(config.get("decoder_sparse_step") or config.get("moe_layer_freq") or 1),
+            moe_every=int(config.get("decoder_sparse_step") or 1),
+            moe_layers=_moe_layers(config),
         )
     head_dim = config.get("head_dim")
     attention: dict[str, Any] = {}
@@ -107,6 +109,18 @@ OTHER_LAYERS: dict[str, dict[str, Any]] = {
     "stablelm": dict(norm="layernorm"),
     "falcon": dict(gated_mlp=False, norm="layernorm", bias=("bias", False), tied=True),
 }
+
+
+def _moe_layers(config: dict[str, Any]) -> Optional[tuple[int, ...]]:
+    """The MoE layers by index where ``ModelDesc``'s rule cannot say them: Qwen-MoE keeps ``mlp_only_layers`` dense
+    (``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``, transformers' rule); ``None`` otherwise.
+    DeepSeek's ``moe_layer_freq`` is not read: transformers' DeepSeek-V2/V3 code puts experts in every layer from
+    ``first_k_dense_replace`` on, whatever it says."""
+    dense = set(config.get("mlp_only_layers") or ())
+    if not dense:
+        return None
+    every = int(config.get("decoder_sparse_step") or 1)
+    return tuple(i for i in range(int(config["num_hidden_layers"])) if i not in dense and (i + 1) % every == 0)
 
 
 def _llama_style_keys(config: dict[str, Any]) -> dict[str, Any]:

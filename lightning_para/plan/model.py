@@ -72,6 +72,8 @@ class ModelDesc:
         moe_every, first_k_dense: layer ``i`` is an MoE layer when ``i >= first_k_dense`` and
             ``(i - first_k_dense) % moe_every == moe_every - 1`` (every layer: 1; GShard's
             every other layer: 2; DeepSeek-V3: the first 3 layers dense).
+        moe_layers: the MoE layers by index, for a layout that rule cannot say (Qwen-MoE's ``mlp_only_layers``,
+            DeepSeek's ``moe_layer_freq`` above 1); ``None``: the rule.
         capacity_factor: MoE expert capacity (GShard/Switch); ``None``: dropless.
         tied_embeddings: the output head reuses the input embedding matrix.
         gated_mlp: SwiGLU-style MLP with three matrices instead of two.
@@ -108,6 +110,7 @@ class ModelDesc:
     shared_expert_ffn: int = 0
     moe_every: int = 1
     first_k_dense: int = 0
+    moe_layers: Optional[tuple[int, ...]] = None
     capacity_factor: Optional[float] = None
     tied_embeddings: bool = False
     gated_mlp: bool = True
@@ -155,6 +158,11 @@ class ModelDesc:
             _check_int("moe_ffn", self.moe_ffn)
             if self.first_k_dense >= self.layers:
                 raise ValueError(f"`first_k_dense={self.first_k_dense}` leaves no MoE layer of {self.layers}.")
+            if self.moe_layers is not None:
+                object.__setattr__(self, "moe_layers", tuple(sorted(set(self.moe_layers))))
+                if not self.moe_layers or not all(0 <= i < self.layers for i in self.moe_layers):
+                    raise ValueError(f"`moe_layers={self.moe_layers}` must name at least one of layers"
+                                     f" 0..{self.layers - 1}.")
         elif self.top_k or self.shared_expert_ffn:
             raise ValueError("`top_k` and `shared_expert_ffn` need `num_experts > 0` (a dense model has neither).")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -198,7 +206,11 @@ class ModelDesc:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has routed experts."""
-        if not self.is_moe or index < self.first_k_dense:
+        if not self.is_moe:
+            return False
+        if self.moe_layers is not None:
+            return index in self.moe_layers
+        if index < self.first_k_dense:
             return False
         return (index - self.first_k_dense) % self.moe_every == self.moe_every - 1
 

@@ -85,6 +85,12 @@ FAMILIES = [
     ("Qwen2Config", "Qwen2ForCausalLM", SMALL, 1e-3),  # q/k/v biases only
     ("GemmaConfig", "GemmaForCausalLM", {**SMALL, "head_dim": 64}, 0.0),
     ("MixtralConfig", "MixtralForCausalLM", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2}, 0.0),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**SMALL, "num_hidden_layers": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "head_dim": 64, "mlp_only_layers": [0, 2]}, 1e-3),
+    ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**SMALL, "num_hidden_layers": 5, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "first_k_dense_replace": 1, "moe_layer_freq": 2,
+        "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32},
+     0.0),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**SMALL, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 128, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 64,
         "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}, 0.0),
