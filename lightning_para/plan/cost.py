@@ -46,7 +46,7 @@ from lightning_para.memory import PredictedMemory
 from lightning_para.options import RUN_RULES, rule_problems
 from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
-from lightning_para.parallel.pipeline.split import explicit_split
+from lightning_para.parallel.pipeline.split_math import explicit_split
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
 from lightning_para.plan.layout import Layout

@@ -38,7 +38,7 @@ from lightning_para.options import PLANNED_SCHEDULES
 from lightning_para.options import SCHEDULES as STRATEGY_SCHEDULES
 from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.schedules import stage_to_rank
-from lightning_para.parallel.pipeline.split import balanced_split, explicit_split
+from lightning_para.parallel.pipeline.split_math import balanced_split, explicit_split
 from lightning_para.plan.model import ModelDesc, PipelineUnit
 from lightning_para.plan.tensors import ParamTensor, part_tensors, total_numel
 

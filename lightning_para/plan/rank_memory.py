@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Union
 
-from lightning_para.parallel.context.ring import score_tile_rows
+from lightning_para.parallel.context.tiles import score_tile_rows
 from lightning_para.parallel.pipeline.schedules import compute_order
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.layout import Layout

@@ -493,6 +493,47 @@ def test_plan_is_the_pure_cost_model():
     assert not found, "plan/ is the pure cost model:\n" + "\n".join(found)
 
 
+# torch's pipelining schedules are the action orders the schedule registry (a leaf) reads; importing them starts no
+# process group and needs no device.
+HELPER_ALLOWED = ("torch.distributed.pipelining",)
+
+
+def impure_parallel_helpers(modules: dict[str, Path]) -> list[str]:
+    """Modules of ``parallel/`` that ``plan/`` imports and that themselves import what :data:`PLAN_FORBIDDEN` names: the
+    helpers the planner shares must be pure (a package's ``__init__`` is not counted: ``plan/`` names the module)."""
+    helpers: set[str] = set()
+    for name, path in modules.items():
+        if name == f"{PACKAGE}.plan" or name.startswith(f"{PACKAGE}.plan."):
+            for _, targets in _import_statements(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+                helpers |= {t for t in targets if t.startswith(f"{PACKAGE}.parallel.") and t in modules
+                            and modules[t].name != "__init__.py"}
+    found = []
+    for helper in sorted(helpers):
+        path = modules[helper]
+        for line, targets in _import_statements(ast.parse(path.read_text()), helper, False):
+            targets = {t for t in targets if not t.startswith(HELPER_ALLOWED)}
+            bad = sorted(t for t in targets if any(t == b or t.startswith(b + ".") for b in PLAN_FORBIDDEN))
+            if bad:
+                found.append(f"{helper}:{line} imports {bad[0]}")
+    return found
+
+
+def test_impure_helper_check_sees_a_helper_that_imports_torch_distributed(tmp_path):
+    plan, helper = tmp_path / "cost.py", tmp_path / "split.py"
+    plan.write_text("from lightning_para.parallel.pipeline.split import explicit_split\n")
+    helper.write_text("import torch.distributed as dist\ndef explicit_split(): ...\n")
+    found = impure_parallel_helpers({f"{PACKAGE}.plan.cost": plan, f"{PACKAGE}.parallel.pipeline.split": helper})
+    assert found == [f"{PACKAGE}.parallel.pipeline.split:1 imports torch.distributed"]
+
+
+def test_the_parallel_helpers_the_planner_shares_are_pure():
+    """Schedule order, split math, score tiles: the planner reads ``parallel/``'s one source of that math, and that
+    source imports no process group, Lightning, or runtime (torch's pipelining schedules, the action orders, are
+    allowed: :data:`HELPER_ALLOWED`)."""
+    found = impure_parallel_helpers(_modules())
+    assert not found, "a helper plan/ imports is not pure:\n" + "\n".join(found)
+
+
 def collective_counters(modules: dict[str, Path]) -> list[str]:
     """Classes that intercept collectives: a dispatch mode whose body names c10d's namespaces."""
     found = []

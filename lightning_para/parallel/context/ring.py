@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size, default_scale
 from lightning_para.parallel.context.sharding import chunk_ids_for_rank
+from lightning_para.parallel.context.tiles import SCORE_TILE_BYTES, score_tile_rows
 
 __all__ = ["SCORE_TILE_BYTES", "ring_attention", "score_tile_rows"]
 
@@ -39,19 +40,6 @@ __all__ = ["SCORE_TILE_BYTES", "ring_attention", "score_tile_rows"]
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4
 
 _FULL, _DIAGONAL, _SKIP = "full", "diagonal", "skip"
-
-# A (query chunk, key chunk) pair's fp32 scores are [b, h, c, c]: at 64K tokens over cp=2 (c = 16K, 32 heads)
-# one such block would be 34 GB. Pairs are computed in tiles of query rows, each at most this many bytes of
-# scores; rows are independent in the softmax, so the forward is the same as whole blocks (the backward sums
-# dK/dV over the tiles). `lightning_para.plan` prices two such tiles (P and dP) in a layer's backward.
-SCORE_TILE_BYTES = 2**28
-
-
-def score_tile_rows(batch: int, heads: int, chunk: int) -> int:
-    """Query rows per tile of one chunk pair's scores: all ``chunk`` rows when the fp32 ``[batch, heads, rows,
-    chunk]`` block fits :data:`SCORE_TILE_BYTES`, else as many as fit (at least one)."""
-    per_row = 4 * batch * heads * chunk
-    return max(1, min(chunk, SCORE_TILE_BYTES // max(1, per_row)))
 
 
 class _Ring:

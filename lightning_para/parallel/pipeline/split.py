@@ -12,7 +12,7 @@ The returned :class:`~lightning_para.parallel.pipeline.runner.PipelineRunner` th
 Lightning step through torch's schedule. The modules of this package:
 
 * ``spec``: the contract (``PipelineSpec``) and the module holding one stage;
-* ``split`` (here): the split, keeping only this rank's stages;
+* ``split`` (here): the split, keeping only this rank's stages; ``split_math``: where the stages start (pure);
 * ``runner``: Lightning steps through the schedule, losses, gradients, stats;
 * ``schedules``: the schedule registry, validation, action orders, bubble formulas (a leaf);
 * ``measure``: per-action clocks and saved-activation bytes.
@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_para._dtensor import parameter_owners
 from lightning_para.parallel.pipeline.runner import PipelineRunner
 from lightning_para.parallel.pipeline.schedules import stage_to_rank
+from lightning_para.parallel.pipeline.split_math import balanced_split, explicit_split
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule, named_layers_of, pipeline_spec_of
 
 
@@ -54,48 +55,6 @@ class _DroppedLayer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the split
-def balanced_split(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Start index of each stage: contiguous parts minimizing the largest part's cost.
-
-    Dynamic programming over (stages, prefix): O(num_stages * L^2), exact.
-    """
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][i]: smallest max-cost splitting the first i layers into k stages; cut[k][i]: last start.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    starts, i = [], n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def explicit_split(split: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Normalize ``pipeline_split`` (where stages 1.. start; a leading 0 is allowed) to all starts."""
-    starts = [int(s) for s in split]
-    if len(starts) == num_stages - 1:
-        starts = [0, *starts]
-    ok = len(starts) == num_stages and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:]))
-    if not ok or starts[-1] >= num_layers:
-        raise ValueError(
-            f"`pipeline_split={list(split)}` must give the first layer index of stages 1..{num_stages - 1}"
-            f" ({num_stages - 1} strictly increasing indices in 1..{num_layers - 1}) for {num_stages} stages"
-            f" over {num_layers} layers."
-        )
-    return starts
-
-
 def measure_layer_times(layers: Sequence[nn.Module], example: Any, repeats: int = 3) -> list[float]:
     """Forward seconds of each layer on ``example`` (the fastest of ``repeats`` runs).
 
