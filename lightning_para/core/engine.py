@@ -41,6 +41,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown
+from lightning_para.instrument.saved_activations import SavedActivationMeter
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
@@ -187,6 +188,8 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             self.report("setup: load pretrained weights, each rank its own slices", exempt=True)
             load_pretrained_into(module, weights)
         _PARALLELIZED[module] = self.parallel
+        if self.parallel.pipeline is not None:
+            self.parallel.pipeline.activation_meter = SavedActivationMeter
         if self.parallel.compiled:  # counts from here: the first compilation of each block class is expected
             types = sorted({t for info in self.parallel.compiled for t in info.block_types})
             self.compile_watch = CompileWatch(types)

@@ -2,7 +2,8 @@
 
 * :mod:`.collectives`: the one collective counter (:class:`CollectiveCounter`; process group -> mesh
   dimension, payload and bus bytes, optionally timed);
-* :mod:`.live_bytes`: the one live-bytes counter (:class:`LiveBytes`);
+* :mod:`.live_bytes`: the one live-bytes counter (:class:`LiveBytes`); :mod:`.saved_activations`: the bytes autograd
+  saves for backward (:class:`SavedActivationMeter`, the pipeline runner's ``measure_activations``);
 * :mod:`.operators`: operator counters (bytes moved by non-matmul operators, DTensor-dispatched operators);
 * :mod:`.records`: the record measured and predicted collectives share (:class:`CommFigure`); memory's two records,
   ``MeasuredMemory`` and ``PredictedMemory``, and the one way held bytes are counted are :mod:`lightning_para.memory`'s;
@@ -18,8 +19,9 @@ from lightning_para.instrument.compare import MeasuredRank, PredictionCheck, com
 from lightning_para.instrument.live_bytes import LiveBytes
 from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
 from lightning_para.instrument.records import CommFigure
+from lightning_para.instrument.saved_activations import SavedActivationMeter
 
 __all__ = [
     "CollectiveCounter", "CommFigure", "DTensorOpCounter", "LiveBytes", "MeasuredRank", "PredictionCheck",
-    "TrafficCounter", "compare", "group_labels", "memory_comparisons", "predicted_rank",
+    "SavedActivationMeter", "TrafficCounter", "compare", "group_labels", "memory_comparisons", "predicted_rank",
 ]

@@ -188,7 +188,7 @@ class _SavedBytes(Callback):
     """Peak bytes autograd keeps for backward during the first training step (parameters excluded)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_para.parallel.pipeline.measure import SavedActivationMeter
+        from lightning_para.instrument.saved_activations import SavedActivationMeter
 
         self.meter = SavedActivationMeter(exclude=list(pl_module.parameters()))
         self.meter.__enter__()

@@ -18,7 +18,7 @@ from lightning_para import ParallelConfig, PipelineSpec
 from lightning_para.options import SCHEDULES as PIPELINE_SCHEDULES
 from lightning_para.parallel.pipeline.spec import PipelineStageModule, named_layers_of, pipeline_spec_of
 from lightning_para.parallel.pipeline.split import apply_pipeline_parallel, balanced_split, explicit_split
-from lightning_para.parallel.pipeline.measure import SavedActivationMeter
+from lightning_para.instrument.saved_activations import SavedActivationMeter
 from lightning_para.parallel.pipeline.schedules import (
     expected_bubble,
     schedule_action_order,

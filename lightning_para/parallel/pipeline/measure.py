@@ -5,14 +5,14 @@
 * :class:`StepRecorder` keeps one rank's action events for a step and the busy time they add up to.
 * :class:`TimedPipelineStage` is torch's ``PipelineStage`` with a clock around every forward,
   backward, input-grad and weight-grad action.
-* :class:`SavedActivationMeter` measures the activation bytes autograd keeps for backward.
+* the saved-activation bytes come from a meter the runner is given (``instrument.SavedActivationMeter``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_para._dtensor import local_tensor
 from lightning_para.moe import moe_stats_paused
 
 
@@ -271,60 +270,6 @@ class TimedPipelineStage(PipelineStage):
         return result
 
 
-class SavedActivationMeter:
-    """Live and peak bytes of the tensors autograd saves for backward, parameters excluded.
-
-    A ``saved_tensors_hooks`` pack hook counts each saved storage once (views of one storage
-    share it) and a finalizer uncounts it when autograd frees the graph after backward, so
-    ``peak_bytes`` is the high-water mark of activation memory kept for backward.
-    """
-
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {_storage_key(local_tensor(t, allow_partial=True)) for t in exclude}
-        self._counts: dict[int, int] = {}
-        self._sizes: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self._hooks: Optional[Any] = None
-
-    def __enter__(self) -> "SavedActivationMeter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self._hooks is not None
-        self._hooks.__exit__(*exc)
-        self._hooks = None
-
-    def _pack(self, tensor: Tensor) -> Any:
-        local = local_tensor(tensor, allow_partial=True)
-        key = _storage_key(local)
-        if key in self._excluded or local.device.type == "meta":
-            return tensor
-        return _SavedTensor(self, tensor, key, local.untyped_storage().nbytes())
-
-    @staticmethod
-    def _unpack(packed: Any) -> Tensor:
-        return packed.tensor if isinstance(packed, _SavedTensor) else packed
-
-    def _acquire(self, key: int, nbytes: int) -> None:
-        count = self._counts.get(key, 0)
-        if count == 0:
-            self._sizes[key] = nbytes
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._counts[key] = count + 1
-
-    def _release(self, key: int) -> None:
-        count = self._counts[key] - 1
-        if count == 0:
-            del self._counts[key]
-            self.live_bytes -= self._sizes.pop(key)
-        else:
-            self._counts[key] = count
-
-
 def step_stats(wall: float, recorder: StepRecorder, meter: Any) -> PipelineStepStats:
     """One training step's record: its wall time, the recorder's busy time and events, and the saved-activation
     peak when ``meter`` measured it."""
@@ -333,30 +278,14 @@ def step_stats(wall: float, recorder: StepRecorder, meter: Any) -> PipelineStepS
     return PipelineStepStats(
         step_time_s=wall, busy_time_s=busy, idle_time_s=idle, idle_fraction=idle / wall if wall > 0 else 0.0,
         step_start_unix=recorder.step_start_unix, events=tuple(recorder.events),
-        peak_saved_activation_bytes=meter.peak_bytes if isinstance(meter, SavedActivationMeter) else None,
+        peak_saved_activation_bytes=getattr(meter, "peak_bytes", None),
     )
-
-
-class _SavedTensor:
-    __slots__ = ("meter", "tensor", "key")
-
-    def __init__(self, meter: SavedActivationMeter, tensor: Tensor, key: int, nbytes: int) -> None:
-        self.meter, self.tensor, self.key = meter, tensor, key
-        meter._acquire(key, nbytes)
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
-def _storage_key(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 __all__ = [
     "PipelineEvent",
     "PipelineStats",
     "PipelineStepStats",
-    "SavedActivationMeter",
     "StepRecorder",
     "TimedPipelineStage",
     "step_stats",

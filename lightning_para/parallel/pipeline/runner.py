@@ -36,14 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_para._dtensor import full_tensor
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
-from lightning_para.parallel.pipeline.measure import (
-    PipelineStats,
-    PipelineStepStats,
-    SavedActivationMeter,
-    StepRecorder,
-    TimedPipelineStage,
-    step_stats,
-)
+from lightning_para.parallel.pipeline.measure import PipelineStats, PipelineStepStats, StepRecorder, TimedPipelineStage, step_stats
 from lightning_para.parallel.pipeline.build import build_schedule
 from lightning_para.parallel.pipeline.contracts import GradientSync, StaticStageShapes
 from lightning_para.parallel.pipeline.checkpoint import keep_own_stages, merge_param_group_names
@@ -79,6 +72,8 @@ class PipelineRunner:
         self.has_last = self.num_stages - 1 in self.own_stages
         self.last_rank = placement[self.num_stages - 1]
         self.measure_activations = False
+        # Parameters (excluded) -> a context manager with `peak_bytes`: the core engine gives `instrument`'s meter.
+        self.activation_meter: Optional[Callable[[list[Tensor]], Any]] = None
         # Per-action timing (idle fraction, timeline): free on CPU; on an accelerator only when asked
         # (the profiler turns it on for the steps it samples), since reading device events waits once a step.
         self.measure_timing = device.type == "cpu"
@@ -168,7 +163,9 @@ class PipelineRunner:
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
-        meter = SavedActivationMeter(exclude=params) if self.measure_activations else contextlib.nullcontext()
+        if self.measure_activations and self.activation_meter is None:
+            raise RuntimeError("`measure_activations=True` needs `activation_meter` (instrument.SavedActivationMeter).")
+        meter = self.activation_meter(params) if self.measure_activations else contextlib.nullcontext()
         # Data-parallel sync happens once, in `finish_backward`, not after every microbatch; or, under
         # "reduce_each_microbatch", after each stage's backward of each microbatch (`_after_weight_gradients`).
         if gradient_sync is None:
