@@ -469,14 +469,20 @@ def _import_statements(tree: ast.AST, name: str, is_package: bool) -> list[tuple
 def plan_impurities(modules: dict[str, Path]) -> list[str]:
     """``plan/`` import statements naming what :data:`PLAN_FORBIDDEN` names (every import counts: module level,
     ``TYPE_CHECKING`` blocks, functions)."""
+    return [problem for name, path in sorted(modules.items())
+            if name == f"{PACKAGE}.plan" or name.startswith(f"{PACKAGE}.plan.")
+            for problem in _forbidden_imports(name, path)]
+
+
+def _forbidden_imports(name: str, path: Path, allowed: tuple[str, ...] = ()) -> list[str]:
+    """``"module:line imports target"`` for each import statement of ``path`` naming what :data:`PLAN_FORBIDDEN` names
+    (targets starting with one of ``allowed`` aside)."""
     found = []
-    for name, path in sorted(modules.items()):
-        if not (name == f"{PACKAGE}.plan" or name.startswith(f"{PACKAGE}.plan.")):
-            continue
-        for line, targets in _import_statements(ast.parse(path.read_text()), name, path.name == "__init__.py"):
-            bad = sorted(t for t in targets if any(t == b or t.startswith(b + ".") for b in PLAN_FORBIDDEN))
-            if bad:
-                found.append(f"{name}:{line} imports {bad[0]}")
+    for line, targets in _import_statements(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+        bad = sorted(t for t in targets if not t.startswith(allowed or ("\0",))
+                     and any(t == b or t.startswith(b + ".") for b in PLAN_FORBIDDEN))
+        if bad:
+            found.append(f"{name}:{line} imports {bad[0]}")
     return found
 
 
@@ -507,15 +513,7 @@ def impure_parallel_helpers(modules: dict[str, Path]) -> list[str]:
             for _, targets in _import_statements(ast.parse(path.read_text()), name, path.name == "__init__.py"):
                 helpers |= {t for t in targets if t.startswith(f"{PACKAGE}.parallel.") and t in modules
                             and modules[t].name != "__init__.py"}
-    found = []
-    for helper in sorted(helpers):
-        path = modules[helper]
-        for line, targets in _import_statements(ast.parse(path.read_text()), helper, False):
-            targets = {t for t in targets if not t.startswith(HELPER_ALLOWED)}
-            bad = sorted(t for t in targets if any(t == b or t.startswith(b + ".") for b in PLAN_FORBIDDEN))
-            if bad:
-                found.append(f"{helper}:{line} imports {bad[0]}")
-    return found
+    return [problem for helper in sorted(helpers) for problem in _forbidden_imports(helper, modules[helper], HELPER_ALLOWED)]
 
 
 def test_impure_helper_check_sees_a_helper_that_imports_torch_distributed(tmp_path):
