@@ -22,6 +22,11 @@ from torch import Tensor, nn
 from lightning_para._dtensor import local_tensor
 
 
+def storage_pointer(t: Tensor) -> int:
+    """A storage's identity on a real device: its data pointer (views of one storage share it)."""
+    return t.untyped_storage().data_ptr()
+
+
 class StorageCounter:
     """Bytes of each distinct storage, once: a ZeRO master that views its parameter's rows adds
     nothing, and FSDP2's sharded gradients (views into one reduce-scatter buffer) count that
@@ -32,7 +37,7 @@ class StorageCounter:
 
     def __init__(self, key: Optional[Callable[[Tensor], int]] = None) -> None:
         self._seen: set[int] = set()
-        self._key = key or (lambda t: t.untyped_storage().data_ptr())
+        self._key = key or storage_pointer
 
     def add(self, t: Optional[Tensor]) -> int:
         """``t``'s storage bytes if this counter has not seen that storage yet, else 0."""
@@ -48,8 +53,25 @@ class StorageCounter:
         return t.untyped_storage().nbytes()
 
 
+class _ModelStates:
+    """What both records say alike: the ZeRO paper's model states (``params``, ``grads``, ``optimizer``)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def model_states(self) -> float:
+        """Parameters, gradients and optimizer state: the ZeRO paper's "model states"."""
+        return self.params + self.grads + self.optimizer
+
+    def states(self) -> dict[str, float]:
+        """``params``, ``grads``, ``optimizer`` and their sum (the ZeRO paper's model states)."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.model_states}
+
+
 @dataclass(frozen=True)
-class MeasuredMemory:
+class MeasuredMemory(_ModelStates):
     """Bytes one rank holds, counted from its tensors (each storage once).
 
     ``params``, ``grads`` and ``optimizer`` (fp32 masters kept apart from the parameters, and the optimizer's
@@ -66,15 +88,6 @@ class MeasuredMemory:
     peak: Optional[float] = None
     reserved: Optional[float] = None
     reserved_expandable: Optional[float] = None
-
-    @property
-    def model_states(self) -> float:
-        """Parameters, gradients and optimizer state: the ZeRO paper's "model states"."""
-        return self.params + self.grads + self.optimizer
-
-    def states(self) -> dict[str, float]:
-        """``params``, ``grads``, ``optimizer`` and their sum (the ZeRO paper's model states)."""
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.model_states}
 
 
 def measure_states(
@@ -113,7 +126,7 @@ def measure_states(
 
 
 @dataclass(frozen=True)
-class PredictedMemory:
+class PredictedMemory(_ModelStates):
     """Bytes one rank is predicted to hold: by the planner at the step's peak (``plan.rank_memory``) or between
     optimizer steps (``plan.rank_states.resident_states``: states only), or by the ZeRO paper's formulas (states
     only: ``parallel.data.memory``)."""
@@ -169,10 +182,6 @@ class PredictedMemory:
         are done (the dry run's measured ``activations``)."""
         return self.activations - self.transient
 
-    @property
-    def model_states(self) -> float:
-        """Parameters, gradients and optimizer state: the ZeRO paper's "model states"."""
-        return self.params + self.grads + self.optimizer
 
     @property
     def held_grads(self) -> float:
@@ -195,9 +204,5 @@ class PredictedMemory:
         during_step = self.params + self.held_grads + self.optimizer + self.activations + self.buffers
         return max(during_step, self.optimizer_step_total)
 
-    def states(self) -> dict[str, float]:
-        """``params``, ``grads``, ``optimizer`` and their sum (the ZeRO paper's model states)."""
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.model_states}
 
-
-__all__ = ["MeasuredMemory", "PredictedMemory", "StorageCounter", "measure_states"]
+__all__ = ["MeasuredMemory", "PredictedMemory", "StorageCounter", "measure_states", "storage_pointer"]

@@ -152,11 +152,16 @@ def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
         local = local_cluster(gpus, per_node, torch.device("cpu"), peak_flops=overrides.get("peak_flops"))
         return Cluster(**{**{f: getattr(local, f) for f in ("nodes", "gpus_per_node", "memory_bytes", "peak_flops",
                           "intra_node_bw", "inter_node_bw", "intra_node_latency", "inter_node_latency")}, **overrides})
-    if "memory_bytes" not in overrides:
-        raise PlanError("Give the devices: `--gpu NAME` (" + ", ".join(sorted(GPU_SPECS)) + ") or `--gpu-memory GB`.")
-    base = dict(GPU_SPECS["h100"])
+    base = dict(GPU_SPECS["h100"])  # `--gpu-memory` without `--gpu` (`_require_all` asked for one of them)
     base.update(overrides)
     return Cluster(nodes=gpus // per_node, gpus_per_node=per_node, **base)
+
+
+def _shape_of_batch(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> tuple[Optional[int], Optional[int]]:
+    """``(seq_len, global_batch)``: the arguments, else the config's data section."""
+    seq_len = args.seq_len or (data_value(config, "seq_len") if config else None)
+    batch = args.global_batch or (data_value(config, "global_batch_size") if config else None)
+    return seq_len, batch
 
 
 def _require_all(args: argparse.Namespace, config: Optional[dict[str, Any]], gpus: Optional[int], cpu_config: bool) -> None:
@@ -167,20 +172,14 @@ def _require_all(args: argparse.Namespace, config: Optional[dict[str, Any]], gpu
     if args.gpu is None and args.gpu_memory is None and not cpu_config:
         missing.append("the devices: `--gpu NAME` (" + ", ".join(sorted(GPU_SPECS)) + ") or `--gpu-memory GB`")
     from_data = " (the config's data section does not say it)" if config else ""
-    if not (args.seq_len or (data_value(config, "seq_len") if config else None)):
-        missing.append("`--seq-len`" + from_data)
-    if not (args.global_batch or (data_value(config, "global_batch_size") if config else None)):
-        missing.append("`--global-batch`" + from_data)
+    seq_len, batch = _shape_of_batch(args, config)
+    missing += [f"`{flag}`{from_data}" for flag, value in (("--seq-len", seq_len), ("--global-batch", batch)) if not value]
     if missing:
         raise PlanError("Give " + "; ".join(missing) + ".")
 
 
 def _training(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> Training:
-    seq_len = args.seq_len or (data_value(config, "seq_len") if config else None)
-    batch = args.global_batch or (data_value(config, "global_batch_size") if config else None)
-    if not seq_len or not batch:
-        missing = "--seq-len" if not seq_len else "--global-batch"
-        raise PlanError(f"Give `{missing}`" + (" (the config's data section does not say it)." if config else "."))
+    seq_len, batch = _shape_of_batch(args, config)  # both given: `_require_all` ran first
     precision = args.precision or (config_precision(config) if config else None) or "bf16-mixed"
     if precision not in PRECISIONS:
         raise PlanError(f"The config's precision {precision!r} is not one the planner models: {', '.join(PRECISIONS)}.")

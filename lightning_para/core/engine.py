@@ -37,11 +37,11 @@ from lightning_para.checkpoint.pretrained import load_pretrained_into, materiali
 from lightning_para.config import ParallelConfig
 from lightning_para.core.checkpoints import EngineCheckpoints
 from lightning_para.core.run_guard import EngineRunGuard
+from lightning_para.instrument.saved_activations import SavedActivationMeter
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import DataParallel, MemoryBreakdown
-from lightning_para.instrument.saved_activations import SavedActivationMeter
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.fp8 import precompute_float8_scales
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor

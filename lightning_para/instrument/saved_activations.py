@@ -14,10 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_para._dtensor import local_tensor
-
-
-def _storage_key(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+from lightning_para.memory import storage_pointer as _storage_key
 
 
 class SavedActivationMeter:

@@ -72,8 +72,8 @@ class ModelDesc:
         moe_every, first_k_dense: layer ``i`` is an MoE layer when ``i >= first_k_dense`` and
             ``(i - first_k_dense) % moe_every == moe_every - 1`` (every layer: 1; GShard's
             every other layer: 2; DeepSeek-V3: the first 3 layers dense).
-        moe_layers: the MoE layers by index, for a layout that rule cannot say (Qwen-MoE's ``mlp_only_layers``,
-            DeepSeek's ``moe_layer_freq`` above 1); ``None``: the rule.
+        moe_layers: the MoE layers by index, for a layout that rule cannot say (Qwen-MoE's ``mlp_only_layers``);
+            ``None``: the rule.
         capacity_factor: MoE expert capacity (GShard/Switch); ``None``: dropless.
         tied_embeddings: the output head reuses the input embedding matrix.
         gated_mlp: SwiGLU-style MLP with three matrices instead of two.
