@@ -4,12 +4,14 @@ It reads a folder written by ``lightning-para prepare`` (token shards + ``meta.j
 :mod:`lightning_para.recipes.token_format`), or nanoGPT / llm.c ``.bin`` token files as they are. Every file
 is memory-mapped: a rank touches only the pages of the windows it reads, whatever the corpus' size.
 
-The corpus is one stream (documents already packed, each followed by the tokenizer's EOS id); training
-sequences are its consecutive windows of ``seq_len + 1`` tokens (inputs and next-token targets), also
-across file boundaries. Samples are sharded per *data-parallel* rank (``trainer.strategy.
-distributed_sampler_kwargs``): the tp, pp and cp ranks of one dp slot read the same batch. The training
-loader is a :class:`~lightning_para.reliability.ResumableDataLoader`, so a run resumes exactly mid-epoch,
-also at another data-parallel degree.
+A corpus is one stream (documents already packed, each followed by the tokenizer's EOS id); its sequences
+are consecutive windows of ``seq_len + 1`` tokens (inputs and next-token targets), also across file
+boundaries. Training reads one corpus or a weighted mixture of several (``sources``), in the order of
+:mod:`lightning_para.recipes.mixture`: a function of the seed and the global sample position. Samples are
+sharded per *data-parallel* rank (``trainer.strategy.distributed_sampler_kwargs``): the tp, pp and cp ranks
+of one dp slot read the same batch. The training loader is a
+:class:`~lightning_para.reliability.ResumableDataLoader` over that stream, so a run resumes exactly
+mid-epoch, also at another data-parallel degree or after a source wrapped.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
 from lightning_para.recipes.data import check_batch_shape, data_parallel_replicas
+from lightning_para.recipes.mixture import EXHAUSTED, ON_CHANGE, Mixture
 from lightning_para.recipes.token_format import META_FILE, TokenCorpus, open_corpus
 from lightning_para.reliability.resumable_data import ResumableDataLoader
 
@@ -59,11 +63,59 @@ class TokenSequences(Dataset):
             length -= len(piece)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def window(self, index: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of sequence ``index``."""
         if not 0 <= index < self.count:
             raise IndexError(index)
-        window = torch.from_numpy(self._tokens((self.first + index) * self.seq_len, self.seq_len + 1).astype(np.int64))
+        return self._tokens((self.first + index) * self.seq_len, self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        # Every training and validation sample is made here, from its window.
+        window = torch.from_numpy(self.window(index).astype(np.int64))
         return window[:-1], window[1:]
+
+
+class MixedSequences(Dataset):
+    """The training stream: position ``g`` is the sequence the mixture draws there from one of ``sources``;
+    an epoch is the next ``len()`` positions (a stream dataset of :class:`ResumableDataLoader`)."""
+
+    def __init__(self, sources: dict[str, TokenSequences], mixture: Mixture) -> None:
+        self.sources = list(sources.values())
+        self.mixture = mixture
+
+    def __len__(self) -> int:
+        return self.mixture.epoch_samples
+
+    def __getitem__(self, g: int) -> tuple[Tensor, Tensor]:
+        source, index = self.mixture.locate(g)
+        return self.sources[source][index]
+
+
+class MixtureLoader(ResumableDataLoader):
+    """The training loader of a mixture: its checkpoint state adds the mixture and every source's position, and a
+    changed mixture is refused or (``on_mixture_change="restart_mixture"``) continued from those positions."""
+
+    def __init__(self, dataset: MixedSequences, global_batch_size: int, on_mixture_change: str, **kwargs: Any) -> None:
+        super().__init__(dataset, global_batch_size, shuffle=False, stream=True, **kwargs)
+        self.mixture = dataset.mixture
+        self.on_mixture_change = on_mixture_change
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        return {**state, "mixture": self.mixture.state(state["epoch"] * self.mixture.epoch_samples + state["samples"])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("mixture")
+        if saved is None:
+            raise ValueError(
+                "The checkpoint's data position was written by a TokenDataModule without mixtures; it cannot be"
+                " continued exactly. Start the data from its beginning (a fresh fit with the checkpoint's weights)."
+            )
+        self.mixture.check(saved, self.on_mixture_change)
+        # The mixture fixes the epoch's length: changed (explicitly), the position keeps its epoch and sample count.
+        super().load_state_dict({**state, "dataset_len": self.mixture.epoch_samples})
+        now = super().state_dict()
+        self.mixture.resume(saved, now["epoch"] * self.mixture.epoch_samples + now["samples"], self.on_mixture_change)
 
 
 class HFTokenizerText:
@@ -85,7 +137,8 @@ class HFTokenizerText:
 
 
 class TokenDataModule(L.LightningDataModule):
-    """Language-modelling batches from a tokenized corpus, sharded over the data-parallel ranks.
+    """Language-modelling batches from a tokenized corpus or a weighted mixture of them, sharded over the
+    data-parallel ranks.
 
     Args:
         path: a folder written by ``lightning-para prepare``; or a nanoGPT (raw ``uint16``) / llm.c
@@ -94,17 +147,24 @@ class TokenDataModule(L.LightningDataModule):
         global_batch_size: sequences per optimizer micro-step over all data-parallel ranks (each dp rank
             loads ``global_batch_size // dp``).
         val_path: a separate validation corpus (same forms as ``path``); without it the last
-            ``val_fraction`` of ``path``'s sequences are held out.
+            ``val_fraction`` of every source's sequences are held out.
         val_fraction: the held-out tail when ``val_path`` is not given (0 switches validation off).
         vocab_size: the vocabulary of ``.bin`` files, which do not record it (GPT-2's: 50 257); a prepared
             folder records its own.
-        shuffle, seed: the training order (a permutation seeded with ``seed + epoch``, the same for every layout).
+        shuffle, seed: the training order (each source's sequences in a permutation per pass, seeded by ``seed``,
+            the source's name and the pass; the same for every layout).
         num_workers: DataLoader workers per rank.
+        sources: instead of ``path``, a weighted mixture ``{name: (path, weight)}`` (see
+            :mod:`lightning_para.recipes.mixture`); the sources share one tokenizer.
+        exhausted: what a source that runs out does: ``"repeat"`` (its next pass; an epoch is as many sequences as
+            the sources hold together) or ``"stop"`` (the epoch ends there; the next starts every source anew).
+        on_mixture_change: a checkpoint written with another mixture (a weight, a source added or removed):
+            ``"error"``, or ``"restart_mixture"`` (every source continues from its saved position, new weights).
     """
 
     def __init__(
         self,
-        path: Union[str, list[str]],
+        path: Optional[Union[str, list[str]]] = None,
         seq_len: int = 1024,
         global_batch_size: int = 8,
         val_path: Optional[Union[str, list[str]]] = None,
@@ -113,11 +173,18 @@ class TokenDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        sources: Optional[dict[str, tuple[Union[str, list[str]], float]]] = None,
+        exhausted: Literal["repeat", "stop"] = "repeat",
+        on_mixture_change: Literal["error", "restart_mixture"] = "error",
     ) -> None:
         super().__init__()
         check_batch_shape(seq_len, global_batch_size)
         if not 0.0 <= val_fraction < 0.5:
             raise ValueError(f"`data.val_fraction={val_fraction!r}` must be in [0, 0.5).")
+        if (path is None) == (sources is None) or sources == {}:
+            raise ValueError("Give `data.path` (one corpus) or `data.sources` (a mixture `{name: [path, weight]}`), not both.")
+        if exhausted not in EXHAUSTED or on_mixture_change not in ON_CHANGE:
+            raise ValueError(f"`data.exhausted` must be one of {EXHAUSTED}, `data.on_mixture_change` one of {ON_CHANGE}.")
         self.path = path
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
@@ -125,10 +192,32 @@ class TokenDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
+        self.exhausted = exhausted
+        self.on_mixture_change = on_mixture_change
+        entries = {"data": (path, 1.0)} if sources is None else sources
+        self.weights = {name: float(weight) for name, (_, weight) in entries.items()}
         # Opened here, in the launching process: a missing or truncated shard fails before any worker starts.
-        self.corpus = open_corpus(path, vocab_size)
+        self.corpora = {name: open_corpus(where, vocab_size) for name, (where, _) in entries.items()}
+        self.corpus = next(iter(self.corpora.values()))
+        for name, corpus in self.corpora.items():
+            known = [(a, b) for a, b in ((corpus.vocab_size, self.corpus.vocab_size), (corpus.eos_id, self.corpus.eos_id))
+                     if a is not None and b is not None]
+            if any(a != b for a, b in known):  # .bin files record neither
+                raise ValueError(
+                    f"`data.sources[{name!r}]` was tokenized with vocabulary {corpus.vocab_size} and EOS id"
+                    f" {corpus.eos_id}, the first source with {self.corpus.vocab_size} and {self.corpus.eos_id}. Prepare"
+                    " every source with the same tokenizer."
+                )
         self.val_corpus = open_corpus(val_path, vocab_size or self.corpus.vocab_size) if val_path is not None else None
-        self.splits: dict[str, TokenSequences] = {}
+        self.splits: dict[str, Dataset] = {}
+
+    @property
+    def mixture(self) -> Mixture:
+        """Which source each training position reads; ``mixture.proportions(0, n)``: the realised shares."""
+        self.setup()
+        train = self.splits["train"]
+        assert isinstance(train, MixedSequences)
+        return train.mixture
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -153,46 +242,57 @@ class TokenDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.splits:
             return
-        train = TokenSequences(self.corpus, self.seq_len)
-        if self.val_corpus is not None:
-            self.splits = {"train": train, "val": TokenSequences(self.val_corpus, self.seq_len)}
-        else:
-            held_out = int(len(train) * self.val_fraction)
-            self.splits = {"train": TokenSequences(self.corpus, self.seq_len, 0, len(train) - held_out)}
+        train, val = {}, []
+        for name, corpus in self.corpora.items():
+            total = len(TokenSequences(corpus, self.seq_len))
+            held_out = 0 if self.val_corpus is not None else int(total * self.val_fraction)
+            train[name] = TokenSequences(corpus, self.seq_len, 0, total - held_out)
             if held_out:
-                self.splits["val"] = TokenSequences(self.corpus, self.seq_len, len(train) - held_out, held_out)
+                val.append(TokenSequences(corpus, self.seq_len, total - held_out, held_out))
+        if self.val_corpus is not None:
+            val = [TokenSequences(self.val_corpus, self.seq_len)]
+        mixture = Mixture(list(train), [self.weights[n] for n in train], [len(t) for t in train.values()],
+                          seed=self.seed, shuffle=self.shuffle, exhausted=self.exhausted)
+        self.splits = {"train": MixedSequences(train, mixture)}
+        if val:
+            self.splits["val"] = val[0] if len(val) == 1 else ConcatDataset(val)
         for name, split in self.splits.items():
-            if len(split) < self.global_batch_size:
-                source = self.val_corpus.source if name == "val" and self.val_corpus is not None else self.corpus.source
+            if len(split) < self.global_batch_size:  # type: ignore[arg-type]
+                where = self.val_corpus.source if name == "val" and self.val_corpus is not None else ", ".join(
+                    c.source for c in self.corpora.values())
                 raise ValueError(
-                    f"The {name} split of `{source}` has {len(split)} sequences of seq_len+1={self.seq_len + 1} tokens,"
+                    f"The {name} split of `{where}` has {len(split)} sequences of seq_len+1={self.seq_len + 1} tokens,"  # type: ignore[arg-type]
                     f" fewer than `data.global_batch_size={self.global_batch_size}`. Prepare more text, or lower"
                     " `data.seq_len`, `data.global_batch_size` or `data.val_fraction`."
                 )
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def _loader(self, split: str) -> DataLoader:
         self.setup()
         replicas = data_parallel_replicas(self.trainer)
         workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
-        if split == "train":
-            return ResumableDataLoader(
-                self.splits[split], self.global_batch_size, shuffle=shuffle, seed=self.seed, **replicas, **workers
-            )
+        dataset = self.splits[split]
+        if isinstance(dataset, MixedSequences):
+            mixture = dataset.mixture
+            if len(mixture.names) > 1:
+                shares = mixture.proportions(0, len(dataset))
+                rank_zero_info(f"Data mixture over one epoch of {len(dataset)} sequences: " + ", ".join(
+                    f"{n} {shares[n]:.1%} (weight {w:.1%})" for n, w in zip(mixture.names, mixture.weights)))
+            return MixtureLoader(dataset, self.global_batch_size, self.on_mixture_change, **replicas, **workers)
         dp = replicas["num_replicas"]
         if self.global_batch_size % dp:
             raise ValueError(
                 f"`data.global_batch_size={self.global_batch_size}` is not divisible by the data-parallel degree dp={dp}."
                 f" Choose a multiple of {dp}."
             )
-        sampler = DistributedSampler(self.splits[split], shuffle=False, drop_last=True, **replicas)
-        return DataLoader(self.splits[split], batch_size=self.global_batch_size // dp, sampler=sampler, drop_last=True, **workers)
+        sampler = DistributedSampler(dataset, shuffle=False, drop_last=True, **replicas)
+        return DataLoader(dataset, batch_size=self.global_batch_size // dp, sampler=sampler, drop_last=True, **workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.shuffle)
+        return self._loader("train")
 
     def val_dataloader(self) -> Any:
         self.setup()
-        return self._loader("val", False) if "val" in self.splits else []
+        return self._loader("val") if "val" in self.splits else []
 
 
-__all__ = ["TokenDataModule", "TokenSequences"]
+__all__ = ["MixedSequences", "MixtureLoader", "TokenDataModule", "TokenSequences"]

@@ -15,6 +15,10 @@ as ``DistributedSampler`` does). So a checkpoint written at ``dp=2`` resumes at 
 the same sequence of global batches, and the per-step losses continue as in the uninterrupted
 run. A per-rank state (torchdata's ``StatefulDataLoader``) cannot move to another ``dp``.
 
+A *stream* dataset (``stream=True``) orders itself: an endless sequence indexed by global position,
+each epoch the next ``len(dataset)`` positions (epoch ``e`` reads ``e * len + i``), split over the ranks
+the same way; the recipes' weighted mixtures are one.
+
 Only rank 0's state reaches the checkpoint (Lightning saves loop state from rank 0); being
 global, it is every rank's. The loader also gives the DataLoader its own generator, seeded per
 epoch, so starting an iterator never draws from the global torch RNG that dropout uses.
@@ -35,12 +39,19 @@ class ResumableSampler(DistributedSampler):
 
     ``resume_from(epoch, samples)`` makes the next iteration of ``epoch`` skip the first ``samples``
     of the epoch's *global* order. ``len()`` stays the full epoch's share, as Lightning expects:
-    it counts the batches already done itself.
+    it counts the batches already done itself. ``stream``: epoch ``e`` yields positions
+    ``e * len(dataset) + i`` of a dataset that orders itself (no shuffle).
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
+        stream: bool = False,
+    ) -> None:
+        if stream and shuffle:
+            raise ValueError("A stream dataset orders itself: pass `shuffle=False` with `stream=True`.")
         # drop_last: every rank gets the same number of samples and no sample is repeated as padding.
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.stream = stream
         self._resume: Optional[tuple[int, int]] = None
 
     def resume_from(self, epoch: int, samples: int) -> None:
@@ -63,6 +74,9 @@ class ResumableSampler(DistributedSampler):
         if resume is not None and resume[0] == self.epoch:
             # Skipping S global samples is skipping S / num_replicas of this rank's (interleaved) share.
             per_rank = per_rank[resume[1] // self.num_replicas :]
+        if self.stream:
+            offset = self.epoch * len(self.dataset)  # type: ignore[arg-type]
+            return iter([i + offset for i in per_rank])
         return iter(per_rank)
 
 
@@ -76,6 +90,7 @@ class ResumableDataLoader(DataLoader):
         num_replicas, rank: the data-parallel degree and this rank's coordinate; pass
             ``**trainer.strategy.distributed_sampler_kwargs``.
         shuffle, seed: the epoch order (a permutation seeded with ``seed + epoch``).
+        stream: the dataset orders itself, one endless sequence of positions (see the module docstring).
         **kwargs: anything else ``DataLoader`` takes (``num_workers``, ``collate_fn``, ...);
             not ``sampler``, ``batch_sampler``, ``shuffle`` or ``drop_last``.
 
@@ -92,6 +107,7 @@ class ResumableDataLoader(DataLoader):
         rank: int = 0,
         shuffle: bool = True,
         seed: int = 0,
+        stream: bool = False,
         **kwargs: Any,
     ) -> None:
         for name in ("sampler", "batch_sampler", "drop_last", "generator"):
@@ -104,7 +120,7 @@ class ResumableDataLoader(DataLoader):
                 f"`global_batch_size={global_batch_size}` is not divisible by the data-parallel degree"
                 f" num_replicas={num_replicas}. Choose a multiple of {num_replicas}."
             )
-        sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, stream=stream)
         super().__init__(
             dataset, batch_size=global_batch_size // num_replicas, sampler=sampler, drop_last=True,
             generator=torch.Generator(), **kwargs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ EXPECTED = {
     "litgpt-cpu-demo.yaml": (4, (2, 1, 2, 1), "LitGPTCausalLM", "litgpt"),
     # real-run recipes (issue 36): a prepared token corpus; a pretrained Llama folder read sharded
     "gpt2-124m-8gpu.yaml": (8, (1, 8, 1, 1), "GPT", "gpt-125m"),
+    "gpt2-124m-mixture-8gpu.yaml": (8, (1, 8, 1, 1), "GPT", "gpt-125m"),  # two weighted sources
     "llama-finetune-8gpu.yaml": (8, (1, 4, 2, 1), "HFCausalLM", None),
 }
 
@@ -46,7 +48,9 @@ def prepared(tmp_path_factory):
     AutoModelForCausalLM.from_config(
         llama_config(vocab_size=512, num_hidden_layers=4, max_position_embeddings=2048)
     ).save_pretrained(root / "llama")
+    mixture = json.dumps({"web": [str(root / "corpus"), 0.7], "code": [str(root / "corpus"), 0.3]})
     return {"gpt2-124m-8gpu.yaml": ["--data.init_args.path", str(root / "corpus")],
+            "gpt2-124m-mixture-8gpu.yaml": ["--data.init_args.sources", mixture],
             "llama-finetune-8gpu.yaml": ["--data.init_args.path", str(root / "corpus"),
                                          "--model.init_args.pretrained", str(root / "llama")]}
 
@@ -83,3 +87,5 @@ def test_recipe_config_resolves(name, tmp_path, monkeypatch, request):
         assert cli.model.config.n_layer == 4  # the tiny preset (the GPU files were switched to it above)
         assert cli.datamodule.seq_len <= cli.model.config.block_size
     assert cli.datamodule.global_batch_size % dims.dp == 0
+    if "mixture" in name:
+        assert cli.datamodule.weights == {"web": 0.7, "code": 0.3}

@@ -98,10 +98,10 @@ def test_token_datamodule_windows_dp_sharding_and_resume_at_another_dp(corpus):
     assert dm.vocab_size == 512
     assert dm.tokenizer.decode(dm.tokenizer.encode("def main():\n")) == "def main():\n"  # the recipes' text samples
     dm.setup()
-    x, y = dm.splits["train"][7]  # consecutive windows of the packed stream, across shard boundaries
+    x, y = dm.splits["train"].sources[0][7]  # consecutive windows of the packed stream, across shard boundaries
     np.testing.assert_array_equal(x.numpy(), stream[7 * seq : 8 * seq])
     np.testing.assert_array_equal(y.numpy(), stream[7 * seq + 1 : 8 * seq + 1])
-    assert len(dm.splits["train"]) + len(dm.splits["val"]) == (len(stream) - 1) // seq
+    assert len(dm.splits["train"].sources[0]) + len(dm.splits["val"]) == (len(stream) - 1) // seq
 
     def global_batches(dp: int, steps: int, state=None):
         loaders = [_attach(TokenDataModule(str(corpus.out), seq_len=seq, global_batch_size=8, val_fraction=0.1), dp, r)
@@ -143,7 +143,7 @@ def test_nanogpt_and_llmc_bin_files_read_as_they_are(tmp_path):
     dm = TokenDataModule(str(tmp_path / "nanogpt.bin"), seq_len=10, global_batch_size=4, val_path=str(tmp_path / "llmc.bin"),
                          vocab_size=50257)
     dm.setup()
-    np.testing.assert_array_equal(dm.splits["train"][2][0].numpy(), tokens[20:30])
+    np.testing.assert_array_equal(dm.splits["train"].sources[0][2][0].numpy(), tokens[20:30])
     np.testing.assert_array_equal(dm.splits["val"][0][1].numpy(), tokens[::-1][1:11])
     assert dm.vocab_size == 50257
     # truncated files: a clear error, before training starts

@@ -107,3 +107,22 @@ def test_workers_resume_too():
     for loader in after:
         loader.load_state_dict(state)
     assert _global_batches(after, epoch=0) == uninterrupted[7:]
+
+
+class _Stream(torch.utils.data.Dataset):
+    """Position g is (g,): an endless stream whose epoch is N positions."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, g: int):
+        return (torch.tensor(g),)
+
+
+def test_a_stream_dataset_reads_the_next_positions_each_epoch():
+    """``stream=True``: the dataset orders itself; epoch e reads positions e * len + i, split over the ranks as ever."""
+    loaders = [ResumableDataLoader(_Stream(), GLOBAL_BATCH, num_replicas=2, rank=r, shuffle=False, stream=True) for r in range(2)]
+    epochs = [_global_batches(loaders, epoch) for epoch in (0, 1)]
+    assert epochs[0][0] == set(range(8)) and epochs[1][0] == set(range(N, N + 8)) and len(epochs[1]) == N // GLOBAL_BATCH
+    with pytest.raises(ValueError, match="pass `shuffle=False` with `stream=True`"):
+        ResumableDataLoader(_Stream(), GLOBAL_BATCH, stream=True)
