@@ -24,6 +24,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from lightning_para.recipes.shard_cache import is_url, read_range, remote_size
+
 META_FILE = "meta.json"
 SHARD_DIR = "shards"
 FORMAT_NAME = "lightning-para-tokens"
@@ -51,12 +53,17 @@ def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class TokenFile:
-    """One memory-mappable token file: ``tokens`` ids of ``dtype`` from byte ``offset``."""
+    """One token file: ``tokens`` ids of ``dtype`` from byte ``offset``; a local path (memory-mapped) or a URL
+    (read from a :class:`~lightning_para.recipes.shard_cache.ShardCache`)."""
 
-    path: Path
+    path: Union[Path, str]
     offset: int
     tokens: int
     dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset + self.tokens * self.dtype.itemsize
 
     def open(self) -> np.memmap:
         if self.tokens == 0:
@@ -78,10 +85,17 @@ class TokenCorpus:
         return sum(f.tokens for f in self.files)
 
 
-def _bin_file(path: Path) -> TokenFile:
+def _bin_file(path: Union[Path, str], retries: int) -> TokenFile:
     """A nanoGPT (raw uint16) or llm.c (header + tokens) ``.bin`` file, checked against its size."""
-    size = path.stat().st_size
-    header = np.fromfile(path, dtype="<i4", count=3) if size >= 12 else np.zeros(0, dtype="<i4")
+    if is_url(path):
+        try:
+            size, head = remote_size(str(path)), read_range(str(path), 0, 12, retries)
+        except FileNotFoundError:
+            raise ValueError(f"`data.path={path!r}` was not found: neither `{path}/{META_FILE}` nor `{path}` exists.") from None
+    else:
+        with open(path, "rb") as f:
+            size, head = os.fstat(f.fileno()).st_size, f.read(12)
+    header = np.frombuffer(head, dtype="<i4") if len(head) == 12 else np.zeros(0, dtype="<i4")
     if len(header) == 3 and int(header[0]) == LLMC_MAGIC:
         version, count = int(header[1]), int(header[2])
         if version not in LLMC_VERSIONS:
@@ -100,14 +114,27 @@ def _bin_file(path: Path) -> TokenFile:
     return TokenFile(path, 0, size // 2, np.dtype(np.uint16))
 
 
-def _prepared(folder: Path) -> TokenCorpus:
-    meta = json.loads((folder / META_FILE).read_text())
+def _meta(where: Union[Path, str], retries: int) -> Optional[dict[str, Any]]:
+    """``meta.json`` of a prepared folder (local or a URL), or None when there is none."""
+    if not is_url(where):
+        file = Path(where) / META_FILE
+        return json.loads(file.read_text()) if file.is_file() else None
+    try:
+        return json.loads(read_range(f"{str(where).rstrip('/')}/{META_FILE}", None, None, retries))
+    except FileNotFoundError:
+        return None
+
+
+def _prepared(folder: Union[Path, str], meta: dict[str, Any]) -> TokenCorpus:
     if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"`{folder / META_FILE}` is not a {FORMAT_NAME} v{FORMAT_VERSION} record; re-run `lightning-para prepare`.")
+        raise ValueError(f"`{folder}/{META_FILE}` is not a {FORMAT_NAME} v{FORMAT_VERSION} record; re-run `lightning-para prepare`.")
     dtype = np.dtype(meta["dtype"])
     files = []
     for shard in meta["shards"]:
-        path = folder / shard["file"]
+        if is_url(folder):  # checked against its record when it is fetched
+            files.append(TokenFile(f"{str(folder).rstrip('/')}/{shard['file']}", 0, shard["tokens"], dtype))
+            continue
+        path = Path(folder) / shard["file"]
         if not path.is_file():
             raise ValueError(
                 f"The prepared corpus `{folder}` lists the shard `{shard['file']}` (from `{shard['input']}`), which is missing."
@@ -125,38 +152,40 @@ def _prepared(folder: Path) -> TokenCorpus:
     return TokenCorpus(tuple(files), tokenizer["vocab_size"], tokenizer.get("eos_id"), str(folder))
 
 
-def open_corpus(path: Union[str, Path, list], vocab_size: Optional[int] = None) -> TokenCorpus:
-    """A prepared folder (with ``meta.json``), a ``.bin`` file, a list of them, or a folder of ``.bin`` files.
+def open_corpus(path: Union[str, Path, list], vocab_size: Optional[int] = None, retries: int = 5) -> TokenCorpus:
+    """A prepared folder (with ``meta.json``), a ``.bin`` file, a list of them, or a folder of ``.bin`` files;
+    each may be a URL (``retries``: for its metadata).
 
     ``vocab_size`` states the vocabulary of ``.bin`` files, which do not record it (GPT-2's is 50 257).
     """
-    paths = [Path(p).expanduser() for p in (path if isinstance(path, (list, tuple)) else [path])]
-    if len(paths) == 1 and (paths[0] / META_FILE).is_file():
-        corpus = _prepared(paths[0])
+    paths = [p if is_url(p) else Path(p).expanduser() for p in (path if isinstance(path, (list, tuple)) else [path])]
+    meta = _meta(paths[0], retries) if len(paths) == 1 else None
+    if meta is not None:
+        corpus = _prepared(paths[0], meta)
         if vocab_size is not None and corpus.vocab_size is not None and vocab_size != corpus.vocab_size:
             raise ValueError(
                 f"`data.vocab_size={vocab_size}` differs from the prepared corpus' tokenizer vocabulary"
                 f" ({corpus.vocab_size}). Leave `data.vocab_size` unset for a prepared folder."
             )
         return corpus
-    files: list[Path] = []
+    files: list[Union[Path, str]] = []
     for p in paths:
+        if isinstance(p, str) or p.is_file():
+            files.append(p)
+            continue
         if not p.exists():
             raise ValueError(
                 f"`data.path={str(p)!r}` does not exist. Pass a folder written by `lightning-para prepare`, or nanoGPT /"
                 " llm.c `.bin` token files."
             )
-        if p.is_dir():
-            found = sorted(p.glob("*.bin"))
-            if not found:
-                raise ValueError(
-                    f"`data.path={str(p)!r}` holds neither `{META_FILE}` (a `lightning-para prepare` output) nor `.bin`"
-                    " token files. Run `lightning-para prepare --tokenizer DIR --output OUT INPUT...` first."
-                )
-            files.extend(found)
-        else:
-            files.append(p)
-    token_files = tuple(_bin_file(f) for f in files)
+        found = sorted(p.glob("*.bin"))
+        if not found:
+            raise ValueError(
+                f"`data.path={str(p)!r}` holds neither `{META_FILE}` (a `lightning-para prepare` output) nor `.bin`"
+                " token files. Run `lightning-para prepare --tokenizer DIR --output OUT INPUT...` first."
+            )
+        files.extend(found)
+    token_files = tuple(_bin_file(f, retries) for f in files)
     return TokenCorpus(token_files, vocab_size, None, ", ".join(str(p) for p in paths))
 
 

@@ -17,6 +17,7 @@ mid-epoch, also at another data-parallel degree or after a source wrapped.
 from __future__ import annotations
 
 import json
+import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -24,13 +25,14 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import numpy as np
 import torch
-from torch import Tensor
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
 from lightning_para.recipes.data import check_batch_shape, data_parallel_replicas
 from lightning_para.recipes.mixture import EXHAUSTED, ON_CHANGE, Mixture
-from lightning_para.recipes.token_format import META_FILE, TokenCorpus, open_corpus
+from lightning_para.recipes.shard_cache import ShardCache, is_url
+from lightning_para.recipes.token_format import META_FILE, TokenCorpus, TokenFile, open_corpus
 from lightning_para.reliability.resumable_data import ResumableDataLoader
 
 
@@ -38,30 +40,47 @@ class TokenSequences(Dataset):
     """Windows ``[first + i * seq_len, ... + seq_len + 1)`` of a corpus' token stream as ``(x, y)`` pairs,
     for ``i`` in ``range(count)`` (the stream crosses file boundaries)."""
 
-    def __init__(self, corpus: TokenCorpus, seq_len: int, first: int = 0, count: Optional[int] = None) -> None:
+    def __init__(
+        self, corpus: TokenCorpus, seq_len: int, first: int = 0, count: Optional[int] = None,
+        cache: Optional[ShardCache] = None,
+    ) -> None:
         self.corpus = corpus
         self.seq_len = seq_len
         self.first = first
         total = max((corpus.tokens - 1) // seq_len, 0)
         self.count = total - first if count is None else count
+        self.cache = cache  # where remote files are read from
         self._starts = np.cumsum([0] + [f.tokens for f in corpus.files])
-        self._maps: Optional[list[np.ndarray]] = None  # opened lazily: DataLoader workers map their own
+        self._maps: dict[int, np.ndarray] = {}  # opened lazily: DataLoader workers map their own
 
     def __len__(self) -> int:
         return self.count
 
+    def _read(self, index: int, offset: int, length: int) -> np.ndarray:
+        """Up to ``length`` tokens from token ``offset`` of file ``index``."""
+        file = self.corpus.files[index]
+        length = min(length, file.tokens - offset)
+        if is_url(file.path):
+            assert self.cache is not None, "a remote corpus is read through a ShardCache"
+            return self.cache.read(str(file.path), file.nbytes, file.dtype, file.offset + offset * file.dtype.itemsize, length)
+        if index not in self._maps:
+            self._maps[index] = file.open()
+        return self._maps[index][offset : offset + length]
+
     def _tokens(self, start: int, length: int) -> np.ndarray:
-        if self._maps is None:
-            self._maps = [f.open() for f in self.corpus.files]
         parts = []
         while length > 0:
             index = bisect_right(self._starts, start) - 1
-            offset = start - int(self._starts[index])
-            piece = self._maps[index][offset : offset + length]
+            piece = self._read(index, start - int(self._starts[index]), length)
             parts.append(piece)
             start += len(piece)
             length -= len(piece)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def files_of(self, index: int) -> tuple[TokenFile, ...]:
+        """The files sequence ``index`` reads."""
+        start = (self.first + index) * self.seq_len
+        return self.corpus.files[bisect_right(self._starts, start) - 1 : bisect_right(self._starts, start + self.seq_len)]
 
     def window(self, index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of sequence ``index``."""
@@ -77,18 +96,36 @@ class TokenSequences(Dataset):
 
 class MixedSequences(Dataset):
     """The training stream: position ``g`` is the sequence the mixture draws there from one of ``sources``;
-    an epoch is the next ``len()`` positions (a stream dataset of :class:`ResumableDataLoader`)."""
+    an epoch is the next ``len()`` positions (a stream dataset of :class:`ResumableDataLoader`). With a ``cache``,
+    the remote shards of the next ``ahead`` positions are fetched in the background, in the order they are read."""
 
-    def __init__(self, sources: dict[str, TokenSequences], mixture: Mixture) -> None:
+    def __init__(
+        self, sources: dict[str, TokenSequences], mixture: Mixture, cache: Optional[ShardCache] = None, ahead: int = 0,
+    ) -> None:
         self.sources = list(sources.values())
         self.mixture = mixture
+        self.cache, self.ahead = cache, ahead if cache is not None else 0
+        self._planned = (0, 0)  # the positions whose shards were last asked for
 
     def __len__(self) -> int:
         return self.mixture.epoch_samples
 
     def __getitem__(self, g: int) -> tuple[Tensor, Tensor]:
+        if self.ahead and not self._planned[0] <= g < self._planned[1]:
+            self._prefetch(g)
         source, index = self.mixture.locate(g)
         return self.sources[source][index]
+
+    def _prefetch(self, g: int) -> None:
+        shards: dict[str, int] = {}
+        for p in range(g, g + self.ahead):
+            source, index = self.mixture.locate(p)
+            for file in self.sources[source].files_of(index):
+                if is_url(file.path):
+                    shards.setdefault(str(file.path), file.nbytes)
+        assert self.cache is not None
+        self.cache.prefetch(list(shards.items()))
+        self._planned = (g, g + self.ahead // 2)  # asked again halfway
 
 
 class MixtureLoader(ResumableDataLoader):
@@ -160,6 +197,10 @@ class TokenDataModule(L.LightningDataModule):
             the sources hold together) or ``"stop"`` (the epoch ends there; the next starts every source anew).
         on_mixture_change: a checkpoint written with another mixture (a weight, a source added or removed):
             ``"error"``, or ``"restart_mixture"`` (every source continues from its saved position, new weights).
+        cache_dir, cache_bytes, retries: for paths that are URLs (``https://``, ``s3://``, ... through ``fsspec``):
+            the local cache of their shards (default ``$LIGHTNING_PARA_CACHE/shards``, ``~/.cache/lightning-para``)
+            and its bound in bytes, and the retries of a failed read (see
+            :mod:`lightning_para.recipes.shard_cache`).
     """
 
     def __init__(
@@ -176,6 +217,9 @@ class TokenDataModule(L.LightningDataModule):
         sources: Optional[dict[str, tuple[Union[str, list[str]], float]]] = None,
         exhausted: Literal["repeat", "stop"] = "repeat",
         on_mixture_change: Literal["error", "restart_mixture"] = "error",
+        cache_dir: Optional[str] = None,
+        cache_bytes: int = 64 << 30,
+        retries: int = 5,
     ) -> None:
         super().__init__()
         check_batch_shape(seq_len, global_batch_size)
@@ -196,8 +240,12 @@ class TokenDataModule(L.LightningDataModule):
         self.on_mixture_change = on_mixture_change
         entries = {"data": (path, 1.0)} if sources is None else sources
         self.weights = {name: float(weight) for name, (_, weight) in entries.items()}
+        given = [p for where, _ in entries.values() for p in ([where] if isinstance(where, str) else where)]
+        root = os.environ.get("LIGHTNING_PARA_CACHE", os.path.join("~", ".cache", "lightning-para"))
+        self.cache = ShardCache(cache_dir or os.path.join(root, "shards"), cache_bytes, retries) if any(
+            is_url(p) for p in given + ([val_path] if isinstance(val_path, str) else val_path or [])) else None
         # Opened here, in the launching process: a missing or truncated shard fails before any worker starts.
-        self.corpora = {name: open_corpus(where, vocab_size) for name, (where, _) in entries.items()}
+        self.corpora = {name: open_corpus(where, vocab_size, retries) for name, (where, _) in entries.items()}
         self.corpus = next(iter(self.corpora.values()))
         for name, corpus in self.corpora.items():
             known = [(a, b) for a, b in ((corpus.vocab_size, self.corpus.vocab_size), (corpus.eos_id, self.corpus.eos_id))
@@ -208,7 +256,7 @@ class TokenDataModule(L.LightningDataModule):
                     f" {corpus.eos_id}, the first source with {self.corpus.vocab_size} and {self.corpus.eos_id}. Prepare"
                     " every source with the same tokenizer."
                 )
-        self.val_corpus = open_corpus(val_path, vocab_size or self.corpus.vocab_size) if val_path is not None else None
+        self.val_corpus = open_corpus(val_path, vocab_size or self.corpus.vocab_size, retries) if val_path is not None else None
         self.splits: dict[str, Dataset] = {}
 
     @property
@@ -246,14 +294,14 @@ class TokenDataModule(L.LightningDataModule):
         for name, corpus in self.corpora.items():
             total = len(TokenSequences(corpus, self.seq_len))
             held_out = 0 if self.val_corpus is not None else int(total * self.val_fraction)
-            train[name] = TokenSequences(corpus, self.seq_len, 0, total - held_out)
+            train[name] = TokenSequences(corpus, self.seq_len, 0, total - held_out, self.cache)
             if held_out:
-                val.append(TokenSequences(corpus, self.seq_len, total - held_out, held_out))
+                val.append(TokenSequences(corpus, self.seq_len, total - held_out, held_out, self.cache))
         if self.val_corpus is not None:
-            val = [TokenSequences(self.val_corpus, self.seq_len)]
+            val = [TokenSequences(self.val_corpus, self.seq_len, cache=self.cache)]
         mixture = Mixture(list(train), [self.weights[n] for n in train], [len(t) for t in train.values()],
                           seed=self.seed, shuffle=self.shuffle, exhausted=self.exhausted)
-        self.splits = {"train": MixedSequences(train, mixture)}
+        self.splits = {"train": MixedSequences(train, mixture, self.cache, ahead=4 * self.global_batch_size)}
         if val:
             self.splits["val"] = val[0] if len(val) == 1 else ConcatDataset(val)
         for name, split in self.splits.items():
