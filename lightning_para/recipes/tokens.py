@@ -97,14 +97,15 @@ class TokenSequences(Dataset):
 class MixedSequences(Dataset):
     """The training stream: position ``g`` is the sequence the mixture draws there from one of ``sources``;
     an epoch is the next ``len()`` positions (a stream dataset of :class:`ResumableDataLoader`). With a ``cache``,
-    the remote shards of the next ``ahead`` positions are fetched in the background, in the order they are read."""
+    the remote shards of the next ``ahead`` positions are fetched in the background, in the order they are read
+    (``stride``: the data-parallel degree, as a rank reads every ``stride``-th position)."""
 
     def __init__(
         self, sources: dict[str, TokenSequences], mixture: Mixture, cache: Optional[ShardCache] = None, ahead: int = 0,
     ) -> None:
         self.sources = list(sources.values())
         self.mixture = mixture
-        self.cache, self.ahead = cache, ahead if cache is not None else 0
+        self.cache, self.ahead, self.stride = cache, ahead if cache is not None else 0, 1
         self._planned = (0, 0)  # the positions whose shards were last asked for
 
     def __len__(self) -> int:
@@ -118,7 +119,7 @@ class MixedSequences(Dataset):
 
     def _prefetch(self, g: int) -> None:
         shards: dict[str, int] = {}
-        for p in range(g, g + self.ahead):
+        for p in range(g, g + self.ahead, self.stride):
             source, index = self.mixture.locate(p)
             for file in self.sources[source].files_of(index):
                 if is_url(file.path):
@@ -325,6 +326,7 @@ class TokenDataModule(L.LightningDataModule):
                 shares = mixture.proportions(0, len(dataset))
                 rank_zero_info(f"Data mixture over one epoch of {len(dataset)} sequences: " + ", ".join(
                     f"{n} {shares[n]:.1%} (weight {w:.1%})" for n, w in zip(mixture.names, mixture.weights)))
+            dataset.stride = replicas["num_replicas"]
             return MixtureLoader(dataset, self.global_batch_size, self.on_mixture_change, **replicas, **workers)
         dp = replicas["num_replicas"]
         if self.global_batch_size % dp:
