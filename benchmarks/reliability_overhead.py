@@ -98,7 +98,7 @@ def time_saves(layout: dict, rounds: int, folder: str) -> dict[str, list[float]]
     import torch.distributed as dist
 
     from lightning_para import ParaStrategy
-    from lightning_para.checkpoint import io as ckpt_io
+    from lightning_para.checkpoint import save as ckpt_save
     from lightning_para.checkpoint.format import save_sharded
     from lightning_para.recipes import GPT, TextDataModule
 
@@ -115,7 +115,7 @@ def time_saves(layout: dict, rounds: int, folder: str) -> dict[str, list[float]]
             start = time.perf_counter()
             if name == "atomic":
                 token = strategy.broadcast(f"bench{i}")
-                ckpt_io.save_checkpoint(Path(folder) / "last.ckpt", checkpoint, token=token)
+                ckpt_save.save_checkpoint(Path(folder) / "last.ckpt", checkpoint, token=token)
             else:
                 tensors = {"state_dict": checkpoint.pop("state_dict")}
                 for j, state in enumerate(checkpoint.pop("optimizer_states", [])):

@@ -4,7 +4,8 @@
 * :mod:`.optimizer`: optimizer state by parameter name as global DTensors, for any layout;
 * :mod:`.consolidate`: one ordinary Lightning checkpoint out of a sharded directory;
 * :mod:`.atomic`: write beside, mark complete, swap into place; verification on load;
-* :mod:`.io`: what the strategy calls to save, remove and load in place;
+* :mod:`.save`: what the strategy calls to save (atomically, every rank agreeing) and remove;
+* :mod:`.io`: what the strategy calls to load in place;
 * :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``);
 * :mod:`.checksums`: per-file CRC-32s written at save, verified at load;
 * :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
@@ -27,7 +28,7 @@ from lightning_para.checkpoint.atomic import (
 from lightning_para.checkpoint.consolidate import consolidate_checkpoint
 from lightning_para.checkpoint.failures import CheckpointDiskFullError, CheckpointSaveError
 from lightning_para.checkpoint.full_state import full_model_state, full_optimizer_state
-from lightning_para.checkpoint.io import load_checkpoint_in_place, remove_checkpoint, save_checkpoint
+from lightning_para.checkpoint.io import load_checkpoint_in_place
 from lightning_para.checkpoint.last import ParaModelCheckpoint
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock
 from lightning_para.checkpoint.model_info import model_info, register_model_info
@@ -35,6 +36,7 @@ from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_stat
 from lightning_para.checkpoint.pretrained import PretrainedWeights, load_pretrained_into, stored_tensors
 from lightning_para.checkpoint.resume import ResumeCheckpointError, begin_run, resume_path
 from lightning_para.checkpoint.run import RUN_ID_ENV, CheckpointRun
+from lightning_para.checkpoint.save import remove_checkpoint, save_checkpoint
 
 __all__ = [
     "RUN_ID_ENV",

@@ -8,6 +8,7 @@ optimizer state is named so that any layout can load it.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any, Union
@@ -38,11 +39,23 @@ def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict
     writer = ChecksummingWriter(path)
     dcp.save(for_dcp(tensors), storage_writer=writer, checkpoint_id=str(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(path / METADATA_FILENAME, "wb") as f:
-            torch.save(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_metadata(path, metadata_bytes(metadata))
     return writer.checksums
+
+
+def metadata_bytes(metadata: dict[str, Any]) -> bytes:
+    """``meta.pt``'s content (an asynchronous save serialises it when it is staged)."""
+    buffer = io.BytesIO()
+    torch.save(metadata, buffer)
+    return buffer.getvalue()
+
+
+def write_metadata(path: Path, data: bytes) -> None:
+    """Rank 0: ``meta.pt`` into the checkpoint directory ``path``, fsynced."""
+    with open(Path(path) / METADATA_FILENAME, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
@@ -79,5 +92,5 @@ def load_sharded_into(path: Union[str, Path], template: dict[str, Any]) -> dict[
 
 __all__ = [
     "MASTER_KEY", "METADATA_FILENAME", "checkpoint_keys", "flat_keys", "is_sharded_checkpoint", "load_sharded_into",
-    "save_sharded",
+    "metadata_bytes", "save_sharded", "write_metadata",
 ]

@@ -1,19 +1,17 @@
-"""Reading and writing Lightning checkpoints for a parallelized model, in place.
+"""Reading Lightning checkpoints into a parallelized model, in place.
 
-:func:`save_checkpoint` writes Lightning's checkpoint dict as a sharded DCP directory (or one
-consolidated file), atomically (:mod:`.atomic`); :func:`load_checkpoint_in_place` verifies the
-checkpoint and loads either kind, and a plain single-device Lightning checkpoint, into whatever
-layout the model has now, strictly unless the module sets ``strict_loading = False``.
+:func:`load_checkpoint_in_place` verifies the checkpoint and loads a sharded DCP directory, a consolidated file
+or a plain single-device Lightning checkpoint into whatever layout the model has now, strictly unless the module
+sets ``strict_loading = False``. Writing is :mod:`.save`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,168 +19,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.checkpoint import atomic, failures, swap
-from lightning_para.checkpoint.consolidate import trainer_format, write_file_atomically
-from lightning_para.checkpoint.format import (
-    METADATA_FILENAME,
-    checkpoint_keys,
-    flat_keys,
-    load_sharded_into,
-    save_sharded,
-)
+from lightning_para.checkpoint import atomic
+from lightning_para.checkpoint.consolidate import trainer_format
+from lightning_para.checkpoint.format import METADATA_FILENAME, checkpoint_keys, flat_keys, load_sharded_into
 from lightning_para.checkpoint.last import warn_if_newer
 from lightning_para.checkpoint.model_info import check_model_info
-from lightning_para.checkpoint.run import CheckpointRun
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
+from lightning_para.checkpoint.save import from_rank0, gather, is_rank0, rank
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
-
-
-T = TypeVar("T")
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _from_rank0(compute: Callable[[], T]) -> T:
-    """``compute()`` on rank 0, the same value on every rank (so all ranks take the same branch)."""
-    if not dist.is_initialized():
-        return compute()
-    box = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _agree(
-    failure: Optional[BaseException], path: Path, partial: Optional[Path], needed_here: int, payload: Any = None
-) -> list[Any]:
-    """Collective: if any rank failed, rank 0 removes ``partial`` and every rank raises the same error;
-    otherwise every rank's ``payload``, in rank order.
-
-    A sync point even when nothing failed (it replaces a barrier), so no rank goes on into the next
-    step of the save (or the next collective of training) while another has failed.
-    """
-    folder = path.parent
-    mine = failures.summarize(failure, _rank(), folder, needed_here) if failure is not None else None
-    gathered = _gather((mine, needed_here, payload))
-    summaries = [s for s, _, _ in gathered if s is not None]
-    if not summaries:
-        return [p for _, _, p in gathered]
-    decided = None
-    if _is_rank0():
-        removed = partial is not None and (partial.exists() or partial.is_symlink())
-        if removed:
-            swap.remove_partial(partial)
-        newest = atomic.newest_complete_checkpoint(folder) if folder.is_dir() else None
-        needed = failures.checkpoint_bytes(newest) or sum(n for _, n, _ in gathered)
-        decided = failures.verdict(summaries, path, needed, newest, removed)
-    if dist.is_initialized():
-        box = [decided]
-        dist.broadcast_object_list(box, src=0)
-        decided = box[0]
-    error = failures.as_error(*decided)
-    error.rank_failure = failure  # this rank's own exception, if any (None where another rank failed)
-    if isinstance(error, failures.CheckpointDiskFullError):
-        # The message names the errno, the ranks and the space; DCP's chained `CheckpointException` (each
-        # rank's traceback, e.g. "unexpected pos 704 vs 598") printed above it would only bury it.
-        raise error from None
-    raise error from failure
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def save_checkpoint(
-    path: Path,
-    checkpoint: dict[str, Any],
-    *,
-    sharded: bool = True,
-    token: Optional[str] = None,
-    run: Optional[CheckpointRun] = None,
-) -> None:
-    """Write Lightning's ``checkpoint`` dict (collective), atomically (see :mod:`.atomic`).
-
-    Model and optimizer states go through DCP, the rest into ``meta.pt``, all into a hidden
-    sibling of ``path`` that rank 0 marks complete and swaps into place once every rank has
-    written. Each rank checksums the shards it wrote; the marker records every file's CRC-32.
-    ``sharded=False``: the dict already holds the full state on rank 0 (:mod:`.full_state`),
-    which writes it as one ordinary file beside ``path`` and swaps it into place; the other ranks
-    write nothing.
-    ``token`` names the sibling (the same on every rank; drawn by rank 0 when not given).
-    ``run``: the run this save belongs to (:mod:`.run`): recorded in the checkpoint and its marker; rank 0
-    holds the folder for it (:mod:`.lock`) before sweeping it.
-
-    A failure on any rank (a full disk, a locked folder, a write error) makes every rank raise the
-    same error (:class:`~.failures.CheckpointDiskFullError`, :class:`~.lock.CheckpointDirectoryLockedError`,
-    :class:`~.failures.CheckpointSaveError`) after rank 0 removed the partial save; the checkpoints
-    already in the folder are untouched.
-    """
-    path = Path(path)
-    failure: Optional[BaseException] = None
-    run = run if run is not None else CheckpointRun()
-    recorded = run.record(checkpoint)
-    if not sharded:
-        if _is_rank0():
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with run.holding(path):
-                    run.sweep(path)  # leftovers of earlier interrupted saves
-                    write_file_atomically(path, checkpoint)  # removes its hidden sibling if it fails
-            except failures.SAVE_ERRORS as error:
-                failure = error
-        # No rank reads `path` (or saves again) before it is in place.
-        _agree(failure, path, None, failures.tensor_bytes(checkpoint) if _is_rank0() else 0)
-        return
-    token = token or _from_rank0(atomic.new_token)
-    partial = atomic.partial_path(path, token)
-    info = {k: checkpoint.get(k) for k in ("epoch", "global_step")}
-    info["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
-    info.update(recorded)
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
-    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{i}"] = state
-    needed = failures.tensor_bytes(tensors)
-    with contextlib.ExitStack() as hold:
-        if _is_rank0():  # the folder, this run's hold on it, no leftovers, the sibling every rank writes into
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                hold.enter_context(run.holding(path))  # for this save only when outside `fit`
-                run.sweep(path, keep=partial)  # leftovers of earlier interrupted saves
-                partial.mkdir()
-            except failures.SAVE_ERRORS as error:
-                failure = error
-        _agree(failure, path, partial, needed)
-        sums: dict[str, str] = {}
-        try:
-            sums = save_sharded(partial, tensors, checkpoint)
-        except failures.SAVE_ERRORS as error:
-            failure = error
-        # Every rank's shards (fsynced by DCP), DCP's `.metadata` and `meta.pt` are on disk after this agreement.
-        everyone = _agree(failure, path, partial, needed, sums)
-        removable: Optional[Path] = partial
-        if _is_rank0():
-            try:
-                atomic.write_marker(partial, info, {k: v for rank_sums in everyone for k, v in rank_sums.items()})
-                removable = None  # from here on `partial` may hold the previous checkpoint (exchanged): keep it
-                swap.commit(partial, path)
-            except failures.SAVE_ERRORS as error:
-                failure = error
-        _agree(failure, path, removable, needed)  # no rank reads `path` (or saves again) before it is in place
-
-
-def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint (rank 0) without ever leaving a half-deleted one under its name."""
-    swap.remove_checkpoint(path)
 
 
 @torch.no_grad()
@@ -293,14 +138,14 @@ def _data_problem(path: Path) -> Optional[str]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if path.is_dir():
         sums = (status.marker or {}).get("checksums")
-        mine = atomic.data_problems(status, sorted(sums)[_rank()::world]) if isinstance(sums, dict) else []
+        mine = atomic.data_problems(status, sorted(sums)[rank()::world]) if isinstance(sums, dict) else []
     else:
-        mine = atomic.data_problems(status) if _is_rank0() else []
-    found = [problem for problems in _gather(mine) for problem in problems]
+        mine = atomic.data_problems(status) if is_rank0() else []
+    found = [problem for problems in gather(mine) for problem in problems]
     if not found:
         return None
     status.problems = found
-    return _from_rank0(lambda: atomic.describe_problems(status))
+    return from_rank0(lambda: atomic.describe_problems(status))
 
 
 def _unreadable(path: Path, what: str, error: BaseException) -> atomic.IncompleteCheckpointError:
@@ -345,14 +190,14 @@ def load_checkpoint_in_place(
     "optimizer": ...}``) into Lightning's (``state_dict``, ``optimizer_states``) before it is loaded.
     """
     path = Path(path)
-    problem = _from_rank0(lambda: _problem(path))
+    problem = from_rank0(lambda: _problem(path))
     if problem is not None:
         kind, message = problem
         raise FileNotFoundError(message) if kind == "missing" else atomic.IncompleteCheckpointError(message)
     corrupt = _data_problem(path)
     if corrupt is not None:
         raise atomic.CorruptCheckpointError(corrupt)
-    if _is_rank0():
+    if is_rank0():
         warn_if_newer(path)
     if strict is None:
         strict = getattr(module, "strict_loading", True)
@@ -391,4 +236,4 @@ def load_checkpoint_in_place(
     return checkpoint
 
 
-__all__ = ["check_keys", "load_checkpoint_in_place", "load_full_checkpoint_into", "remove_checkpoint", "save_checkpoint"]
+__all__ = ["check_keys", "load_checkpoint_in_place", "load_full_checkpoint_into"]

@@ -75,7 +75,7 @@ def install_kill(point: str, rank: int, nth: int) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     from lightning_para import strategy as strategy_module
-    from lightning_para.checkpoint import atomic, io as ckpt_io, swap
+    from lightning_para.checkpoint import atomic, save as ckpt_save, swap
 
     saves = {"n": 0}
 
@@ -120,7 +120,7 @@ def install_kill(point: str, rank: int, nth: int) -> None:
 
     dcp_fs._write_item = write_item
     wrap(dcp_fs.FileSystemWriter, "write_data", after="shards-written")
-    wrap(ckpt_io, "save_sharded", after="dcp-and-meta-written")
+    wrap(ckpt_save, "save_sharded", after="dcp-and-meta-written")
     wrap(atomic, "write_marker", before="before-marker", after="marker-written")
     wrap(swap, "_remove", before="swapped-old-not-deleted")
     wrap(swap, "commit", after="committed")

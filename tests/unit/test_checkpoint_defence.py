@@ -160,14 +160,14 @@ def test_the_disk_full_verdict_walks_dcps_exception_chain(tmp_path):
 FULL_DISK_SCRIPT = textwrap.dedent("""
     import shutil, sys, torch
     from pathlib import Path
-    from lightning_para.checkpoint import atomic, io
+    from lightning_para.checkpoint import atomic, save
     from lightning_para.checkpoint.failures import CheckpointDiskFullError
     folder = Path(sys.argv[1])
     def checkpoint(step):
         return {"state_dict": {"w": torch.randn(150_000)}, "optimizer_states": [], "global_step": step}
-    io.save_checkpoint(folder / "step=1.ckpt", checkpoint(1))  # 0.6 MB of 1 MiB
+    save.save_checkpoint(folder / "step=1.ckpt", checkpoint(1))  # 0.6 MB of 1 MiB
     try:
-        io.save_checkpoint(folder / "step=2.ckpt", checkpoint(2))
+        save.save_checkpoint(folder / "step=2.ckpt", checkpoint(2))
     except CheckpointDiskFullError as error:
         print("ERROR:", error)
     print("LEFT:", sorted(p.name for p in folder.iterdir()))

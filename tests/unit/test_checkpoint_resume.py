@@ -184,12 +184,12 @@ def test_a_full_disk_is_reported_without_dcps_raw_traceback_above_it(tmp_path):
     import errno
     import traceback
 
-    from lightning_para.checkpoint import failures, io
+    from lightning_para.checkpoint import failures, save
 
     raw = RuntimeError("unexpected pos 704 vs 598")  # what torch.save's zip writer says, the errno lost
     raw.__cause__ = OSError(errno.ENOSPC, "No space left on device")
     with pytest.raises(failures.CheckpointDiskFullError) as info:
-        io._agree(raw, tmp_path / "step=8.ckpt", None, 10)
+        save.agree(raw, tmp_path / "step=8.ckpt", None, 10)
     printed = "".join(traceback.format_exception(info.value))
     assert "the disk is full" in printed and "unexpected pos" not in printed, printed
     assert info.value.rank_failure is raw  # still there for whoever wants it
