@@ -6,6 +6,7 @@
 * :mod:`.atomic`: write beside, mark complete, swap into place; verification on load;
 * :mod:`.save`: what the strategy calls to save (atomically, every rank agreeing) and remove;
 * :mod:`.io`: what the strategy calls to load in place;
+* :mod:`.async_save`: saves written in the background once the state is staged (``async_save=True``);
 * :mod:`.full_state`: full plain state on rank 0 (``save_distributed_checkpoint=False``);
 * :mod:`.checksums`: per-file CRC-32s written at save, verified at load;
 * :mod:`.failures`: a failed save agreed over ranks (a full disk named as such);
@@ -17,6 +18,7 @@
 * :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
+from lightning_para.checkpoint.async_save import AsyncSaver, check_async_save, is_async_checkpoint_io
 from lightning_para.checkpoint.atomic import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -39,10 +41,13 @@ from lightning_para.checkpoint.run import RUN_ID_ENV, CheckpointRun
 from lightning_para.checkpoint.save import remove_checkpoint, save_checkpoint
 
 __all__ = [
+    "AsyncSaver",
     "RUN_ID_ENV",
     "CheckpointRun",
     "ResumeCheckpointError",
     "begin_run",
+    "check_async_save",
+    "is_async_checkpoint_io",
     "resume_path",
     "CheckpointDirectoryLockedError",
     "CheckpointDiskFullError",

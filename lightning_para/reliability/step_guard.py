@@ -13,7 +13,8 @@ the same decision at the same step:
   only records the signal number (no collective inside a handler: a collective there pairs with
   whatever collective the peers run next, which is how a SIGTERM used to hang a run).
 
-Both go into **one all-reduce (MAX) of two integers over the world**, issued once per optimizer
+Both go into **one all-reduce (MAX) of three integers over the world** (the third: an asynchronous save failed,
+``checkpoint/async_save.py``), issued once per optimizer
 step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer
 step. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
 on an accelerator its result is copied to host memory behind the step's work and an event marks
@@ -37,8 +38,8 @@ the same thing at the same step:
   A signal received during step ``N`` stops the run at the end of step ``N + 1``.
 
 The cost per optimizer step: one pass over the local gradients (memory-bound), an ``isfinite``
-on each stage's output (pipeline only), one asynchronous all-reduce of 16 bytes and, on an
-accelerator, one non-blocking 16-byte copy to host (``docs/reliability.md``).
+on each stage's output (pipeline only), one asynchronous all-reduce of 24 bytes and, on an
+accelerator, one non-blocking 24-byte copy to host (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class _Agreement:
     event: Any = None
 
     def read(self) -> list[int]:
-        """``[non-finite, signal]``: waits only for this agreement, launched a step ago."""
+        """``[non-finite, signal, background save failed]``: waits only for this agreement, launched a step ago."""
         if self.event is not None:
             self.event.synchronize()
             return self.host.tolist()  # host memory, written before the event: no device sync
@@ -141,6 +142,7 @@ class StepGuard:
         self._hooks: list[Any] = []
         self._previous_handler: Any = None
         self._installed = False
+        self.background: Any = None  # async_save's save in flight (`failed()`, `settle()`): its failure agreed here
         self.connect(device, rank_info)
 
     def connect(self, device: torch.device, rank_info: Optional[Callable[[int], str]] = None) -> None:
@@ -162,7 +164,7 @@ class StepGuard:
 
     @property
     def active(self) -> bool:
-        return self.check_finite or self.on_sigterm is not None
+        return self.check_finite or self.on_sigterm is not None or self.background is not None
 
     # ---------------------------------------------------------------- device-side notes (no sync)
     @torch.no_grad()
@@ -225,6 +227,7 @@ class StepGuard:
         flags = torch.stack([
             ((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad,
             self._new(self.signal_received or 0),
+            self._new(int(self.background is not None and self.background.failed())),  # a host future: no sync
         ])
         previous, self._in_flight = self._in_flight, self._launch(step, flags, grad_bad)
         if previous is not None:
@@ -250,14 +253,16 @@ class StepGuard:
             self._act(previous)
 
     def _act(self, agreement: _Agreement) -> None:
-        nonfinite, signum = agreement.read()
+        nonfinite, signum, save_failed = agreement.read()
         if signum and self.stop_signal is None:
             self.stop_signal = int(signum)
-        if nonfinite:
+        if nonfinite or save_failed:
             if self._in_flight is not None and self._in_flight.work is not None:
                 self._in_flight.work.wait()  # the collective launched after it completes before the next one
             self._in_flight = None
-            raise NonFiniteError(self._where(agreement.step, agreement.grad_bad))
+            if nonfinite:
+                raise NonFiniteError(self._where(agreement.step, agreement.grad_bad))
+            self.background.settle()  # raises the failed write's error, agreed over ranks in the background
 
     def _where(self, step: int, grad_bad: Tensor) -> str:
         """Gather every rank's notes; the same message on every rank."""

@@ -1,0 +1,60 @@
+"""``async_save`` in one process (no process group): a save written in the background, settled, its deferred
+removals, and a failed background write raised at the step guard's next check. Real ranks, SIGTERM, SIGKILL and a real full disk: ``tests/distributed/test_async_checkpoint.py`` and
+``tests/integration/test_async_kill.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from lightning_para.checkpoint import AsyncSaver, CheckpointDiskFullError, save
+from lightning_para.checkpoint.atomic import checkpoint_problems, read_marker, verify_checkpoint
+from lightning_para.checkpoint.checksums import ChecksummingWriter
+from lightning_para.reliability.step_guard import StepGuard
+
+
+def checkpoint(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"state_dict": {"w": torch.randn(1000), "b": torch.randn(10)}, "optimizer_states": [], "global_step": step}
+
+
+def test_a_background_save_is_the_synchronous_one_and_removals_wait_for_it(tmp_path):
+    save.save_checkpoint(tmp_path / "sync.ckpt", checkpoint(3))
+    saver = AsyncSaver()
+    old = tmp_path / "step=1.ckpt"
+    save.save_checkpoint(old, checkpoint(1))
+    save.save_checkpoint(tmp_path / "step=3.ckpt", checkpoint(3), saver=saver)
+    assert saver.remove_after(old)  # ModelCheckpoint's top-k: only once step 3 is complete
+    saver.settle()
+    assert not old.exists() and not saver.in_flight
+    written, synchronous = (read_marker(tmp_path / name)["checksums"] for name in ("step=3.ckpt", "sync.ckpt"))
+    assert {k: v for k, v in written.items() if k.endswith(".distcp")} == {k: v for k, v in synchronous.items() if k.endswith(".distcp")}
+    verify_checkpoint(tmp_path / "step=3.ckpt")
+    assert not saver.remove_after(tmp_path / "sync.ckpt")  # nothing in flight: the caller removes it now
+    saver.close()
+
+
+def test_a_failed_background_write_is_raised_at_the_next_step_check(tmp_path, monkeypatch):
+    saver, guard = AsyncSaver(), StepGuard(on_sigterm=None)
+    guard.background = saver
+    save.save_checkpoint(tmp_path / "step=2.ckpt", checkpoint(2))
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ChecksummingWriter, "write_data", full)
+    save.save_checkpoint(tmp_path / "step=4.ckpt", checkpoint(4), saver=saver)  # returns once staged
+    assert saver.remove_after(tmp_path / "step=2.ckpt")
+    deadline = time.monotonic() + 60
+    while not saver.failed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    guard.check(5)  # carries the failure; every rank reads it at the next check
+    with pytest.raises(CheckpointDiskFullError, match=r"step=4.ckpt' failed: the disk is full"):
+        guard.check(6)
+    assert checkpoint_problems(tmp_path / "step=2.ckpt").complete  # kept: its removal waited for a complete step 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # the partial save removed
