@@ -15,6 +15,7 @@ Variants (``baseline``: every feature off, a plain ``DataLoader`` + ``Distribute
 * ``resumable_loader``: the recipes' ``ResumableDataLoader``;
 * ``sync_dist_logging``: ``train_loss`` logged with ``sync_dist=True`` (one scalar all-reduce per step);
 * ``integrity_every_10`` / ``integrity_every_1``: ``integrity_check_every_n_steps`` 10 and 1;
+* ``spike_guard``: the spike guard in skip mode (the recipe's AdamW is not fused: one host read per step);
 * ``defaults``: what ParaStrategy and the recipes do now (watchdog, resumable loader, sync_dist).
 
 Checkpoint saves are timed separately: the atomic save (hidden sibling, barriers, marker,
@@ -40,6 +41,7 @@ VARIANTS: dict[str, dict] = {
     "sync_dist_logging": {"sync_dist": True},
     "integrity_every_10": {"integrity": 10},
     "integrity_every_1": {"integrity": 1},
+    "spike_guard": {"spike_guard": "skip"},
     "defaults": {"watchdog": True, "resumable": True, "sync_dist": True},
 }
 
@@ -80,7 +82,7 @@ def run_variant(layout: dict, options: dict, steps: int) -> list[float]:
     clock = Clock()
     strategy = ParaStrategy(
         **layout, watchdog_timeout=60.0 if options.get("watchdog") else None,
-        integrity_check_every_n_steps=options.get("integrity"),
+        integrity_check_every_n_steps=options.get("integrity"), spike_guard=options.get("spike_guard"),
     )
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(

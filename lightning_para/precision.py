@@ -109,10 +109,14 @@ class ParaPrecision(Precision):
         self._finalize_gradients: Callable[[], None] = lambda: None
         self._grad_replication: Optional[Callable[[Tensor], int]] = None
         self._check_step: Optional[Callable[[Optimizer, bool], None]] = None
+        # The spike guard's decision around each optimizer step, and the global norm clipping computed (it judges it).
+        self._step_gate: Optional[Callable[..., Any]] = None
+        self._clip_norm: Optional[Tensor] = None
         self._scaler = ParaGradScaler(self) if precision == "16-mixed" else None
 
     def connect_layout(
-        self, data_parallel: DataParallel, check_step: Optional[Callable[[Optimizer, bool], None]] = None
+        self, data_parallel: DataParallel, check_step: Optional[Callable[[Optimizer, bool], None]] = None,
+        step_gate: Optional[Callable[..., Any]] = None,
     ) -> None:
         """Called by ParaStrategy once the model is parallelized, with its data parallelism:
         :meth:`~DataParallel.flush` completes pending gradient communication (ZeRO's buckets) after
@@ -121,8 +125,13 @@ class ParaPrecision(Precision):
         ``check_step`` is called on every rank once the gradients are final, before callbacks, clipping
         and the optimizer step, with the optimizer and whether to check its gradients (not under fp16
         loss scaling, where an inf gradient only skips the step): the strategy's non-finite and signal
-        agreement (:mod:`lightning_para.reliability.step_guard`)."""
+        agreement (:mod:`lightning_para.reliability.step_guard`). ``step_gate`` runs each optimizer step (the
+        spike guard's :meth:`~lightning_para.reliability.spike_guard.SpikeGuard.run_step`)."""
+        if step_gate is not None and self.uses_loss_scaling:
+            raise ValueError("`spike_guard` does not combine with `precision='16-mixed'` (whose loss scaler skips steps"
+                             " itself): use 'bf16-mixed' or 32-true with it, or pass `spike_guard=None`.")
         self._finalize_gradients = data_parallel.flush
+        self._step_gate = step_gate
         self._grad_replication = data_parallel.grad_replication
         self._check_step = check_step
 
@@ -204,26 +213,36 @@ class ParaPrecision(Precision):
         return closure_result
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
-        if not self.uses_loss_scaling:
+        if not self.uses_loss_scaling and self._step_gate is None:
             return optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
         if isinstance(optimizer, LBFGS):
-            raise ValueError("`precision='16-mixed'` cannot drive LBFGS (it re-evaluates the closure); use 32-true.")
+            what = "`precision='16-mixed'`" if self.uses_loss_scaling else "`spike_guard`"
+            raise ValueError(f"{what} cannot drive LBFGS (it re-evaluates the closure); use 32-true without it.")
         closure_result = closure()
         self._finalize_gradients()
         if self._check_step is not None:
-            self._check_step(optimizer, False)
+            self._check_step(optimizer, not self.uses_loss_scaling)
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
         if skip:
             return closure_result
-        found_inf = self.unscale_and_check(optimizer)
+        found_inf = self.uses_loss_scaling and self.unscale_and_check(optimizer)
         self._after_closure(model, optimizer)
         if found_inf:
             self.skipped_steps += 1
             self.update_scale(found_inf=True)
             return closure_result
+        if not self.uses_loss_scaling:
+            return self.gated_step(optimizer, lambda: optimizer.step(**kwargs))
         output = optimizer.step(**kwargs)
         self.update_scale(found_inf=False)
         return output
+
+    def gated_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
+        """``step()`` (the optimizer step) through the spike guard, which may skip it or clip the gradients first."""
+        clip_norm, self._clip_norm = self._clip_norm, None
+        if self._step_gate is None:
+            return step()
+        return self._step_gate(optimizer, self.main_params(optimizer), clip_norm, step)
 
     @torch.no_grad()
     def unscale_and_check(self, optimizer: Optimizer) -> bool:
@@ -264,9 +283,9 @@ class ParaPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> Tensor:
         """Clip to the true global norm over every shard (dp, tp, pp, ep); returns that norm before clipping."""
         params = list(self.main_params(optimizer))
-        if self._grad_replication is None:
-            return clip_grads_by_global_norm(params, float(clip_val), norm_type)
-        return clip_grads_by_global_norm(params, float(clip_val), norm_type, replication=self._grad_replication)
+        kwargs = {} if self._grad_replication is None else {"replication": self._grad_replication}
+        self._clip_norm = clip_grads_by_global_norm(params, float(clip_val), norm_type, **kwargs)
+        return self._clip_norm  # the spike guard judges this norm (no second one is computed)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grads_by_value(self.main_params(optimizer), float(clip_val))

@@ -48,6 +48,7 @@ from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel
 from lightning_para.parallelize import ParallelModel, parallelize
 from lightning_para.precision import ParaPrecision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
+from lightning_para.reliability.spike_guard import spike_guard_option
 from lightning_para.reliability.step_guard import StepGuard, pipeline_rank_info
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout
 
@@ -61,7 +62,7 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
 
     Args:
         config: the validated layout.
-        integrity_check_every_n_steps, integrity_action, watchdog_timeout, check_finite, on_sigterm:
+        integrity_check_every_n_steps, integrity_action, watchdog_timeout, check_finite, on_sigterm, spike_guard:
             the reliability options of ``ParaStrategy`` (validated here, before any process group).
         run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
         timeout: the process-group timeout (the watchdog's must be below it).
@@ -80,6 +81,7 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
         on_sigterm: Optional[str] = "checkpoint",
         run_id: Optional[str] = None,
         front_end: str = "Trainer",
+        spike_guard: Any = None,
     ) -> None:
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
         check_watchdog_timeout(watchdog_timeout, timeout)
@@ -92,6 +94,8 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
         self.guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # NaN stop, SIGTERM
+        self.spike = spike_guard_option(spike_guard)  # rides the step guard's all-reduce
+        self.guard.riders = [self.spike] if self.spike is not None else []
         self.dims: Optional[ParallelDims] = None
         self.parallel: Optional[ParallelModel] = None
         self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles
@@ -240,15 +244,19 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
     ) -> None:
         """After set-up: the step guard learns the device and stages; the precision plugin learns data
         parallelism (gradient flush, replication counts) and the guard's check before each optimizer step."""
-        pipeline = self.parallel_model.pipeline
-        self.guard.connect(device, pipeline_rank_info(self.parallel_dims.mesh))
+        pipeline, data_parallel = self.parallel_model.pipeline, self.data_parallel
+        assert data_parallel is not None
+        self.guard.connect(device, pipeline_rank_info(self.parallel_dims.mesh), data_parallel.grad_replication)
+        if self.spike is not None:
+            self.spike.connect(device, self.guard)
         if pipeline is not None:  # which stage produced a NaN first: each stage's forward output is checked
             self.guard.watch_stage_outputs(
                 ((m.stage_index, m) for m in pipeline.stage_modules), step, lambda: pipeline.inferring_shapes
             )
-        data_parallel = self.data_parallel
-        assert data_parallel is not None
-        precision.connect_layout(data_parallel, check_step=check_step if self.guard.active else None)
+        precision.connect_layout(
+            data_parallel, check_step=check_step if self.guard.active else None,
+            step_gate=self.spike.run_step if self.spike is not None else None,
+        )
 
     # ------------------------------------------------------------------ backward and accumulation
     def before_backward(self, module: Optional[nn.Module], precision: ParaPrecision, accumulate: int) -> None:

@@ -16,6 +16,7 @@ from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallelize import ParallelModel
 from lightning_para.reliability.integrity import IntegrityChecker
+from lightning_para.reliability.spike_guard import SpikeGuard
 from lightning_para.reliability.step_guard import Preempted, StepGuard
 from lightning_para.reliability.watchdog import Watchdog, start_watchdog
 
@@ -27,6 +28,7 @@ class EngineRunGuard:
     watchdog: Optional[Watchdog]
     integrity: Optional[IntegrityChecker]
     guard: StepGuard
+    spike: Optional[SpikeGuard]
     checkpoint_run: ckpt.CheckpointRun
     parallel: Optional[ParallelModel]
     compile_watch: Optional[CompileWatch]
@@ -84,6 +86,9 @@ class EngineRunGuard:
         local = pipeline is None or pipeline.has_last
         if self.guard.active:
             self.guard.observe_loss(output, step, local=local)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if self.spike is not None and local and isinstance(loss, torch.Tensor):
+            self.spike.observe_loss(loss)
         if self.integrity is not None and local:
             self.integrity.observe_loss(output, step)
 

@@ -50,7 +50,7 @@ class FabricParaPrecision(ParaPrecision):
         if self._check_step is not None:
             self._check_step(optimizer, not self.uses_loss_scaling)
         if not self.uses_loss_scaling:
-            return optimizer.step(**kwargs)
+            return self.gated_step(optimizer, lambda: optimizer.step(**kwargs))
         self.unscale_gradients(optimizer)
         found_inf, self._unscaled = bool(self._unscaled), None
         self.update_scale(found_inf=found_inf)

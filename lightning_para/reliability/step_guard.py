@@ -7,16 +7,17 @@ the same decision at the same step:
   and the run goes on (Megatron-LM checks loss and gradient norm for NaN by default, too). Each
   rank notes, on the device and without a sync, whether its *local* loss (its own batch, before
   any reduction) was finite and, under pipeline parallelism, whether each of its stages' forward
-  outputs was; before the optimizer steps, the norm of its local gradient shards is computed
-  (``torch.nn.utils.get_total_norm``: one fused pass over the gradients, no communication).
+  outputs was; before the optimizer steps, its share of the squared global gradient norm is computed
+  (``sum(|g|^2 / replication)``: one fused pass over its gradients, no communication).
 * **Preemption.** SLURM and Kubernetes send SIGTERM to one or all processes. The signal handler
   only records the signal number (no collective inside a handler: a collective there pairs with
   whatever collective the peers run next, which is how a SIGTERM used to hang a run).
 
-Both go into **one all-reduce (MAX) of three integers over the world** (the third: an asynchronous save failed,
-``checkpoint/async_save.py``), issued once per optimizer
-step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer
-step. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
+Both go into **one all-reduce (SUM) of four floats over the world** (the flags counted over ranks -- the third:
+an asynchronous save failed, ``checkpoint/async_save.py`` -- and the squared global gradient norm), issued once
+per optimizer step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer step.
+*Riders* (:attr:`StepGuard.riders`: the spike guard) add their values to it: they agree over ranks with no
+collective of their own. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
 on an accelerator its result is copied to host memory behind the step's work and an event marks
 it) and step ``N + 1``'s check reads it, long finished by then. So the hot path has no
 device-to-host sync of its own (Lightning's loop has none either), and every rank still learns
@@ -38,8 +39,11 @@ the same thing at the same step:
   A signal received during step ``N`` stops the run at the end of step ``N + 1``.
 
 The cost per optimizer step: one pass over the local gradients (memory-bound), an ``isfinite``
-on each stage's output (pipeline only), one asynchronous all-reduce of 24 bytes and, on an
-accelerator, one non-blocking 24-byte copy to host (``docs/reliability.md``).
+on each stage's output (pipeline only), one asynchronous all-reduce of 16 bytes (plus the riders') and,
+on an accelerator, one non-blocking copy of it to host (``docs/reliability.md``).
+
+Why this module is long: the agreement, its riders and the decisions read from it share one all-reduce and
+its read a step late; split, each part would hold half of that protocol.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_para._dtensor import local_tensor
+from lightning_para.parallel.data.grad_norm import local_grad_square_sum
 from lightning_para.reliability.integrity import IntegrityError
 from lightning_para.reliability.preemption import (
     PREEMPTED_EXIT_CODE,
@@ -110,12 +115,13 @@ class _Agreement:
     step: int
     flags: Tensor
     grad_bad: Tensor
+    riders: list[tuple[Any, int, int]]  # each rider's slice of the flags
     work: Any = None
     host: Optional[Tensor] = None
     event: Any = None
 
-    def read(self) -> list[int]:
-        """``[non-finite, signal, background save failed]``: waits only for this agreement, launched a step ago."""
+    def read(self) -> list[float]:
+        """``[non-finite, signal, background save failed, grad_sq, riders...]``: waits only for this agreement."""
         if self.event is not None:
             self.event.synchronize()
             return self.host.tolist()  # host memory, written before the event: no device sync
@@ -143,13 +149,22 @@ class StepGuard:
         self._previous_handler: Any = None
         self._installed = False
         self.background: Any = None  # async_save's save in flight (`failed()`, `settle()`): its failure agreed here
+        # Values riding the all-reduce: ``payload(step, stepping) -> Optional[Tensor]`` (1-D float32, the same size on
+        # every rank; ``stepping``: an optimizer step's check), ``agreed(step, values)`` once read (a step late) and
+        # ``wants_grad_norm`` (the gradient pass runs for it even without the finite check).
+        self.riders: list[Any] = []
         self.connect(device, rank_info)
 
-    def connect(self, device: torch.device, rank_info: Optional[Callable[[int], str]] = None) -> None:
-        """Start a fit on ``device`` (the default group's): fresh notes, no signal, no stage hooks."""
+    def connect(
+        self, device: torch.device, rank_info: Optional[Callable[[int], str]] = None,
+        replication: Optional[Callable[[Tensor], int]] = None,
+    ) -> None:
+        """Start a fit on ``device`` (the default group's): fresh notes, no signal, no stage hooks. ``replication(p)``:
+        on how many ranks ``p.grad`` is identical (the global norm's weights; default: on every rank)."""
         self.remove_hooks()
         self.device = torch.device(device)
         self.rank_info = rank_info or (lambda rank: "")
+        self.replication = replication or (lambda p: dist.get_world_size() if dist.is_initialized() else 1)
         self.signal_received: Optional[int] = None  # set by the handler on this rank
         self.stop_signal: Optional[int] = None  # agreed by every rank
         self.pending = False  # a loss was observed since the last check (the same on every rank)
@@ -164,7 +179,7 @@ class StepGuard:
 
     @property
     def active(self) -> bool:
-        return self.check_finite or self.on_sigterm is not None or self.background is not None
+        return self.check_finite or self.on_sigterm is not None or self.background is not None or bool(self.riders)
 
     # ---------------------------------------------------------------- device-side notes (no sync)
     @torch.no_grad()
@@ -215,28 +230,46 @@ class StepGuard:
         under fp16 loss scaling, where an inf gradient only skips the step)."""
         self.pending = False
         grad_bad = self._new(0)
+        grad_sq = torch.zeros((), device=self.device)
         if params is not None:
             self.stepped = True
-        if self.check_finite and params is not None:
-            grads = [local_tensor(p.grad).detach() for p in params if p.grad is not None]
-            grads = [g for g in grads if g.numel()]
-            if grads:
-                # Non-finite iff some element is inf/NaN (or the sum of squares overflows fp32: also a stop).
-                norm = torch.nn.utils.get_total_norm(grads, 2.0)
-                grad_bad = (~torch.isfinite(norm)).to(device=self.device, dtype=torch.int64)
-        flags = torch.stack([
-            ((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad,
-            self._new(self.signal_received or 0),
-            self._new(int(self.background is not None and self.background.failed())),  # a host future: no sync
-        ])
-        previous, self._in_flight = self._in_flight, self._launch(step, flags, grad_bad)
+        if (self.check_finite or any(getattr(r, "wants_grad_norm", False) for r in self.riders)) and params is not None:
+            # Non-finite iff some element is inf/NaN (or the sum of squares overflows fp32: also a stop).
+            grad_sq = local_grad_square_sum(params, self.replication, self.device)
+            if self.check_finite:
+                grad_bad = (~torch.isfinite(grad_sq)).to(torch.int64)
+        save_failed = self.background is not None and self.background.failed()  # a host future: no sync
+        parts = [torch.stack([
+            (((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad).float(),
+            torch.full((), float(self.signal_received is not None), device=self.device),
+            torch.full((), float(save_failed), device=self.device), grad_sq,
+        ])]
+        riders, start = [], 4
+        for rider in self.riders:
+            values = rider.payload(step, params is not None)
+            if values is not None:
+                parts.append(values)
+                riders.append((rider, start, start + values.numel()))
+                start += values.numel()
+        previous, self._in_flight = self._in_flight, self._launch(step, torch.cat(parts), grad_bad, riders)
         if previous is not None:
             self._act(previous)
 
-    def _launch(self, step: int, flags: Tensor, grad_bad: Tensor) -> _Agreement:
-        agreement = _Agreement(step, flags, grad_bad)
+    def this_step(self, rider: Any) -> Optional[tuple[int, Tensor, Tensor]]:
+        """``(step, squared global gradient norm, its values)`` summed over ranks, on the device, for a rider acting in
+        the step it rode (``None`` if it did not). On CPU the host waits for the all-reduce; an accelerator's stream does."""
+        agreement = self._in_flight
+        for r, start, stop in agreement.riders if agreement is not None else ():
+            if r is rider:
+                if agreement.event is None and agreement.work is not None:
+                    agreement.work.wait()
+                return agreement.step, agreement.flags[3], agreement.flags[start:stop]
+        return None
+
+    def _launch(self, step: int, flags: Tensor, grad_bad: Tensor, riders: list[tuple[Any, int, int]]) -> _Agreement:
+        agreement = _Agreement(step, flags, grad_bad, riders)
         if dist.is_initialized():
-            agreement.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+            agreement.work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
         if flags.device.type != "cpu":
             if agreement.work is not None:
                 agreement.work.wait()  # accelerators: orders the current stream after the collective, no host wait
@@ -253,9 +286,12 @@ class StepGuard:
             self._act(previous)
 
     def _act(self, agreement: _Agreement) -> None:
-        nonfinite, signum, save_failed = agreement.read()
-        if signum and self.stop_signal is None:
-            self.stop_signal = int(signum)
+        values = agreement.read()
+        if values[1] > 0 and self.stop_signal is None:
+            self.stop_signal = int(signal.SIGTERM)  # the one signal the handler is installed for
+        for rider, start, stop in agreement.riders:
+            rider.agreed(agreement.step, values[start:stop])
+        nonfinite, save_failed = values[0] > 0, values[2] > 0
         if nonfinite or save_failed:
             if self._in_flight is not None and self._in_flight.work is not None:
                 self._in_flight.work.wait()  # the collective launched after it completes before the next one

@@ -187,3 +187,13 @@ def test_the_counter_sees_a_synchronous_read(monkeypatch, front_end):
     monkeypatch.setattr(StepGuard, "check", synchronous)
     reads = count(para_strategy())
     assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"tolist"}, reads
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_the_spike_guard_reads_nothing_to_clip_and_once_per_step_to_skip_without_found_inf(front_end):
+    """Clip mode scales the gradients on the device; skip mode with an optimizer that takes no ``found_inf`` (AdamW
+    without ``fused=True``) reads the decision on the host once per step: its documented cost."""
+    count, para_strategy = _front_end(front_end)
+    assert count(para_strategy(spike_guard="clip"), clip=True) == []
+    reads = count(para_strategy(spike_guard="skip"))
+    assert len(reads) >= STEPS - WARM_UP and {how for _, how in reads} == {"item"}, reads

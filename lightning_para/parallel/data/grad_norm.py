@@ -110,6 +110,19 @@ def global_grad_norm(
 
 
 @torch.no_grad()
+def local_grad_square_sum(params: Iterable[Tensor], replication: Callable[[Tensor], int], device: torch.device) -> Tensor:
+    """This rank's share of the squared global norm, ``sum(|g|^2 / replication)`` (fp32, on ``device``): summed over
+    the world it is the squared norm :func:`global_grad_norm` computes. One fused norm per replication factor."""
+    by_factor: dict[int, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None and p.grad.numel():
+            by_factor.setdefault(replication(p), []).append(local_tensor(p.grad).detach())
+    parts = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(device).square().sum() / factor
+             for factor, grads in by_factor.items()]
+    return torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+
+
+@torch.no_grad()
 def clip_grads_by_global_norm(
     params: Iterable[Tensor],
     max_norm: float,

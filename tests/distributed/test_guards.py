@@ -1,0 +1,159 @@
+"""The spike guard on real gloo groups (4 ranks), under the Trainer and under Fabric.
+
+Spike guard: at step 6 of a tiny MLP the loss is multiplied by 100 (a planted batch, loss 100x the running mean).
+In skip mode every rank skips that optimizer step -- parameters and optimizer state (Adam's step count too) after
+it equal those before it bit for bit -- logs the same step, and training goes on; in clip mode the gradients that
+step are scaled to the limit. Off (the default) or on without a spike, the losses are bit for bit the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.parity import trainer_kwargs
+
+SPIKE_AT, STEPS = 6, 10
+GUARD = {"window": 20, "threshold": 6.0, "warmup": 4}
+
+
+def dataset(n: int = 512) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter and every optimizer state tensor (Adam's step included), copied."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in [*module.parameters(), *state]]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class Regression(L.LightningModule):
+    def __init__(self, fused: bool, plant: bool) -> None:
+        super().__init__()
+        self.net, self.fused, self.plant = mlp(), fused, plant
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        return loss * 100 if self.plant and self.global_step == SPIKE_AT else loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2, fused=self.fused)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=4)
+
+
+class Watch(Callback):
+    """Losses; the state before and after the planted step; the gradient norm the optimizer steps with."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.result: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == SPIKE_AT:
+            optimizer = trainer.strategy._raw_optimizers()[0]
+            self.before = snapshot(pl_module, optimizer)
+            optimizer.register_step_pre_hook(self.grad_norm)
+
+    def grad_norm(self, optimizer, args, kwargs):
+        if "stepped_norm" not in self.result:  # dp, ZeRO-0: every rank holds the whole synced gradient
+            self.result["stepped_norm"] = torch.cat([p.grad.reshape(-1) for g in optimizer.param_groups for p in g["params"]]).norm().item()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if batch_idx in (SPIKE_AT, SPIKE_AT + 1):
+            self.result[f"unchanged_{batch_idx}"] = same(self.before, snapshot(pl_module, trainer.strategy._raw_optimizers()[0]))
+
+
+def trainer_job(strategy_kwargs: dict[str, Any], *, steps: int = STEPS, fused: bool = True, plant: bool = True) -> dict[str, Any]:
+    from lightning_para import ParaStrategy
+
+    L.seed_everything(0, verbose=False)
+    watch = Watch()
+    strategy = ParaStrategy(**strategy_kwargs)
+    trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=[watch],
+                        **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(Regression(fused, plant))
+    spike = strategy.spike_guard
+    return {**watch.result, "losses": watch.losses, "events": [vars(e) for e in spike.events] if spike is not None else []}
+
+
+def fabric_job(strategy_kwargs: dict[str, Any], *, steps: int = STEPS, fused: bool = False) -> dict[str, Any]:
+    from lightning_para.fabric import ParaStrategy
+
+    strategy = ParaStrategy(**strategy_kwargs)
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    L.seed_everything(0, verbose=False)
+    model = fabric.setup(mlp())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=4))
+    result: dict[str, Any] = {"losses": []}
+    for step, (x, y) in zip(range(steps), loader):
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss * 100 if step == SPIKE_AT else loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1e3)  # a global norm the spike guard judges
+        before = snapshot(model, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == SPIKE_AT:
+            result["unchanged_6"] = same(before, snapshot(model, optimizer))
+        result["losses"].append(float(loss))
+    strategy.core.guard.settle()  # the last step's agreement: its events are logged
+    result["events"] = [vars(e) for e in strategy.spike_guard.events] if strategy.spike_guard is not None else []
+    return result
+
+
+def assert_skipped_everywhere(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert [e["step"] for e in r["events"]] == [SPIKE_AT], r["events"]  # every rank logs the same step
+        assert r["events"][0]["action"] == "skip" and r["events"][0]["loss"] > 10 * r["events"][0]["loss_limit"]
+        assert r["unchanged_6"]  # parameters and optimizer state bit for bit as before the step
+
+
+# ----------------------------------------------------------------------------- spike guard
+@pytest.mark.parametrize("zero,fused", [(1, True), (0, False)], ids=["zero1-fused-found-inf", "zero0-host-read"])
+def test_trainer_spike_is_skipped_on_every_rank_and_training_goes_on(pools, zero, fused):
+    results = pools.get(4).run(trainer_job, {"dp": 4, "zero": zero, "spike_guard": {**GUARD, "action": "skip"}}, fused=fused)
+    assert_skipped_everywhere(results)
+    assert not results[0]["unchanged_7"] and len(results[0]["losses"]) == STEPS  # the next step trains
+
+
+def test_trainer_spike_guard_off_or_quiet_changes_no_loss_and_clip_mode_clips(pools):
+    pool = pools.get(4)
+    off = pool.run(trainer_job, {"dp": 4}, plant=False)[0]["losses"]
+    quiet = pool.run(trainer_job, {"dp": 4, "spike_guard": GUARD}, plant=False)[0]
+    assert quiet["losses"] == off and quiet["events"] == []  # bit for bit: no spike, no change
+    clipped = pool.run(trainer_job, {"dp": 4, "spike_guard": {**GUARD, "action": "clip"}}, fused=False)
+    for r in clipped:
+        (event,) = r["events"]
+        assert event["step"] == SPIKE_AT and event["action"] == "clip"
+        coef = min(event["loss_limit"] / event["loss"], event["grad_norm_limit"] / event["grad_norm"])
+        assert r["stepped_norm"] == pytest.approx(coef * event["grad_norm"], rel=1e-4)  # stepped at the limit
+        assert not r["unchanged_6"]
+
+
+def test_fabric_spike_is_skipped_on_every_rank(pools):
+    for fused in (False, True):  # the host read, then found_inf
+        results = pools.get(4).run(fabric_job, {"dp": 4, "zero": 2, "spike_guard": {**GUARD, "action": "skip"}}, fused=fused)
+        assert_skipped_everywhere(results)
