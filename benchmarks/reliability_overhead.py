@@ -15,8 +15,9 @@ Variants (``baseline``: every feature off, a plain ``DataLoader`` + ``Distribute
 * ``resumable_loader``: the recipes' ``ResumableDataLoader``;
 * ``sync_dist_logging``: ``train_loss`` logged with ``sync_dist=True`` (one scalar all-reduce per step);
 * ``integrity_every_10`` / ``integrity_every_1``: ``integrity_check_every_n_steps`` 10 and 1;
+* ``straggler``: straggler detection (the default: one comparison every 5 steps riding the step guard);
 * ``spike_guard``: the spike guard in skip mode (the recipe's AdamW is not fused: one host read per step);
-* ``defaults``: what ParaStrategy and the recipes do now (watchdog, resumable loader, sync_dist).
+* ``defaults``: what ParaStrategy and the recipes do now (watchdog, resumable loader, sync_dist, straggler).
 
 Checkpoint saves are timed separately: the atomic save (hidden sibling, barriers, marker,
 exchange) against writing the same DCP directory straight into place (the old behaviour).
@@ -41,8 +42,9 @@ VARIANTS: dict[str, dict] = {
     "sync_dist_logging": {"sync_dist": True},
     "integrity_every_10": {"integrity": 10},
     "integrity_every_1": {"integrity": 1},
+    "straggler": {"straggler": True},
     "spike_guard": {"spike_guard": "skip"},
-    "defaults": {"watchdog": True, "resumable": True, "sync_dist": True},
+    "defaults": {"watchdog": True, "resumable": True, "sync_dist": True, "straggler": True},
 }
 
 
@@ -82,7 +84,8 @@ def run_variant(layout: dict, options: dict, steps: int) -> list[float]:
     clock = Clock()
     strategy = ParaStrategy(
         **layout, watchdog_timeout=60.0 if options.get("watchdog") else None,
-        integrity_check_every_n_steps=options.get("integrity"), spike_guard=options.get("spike_guard"),
+        integrity_check_every_n_steps=options.get("integrity"), straggler=bool(options.get("straggler")),
+        spike_guard=options.get("spike_guard"),
     )
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(

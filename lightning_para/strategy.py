@@ -36,6 +36,8 @@ from lightning_para import checkpoint as ckpt
 from lightning_para.core.front_end import ParaFrontEnd
 from lightning_para.fabric.checkpoint import for_the_trainer
 from lightning_para.mesh import ParallelDims
+from lightning_para.observe.panels import straggler_metrics
+from lightning_para.observe.publish import log_scalars
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.auto_layout import LayoutChoice, auto_configure
@@ -286,7 +288,10 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     # ------------------------------------------------------------------ non-finite values, SIGTERM
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.core.guard.start_fit(self.lightning_module.trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
+        trainer = self.lightning_module.trainer
+        self.core.guard.start_fit(trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
+        if self.core.straggler is not None:  # rank 0 logs every rank's figure: a per-rank TensorBoard panel
+            self.core.straggler.publish = lambda figures, named: log_scalars(trainer, straggler_metrics(figures, named))
 
     def _save_preemption_checkpoint(self) -> str:
         """Always sharded, whatever ``save_distributed_checkpoint`` says: a sharded checkpoint resumes into

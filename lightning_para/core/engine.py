@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 
@@ -50,6 +51,7 @@ from lightning_para.precision import ParaPrecision
 from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
 from lightning_para.reliability.spike_guard import spike_guard_option
 from lightning_para.reliability.step_guard import StepGuard, pipeline_rank_info
+from lightning_para.reliability.straggler import mesh_coordinates, straggler_option
 from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout
 
 # The layout each module was parallelized with, so a second `fit`/`setup` of the same module reuses it
@@ -62,8 +64,8 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
 
     Args:
         config: the validated layout.
-        integrity_check_every_n_steps, integrity_action, watchdog_timeout, check_finite, on_sigterm, spike_guard:
-            the reliability options of ``ParaStrategy`` (validated here, before any process group).
+        integrity_check_every_n_steps, integrity_action, watchdog_timeout, check_finite, on_sigterm, straggler,
+            spike_guard: the reliability options of ``ParaStrategy`` (validated here, before any process group).
         run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
         timeout: the process-group timeout (the watchdog's must be below it).
         front_end: ``"Trainer"`` or ``"Fabric"``, named in errors about the order of calls.
@@ -81,6 +83,7 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
         on_sigterm: Optional[str] = "checkpoint",
         run_id: Optional[str] = None,
         front_end: str = "Trainer",
+        straggler: Any = True,
         spike_guard: Any = None,
     ) -> None:
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
@@ -94,8 +97,9 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
         )
         self.guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # NaN stop, SIGTERM
-        self.spike = spike_guard_option(spike_guard)  # rides the step guard's all-reduce
-        self.guard.riders = [self.spike] if self.spike is not None else []
+        self.spike = spike_guard_option(spike_guard)  # both ride the step guard's all-reduce
+        self.straggler = straggler_option(straggler)
+        self.guard.riders = [r for r in (self.spike, self.straggler) if r is not None]
         self.dims: Optional[ParallelDims] = None
         self.parallel: Optional[ParallelModel] = None
         self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles
@@ -244,9 +248,12 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
     ) -> None:
         """After set-up: the step guard learns the device and stages; the precision plugin learns data
         parallelism (gradient flush, replication counts) and the guard's check before each optimizer step."""
-        pipeline, data_parallel = self.parallel_model.pipeline, self.data_parallel
+        pipeline, dims, data_parallel = self.parallel_model.pipeline, self.parallel_dims, self.data_parallel
         assert data_parallel is not None
-        self.guard.connect(device, pipeline_rank_info(self.parallel_dims.mesh), data_parallel.grad_replication)
+        self.guard.connect(device, pipeline_rank_info(dims.mesh), data_parallel.grad_replication)
+        if self.straggler is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.straggler.connect(device, rank, dims.world_size, lambda r: mesh_coordinates(dims, r))
         if self.spike is not None:
             self.spike.connect(device, self.guard)
         if pipeline is not None:  # which stage produced a NaN first: each stage's forward output is checked
@@ -267,6 +274,8 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
         parallel = self.parallel
         if parallel is None:
             return
+        if self.straggler is not None:  # the end of this rank's own work before the gradient synchronisation
+            self.straggler.arrive()
         if parallel.data_parallel is not None:
             parallel.data_parallel.before_backward()
         if parallel.moe_layers and parallel.pipeline is None and module is not None:

@@ -29,6 +29,7 @@ from lightning_para.options import LAYOUT_OPTIONS, Degree, arguments_doc
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallelize import ParallelModel
 from lightning_para.reliability.spike_guard import SpikeGuard
+from lightning_para.reliability.straggler import StragglerDetector
 from lightning_para.threads import apply_thread_budget, available_cores
 
 # The front ends' own arguments (the layout options are documented in lightning_para.options), in signature order.
@@ -55,6 +56,8 @@ FRONT_END_ARGUMENTS: dict[str, str] = {
     " ``None`` under Fabric. Under Fabric the loop owns its state: with ``\"checkpoint\"`` every rank sees"
     " ``fabric.strategy.preempted`` turn true after the same ``optimizer.step()`` (the loop saves and exits);"
     " ``\"exit\"`` raises ``Preempted`` (code 143) there.",
+    "straggler": "name a rank slower than the median over ranks by ``factor`` at ``patience`` consecutive comparisons"
+    " every ``every_n_steps`` steps: ``True`` (1.5, 3, 5), ``False``, a dict or a ``StragglerDetector`` (``docs/reliability.md``).",
     "spike_guard": "skip (``\"skip\"``) or clip (``\"clip\"``) an optimizer step whose loss or gradient norm spikes, on every"
     " rank: ``None`` (off), ``True``, a dict or a ``SpikeGuard`` (``docs/reliability.md``).",
     "run_id": "this run's id across restarts, recorded in every checkpoint; the Trainer's ``ckpt_path=\"hpc\"``/"
@@ -123,6 +126,7 @@ class ParaFrontEnd:
         check_finite: bool = True,
         on_sigterm: Optional[str] = "auto",
         run_id: Optional[str] = None,
+        straggler: Union[bool, Mapping[str, Any], StragglerDetector, None] = True,
         spike_guard: Union[bool, str, Mapping[str, Any], SpikeGuard, None] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -141,7 +145,7 @@ class ParaFrontEnd:
             config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite,
             on_sigterm=self.auto_on_sigterm if on_sigterm == "auto" else on_sigterm, run_id=run_id,
-            front_end=self.front_end, spike_guard=spike_guard,
+            front_end=self.front_end, straggler=straggler, spike_guard=spike_guard,
         )
         if precision is not None and precision_plugin is not None:
             raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
@@ -223,6 +227,11 @@ class ParaFrontEnd:
         # cp ranks then take their own chunks of each sequence in the step).
         dims = self.parallel_dims
         return {"num_replicas": dims.dp, "rank": dims.local_rank("dp")}
+
+    @property
+    def straggler(self) -> Optional[StragglerDetector]:
+        """The straggler detector (``None``: off): ``.figures``, ``.stragglers`` after each comparison."""
+        return self.core.straggler
 
     @property
     def spike_guard(self) -> Optional[SpikeGuard]:

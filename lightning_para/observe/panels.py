@@ -3,6 +3,7 @@ functions; :class:`~lightning_para.observe.profiler.ParaProfiler` gathers and wr
 
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 from lightning_para.instrument.compare import IDLE_KINDS, PredictionCheck
@@ -94,4 +95,17 @@ def moe_metrics(per_rank: list[dict[str, MoEStats]]) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["comm_metrics", "memory_panel", "moe_metrics", "prediction_metrics"]
+def straggler_metrics(own_seconds: list[float], stragglers: list[int]) -> dict[str, float]:
+    """The straggler detector's comparison: ``straggler/rank{r}/own_ms`` (a rank's median work between two gradient
+    synchronisations), ``.../vs_median`` (over ranks) and ``straggler/named`` (how many ranks are named now)."""
+    known = [s for s in own_seconds if s > 0]
+    median = statistics.median(known) if known else 0.0
+    metrics = {"straggler/named": float(len(stragglers))}
+    for rank, seconds in enumerate(own_seconds):
+        if seconds > 0:
+            metrics[f"straggler/rank{rank}/own_ms"] = 1e3 * seconds
+            metrics[f"straggler/rank{rank}/vs_median"] = seconds / median
+    return metrics
+
+
+__all__ = ["comm_metrics", "memory_panel", "moe_metrics", "prediction_metrics", "straggler_metrics"]

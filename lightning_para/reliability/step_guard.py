@@ -16,8 +16,8 @@ the same decision at the same step:
 Both go into **one all-reduce (SUM) of four floats over the world** (the flags counted over ranks -- the third:
 an asynchronous save failed, ``checkpoint/async_save.py`` -- and the squared global gradient norm), issued once
 per optimizer step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer step.
-*Riders* (:attr:`StepGuard.riders`: the spike guard) add their values to it: they agree over ranks with no
-collective of their own. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
+*Riders* (:attr:`StepGuard.riders`: the spike guard, the straggler detector) add their values to it: they agree
+over ranks with no collective of their own. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
 on an accelerator its result is copied to host memory behind the step's work and an event marks
 it) and step ``N + 1``'s check reads it, long finished by then. So the hot path has no
 device-to-host sync of its own (Lightning's loop has none either), and every rank still learns
