@@ -49,6 +49,8 @@ NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
     "check_finite": "reliability checks (the non-finite stop, reliability/step_guard.py)",
     "on_sigterm": "reliability checks (preemption, reliability/step_guard.py)",
     "run_id": "checkpoint identity (which run a resume continues, checkpoint/run.py)",
+    "straggler": "reliability checks (a slow rank named, reliability/straggler.py)",
+    "spike_guard": "reliability checks (loss spikes skipped or clipped, reliability/spike_guard.py)",
     "accelerator": "Lightning plumbing",
     "parallel_devices": "Lightning plumbing",
     "cluster_environment": "Lightning plumbing",

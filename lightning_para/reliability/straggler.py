@@ -44,8 +44,6 @@ class StragglerDetector:
         every_n_steps: optimizer steps between comparisons (each compares the median own time since the last).
     """
 
-    wants_grad_norm = False
-
     def __init__(self, factor: float = 1.5, patience: int = 3, every_n_steps: int = 5) -> None:
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 1 < factor < math.inf:
             raise ValueError(f"`straggler` factor={factor!r} must be a number > 1 (times the median over ranks).")
