@@ -149,9 +149,8 @@ class StepGuard:
         self._previous_handler: Any = None
         self._installed = False
         self.background: Any = None  # async_save's save in flight (`failed()`, `settle()`): its failure agreed here
-        # Values riding the all-reduce: ``payload(step, stepping) -> Optional[Tensor]`` (1-D float32, the same size on
-        # every rank; ``stepping``: an optimizer step's check), ``agreed(step, values)`` once read (a step late) and
-        # ``wants_grad_norm`` (the gradient pass runs for it even without the finite check).
+        # Riders: ``payload(step, stepping) -> Optional[Tensor]`` (1-D float32, one size on every rank; ``stepping``: an
+        # optimizer step's check), ``agreed(step, values)`` once read, ``wants_grad_norm`` (the gradient pass runs).
         self.riders: list[Any] = []
         self.connect(device, rank_info)
 
