@@ -12,6 +12,8 @@ Public entry points (also used by the Fabric front end):
   each block's experts into expert-major parameters sharded over ep and routes tokens by all-to-all;
 * :func:`pipeline_spec`: a ready :class:`~lightning_para.PipelineSpec` for a ``GPT``
   (``configure_pipeline()`` is one line);
+* :func:`forward_with_documents`: the model's logits with attention kept inside packed documents
+  (:mod:`.documents`; what ``LitGPTCausalLM`` runs for batches with document ids);
 * :func:`load_checkpoint` / :func:`export`: a LitGPT checkpoint folder (``lit_model.pth`` +
   ``model_config.yaml``) into a model, and a trained model (any layout) back to that format.
 
@@ -21,6 +23,7 @@ litgpt itself is imported only inside the functions that need it. See ``docs/lit
 from lightning_para.integrations.litgpt import context as _context  # noqa: F401  (registers its cp adapter)
 from lightning_para.integrations.litgpt import experts as _experts  # noqa: F401  (registers its expert adapter)
 from lightning_para.integrations.litgpt.checkpoint import export, litgpt_models, load_checkpoint
+from lightning_para.integrations.litgpt.documents import forward_with_documents
 from lightning_para.integrations.litgpt.pipeline import pipeline_spec
 from lightning_para.integrations.litgpt.tensor import ADAPTER as _TENSOR_PARALLEL_ADAPTER
 from lightning_para.integrations.litgpt.tensor import is_litgpt_attention, is_litgpt_module
@@ -29,5 +32,5 @@ from lightning_para.parallel.tensor.adapters import register_tensor_parallel_ada
 register_tensor_parallel_adapter(_TENSOR_PARALLEL_ADAPTER)
 
 __all__ = [
-    "export", "is_litgpt_attention", "is_litgpt_module", "litgpt_models", "load_checkpoint", "pipeline_spec",
+    "export", "forward_with_documents", "is_litgpt_attention", "is_litgpt_module", "litgpt_models", "load_checkpoint", "pipeline_spec",
 ]

@@ -5,7 +5,8 @@ the model on them as if they were one sequence. ``GPT.forward`` slices its RoPE 
 ``cos[:T]`` with the *local* ``T``: positions ``0 .. S/c - 1`` on every rank, wrong everywhere but
 the first chunk. The adapter registered here gives every block of a ``GPT`` a forward pre-hook
 that, during cp steps only (:attr:`~lightning_para.parallel.context.ContextParallelRuntime.active`),
-passes the tables indexed by this rank's *global* positions (``cos[positions]``). Attention is
+passes the tables indexed by this rank's *global* positions (``cos[positions]``); tables passed by keyword
+(``forward_with_documents``' restarting positions, already split like the tokens) stay. Attention is
 LitGPT's own ``F.scaled_dot_product_attention(..., is_causal=True)``, which context-parallel
 attention runs across the cp group. LitGPT batches carry shifted targets (``data[:, 1:]``), which
 are split like the inputs, so the loss needs nothing.
@@ -32,12 +33,13 @@ def _global_rope(
 ) -> Optional[tuple[tuple, dict]]:
     if not runtime.active or not args:
         return None
+    if "cos" in kwargs:
+        return None  # forward_with_documents' tables at the batch's own positions (split like the tokens)
     gpt = gpt_ref()
     x = args[0]
     positions = runtime.shard.local_positions(x.shape[1], device=gpt.cos.device)
     cos = gpt.cos.index_select(0, positions).unsqueeze(0).to(x.device)
     sin = gpt.sin.index_select(0, positions).unsqueeze(0).to(x.device)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("cos", "sin")}
     return (x, cos, sin, *args[3:]), kwargs
 
 

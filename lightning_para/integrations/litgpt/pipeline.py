@@ -67,6 +67,11 @@ def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
         return batch["input_ids"], batch.get("labels", batch.get("targets"))
     if isinstance(batch, Tensor):
         return batch[:, :-1], batch[:, 1:]
+    if isinstance(batch, (tuple, list)) and len(batch) in (3, 4):
+        raise ValueError(
+            "The LitGPT pipeline does not take document masks, (input_ids, targets, document_ids[, position_ids]):"
+            " its stages run GPT's layers with the causal mask. Set `data.document_mask=False`, or pp=1."
+        )
     raise ValueError(
         "The LitGPT pipeline expects batches (input_ids, targets) with targets already shifted, a dict with"
         " 'input_ids' and 'labels', or one [batch, seq+1] token tensor; pass split_batch= for another form."

@@ -11,7 +11,11 @@ during cp steps only (:attr:`~lightning_para.parallel.context.ContextParallelRun
   whole-sequence ``position_ids`` like the batch (a caller's local ones are kept; the first-step
   check compares them with the whole sequence);
 * fills an all-ones ``attention_mask`` when the caller gave none (transformers then calls SDPA
-  with ``is_causal=True``). A 2-D padding mask (``0`` = padding) is gathered over cp (one
+  with ``is_causal=True``). Without a mask (and without a KV cache: ``use_cache=False``) transformers reads jumps
+  in the caller's ``position_ids`` as packed sequences (positions restarting at each document): the whole sequence's positions are gathered (one
+  all-gather of ``batch x seq`` integers) and their documents handed to context-parallel attention
+  (``runtime.document_ids``), which keeps each query inside its document as transformers' mask does. A 2-D
+  padding mask (``0`` = padding) is gathered over cp (one
   all-gather of ``batch x seq`` integers); all ones it is replaced the same way, otherwise its
   key padding is handed to context-parallel attention, which applies it with the causal mask
   exactly as transformers does (``runtime.key_valid``). 4-D masks are refused;
@@ -96,6 +100,13 @@ def _whole(runtime: ContextParallelRuntime, tensor: Tensor, local_len: int, what
     )
 
 
+def _packs(model: nn.Module, named: dict[str, Any]) -> bool:
+    """Whether transformers reads the call's ``position_ids`` as packed sequences: only without a KV cache."""
+    use_cache = named.get("use_cache")
+    use_cache = getattr(model.config, "use_cache", False) if use_cache is None else use_cache
+    return not use_cache and named.get("past_key_values") is None and named.get("cache") is None
+
+
 def _prepare(
     runtime: ContextParallelRuntime, signature: inspect.Signature, causal_lm: bool,
     module: nn.Module, args: tuple, kwargs: dict,
@@ -113,7 +124,7 @@ def _prepare(
         return None
     shard = runtime.shard
     # The padding of this forward, kept after it: activation checkpointing recomputes attention in backward.
-    runtime.key_valid = None
+    runtime.key_valid = runtime.document_ids = None
     batch, local_len = tokens.shape[0], tokens.shape[1]
     seq_len = local_len * shard.cp
     device = tokens.device
@@ -127,6 +138,10 @@ def _prepare(
     mask = named.get("attention_mask")
     if mask is None:
         named["attention_mask"] = torch.ones(batch, local_len, dtype=torch.long, device=device)
+        if isinstance(positions, Tensor) and _packs(module, named):  # a new document where positions jump
+            local = named["position_ids"]
+            whole = _whole(runtime, (local if local.dim() == 2 else local[None]).expand(batch, -1), local_len, "position_ids")
+            runtime.document_ids = (torch.diff(whole, prepend=whole[:, :1] - 1, dim=-1) != 1).cumsum(-1)
     elif isinstance(mask, Tensor) and mask.dim() == 2:
         whole = _whole(runtime, mask, local_len, "attention_mask").bool()
         named["attention_mask"] = torch.ones(batch, local_len, dtype=mask.dtype, device=device)

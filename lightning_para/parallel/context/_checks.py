@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_para.parallel.context.documents import check_document_ids
+
 
 def cp_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     """This process's rank in the cp ``group`` and the group's size (``None``: the default group)."""
@@ -71,3 +73,10 @@ def check_key_valid(key_valid: Optional[torch.Tensor], q: torch.Tensor, cp: int)
             f"token), got shape {tuple(key_valid.shape)}"
         )
     return key_valid.to(device=q.device, dtype=torch.bool)
+
+
+def check_global_document_ids(document_ids: Optional[torch.Tensor], q: torch.Tensor, cp: int) -> Optional[torch.Tensor]:
+    """The whole sequence's document ids ``[batch, seq]`` on q's device (``None`` stays ``None``)."""
+    if document_ids is None:
+        return None
+    return check_document_ids(document_ids, q.shape[0], q.shape[2] * cp).to(q.device)

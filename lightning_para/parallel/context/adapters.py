@@ -47,12 +47,16 @@ class ContextParallelRuntime:
             it on top of the causal mask. It stays set after the forward, since activation
             checkpointing recomputes attention during backward; the adapter's next forward
             replaces it. ``None``: no padding.
+        document_ids: the whole batch's document ids (``[batch, seq]``, natural order) that an adapter found in
+            the last forward's inputs (packed sequences); attention keeps each query inside its document. Kept
+            like ``key_valid``. ``None``: one document per sequence.
     """
 
     def __init__(self, shard: ContextParallelShard, group: Optional[dist.ProcessGroup]) -> None:
         self.shard = shard
         self.group = group
         self.key_valid: Optional[Tensor] = None
+        self.document_ids: Optional[Tensor] = None
         self._depth = 0
 
     @property

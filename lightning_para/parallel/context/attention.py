@@ -8,6 +8,8 @@ are already sequence-sharded and its position ids are global
 (:func:`~lightning_para.parallel.context.sharding.position_ids_for_rank`). HF models also need
 an all-ones 2-D ``attention_mask``: without one, transformers reads the jumps in head-tail
 position ids as packed sequences and passes SDPA an explicit mask, which this mode rejects.
+Document masks reach it as :func:`~.documents.document_attention` calls (their local document ids are
+gathered into the whole sequence's) or, for SDPA calls, as ``document_ids()`` (an adapter found them).
 
 This module imports nothing from the rest of ``lightning_para``.
 """
@@ -22,7 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_para.parallel.context.documents import check_document_ids, document_attention
 from lightning_para.parallel.context.ring import ring_attention
+from lightning_para.parallel.context.sharding import unshard_sequence
 from lightning_para.parallel.context.ulysses import ulysses_attention
 
 __all__ = ["CP_METHODS", "ContextParallelSDPA", "context_parallel_attention", "context_parallel_sdpa"]
@@ -46,9 +50,12 @@ _SDPA_SIGNATURE = inspect.Signature(
     + [inspect.Parameter("enable_gqa", inspect.Parameter.KEYWORD_ONLY, default=False)]
 )
 
+_DOCUMENT_SIGNATURE = inspect.signature(document_attention)
+
 SDPA_CONTRACT = (
     "context-parallel attention replaces F.scaled_dot_product_attention only for self-attention with "
-    "attn_mask=None (use is_causal=True for causal masking), dropout_p=0.0, and 4-D "
+    "attn_mask=None (use is_causal=True for causal masking, and lightning_para.parallel.context.documents."
+    "document_attention for document masks), dropout_p=0.0, and 4-D "
     "[batch, heads, local_seq, head_dim] query/key/value shards of equal length"
 )
 
@@ -71,6 +78,7 @@ def context_parallel_attention(
     scale: Optional[float] = None,
     load_balance: bool = True,
     key_valid: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group``; SDPA's layout and semantics.
 
@@ -85,13 +93,16 @@ def context_parallel_attention(
         load_balance: the inputs use the head-tail layout (must match the sharding).
         key_valid: key padding of the whole sequence, ``[batch, seq]`` bool in natural order
             (``False``: padding, seen by no query), the same on every rank; ``None``: none.
+        document_ids: the whole sequence's document ids, ``[batch, seq]`` in natural order, the same on every
+            rank: a query sees only keys of its own document; ``None``: one document.
 
     Returns:
         This rank's output shard, equal to the matching rows of full-sequence SDPA.
     """
     _check_method(method)
     return CP_METHODS[method](
-        q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance, key_valid=key_valid
+        q, k, v, group=group, is_causal=is_causal, scale=scale, load_balance=load_balance, key_valid=key_valid,
+        document_ids=document_ids,
     )
 
 
@@ -119,9 +130,12 @@ class ContextParallelSDPA(TorchFunctionMode):
         self.load_balance = load_balance
         self.calls = 0  # SDPA calls routed, e.g. to check that a model's attention was reached
         self.recorded: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None  # set: keep q, k, v
+        self._documents: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (local, whole) of the last call
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is document_attention:
+            return self._document_attention(args, kwargs)
         if func is not _SDPA:
             return func(*args, **kwargs)
         try:
@@ -132,9 +146,27 @@ class ContextParallelSDPA(TorchFunctionMode):
         a = bound.arguments
         if a["attn_mask"] is not None:
             raise ValueError(f"{SDPA_CONTRACT}; got an explicit attn_mask of shape {tuple(a['attn_mask'].shape)}")
+        return self._attention(a["query"], a["key"], a["value"], a, a["is_causal"], self.document_ids())
+
+    def _document_attention(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``document_attention`` (causal, within documents): the local document ids gathered into the whole
+        sequence's (one all-gather of ``batch x seq`` integers per forward: layers share the tensor)."""
+        a = _DOCUMENT_SIGNATURE.bind(*args, **kwargs)
+        a.apply_defaults()
+        local = a.arguments["document_ids"]
+        if self._documents is None or self._documents[0] is not local:
+            q = a.arguments["query"]
+            check_document_ids(local, q.shape[0], q.shape[2])
+            self._documents = (local, unshard_sequence(local, self.group, dim=1, load_balance=self.load_balance))
+        args = a.arguments
+        return self._attention(args["query"], args["key"], args["value"], args, True, self._documents[1])
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: dict, is_causal: bool,
+        document_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         if a["dropout_p"] != 0.0:
             raise ValueError(f"{SDPA_CONTRACT}; got dropout_p={a['dropout_p']} (set the attention dropout to 0)")
-        q, k, v = a["query"], a["key"], a["value"]
         if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not a["enable_gqa"]:
             raise ValueError(
                 f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for grouped-query "
@@ -144,19 +176,16 @@ class ContextParallelSDPA(TorchFunctionMode):
         if self.recorded is not None:  # the first-step position check (.check) compares them
             self.recorded.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
         return context_parallel_attention(
-            q,
-            k,
-            v,
-            group=self.group,
-            method=self.method,
-            is_causal=a["is_causal"],
-            scale=a["scale"],
-            load_balance=self.load_balance,
-            key_valid=self.key_valid(),
+            q, k, v, group=self.group, method=self.method, is_causal=is_causal, scale=a["scale"],
+            load_balance=self.load_balance, key_valid=self.key_valid(), document_ids=document_ids,
         )
 
     def key_valid(self) -> Optional[torch.Tensor]:
         """Key padding of the current forward (``[batch, seq]``, natural order), or ``None``."""
+        return None
+
+    def document_ids(self) -> Optional[torch.Tensor]:
+        """Document ids of the current forward's SDPA calls (``[batch, seq]``, natural order), or ``None``."""
         return None
 
 

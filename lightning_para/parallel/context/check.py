@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_para.parallel.context.documents import document_attention
 from lightning_para.parallel.context.sharding import ContextParallelShard, shard_sequence
 
 __all__ = ["PREFIX_CHUNK_TOKENS", "PositionCheck", "SDPARecorder", "prefix_length", "run_position_check"]
@@ -71,7 +72,8 @@ def attention_inputs(args: tuple, kwargs: dict) -> Optional[tuple[Tensor, Tensor
 
 
 class SDPARecorder(TorchFunctionMode):
-    """Record the q, k, v of every ``F.scaled_dot_product_attention`` call; change nothing."""
+    """Record the q, k, v of every ``F.scaled_dot_product_attention`` (or ``document_attention``) call; change
+    nothing."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,7 +81,7 @@ class SDPARecorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is _SDPA:
+        if func is _SDPA or func is document_attention:
             self.calls.append(attention_inputs(args, kwargs))
         return func(*args, **kwargs)
 

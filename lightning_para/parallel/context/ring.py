@@ -29,7 +29,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size, default_scale
+from lightning_para.parallel.context._checks import (
+    check_global_document_ids, check_key_valid, check_qkv, cp_rank_and_size, default_scale,
+)
 from lightning_para.parallel.context.sharding import chunk_ids_for_rank
 from lightning_para.parallel.context.tiles import SCORE_TILE_BYTES, score_tile_rows
 
@@ -81,12 +83,11 @@ def _pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
 
 
 def _scores(
-    q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str, key_valid: Optional[torch.Tensor] = None,
-    row0: int = 0,
+    q5: torch.Tensor, k: torch.Tensor, scale: float, kind: str, visible: Optional[torch.Tensor] = None, row0: int = 0,
 ) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, sq, sk]`` of grouped queries ``q5`` against ``k`` ``[b, hkv, sk, d]``;
-    ``key_valid`` ``[b, sk]`` (False: a padding key) masks keys as well. ``row0``: the first query row's
-    index in its chunk (a tile of rows; the diagonal's mask depends on it)."""
+    ``visible`` ``[b, sq | 1, sk]`` (False: a padding key, or one of another document) masks keys as well.
+    ``row0``: the first query row's index in its chunk (a tile of rows; the diagonal's mask depends on it)."""
     # In place on the fresh matmul output: one score block alive, not three (an fp32 [b, h, c, c] block is
     # 1 GiB per 16 heads at 4K-token chunks: Llama 3 405B's 131K under cp=16; the dry run measured it).
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
@@ -95,8 +96,8 @@ def _scores(
         query = torch.arange(row0, row0 + rows, device=s.device)
         hidden = torch.arange(n, device=s.device)[None, :] > query[:, None]
         s.masked_fill_(hidden, float("-inf"))
-    if key_valid is not None:
-        s.masked_fill_(~key_valid[:, None, None, None, :], float("-inf"))
+    if visible is not None:
+        s.masked_fill_(~visible[:, None, None], float("-inf"))
     return s
 
 
@@ -108,11 +109,21 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _key_block(key_valid: Optional[torch.Tensor], chunk: int, ring: "_Ring") -> Optional[torch.Tensor]:
-    """The padding of natural chunk ``chunk`` (``key_valid`` is the whole sequence's, natural order)."""
-    if key_valid is None:
-        return None
-    return key_valid[:, chunk * ring.chunk_len : (chunk + 1) * ring.chunk_len]
+def _visible(
+    key_valid: Optional[torch.Tensor], document_ids: Optional[torch.Tensor], ring: "_Ring", q_chunk: int, k_chunk: int,
+    row0: int, rows: int,
+) -> Optional[torch.Tensor]:
+    """Which keys of natural chunk ``k_chunk`` the query rows ``row0 : row0 + rows`` of chunk ``q_chunk`` may see
+    besides the causal mask: ``[b, rows | 1, c]`` bool from the whole sequence's padding and document ids (natural
+    order, global positions), or ``None`` for all."""
+    c = ring.chunk_len
+    keys = slice(k_chunk * c, (k_chunk + 1) * c)
+    visible = None if key_valid is None else key_valid[:, None, keys]
+    if document_ids is not None:
+        queries = document_ids[:, q_chunk * c + row0 : q_chunk * c + min(row0 + rows, c)]
+        same = queries[:, :, None] == document_ids[:, None, keys]
+        visible = same if visible is None else visible & same
+    return visible
 
 
 def _merge(
@@ -147,6 +158,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         load_balance: bool,
         key_valid: Optional[torch.Tensor],
+        document_ids: Optional[torch.Tensor],
     ) -> torch.Tensor:
         b, hq, n, d = q.shape
         hkv = k.shape[1]
@@ -172,8 +184,8 @@ class _RingAttention(torch.autograd.Function):
                         continue
                     outs, lses = [], []
                     for r0 in range(0, ring.chunk_len, rows):
-                        s = _scores(q_chunks[qi][..., r0:r0 + rows, :], k_chunks[ki], scale, kind,
-                                    _key_block(key_valid, k_chunk, ring), row0=r0)
+                        visible = _visible(key_valid, document_ids, ring, q_chunk, k_chunk, r0, rows)
+                        s = _scores(q_chunks[qi][..., r0:r0 + rows, :], k_chunks[ki], scale, kind, visible, row0=r0)
                         lse_tile = torch.logsumexp(s, dim=-1)
                         p = s.sub_(_finite(lse_tile).unsqueeze(-1)).exp_()  # the scores' tile becomes P, in place
                         del s
@@ -191,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.cat([a[1] for a in acc], dim=3)  # type: ignore[index]
         out = out5.reshape(b, hq, n, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.is_causal, ctx.scale, ctx.key_valid = ring, is_causal, scale, key_valid
+        ctx.ring, ctx.is_causal, ctx.scale, ctx.key_valid, ctx.document_ids = ring, is_causal, scale, key_valid, document_ids
         return out
 
     @staticmethod
@@ -234,7 +246,8 @@ class _RingAttention(torch.autograd.Function):
                         # In place, two [b, h, rows, c] fp32 tiles at most (P and dP; dS overwrites dP).
                         tile = slice(r0, r0 + rows)
                         q_tile, dout_tile = q_chunks[qi][..., tile, :], dout_chunks[qi][..., tile, :]
-                        s = _scores(q_tile, k_chunks[ki], scale, kind, _key_block(ctx.key_valid, k_chunk, ring), row0=r0)
+                        visible = _visible(ctx.key_valid, ctx.document_ids, ring, q_chunk, k_chunk, r0, rows)
+                        s = _scores(q_tile, k_chunks[ki], scale, kind, visible, row0=r0)
                         p = s.sub_(lse_chunks[qi][..., tile].unsqueeze(-1)).exp_()
                         del s
                         dv_chunks[ki].add_(torch.matmul(p.transpose(-1, -2), dout_tile).sum(2))
@@ -264,7 +277,7 @@ class _RingAttention(torch.autograd.Function):
         for work in grad_pending:
             work.wait()
         dq = torch.cat(dq_chunks, dim=3).reshape(q.shape).to(q.dtype)
-        return dq, dk_in.to(k.dtype), dv_in.to(v.dtype), None, None, None, None, None  # type: ignore[union-attr]
+        return dq, dk_in.to(k.dtype), dv_in.to(v.dtype), None, None, None, None, None, None  # type: ignore[union-attr]
 
 
 def ring_attention(
@@ -277,6 +290,7 @@ def ring_attention(
     scale: Optional[float] = None,
     load_balance: bool = True,
     key_valid: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Context-parallel attention by passing K/V blocks around the cp ring.
 
@@ -293,6 +307,9 @@ def ring_attention(
         key_valid: the whole sequence's key padding ``[batch, seq]`` (bool, natural order; False:
             padding), the same on every cp rank, applied on top of the causal mask (a padding
             key is seen by no query; a query that sees no key outputs 0, as SDPA's). ``None``: none.
+        document_ids: the whole sequence's document ids ``[batch, seq]`` (natural order), the same on every cp
+            rank: a query sees only keys of its own document (each K/V block is masked by the ids of its global
+            positions; a block a query row sees nothing of adds nothing). ``None``: one document.
 
     Returns:
         This rank's shard of the attention output, ``[batch, heads, local_seq, head_dim]``,
@@ -305,6 +322,7 @@ def ring_attention(
     _, cp = cp_rank_and_size(group)
     check_qkv(q, k, v, cp, load_balance)
     key_valid = check_key_valid(key_valid, q, cp)
+    document_ids = check_global_document_ids(document_ids, q, cp)
     return _RingAttention.apply(
-        q, k, v, group, bool(is_causal), default_scale(q, scale), bool(load_balance), key_valid
+        q, k, v, group, bool(is_causal), default_scale(q, scale), bool(load_balance), key_valid, document_ids
     )

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from lightning_para.parallel.context.adapters import ContextParallelRuntime, context_parallel_adapters
 from lightning_para.parallel.context.attention import SDPA_CONTRACT, ContextParallelSDPA
 from lightning_para.parallel.context.check import PositionCheck, run_position_check
+from lightning_para.parallel.context.documents import document_attention
 from lightning_para.parallel.context.sharding import ContextParallelShard, unshard_sequence
 
 __all__ = ["ContextParallel", "ContextParallelShard", "ContextParallelStepMode", "apply_context_parallel"]
@@ -86,6 +87,10 @@ class ContextParallelStepMode(ContextParallelSDPA):
         """The padding an adapter found in this forward's attention mask (``runtime.key_valid``)."""
         return self.runtime.key_valid if self.runtime is not None else None
 
+    def document_ids(self) -> Optional[Tensor]:
+        """The documents an adapter found in this forward's inputs (``runtime.document_ids``)."""
+        return self.runtime.document_ids if self.runtime is not None else None
+
     def __enter__(self) -> "ContextParallelStepMode":
         if self.runtime is not None:
             self.runtime.enter()
@@ -102,7 +107,7 @@ class ContextParallelStepMode(ContextParallelSDPA):
         kwargs = kwargs or {}
         if func is _CROSS_ENTROPY:
             return self._cross_entropy(func, args, kwargs)
-        if func is _SDPA and self.method == "all_to_all":
+        if (func is _SDPA or func is document_attention) and self.method == "all_to_all":
             self._check_ulysses_heads(args, kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -276,11 +281,12 @@ class ContextParallel:
             f" {result.error:.3g} (relative; at most {result.tolerance:g} is rounding). Something in the model is"
             " computed from this rank's chunk of the sequence instead of the whole sequence: most often positions"
             " built from the local length (torch.arange(x.shape[1]) for RoPE or a position embedding), labels"
-            " shifted inside a chunk, or a mask built from the chunk. Give the model its global positions with one"
-            " of: a method `set_context_parallel(self, shard)` on the submodule that builds positions (keep the"
-            " shard; use `shard.local_positions(x.shape[1], device=x.device)` instead of arange), or a"
-            " LightningModule hook `context_parallel_batch(self, batch, shard)` that returns this rank's batch"
-            " with `shard.position_ids(seq_len, batch_size=B)` for the model (docs/context_parallel.md,"
+            " shifted inside a chunk, or a mask built from the chunk (document ids must be split like the tokens)."
+            " Give the model its global positions with one of: a method `set_context_parallel(self, shard)` on the"
+            " submodule that builds positions (keep the shard; use `shard.local_positions(x.shape[1],"
+            " device=x.device)` instead of arange), or a LightningModule hook `context_parallel_batch(self,"
+            " batch, shard)` that returns this rank's batch with `shard.position_ids(seq_len, batch_size=B)` for"
+            " the model (docs/context_parallel.md,"
             f' "Positions: the contract").{found} Or set cp=1. (cp_check=False skips this check.)'
         )
 

@@ -25,7 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_para.parallel.context._checks import check_key_valid, check_qkv, cp_rank_and_size
+from lightning_para.parallel.context._checks import (
+    check_global_document_ids, check_key_valid, check_qkv, cp_rank_and_size,
+)
+from lightning_para.parallel.context.documents import document_attention
 from lightning_para.parallel.context.sharding import natural_to_rank_order, rank_order_to_natural
 
 __all__ = ["all_to_all", "ulysses_attention", "validate_ulysses_heads"]
@@ -88,6 +91,23 @@ def validate_ulysses_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
             )
 
 
+def _mask(
+    key_valid: Optional[torch.Tensor], document_ids: Optional[torch.Tensor], is_causal: bool, cp: int, rank_order: bool
+) -> Optional[torch.Tensor]:
+    """SDPA's boolean mask from the padding and the document ids (natural order), for keys in natural or rank order."""
+    if key_valid is None and document_ids is None:
+        return None
+    if rank_order:
+        key_valid, document_ids = (natural_to_rank_order(t, cp, dim=1) if t is not None else t for t in (key_valid, document_ids))
+    mask = key_valid[:, None, None, :] if key_valid is not None else True
+    if document_ids is not None:
+        mask = mask & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+    if is_causal:
+        seq = mask.shape[-1]
+        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+    return mask
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,6 +118,7 @@ def ulysses_attention(
     scale: Optional[float] = None,
     load_balance: bool = True,
     key_valid: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Context-parallel attention by re-sharding from sequence to heads (DeepSpeed-Ulysses).
 
@@ -111,6 +132,8 @@ def ulysses_attention(
         load_balance: whether the shards follow the head-tail layout of ``shard_sequence``.
         key_valid: the whole sequence's key padding ``[batch, seq]`` (bool, natural order; False:
             padding), applied with the causal mask; ``None``: none.
+        document_ids: the whole sequence's document ids ``[batch, seq]`` (natural order): a query sees only keys
+            of its own document; ``None``: one document.
 
     Returns:
         This rank's shard of the output, ``[batch, heads, local_seq, head_dim]``.
@@ -121,23 +144,20 @@ def ulysses_attention(
     check_qkv(q, k, v, cp, load_balance)
     validate_ulysses_heads(q.shape[1], k.shape[1], cp)
     key_valid = check_key_valid(key_valid, q, cp)
+    document_ids = check_global_document_ids(document_ids, q, cp)
     # [b, h, s/c, d] -> [b, h/c, s, d]: scatter heads, gather sequence (rank order).
     q_h, k_h, v_h = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (q, k, v))
     reorder = is_causal and load_balance and cp > 1
     if reorder:
         q_h, k_h, v_h = (rank_order_to_natural(t, cp, dim=2) for t in (q_h, k_h, v_h))
-    mask = None
-    if key_valid is not None:  # keys in the order of k_h: natural, or rank order when not reordered
-        if load_balance and cp > 1 and not reorder:
-            key_valid = natural_to_rank_order(key_valid, cp, dim=1)
-        mask = key_valid[:, None, None, :]
-        if is_causal:
-            s = q_h.shape[2]
-            mask = mask & torch.ones(s, s, dtype=torch.bool, device=q_h.device).tril()
-    out = F.scaled_dot_product_attention(
-        q_h, k_h, v_h, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
-        enable_gqa=q_h.shape[1] != k_h.shape[1],
-    )
+    gqa = q_h.shape[1] != k_h.shape[1]
+    if document_ids is not None and key_valid is None and is_causal:  # natural order: FlexAttention on CUDA
+        out = document_attention(q_h, k_h, v_h, document_ids, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_h, k_h, v_h, attn_mask=_mask(key_valid, document_ids, is_causal, cp, load_balance and not reorder),
+            is_causal=is_causal and key_valid is None and document_ids is None, scale=scale, enable_gqa=gqa,
+        )
     if reorder:
         out = natural_to_rank_order(out, cp, dim=2)
     # [b, h/c, s, d] -> [b, h, s/c, d]: scatter sequence (rank order), gather heads.
