@@ -12,6 +12,9 @@ importable from here too.
 * Context parallel: :class:`Embedding` and :class:`CausalSelfAttention` take their global token
   positions from the strategy (``set_context_parallel``), since a cp rank holds non-contiguous
   chunks of each sequence and ``arange(local length)`` would be wrong.
+* Document masks: batches ``(x, y, document_ids[, position_ids])`` (``TokenDataModule(document_mask=True)``)
+  keep attention inside each packed document (``document_attention``) and take positions that restart per
+  document; the ids travel with the hidden states from layer to layer (a tuple), so with each microbatch.
 * ``embed`` -> ``blocks`` -> ``head`` are separate modules that each map ``x -> x``: that is
   the pipeline contract (:meth:`GPT.configure_pipeline`). Each of them declares its own
   tensor-parallel plan (``tensor_parallel_plan()`` on :class:`Embedding`, :class:`Block`,
@@ -72,6 +75,9 @@ class GPT(L.LightningModule):
             under ``bf16-true`` the softmax is then computed in fp32). Costs fp32 log-probabilities, priced by
             the planner as ``ModelDesc.loss_upcast``.
     """
+
+    # TokenDataModule(document_mask=True) checks that the model takes the document ids it adds to batches.
+    accepts_documents = True
 
     def __init__(
         self,
@@ -141,11 +147,13 @@ class GPT(L.LightningModule):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: Tensor, document_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits of ``idx`` (B, T); ``document_ids`` (B, T) keep attention inside each packed document,
+        ``position_ids`` (B, T) are positions restarting per document."""
+        x = self.embed(idx, document_ids, position_ids)
         for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+            x = block(*x) if isinstance(x, tuple) else block(x)
+        return self.head(*x) if isinstance(x, tuple) else self.head(x)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy (works on vocab-sharded DTensor logits under loss parallel).
@@ -164,9 +172,13 @@ class GPT(L.LightningModule):
         return loss
 
     @staticmethod
-    def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
-        inputs, targets = batch
-        return inputs, targets
+    def split_batch(batch: Any) -> tuple[Any, Tensor]:
+        """``(x, y)`` -> ``(x, y)``; ``(x, y, document_ids[, position_ids])`` -> ``((x, document_ids[, ...]), y)``."""
+        inputs, targets, *documents = batch
+        return ((inputs, *documents) if documents else inputs), targets
+
+    def _logits(self, inputs: Any) -> Tensor:
+        return self(*inputs) if isinstance(inputs, tuple) else self(inputs)
 
     # -------------------------------------------------------------- parallel declarations
     def configure_pipeline(self):
@@ -207,7 +219,7 @@ class GPT(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = self.split_batch(batch)
-        loss = self.loss_fn(self(inputs), targets)
+        loss = self.loss_fn(self._logits(inputs), targets)
         # The same name and meaning the pipeline runner logs under pp > 1, so every layout shows one curve:
         # sync_dist averages the dp ranks' batch means (one scalar all-reduce): the global batch's loss.
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
@@ -215,7 +227,7 @@ class GPT(L.LightningModule):
 
     def _eval_step(self, batch: Any, prefix: str) -> Tensor:
         inputs, targets = self.split_batch(batch)
-        loss = self.loss_fn(self(inputs), targets)
+        loss = self.loss_fn(self._logits(inputs), targets)
         self.log(f"{prefix}_loss", loss, sync_dist=True, prog_bar=prefix == "val")
         return loss
 
@@ -228,7 +240,7 @@ class GPT(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
         """Next-token logits ``(B, T, vocab)`` (what the pipeline returns under pp > 1 too)."""
         inputs, _ = self.split_batch(batch)
-        return full_tensor(self(inputs))
+        return full_tensor(self._logits(inputs))
 
     def on_validation_epoch_start(self) -> None:
         self._eval_metric = "val_ppl"

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_para.parallel.context import ContextParallelShard
+from lightning_para.parallel.context.documents import document_attention
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -110,17 +111,29 @@ def apply_rope(x: Tensor, theta: float, positions: Optional[Tensor] = None) -> T
 
     Computed from the positions each call (no buffers), in fp32, so it is the same on every
     pipeline stage and unaffected by casting the model to bf16. ``positions`` (T,) are the
-    tokens' global positions (context parallel); ``None`` means ``0..T-1``.
+    tokens' global positions (context parallel), or (B, T) each sequence's (positions that restart
+    at each packed document); ``None`` means ``0..T-1``.
     """
     _, seq, _, dim = x.shape
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
     if positions is None:
         positions = torch.arange(seq, device=x.device)
-    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv_freq)  # (T, dim/2)
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    angles = positions.to(device=x.device, dtype=torch.float32)[..., None] * inv_freq  # (T | B T, dim/2)
+    angles = angles if angles.dim() == 3 else angles[None]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)
+
+
+def stream(x: Tensor, document_ids: Optional[Tensor], position_ids: Optional[Tensor]) -> Any:
+    """What a layer passes on: the hidden states, with the batch's document ids (and positions) when it has
+    them, as a tuple (the next pipeline layer's arguments: they travel with each microbatch)."""
+    if document_ids is None:
+        if position_ids is not None:
+            raise ValueError("`position_ids` that restart at each document need the `document_ids` they restart at.")
+        return x
+    return (x, document_ids) if position_ids is None else (x, document_ids, position_ids)
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,7 +155,9 @@ class CausalSelfAttention(nn.Module):
         """Context parallel: this rank holds chunks ``shard`` of each sequence (RoPE needs their positions)."""
         self.context_shard = shard
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, document_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None) -> Tensor:
+        """``document_ids`` (B, T): attend only within each token's document; ``position_ids`` (B, T): RoPE's
+        positions (restarting per document); both split like the tokens under context parallel."""
         batch, seq, _ = x.shape
         # -1 heads: the local count, which is n_head / tp once c_q/c_k/c_v are split column-wise.
         q = self.c_q(x).view(batch, seq, -1, self.head_dim)
@@ -150,13 +165,18 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(batch, seq, -1, self.head_dim)
         if self.rope_theta is not None:
             shard = self.context_shard
-            positions = shard.local_positions(seq, x.device) if shard is not None else None
+            positions = position_ids
+            if positions is None and shard is not None:
+                positions = shard.local_positions(seq, x.device)
             q, k = apply_rope(q, self.rope_theta, positions), apply_rope(k, self.rope_theta, positions)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            **({"enable_gqa": True} if k.shape[2] != q.shape[2] else {}),  # GQA: each k/v head serves n_head/n_kv_head
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        options = {"dropout_p": self.dropout if self.training else 0.0}
+        if k.shape[1] != q.shape[1]:
+            options["enable_gqa"] = True  # GQA: each k/v head serves n_head/n_kv_head
+        if document_ids is not None:
+            y = document_attention(q, k, v, document_ids, **options)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -190,9 +210,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = mlp if mlp is not None else MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: Tensor, document_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None) -> Any:
+        x = x + self.attn(self.ln_1(x), document_ids, position_ids)
+        return stream(x + self.mlp(self.ln_2(x)), document_ids, position_ids)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Megatron-style TP (Shoeybi et al. 2019), in the shorthands of docs/tensor_parallel.md.
@@ -236,16 +256,18 @@ class Embedding(nn.Module):
         """Context parallel: ``idx`` holds chunks ``shard`` of each sequence (their positions are global)."""
         self.context_shard = shard
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, document_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None) -> Any:
         shard = self.context_shard
         seq = idx.shape[1] * (shard.cp if shard is not None else 1)
         if seq > self.block_size:
             raise ValueError(f"A sequence of {seq} tokens is longer than the model's block_size={self.block_size}.")
         x = self.wte(idx)
         if self.wpe is not None:
-            positions = shard.local_positions(idx.shape[1], idx.device) if shard is not None else None
+            positions = position_ids
+            if positions is None:
+                positions = shard.local_positions(idx.shape[1], idx.device) if shard is not None else None
             x = x + self.wpe(positions if positions is not None else torch.arange(seq, device=idx.device))
-        return self.dropout(x)
+        return stream(self.dropout(x), document_ids, position_ids)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """The vocabulary split over tp; learned positions follow the (sequence-sharded) stream."""
@@ -263,7 +285,7 @@ class Head(nn.Module):
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *documents: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))
 
     def tensor_parallel_plan(self) -> dict[str, str]:
@@ -276,5 +298,5 @@ class Head(nn.Module):
 
 __all__ = [
     "MLPS", "NORMS", "POSITIONS", "PRESETS", "Block", "CausalSelfAttention", "Embedding", "GPTConfig", "Head", "MLP", "apply_rope",
-    "make_norm",
+    "make_norm", "stream",
 ]

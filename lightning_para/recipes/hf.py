@@ -11,7 +11,9 @@ blocks, and for ``pp > 1`` the one-line ``configure_pipeline()`` of
 Batches of :class:`~lightning_para.recipes.TextDataModule` are ``(x, y)`` next-token windows;
 the transformers convention wants ``labels == input_ids`` (the model shifts them), so a window
 gives ``input_ids = labels = x`` (``seq_len - 1`` predictions per window). Dict batches with
-``input_ids`` (and ``labels``) are used as they are.
+``input_ids`` (and ``labels``) are used as they are. Windows with document masks, ``(x, y, document_ids,
+position_ids)`` (``TokenDataModule(document_mask=True, reset_positions=True)``), pass ``position_ids`` that
+restart at each document: transformers' packed sequences, whose mask keeps attention inside each document.
 """
 
 from __future__ import annotations
@@ -41,10 +43,31 @@ from lightning_para.recipes.optim import adamw_warmup_cosine
 def causal_lm_batch(batch: Any) -> tuple[Tensor, Tensor]:
     """``(input_ids, labels)`` in the transformers convention from a TextDataModule window ``(x, y)``
     (``labels = x``), or from a dict / ``input_ids`` batch (see ``split_causal_lm_batch``)."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not isinstance(batch, Mapping):
-        x, _ = batch
-        return x, x
+    if isinstance(batch, (tuple, list)) and 2 <= len(batch) <= 4 and not isinstance(batch, Mapping):
+        return batch[0], batch[0]
     return split_causal_lm_batch(batch)
+
+
+def packed_positions(batch: Any) -> Optional[Tensor]:
+    """The ``position_ids`` of a window with document masks ``(x, y, document_ids, position_ids)``; ``None``
+    for a batch without documents. ``ValueError`` naming the option for document ids without positions."""
+    if not isinstance(batch, (tuple, list)) or len(batch) <= 2:
+        return None
+    if len(batch) == 3:
+        raise ValueError(
+            "HFCausalLM takes document masks as transformers' packed sequences: position ids that restart at each"
+            " document. Set `data.reset_positions=True` (with `data.document_mask=True`)."
+        )
+    return batch[3]
+
+
+def _pipeline_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    if packed_positions(batch) is not None:  # the pipeline layers build their mask from the sequence alone
+        raise ValueError(
+            "HFCausalLM under pp > 1 does not take document masks: its pipeline stages build the causal mask and"
+            " positions from the sequence alone. Set `data.document_mask=False`, or pp=1 (tp, cp, ZeRO take them)."
+        )
+    return causal_lm_batch(batch)
 
 
 class HFCausalLM(L.LightningModule):
@@ -63,6 +86,9 @@ class HFCausalLM(L.LightningModule):
         lr, weight_decay, betas: AdamW (no decay on norms and biases).
         warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``.
     """
+
+    # TokenDataModule(document_mask=True) checks that the model takes the document ids it adds to batches.
+    accepts_documents = True
 
     def __init__(
         self,
@@ -128,12 +154,13 @@ class HFCausalLM(L.LightningModule):
         check_vocab(self.config.vocab_size, datamodule)
         check_positions(getattr(self.config, "max_position_embeddings", None), datamodule)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids=input_ids).logits
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def _loss(self, batch: Any) -> tuple[Tensor, Optional[Tensor]]:
         input_ids, labels = causal_lm_batch(batch)
-        out = self.model(input_ids=input_ids, labels=labels)
+        # No KV cache in training; without one transformers reads restarting positions as packed documents.
+        out = self.model(input_ids=input_ids, labels=labels, position_ids=packed_positions(batch), use_cache=False)
         return out.loss, getattr(out, "aux_loss", None)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -156,7 +183,7 @@ class HFCausalLM(L.LightningModule):
         return loss
 
     def configure_pipeline(self):
-        return pipeline_spec(self.model, split_batch=causal_lm_batch)
+        return pipeline_spec(self.model, split_batch=_pipeline_batch)
 
     def _active_params(self) -> int:
         """Parameters a token uses: all, with only ``top_k / num_experts`` of the routed experts."""
@@ -178,4 +205,4 @@ class HFCausalLM(L.LightningModule):
         return adamw_warmup_cosine(self, lambda n, p: p.dim() >= 2)
 
 
-__all__ = ["HFCausalLM", "causal_lm_batch"]
+__all__ = ["HFCausalLM", "causal_lm_batch", "packed_positions"]

@@ -4,7 +4,8 @@ An ordinary LightningModule around LitGPT's ``GPT``: built from ``config`` field
 no download), from a named LitGPT config (``name``, e.g. ``"pythia-14m"``; weights random), or from a
 local LitGPT checkpoint folder (``checkpoint_dir``: ``lit_model.pth`` + ``model_config.yaml``). Its loss is
 next-token cross-entropy on ``(x, y)`` windows whose targets are already shifted -- the convention of
-:class:`~lightning_para.recipes.TextDataModule` and of ``litgpt pretrain``. Everything parallel comes from
+:class:`~lightning_para.recipes.TextDataModule` and of ``litgpt pretrain`` -- or ``(x, y, document_ids[,
+position_ids])`` windows with document masks (``forward_with_documents``; not under pp). Everything parallel comes from
 ``ParaStrategy`` and the LitGPT integration (:mod:`lightning_para.integrations.litgpt`): the tensor-parallel
 plan with the grouped-query ``qkv`` blocks, context and expert parallelism, and for ``pp > 1`` the one-line
 ``configure_pipeline()``. Export the trained model with ``lightning_para.integrations.litgpt.export``.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_para.integrations.litgpt.checkpoint import load_checkpoint
+from lightning_para.integrations.litgpt.documents import forward_with_documents
 from lightning_para.integrations.litgpt.pipeline import pipeline_spec, split_batch
 from lightning_para.recipes.data import check_vocab
 from lightning_para.recipes.optim import adamw_warmup_cosine
@@ -35,6 +37,9 @@ class LitGPTCausalLM(L.LightningModule):
         init_std: the std of the normal init of Linear/Embedding weights for a random model (LitGPT's 0.02).
         lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW, linear warmup, cosine decay.
     """
+
+    # TokenDataModule(document_mask=True) checks that the model takes the document ids it adds to batches.
+    accepts_documents = True
 
     def __init__(
         self,
@@ -75,12 +80,17 @@ class LitGPTCausalLM(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         check_vocab(self.config.padded_vocab_size, datamodule)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids)
+    def forward(self, input_ids: Tensor, document_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None) -> Tensor:
+        if document_ids is None:
+            return self.model(input_ids)
+        return forward_with_documents(self.model, input_ids, document_ids, position_ids)
 
     def _loss(self, batch: Any) -> Tensor:
+        documents: list = []
+        if isinstance(batch, (tuple, list)) and len(batch) in (3, 4):  # (x, y, document_ids[, position_ids])
+            batch, documents = batch[:2], list(batch[2:])
         x, y = split_batch(batch)
-        logits = self.model(x)
+        logits = self(x, *documents)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

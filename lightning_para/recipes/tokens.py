@@ -11,7 +11,10 @@ boundaries. Training reads one corpus or a weighted mixture of several (``source
 sharded per *data-parallel* rank (``trainer.strategy.distributed_sampler_kwargs``): the tp, pp and cp ranks
 of one dp slot read the same batch. The training loader is a
 :class:`~lightning_para.reliability.ResumableDataLoader` over that stream, so a run resumes exactly
-mid-epoch, also at another data-parallel degree or after a source wrapped.
+mid-epoch, also at another data-parallel degree or after a source wrapped. With ``document_mask=True`` each
+sample also carries the document of every input token (from the EOS ids in its window), and with
+``reset_positions=True`` positions that restart at each document, for models that keep attention inside
+documents (docs/data.md, "Document masks").
 """
 
 from __future__ import annotations
@@ -36,13 +39,29 @@ from lightning_para.recipes.token_format import META_FILE, TokenCorpus, TokenFil
 from lightning_para.reliability.resumable_data import ResumableDataLoader
 
 
+def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
+    """The document of each token of ``tokens`` (..., T): 0 for the first, +1 after each EOS (an EOS ends its
+    document, so it belongs to the one it ends)."""
+    ends = (tokens == eos_id).long()
+    return ends.cumsum(-1) - ends
+
+
+def document_positions(documents: Tensor) -> Tensor:
+    """Each token's position in its document (``documents`` (..., T) from :func:`document_ids`): 0 at each start."""
+    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
 class TokenSequences(Dataset):
     """Windows ``[first + i * seq_len, ... + seq_len + 1)`` of a corpus' token stream as ``(x, y)`` pairs,
-    for ``i`` in ``range(count)`` (the stream crosses file boundaries)."""
+    for ``i`` in ``range(count)`` (the stream crosses file boundaries); with ``eos_id``, ``(x, y,
+    document_ids)`` and with ``reset_positions`` also the positions in each document."""
 
     def __init__(
         self, corpus: TokenCorpus, seq_len: int, first: int = 0, count: Optional[int] = None,
-        cache: Optional[ShardCache] = None,
+        cache: Optional[ShardCache] = None, eos_id: Optional[int] = None, reset_positions: bool = False,
     ) -> None:
         self.corpus = corpus
         self.seq_len = seq_len
@@ -50,6 +69,8 @@ class TokenSequences(Dataset):
         total = max((corpus.tokens - 1) // seq_len, 0)
         self.count = total - first if count is None else count
         self.cache = cache  # where remote files are read from
+        self.eos_id = eos_id
+        self.reset_positions = reset_positions
         self._starts = np.cumsum([0] + [f.tokens for f in corpus.files])
         self._maps: dict[int, np.ndarray] = {}  # opened lazily: DataLoader workers map their own
 
@@ -88,10 +109,14 @@ class TokenSequences(Dataset):
             raise IndexError(index)
         return self._tokens((self.first + index) * self.seq_len, self.seq_len + 1)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
         # Every training and validation sample is made here, from its window.
         window = torch.from_numpy(self.window(index).astype(np.int64))
-        return window[:-1], window[1:]
+        x, y = window[:-1], window[1:]
+        if self.eos_id is None:
+            return x, y
+        documents = document_ids(x, self.eos_id)
+        return (x, y, documents, document_positions(documents)) if self.reset_positions else (x, y, documents)
 
 
 class MixedSequences(Dataset):
@@ -111,7 +136,7 @@ class MixedSequences(Dataset):
     def __len__(self) -> int:
         return self.mixture.epoch_samples
 
-    def __getitem__(self, g: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, g: int) -> tuple[Tensor, ...]:
         if self.ahead and not self._planned[0] <= g < self._planned[1]:
             self._prefetch(g)
         source, index = self.mixture.locate(g)
@@ -202,6 +227,13 @@ class TokenDataModule(L.LightningDataModule):
             the local cache of their shards (default ``$LIGHTNING_PARA_CACHE/shards``, ``~/.cache/lightning-para``)
             and its bound in bytes, and the retries of a failed read (see
             :mod:`lightning_para.recipes.shard_cache`).
+        document_mask: add each token's document (``document_ids``, from the EOS ids in the window) to every
+            batch, ``(x, y, document_ids)``, so the model attends only within documents (the recipes' GPT,
+            HFCausalLM and LitGPTCausalLM take it; a model that does not declare ``accepts_documents`` is refused
+            at setup). Off: attention crosses EOS, as in nanoGPT and llm.c.
+        reset_positions: with ``document_mask``, also positions that restart at 0 at each document,
+            ``(x, y, document_ids, position_ids)`` (Megatron's ``reset_position_ids``).
+        eos_id: the id that ends each document in ``.bin`` files (GPT-2's: 50 256); a prepared folder records its own.
     """
 
     def __init__(
@@ -221,9 +253,14 @@ class TokenDataModule(L.LightningDataModule):
         cache_dir: Optional[str] = None,
         cache_bytes: int = 64 << 30,
         retries: int = 5,
+        document_mask: bool = False,
+        reset_positions: bool = False,
+        eos_id: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_batch_shape(seq_len, global_batch_size)
+        if reset_positions and not document_mask:
+            raise ValueError("`data.reset_positions=True` restarts positions at each document: set `data.document_mask=True` too.")
         if not 0.0 <= val_fraction < 0.5:
             raise ValueError(f"`data.val_fraction={val_fraction!r}` must be in [0, 0.5).")
         if (path is None) == (sources is None) or sources == {}:
@@ -258,6 +295,13 @@ class TokenDataModule(L.LightningDataModule):
                     " every source with the same tokenizer."
                 )
         self.val_corpus = open_corpus(val_path, vocab_size or self.corpus.vocab_size, retries) if val_path is not None else None
+        self.document_mask, self.reset_positions = document_mask, reset_positions
+        self.eos_id = eos_id if eos_id is not None else self.corpus.eos_id
+        if document_mask and self.eos_id is None:
+            raise ValueError(
+                f"`data.document_mask=True` finds documents by their EOS id, which `{self.corpus.source}` does not record."
+                " Set `data.eos_id` (GPT-2's is 50256)."
+            )
         self.splits: dict[str, Dataset] = {}
 
     @property
@@ -289,17 +333,19 @@ class TokenDataModule(L.LightningDataModule):
             return None
 
     def setup(self, stage: Optional[str] = None) -> None:
+        self._check_model_takes_documents()
         if self.splits:
             return
         train, val = {}, []
+        documents = {"eos_id": self.eos_id if self.document_mask else None, "reset_positions": self.reset_positions}
         for name, corpus in self.corpora.items():
             total = len(TokenSequences(corpus, self.seq_len))
             held_out = 0 if self.val_corpus is not None else int(total * self.val_fraction)
-            train[name] = TokenSequences(corpus, self.seq_len, 0, total - held_out, self.cache)
+            train[name] = TokenSequences(corpus, self.seq_len, 0, total - held_out, self.cache, **documents)
             if held_out:
-                val.append(TokenSequences(corpus, self.seq_len, total - held_out, held_out, self.cache))
+                val.append(TokenSequences(corpus, self.seq_len, total - held_out, held_out, self.cache, **documents))
         if self.val_corpus is not None:
-            val = [TokenSequences(self.val_corpus, self.seq_len, cache=self.cache)]
+            val = [TokenSequences(self.val_corpus, self.seq_len, cache=self.cache, **documents)]
         mixture = Mixture(list(train), [self.weights[n] for n in train], [len(t) for t in train.values()],
                           seed=self.seed, shuffle=self.shuffle, exhausted=self.exhausted)
         self.splits = {"train": MixedSequences(train, mixture, self.cache, ahead=4 * self.global_batch_size)}
@@ -314,6 +360,16 @@ class TokenDataModule(L.LightningDataModule):
                     f" fewer than `data.global_batch_size={self.global_batch_size}`. Prepare more text, or lower"
                     " `data.seq_len`, `data.global_batch_size` or `data.val_fraction`."
                 )
+
+    def _check_model_takes_documents(self) -> None:
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if self.document_mask and module is not None and not getattr(module, "accepts_documents", False):
+            raise ValueError(
+                f"`data.document_mask=True` adds each token's document to the batches, (x, y, document_ids), but"
+                f" `{type(module).__name__}` does not declare `accepts_documents = True`: its attention would cross"
+                " documents (or it would not unpack the batch). Set `data.document_mask=False`, or use a model that"
+                " keeps attention inside documents (GPT, HFCausalLM, LitGPTCausalLM; docs/data.md, \"Document masks\")."
+            )
 
     def _loader(self, split: str) -> DataLoader:
         self.setup()
@@ -345,4 +401,4 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader("val") if "val" in self.splits else []
 
 
-__all__ = ["MixedSequences", "MixtureLoader", "TokenDataModule", "TokenSequences"]
+__all__ = ["MixedSequences", "MixtureLoader", "TokenDataModule", "TokenSequences", "document_ids", "document_positions"]

@@ -17,6 +17,8 @@ from tests.distributed.test_context_parallel_training import LAYOUTS_4, gpt
 from tests.distributed.test_context_parallel_training import test_cp2_composes_parity as _cp_composed
 from tests.distributed.test_context_parallel_training import test_cp2_parity_gpt_recipe as _cp
 from tests.distributed.test_data_parallel import test_parity_two_processes as _dp
+from tests.distributed.test_document_masks import GPT_LAYOUTS
+from tests.distributed.test_document_masks import test_gpt_recipe_with_documents_matches_one_device as _documents
 from tests.distributed.test_expert_parallel import test_ep2_dp4_parity_and_expert_data_parallel_groups as _ep_dp
 from tests.distributed.test_fabric import test_fabric_loop_matches_one_device as _fabric
 from tests.distributed.test_expert_parallel import test_ep2_parity_memory_and_communication as _ep
@@ -74,6 +76,11 @@ def test_litgpt_gqa_tensor_and_sequence_parallel(pools):
     from tests.distributed.test_litgpt import test_litgpt_gqa_two_ranks
 
     test_litgpt_gqa_two_ranks(pools, "tp2-sp")
+
+
+def test_context_parallel_ring_with_document_masks(pools):
+    """Packed documents: ring attention masks each K/V block by the global document ids (losses and logits)."""
+    _documents(pools, *GPT_LAYOUTS[2])
 
 
 def test_planted_position_bug_fails_parity(pools):
