@@ -118,9 +118,13 @@ def apply_rope(x: Tensor, theta: float, positions: Optional[Tensor] = None) -> T
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
     if positions is None:
         positions = torch.arange(seq, device=x.device)
-    angles = positions.to(device=x.device, dtype=torch.float32)[..., None] * inv_freq  # (T | B T, dim/2)
-    angles = angles if angles.dim() == 3 else angles[None]
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    positions = positions.to(device=x.device, dtype=torch.float32)
+    if positions.dim() == 1:  # the ops the planner counts per layer (plan/overhead.py)
+        angles = torch.outer(positions, inv_freq)  # (T, dim/2)
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    else:
+        angles = positions[..., None] * inv_freq  # (B, T, dim/2)
+        cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)
