@@ -18,7 +18,7 @@ from lightning_para.recipes.gpt import GPT
 from lightning_para.recipes.gpt_layers import CausalSelfAttention
 from lightning_para.recipes.hf import HFCausalLM
 from lightning_para.recipes.litgpt import LitGPTCausalLM
-from lightning_para.recipes.tokens import document_ids, document_positions
+from lightning_para.recipes.documents import document_ids, document_positions
 from tests.hf_models import SHARP_LR, SHARP_RANGE
 from tests.tp_models import TokenDataset
 

@@ -33,25 +33,11 @@ from torch import Tensor
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
 from lightning_para.recipes.data import check_batch_shape, data_parallel_replicas
+from lightning_para.recipes.documents import check_model_takes_documents, document_ids, document_positions
 from lightning_para.recipes.mixture import EXHAUSTED, ON_CHANGE, Mixture
 from lightning_para.recipes.shard_cache import ShardCache, is_url
 from lightning_para.recipes.token_format import META_FILE, TokenCorpus, TokenFile, open_corpus
 from lightning_para.reliability.resumable_data import ResumableDataLoader
-
-
-def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
-    """The document of each token of ``tokens`` (..., T): 0 for the first, +1 after each EOS (an EOS ends its
-    document, so it belongs to the one it ends)."""
-    ends = (tokens == eos_id).long()
-    return ends.cumsum(-1) - ends
-
-
-def document_positions(documents: Tensor) -> Tensor:
-    """Each token's position in its document (``documents`` (..., T) from :func:`document_ids`): 0 at each start."""
-    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
-    return index - torch.where(starts, index, 0).cummax(-1).values
 
 
 class TokenSequences(Dataset):
@@ -333,7 +319,9 @@ class TokenDataModule(L.LightningDataModule):
             return None
 
     def setup(self, stage: Optional[str] = None) -> None:
-        self._check_model_takes_documents()
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if self.document_mask and module is not None:
+            check_model_takes_documents(module)
         if self.splits:
             return
         train, val = {}, []
@@ -360,16 +348,6 @@ class TokenDataModule(L.LightningDataModule):
                     f" fewer than `data.global_batch_size={self.global_batch_size}`. Prepare more text, or lower"
                     " `data.seq_len`, `data.global_batch_size` or `data.val_fraction`."
                 )
-
-    def _check_model_takes_documents(self) -> None:
-        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-        if self.document_mask and module is not None and not getattr(module, "accepts_documents", False):
-            raise ValueError(
-                f"`data.document_mask=True` adds each token's document to the batches, (x, y, document_ids), but"
-                f" `{type(module).__name__}` does not declare `accepts_documents = True`: its attention would cross"
-                " documents (or it would not unpack the batch). Set `data.document_mask=False`, or use a model that"
-                " keeps attention inside documents (GPT, HFCausalLM, LitGPTCausalLM; docs/data.md, \"Document masks\")."
-            )
 
     def _loader(self, split: str) -> DataLoader:
         self.setup()
@@ -401,4 +379,4 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader("val") if "val" in self.splits else []
 
 
-__all__ = ["MixedSequences", "MixtureLoader", "TokenDataModule", "TokenSequences", "document_ids", "document_positions"]
+__all__ = ["MixedSequences", "MixtureLoader", "TokenDataModule", "TokenSequences"]

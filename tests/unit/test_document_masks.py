@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_para.parallel.context.documents import causal_document_mask, document_attention
-from lightning_para.recipes.tokens import TokenDataModule, document_ids, document_positions
+from lightning_para.recipes.documents import document_ids, document_positions
+from lightning_para.recipes.tokens import TokenDataModule
 from tests.document_models import (
     PackedDocuments, documents_alone, gpt, gpt2_style, hf_llama, litgpt, planted_mask_off,
 )
