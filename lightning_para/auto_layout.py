@@ -44,11 +44,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.options import OPTIONS, PLANNED_SCHEDULES, ZERO_ACCUMULATION, ZERO_STAGES
+from lightning_para.spec.options import OPTIONS, PLANNED_SCHEDULES, ZERO_ACCUMULATION, ZERO_STAGES
 from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate
-from lightning_para.plan.describe import describe_module
+from lightning_para.describe import describe_module
 from lightning_para.plan.layout import FIXED_OPTIONS, Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.result import PlanResult
@@ -176,7 +176,7 @@ def search_space(config: ParallelConfig, module: nn.Module, model: ModelDesc, wo
         dp_replicate = tuple(d for d in range(1, world_size + 1) if world_size % d == 0)
     else:
         dp_replicate = (1,)
-    def kept(name: str) -> bool:  # a value the user set: not the declared default (lightning_para.options)
+    def kept(name: str) -> bool:  # a value the user set: not the declared default (lightning_para.spec.options)
         return getattr(config, name) != OPTIONS[name].default
 
     return SearchSpace(

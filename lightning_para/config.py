@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any, Optional, Protocol
 
-from lightning_para._dtensor import divisors
 from lightning_para.mesh import ParallelDims
-from lightning_para.options import (
+from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
+from lightning_para.spec.options import (
     ACTIVATION_CHECKPOINTING,
     LAYOUT_OPTIONS,
     PRECISIONS,
@@ -21,9 +21,9 @@ from lightning_para.options import (
     ZERO_STAGES,
     check_option,
     check_rules,
+    data_parallel_factors_problem,
     warn_rules,
 )
-from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "PRECISIONS", "ParallelConfig", "StrategyLayout", "TP_UNPLANNED", "ZERO_STAGES"]
 
@@ -35,7 +35,7 @@ class StrategyLayout(Protocol):
     def strategy_kwargs(self) -> dict[str, Any]: ...
 
 
-# The fields are the one declaration's (lightning_para.options.LAYOUT_OPTIONS: name, type, default), in its order.
+# The fields are the one declaration's (lightning_para.spec.options.LAYOUT_OPTIONS: name, type, default), in its order.
 _Options = make_dataclass("_Options", [(o.name, o.annotation, field(default=o.default)) for o in LAYOUT_OPTIONS])
 _Options.__module__ = __name__
 
@@ -43,7 +43,7 @@ _Options.__module__ = __name__
 @dataclass
 class ParallelConfig(_Options):
     """The parallel layout and the options of each dimension: one field per option of
-    :data:`lightning_para.options.LAYOUT_OPTIONS` (its name, type, default and meaning), checked there.
+    :data:`lightning_para.spec.options.LAYOUT_OPTIONS` (its name, type, default and meaning), checked there.
 
     Degrees multiply to the world size: ``pp * dp * cp * tp == world_size``. Expert parallelism
     lives *inside* data parallelism (``ep`` divides ``dp``): the ``dp`` ranks of one
@@ -65,7 +65,7 @@ class ParallelConfig(_Options):
             self.loss_parallel = True
         for option in LAYOUT_OPTIONS:  # each value, as the declaration says
             check_option(option.name, getattr(self, option.name))
-        # The rules between options (lightning_para.options.RULES; with an explicit dp, ep's too: known now, so it
+        # The rules between options (lightning_para.spec.options.RULES; with an explicit dp, ep's too: known now, so it
         # fails at construction, not at launch).
         check_rules(self.__dict__)
         warn_rules(self.__dict__)
@@ -91,11 +91,7 @@ class ParallelConfig(_Options):
         if self.dp_replicate is not None:
             return self.dp_replicate
         if self.dp_shard is not None:
-            if dp % self.dp_shard:
-                raise ValueError(
-                    f"`dp_shard={self.dp_shard}` must divide dp={dp} (the world size / (pp x cp x tp))."
-                    f" Choose dp_shard in {divisors(dp)}."
-                )
+            check_rules({"dp": dp, "dp_shard": self.dp_shard}, (data_parallel_factors_problem,))
             return dp // self.dp_shard
         return 1
 

@@ -60,7 +60,7 @@ from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import MoE
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_para.parallel.compile import CompileInfo, apply_compile, check_blocks, compile_options
+from lightning_para.parallel.compile import CompileInfo, apply_compile, check_blocks
 from lightning_para.parallel.fp8 import (
     Float8Info,
     apply_float8,
@@ -79,6 +79,7 @@ from lightning_para.parallel.tensor import (
     hook_grad_layouts,
     plan_tensor_parallel,
 )
+from lightning_para.spec.options import compile_options
 
 
 log = logging.getLogger(__name__)

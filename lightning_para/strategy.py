@@ -51,7 +51,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
     The arguments (and the ``Args`` below) are those of :class:`~lightning_para.core.front_end.ParaFrontEnd`,
     shared with Fabric's :class:`lightning_para.fabric.ParaStrategy`; the layout options are declared once in
-    :mod:`lightning_para.options`.
+    :mod:`lightning_para.spec.options`.
     """
 
     launcher_class = _SubprocessScriptLauncher

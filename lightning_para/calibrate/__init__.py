@@ -12,37 +12,14 @@ models, which the pure cost model (``plan/``) never does; ``plan/`` only reads t
 (as :class:`~lightning_para.plan.cluster.Cluster` fields). The command line is ``lightning-para calibrate``.
 """
 
-from lightning_para.calibrate.machine import (
-    CPU_PROCESS,
-    UNKNOWN_GPU_LINKS,
-    detect_peak_flops,
-    device_memory_bytes,
-    local_cluster,
-)
-from lightning_para.calibrate.cache import Calibration, cache_path, cached_calibration, calibrate, machine_key
-from lightning_para.calibrate.measure import (
-    EFFICIENCY_BATCHES,
-    GEMM_CURVE_SHAPES,
-    EFFICIENCY_SEQ_LEN,
-    fit_alpha_beta,
-    measure_dtensor_op_costs,
-    measure_dtensor_op_seconds,
-    measure_elementwise_bandwidth,
-    measure_gloo,
-    measure_matmul_efficiency,
-    measure_matmul_flops,
-    measure_op_seconds,
-    measure_gemm_curve,
-    measure_rank_gemms,
-    measure_rank_rates,
-    synthetic_tp_workload,
-)
-from lightning_para.calibrate.processes import run_measurement
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "CPU_PROCESS", "EFFICIENCY_BATCHES", "EFFICIENCY_SEQ_LEN", "GEMM_CURVE_SHAPES", "UNKNOWN_GPU_LINKS", "Calibration", "cache_path",
-    "cached_calibration", "calibrate", "detect_peak_flops", "device_memory_bytes", "fit_alpha_beta",
-    "local_cluster", "machine_key", "measure_dtensor_op_costs", "measure_dtensor_op_seconds",
-    "measure_elementwise_bandwidth", "measure_gloo", "measure_matmul_efficiency", "measure_matmul_flops",
-    "measure_gemm_curve", "measure_op_seconds", "measure_rank_gemms", "measure_rank_rates", "run_measurement", "synthetic_tp_workload",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".machine": ("CPU_PROCESS", "UNKNOWN_GPU_LINKS", "detect_peak_flops", "device_memory_bytes", "local_cluster"),
+    ".cache": ("Calibration", "cache_path", "cached_calibration", "calibrate", "machine_key"),
+    ".measure": ("EFFICIENCY_BATCHES", "GEMM_CURVE_SHAPES", "EFFICIENCY_SEQ_LEN", "fit_alpha_beta",
+        "measure_dtensor_op_costs", "measure_dtensor_op_seconds", "measure_elementwise_bandwidth", "measure_gloo",
+        "measure_matmul_efficiency", "measure_matmul_flops", "measure_op_seconds", "measure_gemm_curve",
+        "measure_rank_gemms", "measure_rank_rates", "synthetic_tp_workload"),
+    ".processes": ("run_measurement",),
+})

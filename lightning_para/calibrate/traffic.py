@@ -22,7 +22,7 @@ import torch
 
 from lightning_para.instrument.operators import TrafficCounter
 from lightning_para.plan.cluster import Training
-from lightning_para.plan.describe import describe_module
+from lightning_para.describe import describe_module
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.overhead import TrafficCoefficients
 from lightning_para.plan.rank import layer_traffic_basis

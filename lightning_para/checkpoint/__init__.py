@@ -18,59 +18,22 @@
 * :mod:`.model_info`: what integrations record about the model (transformers: class and config).
 """
 
-from lightning_para.checkpoint.async_save import AsyncSaver, check_async_save, is_async_checkpoint_io
-from lightning_para.checkpoint.atomic import (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    mark_checkpoint_complete,
-    new_token,
-    newest_complete_checkpoint,
-    verify_checkpoint,
-)
-from lightning_para.checkpoint.consolidate import consolidate_checkpoint
-from lightning_para.checkpoint.failures import CheckpointDiskFullError, CheckpointSaveError
-from lightning_para.checkpoint.full_state import full_model_state, full_optimizer_state
-from lightning_para.checkpoint.io import load_checkpoint_in_place
-from lightning_para.checkpoint.last import ParaModelCheckpoint
-from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError, DirectoryLock
-from lightning_para.checkpoint.model_info import model_info, register_model_info
-from lightning_para.checkpoint.optimizer import optimizer_params, optimizer_state_dict
-from lightning_para.checkpoint.pretrained import PretrainedWeights, load_pretrained_into, stored_tensors
-from lightning_para.checkpoint.resume import ResumeCheckpointError, begin_run, resume_path
-from lightning_para.checkpoint.run import RUN_ID_ENV, CheckpointRun
-from lightning_para.checkpoint.save import remove_checkpoint, save_checkpoint
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "AsyncSaver",
-    "RUN_ID_ENV",
-    "CheckpointRun",
-    "ResumeCheckpointError",
-    "begin_run",
-    "check_async_save",
-    "is_async_checkpoint_io",
-    "resume_path",
-    "CheckpointDirectoryLockedError",
-    "CheckpointDiskFullError",
-    "CheckpointSaveError",
-    "CorruptCheckpointError",
-    "DirectoryLock",
-    "IncompleteCheckpointError",
-    "ParaModelCheckpoint",
-    "PretrainedWeights",
-    "consolidate_checkpoint",
-    "full_model_state",
-    "full_optimizer_state",
-    "load_checkpoint_in_place",
-    "load_pretrained_into",
-    "mark_checkpoint_complete",
-    "model_info",
-    "new_token",
-    "newest_complete_checkpoint",
-    "optimizer_params",
-    "optimizer_state_dict",
-    "register_model_info",
-    "remove_checkpoint",
-    "save_checkpoint",
-    "stored_tensors",
-    "verify_checkpoint",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".async_save": ("AsyncSaver", "check_async_save", "is_async_checkpoint_io"),
+    ".atomic": ("CorruptCheckpointError", "IncompleteCheckpointError", "mark_checkpoint_complete", "new_token",
+        "newest_complete_checkpoint", "verify_checkpoint"),
+    ".consolidate": ("consolidate_checkpoint",),
+    ".failures": ("CheckpointDiskFullError", "CheckpointSaveError"),
+    ".full_state": ("full_model_state", "full_optimizer_state"),
+    ".io": ("load_checkpoint_in_place",),
+    ".last": ("ParaModelCheckpoint",),
+    ".lock": ("CheckpointDirectoryLockedError", "DirectoryLock"),
+    ".model_info": ("model_info", "register_model_info"),
+    ".optimizer": ("optimizer_params", "optimizer_state_dict"),
+    ".pretrained": ("PretrainedWeights", "load_pretrained_into", "stored_tensors"),
+    ".resume": ("ResumeCheckpointError", "begin_run", "resume_path"),
+    ".run": ("RUN_ID_ENV", "CheckpointRun"),
+    ".save": ("remove_checkpoint", "save_checkpoint"),
+})

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from lightning_para.spec.plugins import load_plugins
+
 _DESCRIBERS: dict[str, Callable[[nn.Module], Any]] = {}
 _CHECKERS: dict[str, Callable[[nn.Module, Any], None]] = {}
 
@@ -35,12 +37,14 @@ def register_model_info(
 
 def check_model_info(module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
     """Run every registered ``check`` against what ``checkpoint`` recorded (same answer on every rank)."""
+    load_plugins()
     for key, check in _CHECKERS.items():
         check(module, checkpoint.get(key))
 
 
 def model_info(module: nn.Module) -> dict[str, Any]:
     """``{key: describe(module)}`` for every registered key whose description is not empty."""
+    load_plugins()
     found = {key: describe(module) for key, describe in _DESCRIBERS.items()}
     return {key: value for key, value in found.items() if value}
 

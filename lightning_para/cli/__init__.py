@@ -25,39 +25,33 @@ A new command is a module here with a ``main(argv) -> int``, added to :data:`SUB
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Optional
 
-from lightning_para.cli.fit import (
-    ConfigurationError,
-    ParaCLI,
-    close_process_group,
-    resolve_config_names,
-    run_cli,
-)
-from lightning_para.cli.calibrate import main as calibrate_main
-from lightning_para.cli.consolidate import main as consolidate_main
-from lightning_para.cli.dryrun import main as dryrun_main
-from lightning_para.cli.parity import main as parity_main
-from lightning_para.cli.plan import main as plan_main
-from lightning_para.cli.prepare import main as prepare_main
+from lightning_para.spec.lazy import lazy_face
 
-SUBCOMMANDS = {"plan": plan_main, "parity": parity_main, "dryrun": dryrun_main, "calibrate": calibrate_main,
-               "prepare": prepare_main, "consolidate": consolidate_main}
+# Each command's module (with a `main(argv) -> int`), imported when the command runs: `lightning-para plan --help`
+# loads the planner's command alone, no Lightning.
+SUBCOMMANDS = {name: f"lightning_para.cli.{name}" for name in
+               ("plan", "parity", "dryrun", "calibrate", "prepare", "consolidate")}
+
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".fit": ("ConfigurationError", "ParaCLI", "close_process_group", "resolve_config_names", "run_cli"),
+})
+__all__ += ["main"]
 
 
 def main(args: Optional[list[str]] = None) -> int:
     """Entry point of the ``lightning-para`` console script: 0 on success, 2 on a configuration error."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[argv[0]](argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    fit = importlib.import_module("lightning_para.cli.fit")
     try:
-        run_cli(argv)
-    except ConfigurationError as err:
+        fit.run_cli(argv)
+    except fit.ConfigurationError as err:
         print(f"lightning-para: configuration error: {err}", file=sys.stderr)
         return 2
-    close_process_group()
+    fit.close_process_group()
     return 0
-
-
-__all__ = ["ConfigurationError", "ParaCLI", "main", "resolve_config_names", "run_cli"]

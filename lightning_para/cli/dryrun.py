@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.options import PRECISIONS
+from lightning_para.spec.options import PRECISIONS, WORLD_SIZED
 from lightning_para.plan.cluster import Training
 from lightning_para.simulate.rank import RankDryRun, dry_run_rank
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
@@ -74,7 +74,7 @@ from lightning_para.cli.run_config import (
     trainer_value,
 )
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.run import parse_layout
+from lightning_para.run_plan import parse_layout
 from lightning_para.recipes.gpt import GPT
 from lightning_para.recipes.moe import MoEGPT
 
@@ -232,7 +232,7 @@ def _config_setup(args: argparse.Namespace) -> DryRunJob:
         raise RunConfigError(f"`trainer.devices: {devices}` {where} is not a number of devices: give `--gpus N`.")
     arguments = strategy_layout_arguments(cfg)
     # --gpus sizes the job: data parallelism takes what the other degrees leave (dp_replicate is kept).
-    for key in ("dp", "dp_shard", "layout_memory_gb"):
+    for key in (*WORLD_SIZED, "layout_memory_gb"):
         arguments.pop(key, None)
     if arguments.pop("layout", None) is not None and not args.layout:
         raise RunConfigError(f"`trainer.strategy.init_args.layout` {where}: the dry run runs the degrees the config"

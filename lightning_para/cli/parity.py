@@ -45,7 +45,7 @@ from lightning_para.cli.fit import ConfigurationError, close_process_group, run_
 from lightning_para.parity.record import ParityRecorder, RunRecord, world_size
 from lightning_para.parity.report import ParityReport, compare_records
 from lightning_para.parity.run import Layout, describe, strategy_arguments, world_of
-from lightning_para.plan.run import strategy_overrides
+from lightning_para.run_plan import strategy_overrides
 
 PROG = "lightning-para parity"
 
@@ -146,7 +146,7 @@ def compare(
         config: a LightningCLI YAML (or a shipped config's short name), as for ``lightning-para fit``.
         layout: ``"tp=2,pp=2"`` (keys: every ParaStrategy layout argument, ``dp tp pp ep cp
             cp_method dp_replicate dp_shard zero zero3_units sp schedule microbatches ...``; see
-            :func:`~lightning_para.plan.run.parse_layout`) or a dict of ParaStrategy arguments;
+            :func:`~lightning_para.run_plan.parse_layout`) or a dict of ParaStrategy arguments;
             degrees not given are 1, options not given are the config's.
         steps: optimizer steps of each run.
         reference: ``None`` for one device, or a layout as ``layout``.

@@ -43,31 +43,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from lightning_para.config import ParallelConfig
-from lightning_para.options import ACTIVATION_CHECKPOINTING
-from lightning_para.cli.fit import ConfigurationError, run_cli
 from lightning_para.cli.model_args import add_shape_arguments, model_name, resolve_model, shape_overrides
-from lightning_para.cli.run_config import (
-    config_precision,
-    data_value,
-    describe_config_model,
-    load_config,
-    model_from_config,
-    trainer_value,
-)
-from lightning_para.observe.profiler import ParaProfiler
-from lightning_para.auto_layout import search_space
-from lightning_para.instrument.compare import PredictionCheck
 from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIONS, Cluster, Training
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.presets import PRESETS
-from lightning_para.calibrate.machine import local_cluster
-from lightning_para.plan.run import layout_arguments, parse_layout, strategy_overrides
 from lightning_para.plan.search import SearchSpace, search
+from lightning_para.run_plan import layout_arguments, parse_layout, strategy_overrides
+from lightning_para.spec.options import ACTIVATION_CHECKPOINTING, ZERO_STAGES
+
+# A config's model, this machine's figures and a validation run need torch, Lightning and the runtime: each is
+# imported where that path starts (`# lazy:`), so `--help` and a published model's plan load the planner alone.
 
 PROG = "lightning-para plan"
 
@@ -149,6 +134,10 @@ def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
     if args.gpu is not None:
         return Cluster.of(args.gpu, nodes=gpus // per_node, gpus_per_node=per_node, **overrides)
     if cpu_config and "memory_bytes" not in overrides:
+        import torch  # lazy: this machine's figures
+
+        from lightning_para.calibrate.machine import local_cluster  # lazy: with them
+
         local = local_cluster(gpus, per_node, torch.device("cpu"), peak_flops=overrides.get("peak_flops"))
         return Cluster(**{**{f: getattr(local, f) for f in ("nodes", "gpus_per_node", "memory_bytes", "peak_flops",
                           "intra_node_bw", "inter_node_bw", "intra_node_latency", "inter_node_latency")}, **overrides})
@@ -159,9 +148,11 @@ def _cluster(args: argparse.Namespace, gpus: int, cpu_config: bool) -> Cluster:
 
 def _shape_of_batch(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> tuple[Optional[int], Optional[int]]:
     """``(seq_len, global_batch)``: the arguments, else the config's data section."""
-    seq_len = args.seq_len or (data_value(config, "seq_len") if config else None)
-    batch = args.global_batch or (data_value(config, "global_batch_size") if config else None)
-    return seq_len, batch
+    if config is None:
+        return args.seq_len, args.global_batch
+    from lightning_para.cli.run_config import data_value  # lazy: a config's reader (Lightning)
+
+    return args.seq_len or data_value(config, "seq_len"), args.global_batch or data_value(config, "global_batch_size")
 
 
 def _require_all(args: argparse.Namespace, config: Optional[dict[str, Any]], gpus: Optional[int], cpu_config: bool) -> None:
@@ -180,12 +171,17 @@ def _require_all(args: argparse.Namespace, config: Optional[dict[str, Any]], gpu
 
 def _training(args: argparse.Namespace, config: Optional[dict[str, Any]]) -> Training:
     seq_len, batch = _shape_of_batch(args, config)  # both given: `_require_all` ran first
-    precision = args.precision or (config_precision(config) if config else None) or "bf16-mixed"
+    if config is None:
+        return Training(seq_len=seq_len, global_batch=batch, micro_batch=args.micro_batch or 1,
+                        precision=args.precision or "bf16-mixed", optimizer=args.optimizer, **_stack(args))
+    from lightning_para.cli.run_config import config_precision, trainer_value  # lazy: a config's reader (Lightning)
+
+    precision = args.precision or config_precision(config) or "bf16-mixed"
     if precision not in PRECISIONS:
         raise PlanError(f"The config's precision {precision!r} is not one the planner models: {', '.join(PRECISIONS)}.")
-    accumulation = int(trainer_value(config, "accumulate_grad_batches") or 1) if config else 1
-    if args.micro_batch is not None or config is None:
-        return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=args.micro_batch or 1,
+    accumulation = int(trainer_value(config, "accumulate_grad_batches") or 1)
+    if args.micro_batch is not None:
+        return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=args.micro_batch,
                         precision=precision, optimizer=args.optimizer, **_stack(args))
     # As the run loads it: each dp rank global_batch / dp per batch, split into pipeline microbatches.
     return Training(seq_len=seq_len, global_batch=batch * accumulation, micro_batch=None, accumulation=accumulation,
@@ -197,27 +193,39 @@ def _stack(args: argparse.Namespace) -> dict[str, Any]:
     return {"activation_profile": args.activation_profile, "fp32_grad_accumulation": args.fp32_grad_accumulation}
 
 
-def _space(args: argparse.Namespace, module: Optional[nn.Module], model: ModelDesc, world: int) -> SearchSpace:
+def _space(args: argparse.Namespace, module: Any, model: ModelDesc, world: int) -> SearchSpace:
     recompute = []
     for item in args.recompute.split(","):
         value = None if item.strip().lower() in ("none", "null", "") else item.strip()
         if value not in ACTIVATION_CHECKPOINTING:
             raise PlanError(f"`--recompute {args.recompute}`: choose among none, full, selective, selective_op.")
         recompute.append(value)
-    capable = search_space(ParallelConfig(), module, model, world) if module is not None else None
+    capable = None
+    if module is not None:  # a config's model: the degrees it supports (its tp plan, its pipeline contract)
+        from lightning_para.auto_layout import search_space  # lazy: reads a LightningModule (Lightning)
+        from lightning_para.config import ParallelConfig  # lazy: with it
+
+        capable = search_space(ParallelConfig(), module, model, world)
     tp = _ints(args.tp, "tp") or (capable.tp if capable is not None else None)
     pp = _ints(args.pp, "pp") or (capable.pp if capable is not None else None)
     return SearchSpace(
-        tp=tp, pp=pp, ep=_ints(args.ep, "ep"), zero=_ints(args.zero, "zero") or (0, 1, 2, 3),
+        tp=tp, pp=pp, ep=_ints(args.ep, "ep"), zero=_ints(args.zero, "zero") or ZERO_STAGES,
         recompute=tuple(recompute), best_variant_only=not args.all_variants,
     )
 
 
-def validate(config_path: str, arguments: dict[str, Any], world: int, steps: int) -> PredictionCheck:
+def validate(config_path: str, arguments: dict[str, Any], world: int, steps: int) -> Any:
     """Run ``config_path`` under ``arguments`` (ParaStrategy's) for ``steps`` steps on this machine with the
     profiler's prediction check; returns the comparison. Inside a process group (torchrun, a test pool)
     it runs in this process on every rank; otherwise it launches ``lightning-para fit`` with ``world``
-    processes and reads the comparison from the run's ``para_summary.json``."""
+    processes and reads the comparison from the run's ``para_summary.json`` (a
+    :class:`~lightning_para.instrument.compare.PredictionCheck`)."""
+    import torch.distributed as dist  # lazy: a validation run (torch, Lightning, the runtime)
+
+    from lightning_para.cli.fit import run_cli  # lazy: with it
+    from lightning_para.instrument.compare import PredictionCheck  # lazy: with it
+    from lightning_para.observe.profiler import ParaProfiler  # lazy: with it
+
     if steps < 3:
         raise PlanError(f"`--steps {steps}`: validation needs at least 3 (a warm-up, a traced and a timed step).")
     with tempfile.TemporaryDirectory(prefix="lightning-para-validate-") as root:
@@ -255,16 +263,20 @@ def run(argv: list[str]) -> int:
     if args.config and shapes:
         raise PlanError(f"`--{next(iter(shapes)).replace('_', '-')}` describes a model shape: give it with `--model` or"
                         " alone, not with `--config` (whose model is built as the config says).")
-    config = load_config(args.config) if args.config else None
-    module = model_from_config(config) if config else None
-    if module is not None:
+    config, module, gpus, cpu_config = None, None, args.gpus, False
+    if args.config:
+        from lightning_para.cli.run_config import (  # lazy: a config's model (torch, Lightning)
+            describe_config_model, load_config, model_from_config, trainer_value,
+        )
+
+        config = load_config(args.config)
+        module = model_from_config(config)
         model = describe_config_model(module)
+        devices, nodes = trainer_value(config, "devices"), int(trainer_value(config, "num_nodes") or 1)
+        gpus = gpus or (int(devices) * nodes if isinstance(devices, int) else None)
+        cpu_config = trainer_value(config, "accelerator") == "cpu"
     else:
         model = resolve_model(args.model, shapes)
-    devices = trainer_value(config, "devices") if config else None
-    nodes = int(trainer_value(config, "num_nodes") or 1) if config else 1
-    gpus = args.gpus or (int(devices) * nodes if isinstance(devices, int) else None)
-    cpu_config = bool(config) and trainer_value(config, "accelerator") == "cpu"
     _require_all(args, config, gpus, cpu_config)
     cluster = _cluster(args, gpus, cpu_config)
     training = _training(args, config)
@@ -288,6 +300,8 @@ def run(argv: list[str]) -> int:
         else:
             raise PlanError("No layout fits, so there is nothing to validate; give `--layout`.")
         check = validate(args.config, arguments, gpus, args.steps)
+        import torch.distributed as dist  # lazy: validate ran under torch
+
         if not dist.is_initialized() or dist.get_rank() == 0:
             print()
             print(check.table())
@@ -298,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``lightning-para plan ...``: 0 on success, 2 on a bad argument (with a message, no traceback)."""
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
-    except (PlanError, ConfigurationError, ValueError) as err:
+    except ValueError as err:  # PlanError, the config's ConfigurationError, a layout's errors
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

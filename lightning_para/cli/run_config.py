@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_para.cli.fit import resolve_config_names
 from lightning_para.config import ParallelConfig
-from lightning_para.plan.describe import describe_module
+from lightning_para.describe import describe_module
 from lightning_para.plan.model import ModelDesc
 from lightning_para.strategy import ParaStrategy
 

@@ -7,7 +7,9 @@
   are DTensors (ZeRO-1/2/3, tensor parallel).
 """
 
-from lightning_para.compat.configured import UserParallelism, detect_user_parallelism
-from lightning_para.compat.grads import grad_norm
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = ["UserParallelism", "detect_user_parallelism", "grad_norm"]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".configured": ("UserParallelism", "detect_user_parallelism"),
+    ".grads": ("grad_norm",),
+})

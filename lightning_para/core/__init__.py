@@ -6,6 +6,8 @@ engine's calls, and neither implements a dimension itself. Both take their argum
 :class:`~lightning_para.core.front_end.ParaFrontEnd` (``front_end.py``).
 """
 
-from lightning_para.core.engine import ParaEngine
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = ["ParaEngine"]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".engine": ("ParaEngine",),
+})

@@ -1,7 +1,7 @@
 """``ParaFrontEnd``: the one argument list of both front ends' ``ParaStrategy``, and what they share.
 
 The Trainer's :class:`lightning_para.ParaStrategy` and Fabric's :class:`lightning_para.fabric.ParaStrategy`
-inherit their ``__init__`` from here: it takes every layout option of :data:`lightning_para.options.LAYOUT_OPTIONS`
+inherit their ``__init__`` from here: it takes every layout option of :data:`lightning_para.spec.options.LAYOUT_OPTIONS`
 (same names, types and defaults; ``tests/unit/test_options_once.py`` holds them equal), builds the
 :class:`~lightning_para.config.ParallelConfig` and the :class:`~lightning_para.core.ParaEngine`, and hands what
 only a front end knows (its precision plugin, accelerator, cluster environment) to its
@@ -25,14 +25,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_para.config import ParallelConfig
 from lightning_para.core.engine import ParaEngine
 from lightning_para.mesh import ParallelDims
-from lightning_para.options import LAYOUT_OPTIONS, Degree, arguments_doc
+from lightning_para.spec.options import LAYOUT_OPTIONS, Degree, arguments_doc
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallelize import ParallelModel
 from lightning_para.reliability.spike_guard import SpikeGuard
 from lightning_para.reliability.straggler import StragglerDetector
 from lightning_para.threads import apply_thread_budget, available_cores
 
-# The front ends' own arguments (the layout options are documented in lightning_para.options), in signature order.
+# The front ends' own arguments (the layout options are documented in lightning_para.spec.options), in signature order.
 FRONT_END_ARGUMENTS: dict[str, str] = {
     "precision": "``\"32-true\"``, ``\"bf16-mixed\"``, ``\"bf16-true\"``, ``\"16-true\"`` or ``\"16-mixed\"``; when set"
     " it overrides the Trainer's or Fabric's ``precision=`` (which also works).",

@@ -7,7 +7,9 @@
 ``docs/fabric.md`` shows a LitGPT-style loop.
 """
 
-from lightning_para.fabric.precision import FabricParaPrecision
-from lightning_para.fabric.strategy import ParaStrategy
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = ["FabricParaPrecision", "ParaStrategy"]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".precision": ("FabricParaPrecision",),
+    ".strategy": ("ParaStrategy",),
+})

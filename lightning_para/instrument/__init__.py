@@ -14,14 +14,13 @@ Used by the profiler (``observe/``), the dry run (``simulate/``), calibration (`
 ``lightning-para plan --validate``. It sits above the planner (it reads its estimates) and below them all.
 """
 
-from lightning_para.instrument.collectives import CollectiveCounter, group_labels
-from lightning_para.instrument.compare import MeasuredRank, PredictionCheck, compare, memory_comparisons, predicted_rank
-from lightning_para.instrument.live_bytes import LiveBytes
-from lightning_para.instrument.operators import DTensorOpCounter, TrafficCounter
-from lightning_para.instrument.records import CommFigure
-from lightning_para.instrument.saved_activations import SavedActivationMeter
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "CollectiveCounter", "CommFigure", "DTensorOpCounter", "LiveBytes", "MeasuredRank", "PredictionCheck",
-    "SavedActivationMeter", "TrafficCounter", "compare", "group_labels", "memory_comparisons", "predicted_rank",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".collectives": ("CollectiveCounter", "group_labels"),
+    ".compare": ("MeasuredRank", "PredictionCheck", "compare", "memory_comparisons", "predicted_rank"),
+    ".live_bytes": ("LiveBytes",),
+    ".operators": ("DTensorOpCounter", "TrafficCounter"),
+    ".records": ("CommFigure",),
+    ".saved_activations": ("SavedActivationMeter",),
+})

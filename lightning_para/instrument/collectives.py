@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_para.instrument.records import CommFigure
+from lightning_para.spec.dims import DIM, planner_label
 
 import torch
 import torch.distributed as dist
@@ -53,10 +54,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"}
 _P2P = {"send", "recv", "recv_any_source"}
-# Mesh dims in labelling priority: a group shared by two dims (e.g. dp that spans the world)
-# is named after the first; dims of size 1 come after every real group.
-# A flattened name that is an alias of another (same ranks, same group) takes the plainer name.
-_DIM_PRIORITY = ("tp", "cp", "ep", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "edp", "edp_cp", "pp")
 
 
 def _nbytes(value: Any) -> int:
@@ -78,7 +75,7 @@ def group_labels(mesh: Any) -> dict[str, str]:
     if mesh is not None:
         sub_mesh = getattr(mesh, "get_mesh", None) or mesh.__getitem__
         subs = []
-        for dim in _DIM_PRIORITY:
+        for dim in DIM:  # in the table's order, its labels' priority: a shared group takes the plainer name
             try:
                 subs.append((dim, sub_mesh(dim)))
             except (KeyError, RuntimeError, ValueError):
@@ -118,25 +115,20 @@ def classify(op: str, args: tuple) -> Optional[tuple[str, int]]:
     return op, _nbytes(args[0]) if args else 0
 
 
-# The dry run's dimension names: ZeRO's gradient group spans dp x cp under context parallelism, which the
-# planner calls "dp" ("edp"); only groups of more than one rank are named.
-_DRY_RUN_DIMS = ("tp", "cp", "ep", "pp", "dp_replicate", "dp", "edp", "dp_shard_cp", "edp_cp", "dp_cp")
-_DRY_RUN_ALIASES = {"dp_shard_cp": "dp", "dp_cp": "dp", "edp_cp": "edp"}
-
-
 def dry_run_labels(dims: Any) -> dict[str, str]:
     """Process-group name -> the planner's dimension name, for a :class:`~lightning_para.mesh.ParallelDims`
-    (groups of one rank left out; ``dp_shard_cp`` / ``edp_cp`` named ``dp`` / ``edp``, as the planner prices them)."""
+    (groups of one rank left out; ``dp_shard_cp`` / ``edp_cp`` named ``dp`` / ``edp``, as the planner prices them:
+    :func:`~lightning_para.spec.dims.planner_label`)."""
     names: dict[str, str] = {}
-    for name in _DRY_RUN_DIMS:
-        if name not in dims.valid_mesh_names:
+    for name in DIM:
+        if not planner_label(name):
             continue
         try:
             mesh = dims.get_mesh(name)
         except (KeyError, RuntimeError, ValueError):
             continue
         if mesh.size() > 1:
-            names.setdefault(mesh.get_group().group_name, _DRY_RUN_ALIASES.get(name, name))
+            names.setdefault(mesh.get_group().group_name, planner_label(name))
     if dist.is_initialized():
         names.setdefault(dist.group.WORLD.group_name, "world")
     return names

@@ -46,12 +46,13 @@ from typing import Any, Optional
 
 from lightning_para.config import ParallelConfig
 from lightning_para.instrument.records import CommFigure
-from lightning_para.memory import MeasuredMemory, PredictedMemory
+from lightning_para.spec.memory import MeasuredMemory, PredictedMemory
 from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.run import layout_from_config
+from lightning_para.run_plan import layout_from_config
+from lightning_para.spec.dims import DIM, PRICED
 
 MEMORY_PARTS = ("params", "grads", "optimizer")
 MEMORY_TOLERANCE = 0.10
@@ -279,10 +280,6 @@ def compare(estimate: Estimate, measured: Sequence[MeasuredRank], group_sizes: M
     return PredictionCheck(estimate.layout.label(), rows, estimate)
 
 
-# Collectives the planner prices per microbatch (the rest, dp/edp/dp_replicate, once per step).
-_PER_MICROBATCH_DIMS = ("tp", "cp", "ep")
-
-
 def predicted_rank(
     model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, pp_rank: int, microbatches_run: int
 ) -> tuple[PredictedMemory, PredictedMemory, list[CommFigure], int]:
@@ -298,7 +295,8 @@ def predicted_rank(
     microbatches = training.global_batch // (training.micro_batch * dims.dp)
     comm = []
     for c in rank.collectives:
-        per_microbatch = c.dim in _PER_MICROBATCH_DIMS or (layout.reduces_each_microbatch and c.what.startswith("gradient"))
+        per_microbatch = DIM[PRICED[c.dim]].per_microbatch or (
+            layout.reduces_each_microbatch and c.what.startswith("gradient"))
         calls = c.calls * microbatches_run / microbatches if per_microbatch else c.calls
         comm.append(CommFigure(c.dim, c.op, int(round(calls)), c.payload * calls))
     return rank.resident, rank.memory, comm, rank.layers

@@ -1,5 +1,5 @@
 """The one live-bytes counter: storages created while it is active and still alive, their peak, and the
-allocation trace the caching-allocator model replays (:mod:`lightning_para.plan.allocator`). Used by the dry run
+allocation trace the caching-allocator model replays (:mod:`lightning_para.simulate.allocator` fills it). Used by the dry run
 (:mod:`lightning_para.simulate`), which counts the states a rank holds with :func:`lightning_para.memory.measure_states`
 and this module's :func:`storage_key`.
 
@@ -9,14 +9,23 @@ its local shard (its wrapper's storage has the global size)."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
 
-from lightning_para.plan.allocator import AllocationTrace
+
+
+class AllocationLog(Protocol):
+    """Where the counter writes every allocation and free in order (the dry run's ``AllocationTrace``)."""
+
+    def mark(self, name: str) -> None: ...
+
+    def alloc(self, key: Any, nbytes: int, stream: Any = 0) -> None: ...
+
+    def free(self, key: Any, nbytes: int) -> None: ...
 
 
 def storage_key(t: Tensor) -> int:
@@ -40,10 +49,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
         self.forward_peak = 0  # the peak when the forwards are done (set by the dry run's step)
-        self.trace: Optional[AllocationTrace] = None  # every allocation and free in order, when set
+        self.trace: Optional[AllocationLog] = None  # every allocation and free in order, when set
 
     def mark(self, name: str) -> None:
-        """A point of the step the allocator model needs (``plan.allocator.AllocationTrace``)."""
+        """A point of the step the allocator model needs (:class:`AllocationLog`)."""
         if self.trace is not None:
             self.trace.mark(name)
 

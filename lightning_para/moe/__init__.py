@@ -23,36 +23,12 @@ Auxiliary losses (their gradients are applied automatically; see :func:`aux_loss
 * router z-loss ``beta * mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022, eq. 5).
 """
 
-from lightning_para.moe.helpers import (
-    MoEAuxLossScale,
-    MoEMetrics,
-    aux_loss,
-    balanced_routing,
-    moe_layers,
-    aux_loss_grad_scale,
-    moe_stats_paused,
-    set_aux_loss_grad_scale,
-)
-from lightning_para.moe.layer import MoE, FeedForward, GroupedExperts, MoEStats, TopKRouter
-from lightning_para.moe.routing import balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "MoE",
-    "MoEStats",
-    "balanced_assignment",
-    "MoEMetrics",
-    "MoEAuxLossScale",
-    "TopKRouter",
-    "GroupedExperts",
-    "FeedForward",
-    "aux_loss",
-    "balanced_routing",
-    "moe_layers",
-    "aux_loss_grad_scale",
-    "moe_stats_paused",
-    "set_aux_loss_grad_scale",
-    "expert_capacity",
-    "capacity_keep_mask",
-    "load_balancing_loss",
-    "router_z_loss",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".helpers": ("MoEAuxLossScale", "MoEMetrics", "aux_loss", "balanced_routing", "moe_layers", "aux_loss_grad_scale",
+        "moe_stats_paused", "set_aux_loss_grad_scale"),
+    ".layer": ("MoE", "FeedForward", "GroupedExperts", "MoEStats", "TopKRouter"),
+    ".routing": ("balanced_assignment", "capacity_keep_mask", "expert_capacity", "load_balancing_loss",
+        "router_z_loss"),
+})

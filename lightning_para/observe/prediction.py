@@ -8,7 +8,7 @@
    component (``strategy.memory_breakdown()``), comm bytes per dimension of its last traced step,
    the pipeline events and wall-clock idle fractions of recent untraced steps, and step time;
 3. :func:`check_run` on every rank with every rank's measurement: the planner prices this run's
-   layout, batch, precision and optimizer (:mod:`lightning_para.plan.run`) and compares
+   layout, batch, precision and optimizer (:mod:`lightning_para.run_plan`) and compares
    (:mod:`lightning_para.instrument.compare`).
 
 The measured idle fraction of a pipeline stage is the mean, over those steps and over the
@@ -34,10 +34,10 @@ from lightning_para.observe.timeline import (
 from lightning_para.parallel.data import MemoryBreakdown
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.instrument.compare import MeasuredRank, PredictionCheck, comm_by_dimension, compare
-from lightning_para.plan.describe import describe_module
+from lightning_para.describe import describe_module
 from lightning_para.plan.model import ModelDesc
 from lightning_para.calibrate.machine import local_cluster
-from lightning_para.plan.run import optimizer_kind, predict_run, run_training
+from lightning_para.run_plan import optimizer_kind, predict_run, run_training
 
 
 def describe_for_prediction(module: nn.Module) -> tuple[Optional[ModelDesc], Optional[str]]:

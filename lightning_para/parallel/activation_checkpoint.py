@@ -42,10 +42,10 @@ from torch.distributed._composable import checkpoint  # private: see docs/archit
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_para.spec.options import RECOMPUTE_MODES as MODES
+
 # Containers whose entries are blocks; an nn.ModuleDict is a namespace (nanoGPT's `transformer`).
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
-# The modes, in the order the planner lists them (``lightning_para.options.ACTIVATION_CHECKPOINTING``).
-MODES = ("selective", "selective_op", "full")
 
 
 def find_blocks(root: nn.Module) -> list[nn.Module]:

@@ -34,37 +34,15 @@ import collections
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from torch import nn
 
 from lightning_para.parallel.activation_checkpoint import find_blocks
 
-# torch.compile's keyword arguments that compile=<dict> may give.
-COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
 # Compilations of one compiled frame (a block class, or a piece of one) beyond which CompileWatch
 # warns: one training graph, one for evaluation (no_grad) and a last batch of another size are expected.
 RECOMPILE_WARN = 4
-
-
-def compile_options(value: Union[bool, Mapping[str, Any], None]) -> Optional[dict[str, Any]]:
-    """``compile=`` as ``torch.compile`` keyword arguments (``None``: no compile).
-
-    ``True`` is torch's defaults (inductor); a mapping is passed to ``torch.compile``. Raises
-    ``ValueError`` naming ``compile`` for another value or an unknown key.
-    """
-    if value is None or value is False:
-        return None
-    if value is True:
-        return {}
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(COMPILE_KEYS))
-        if unknown:
-            raise ValueError(
-                f"`compile={dict(value)!r}`: {unknown} are not torch.compile options. Use keys from {list(COMPILE_KEYS)}."
-            )
-        return dict(value)
-    raise ValueError(f"`compile={value!r}` must be True, False or a dict of torch.compile options ({list(COMPILE_KEYS)}).")
 
 
 @dataclass
@@ -169,4 +147,4 @@ class CompileWatch:
         return message
 
 
-__all__ = ["COMPILE_KEYS", "CompileInfo", "CompileWatch", "apply_compile", "check_blocks", "compile_options"]
+__all__ = ["CompileInfo", "CompileWatch", "apply_compile", "check_blocks"]

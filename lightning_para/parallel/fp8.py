@@ -51,7 +51,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-FP8_RECIPES = ("tensorwise", "rowwise")
+from lightning_para.spec.options import FP8_RECIPES
+
 # Module names treated as the output head (the loss-setting projection stays in high precision).
 HEAD_NAMES = ("head", "lm_head", "output")
 

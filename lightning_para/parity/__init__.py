@@ -19,10 +19,10 @@ code never imports ``cli/``. Not inside ``lightning_para.plan`` either: the plan
 model below the strategy, and the recorder reads the strategy's record of the layout.
 """
 
-from lightning_para.parity.record import ParityRecorder, RunRecord
-from lightning_para.parity.report import ParityReport, StepDiff, compare_records, tolerances
-from lightning_para.parity.run import strategy_arguments
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "ParityRecorder", "ParityReport", "RunRecord", "StepDiff", "compare_records", "strategy_arguments", "tolerances",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".record": ("ParityRecorder", "RunRecord"),
+    ".report": ("ParityReport", "StepDiff", "compare_records", "tolerances"),
+    ".run": ("strategy_arguments",),
+})

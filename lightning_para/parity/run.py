@@ -7,7 +7,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Union
 
-from lightning_para.plan.run import parse_layout
+from lightning_para.run_plan import parse_layout
+from lightning_para.spec.dims import DEGREES, Degrees
 
 # One device: every degree 1 and every option that changes the numerics' layout off.
 ONE_DEVICE: dict[str, Any] = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "zero": 0, "sequence_parallel": False}
@@ -18,7 +19,7 @@ Layout = Union[str, Mapping[str, Any], None]
 def strategy_arguments(layout: Layout) -> dict[str, Any]:
     """ParaStrategy arguments of ``"tp=2,pp=2"`` / a dict / ``None`` (one device).
 
-    Keys: every ParaStrategy layout argument (:func:`~lightning_para.plan.run.parse_layout`, the
+    Keys: every ParaStrategy layout argument (:func:`~lightning_para.run_plan.parse_layout`, the
     fields of the planner's ``Layout``). Degrees not given are 1 (the layout is the whole layout,
     not a change to the config's; ``dp`` is ``dp_replicate x dp_shard`` when only those are given);
     options not given (``zero``, ``schedule``, ...) stay the config's.
@@ -32,14 +33,14 @@ def strategy_arguments(layout: Layout) -> dict[str, Any]:
 
 def world_of(arguments: Mapping[str, Any]) -> int:
     """Processes a layout needs: ``dp * cp * tp * pp`` (``ep`` lives inside ``dp``)."""
-    return math.prod(int(arguments.get(k, 1)) for k in ("dp", "cp", "tp", "pp"))
+    return Degrees(**{name: int(arguments.get(name) or 1) for name in DEGREES}).world_size
 
 
 def describe(arguments: Mapping[str, Any]) -> str:
     """``"tp=2,pp=2"``: the degrees above 1 and the options set, for reports."""
     if dict(arguments) == ONE_DEVICE:
         return "one device"
-    parts = [f"{k}={v}" for k, v in arguments.items() if not (k in ("dp", "tp", "pp", "ep", "cp") and v == 1)]
+    parts = [f"{k}={v}" for k, v in arguments.items() if not (k in DEGREES and v == 1)]
     return ",".join(parts) or "one device"
 
 

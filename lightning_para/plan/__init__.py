@@ -1,6 +1,6 @@
 """The planner: predict memory, communication, bubble and step time of a parallel layout, and search for the best.
 
-A pure-Python cost model (no process group, no GPU)::
+A pure-Python cost model (no process group, no GPU, no Lightning; it imports only ``lightning_para.spec``)::
 
     from lightning_para.plan import Cluster, Training, preset, search
 
@@ -8,37 +8,24 @@ A pure-Python cost model (no process group, no GPU)::
     print(result.table())
     print(result.strategy_yaml())
 
-Formulas and their sources: ``docs/planner.md`` and each module's docstring.
+Formulas and their sources: ``docs/planner.md`` and each module's docstring. A module's description of a model
+(``describe_module``) is :mod:`lightning_para.describe`'s; a run's translation to the planner's inputs
+:mod:`lightning_para.run_plan`'s.
 """
 
-from lightning_para.plan.cluster import (
-    GPU_SPECS,
-    OPTIMIZERS,
-    PRECISIONS,
-    Cluster,
-    Training,
-)
-from lightning_para.plan.comm import Collective
-from lightning_para.plan.cost import (
-    Estimate,
-    PredictedMemory,
-    RankEstimate,
-    estimate,
-    layout_problems,
-)
-from lightning_para.plan.describe import describe_module
-from lightning_para.plan.layout import Layout
-from lightning_para.plan.memory import layer_activation_bytes, zero_state_bytes
-from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import SCHEDULES, bubble_fraction
-from lightning_para.plan.presets import PRESETS, preset
-from lightning_para.plan.result import PlanResult, Rejected
-from lightning_para.plan.search import SearchSpace, search
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "GPU_SPECS", "OPTIMIZERS", "PRECISIONS", "PRESETS", "SCHEDULES",
-    "Cluster", "Collective", "Estimate", "Layout", "PredictedMemory", "ModelDesc", "PlanResult", "RankEstimate",
-    "Rejected", "SearchSpace", "Training",
-    "bubble_fraction", "describe_module", "estimate", "layer_activation_bytes", "layout_problems", "preset",
-    "search", "zero_state_bytes",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".cluster": ("GPU_SPECS", "OPTIMIZERS", "PRECISIONS", "Cluster", "Training"),
+    ".comm": ("Collective",),
+    ".cost": ("Estimate", "RankEstimate", "estimate", "layout_problems"),
+    ".layout": ("Layout",),
+    ".memory": ("layer_activation_bytes",),
+    ".model": ("ModelDesc",),
+    ".presets": ("PRESETS", "preset"),
+    ".result": ("PlanResult", "Rejected"),
+    ".search": ("SearchSpace", "search"),
+    "lightning_para.spec.memory": ("PredictedMemory",),
+    "lightning_para.spec.schedules": ("bubble_fraction",),
+    "lightning_para.spec.zero": ("zero_state_bytes",),
+})

@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_para.options import PRECISIONS
+from lightning_para.spec.options import PRECISIONS
 from lightning_para.plan.gemm import MEASURED_GEMMS, MEASURED_PEAK_FLOPS, Gemm, GemmModel, gpu_gemm_model
 
 OPTIMIZERS = ("adam", "sgd")
@@ -281,7 +281,7 @@ class Training:
             that batch into its ``microbatches`` (default ``pp * virtual_stages``).
         accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
             used with ``micro_batch=None``.
-        precision: one of :data:`~lightning_para.options.PRECISIONS` (ParaStrategy's).
+        precision: one of :data:`~lightning_para.spec.options.PRECISIONS` (ParaStrategy's).
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.

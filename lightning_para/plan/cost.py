@@ -42,25 +42,28 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from lightning_para.memory import PredictedMemory
-from lightning_para.options import RUN_RULES, rule_problems
-from lightning_para.parallel.pipeline import schedules
-from lightning_para.parallel.pipeline.schedules import default_microbatches, fill_factor
-from lightning_para.parallel.pipeline.split_math import explicit_split
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, crosses_nodes
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import SCHEDULES, pipeline_ranks
+from lightning_para.plan.pipeline import pipeline_ranks
 from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
 from lightning_para.plan.rank_states import bucket_bytes
+from lightning_para.spec.dims import PRICED
+from lightning_para.spec.memory import PredictedMemory
+from lightning_para.spec.options import RUN_RULES, rule_problems
+from lightning_para.spec.schedules import (
+    PLANNED_SCHEDULES,
+    default_microbatches,
+    expected_bubble,
+    fill_factor,
+    schedule_problem,
+)
+from lightning_para.spec.split import explicit_split
 
 __all__ = [
     "COMPILE_FP8_SPEEDUP", "COMPILE_SPEEDUP", "Estimate", "Layout", "PredictedMemory", "RankEstimate", "bucket_bytes", "estimate", "layout_problems", "resolve_batch",
 ]
-
-DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
-
 
 @dataclass(frozen=True)
 class Estimate:
@@ -118,8 +121,8 @@ class Estimate:
         The schedule's fill and drain add ``k (sum_r t_r - t_max)`` to the ``m t_max`` the slowest
         rank needs, with ``k = 1`` for GPipe and 1F1B, ``1/v`` interleaved, ``1/3`` zero-bubble (ZB-H1)
         and 0 for ZB-V; rank ``r`` idles ``1 - m t_r / T``. With equal ``t_r`` it is exactly
-        :func:`~lightning_para.plan.pipeline.bubble_fraction` of the papers (see
-        :mod:`~lightning_para.plan.pipeline`); unequal stages (the embedding's and the head's)
+        :func:`~lightning_para.spec.schedules.bubble_fraction` of the papers (see
+        :mod:`~lightning_para.spec.schedules`); unequal stages (the embedding's and the head's)
         make the faster ranks wait more.
         """
         if self.layout.pp == 1:
@@ -133,7 +136,7 @@ class Estimate:
 
     def crosses_nodes(self) -> dict[str, bool]:
         """For each dimension of degree > 1: whether its group spans nodes."""
-        dims = [d for d in DIMS if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]
+        dims = [d for d in PRICED if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]
         return {dim: crosses_nodes(self.layout, self.cluster, dim) for dim in dims}
 
     def summary(self) -> str:
@@ -230,7 +233,7 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
             if value % (lay.cp * lay.tp):
                 problems.append(f"{name} {value} not divisible by cp x tp = {lay.cp * lay.tp} (Ulysses)")
-    # ParaStrategy's rules between options (lightning_para.options.RUN_RULES: ep divides dp_shard, ...), in its words.
+    # ParaStrategy's rules between options (lightning_para.spec.options.RUN_RULES: ep divides dp_shard, ...), in its words.
     problems += [problem for problem, _ in rule_problems(lay.strategy_kwargs(), RUN_RULES)]
     if lay.ep > 1 and not model.is_moe:
         problems.append(f"ep={lay.ep} needs experts, the model has none")
@@ -245,7 +248,7 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         problems.append(f"seq_len {training.seq_len} not divisible by cp={lay.cp}")
     elif lay.sequence_parallel and (training.seq_len // lay.cp) % lay.tp:
         problems.append(f"seq_len/cp = {training.seq_len // lay.cp} not divisible by tp={lay.tp} (sequence parallel)")
-    if lay.pp > 1 and lay.schedule not in SCHEDULES:
+    if lay.pp > 1 and lay.schedule not in PLANNED_SCHEDULES:
         problems.append(f"schedule '{lay.schedule}' runs under ParaStrategy, but the planner has no bubble model for it")
         return problems
     if lay.pipeline_split is not None and lay.pp > 1:
@@ -271,9 +274,9 @@ def layout_problems(model: ModelDesc, cluster: Cluster, training: Training, layo
         problems.append(f"microbatches={flush} does not divide the {per_step} microbatches per step of a dp rank")
     elif lay.pp > 1:
         # The schedule is one the planner prices (checked above): ask its own rules.
-        problem = schedules.schedule_problem(lay.schedule, lay.pp, flush, lay.virtual_stages)
+        problem = schedule_problem(lay.schedule, lay.pp, flush, lay.virtual_stages)
         if problem:
-            problems.append(problem)
+            problems.append(problem[0])
     return problems
 
 
@@ -307,7 +310,7 @@ def price_layout(model: ModelDesc, cluster: Cluster, training: Training, layout:
         if key not in priced:
             priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
-    bubble = schedules.expected_bubble(layout.schedule, layout.pp, flush, layout.virtual_stages) or 0.0
+    bubble = expected_bubble(layout.schedule, layout.pp, flush, layout.virtual_stages) or 0.0
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)
     step = pipeline_seconds + max(r.dp_exposed_seconds + r.optimizer_seconds for r in ranks)
     step += cluster.step_overhead_seconds  # the framework's fixed cost per step (0 on the GPU presets)

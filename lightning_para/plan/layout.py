@@ -1,19 +1,21 @@
 """``Layout``: one parallel layout (degrees and options) that the cost model prices.
 
-Mesh order, innermost (neighbouring ranks) first: ``tp``, ``cp``, ``ep`` (the inner part of
-data parallelism), the rest of ``dp_shard``, ``dp_replicate``, then ``pp`` outermost. Tensor
-and context parallelism, which communicate inside every layer, therefore stay inside a node
-whenever ``tp * cp <= gpus_per_node``; pipeline parallelism, which sends one activation per
-microbatch, crosses nodes first. (Megatron-LM orders its groups the same way: tp-cp-ep-dp-pp.)
+Its degrees are :class:`~lightning_para.spec.dims.Degrees` (:attr:`Layout.degrees`), the record
+``ParallelDims`` is too: a group's size and the ranks it spans follow the mesh order of
+:mod:`lightning_para.spec.dims` (tensor and context parallelism, which communicate inside every
+layer, stay inside a node whenever ``tp * cp <= gpus_per_node``; pipeline parallelism, which
+sends one activation per microbatch, crosses nodes first).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from functools import cached_property
+from typing import Any, Optional
 
-from lightning_para.options import (
+from lightning_para.spec.dims import DEGREES, MESH_DIMS, Degrees
+from lightning_para.spec.options import (
     LAYOUT_OPTIONS,
     LAYOUT_RULES,
     OPTIONS,
@@ -22,16 +24,12 @@ from lightning_para.options import (
     sequence_parallel_problem,
 )
 
-if TYPE_CHECKING:
-    from lightning_para.config import ParallelConfig
-    from lightning_para.mesh import ParallelDims
-
 # The layout options a Layout holds with the planner's own type and default (the rest: the declaration's).
 # The planner prices resolved layouts: whole degrees, a bool for loss parallel and compile (a dict of
 # torch.compile options is ``True`` here), ``dp_shard`` derived from ``dp / dp_replicate``, the split as a
 # tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.rank_states.bucket_bytes`).
 PLANNER_FIELDS: dict[str, tuple[Any, Any]] = {
-    "dp": (int, 1), "tp": (int, 1), "dp_replicate": (int, 1), "loss_parallel": (bool, True), "compile": (bool, False),
+    **{name: (int, 1) for name in DEGREES}, "loss_parallel": (bool, True), "compile": (bool, False),
     "pipeline_split": (Optional[tuple[int, ...]], None), "bucket_size_mb": (Optional[float], None),
 }
 # ParaStrategy's arguments that are not part of a layout, and why: the layout options the planner does not
@@ -70,7 +68,7 @@ def _planner_field(name: str) -> tuple[str, Any, Any]:
     return name, annotation, field(default=default)
 
 
-# The fields: every planned option of the one declaration (lightning_para.options), in its order.
+# The fields: every planned option of the one declaration (lightning_para.spec.options), in its order.
 _LayoutOptions = make_dataclass(
     "_LayoutOptions", [_planner_field(o.name) for o in LAYOUT_OPTIONS if not o.not_planned], frozen=True
 )
@@ -84,14 +82,14 @@ class Layout(_LayoutOptions):
     """Degrees and options of one layout; ``world_size = pp * dp * cp * tp``.
 
     Every field is the ParaStrategy argument of the same name and meaning, documented once in
-    :data:`lightning_para.options.LAYOUT_OPTIONS` (:meth:`strategy_kwargs` and :meth:`from_config` are
+    :data:`lightning_para.spec.options.LAYOUT_OPTIONS` (:meth:`strategy_kwargs` and :meth:`from_config` are
     the one mapping each way; the ParaStrategy arguments that are no part of a layout are
     :data:`NOT_LAYOUT_ARGUMENTS`; :data:`PLANNER_FIELDS` the fields with the planner's own type or default).
     What the planner makes of them:
 
     * ``ep`` must divide ``dp_shard``; ``cp_method="all_to_all"`` needs heads divisible by ``cp x tp``:
       checked against the model by :func:`~lightning_para.plan.cost.layout_problems`, with ParaStrategy's
-      rules (:data:`lightning_para.options.RUN_RULES`).
+      rules (:data:`lightning_para.spec.options.RUN_RULES`).
     * ``dp_shard`` defaults to ``dp / dp_replicate``; ZeRO shards over it and all-reduces over ``dp_replicate``.
     * ``cp_load_balance``: priced as balanced either way (the planner does not model the causal imbalance).
     * ``sp_save_input_shard`` and ``loss_parallel``: priced as ``True``.
@@ -107,7 +105,7 @@ class Layout(_LayoutOptions):
     """
 
     def __post_init__(self) -> None:
-        # Each option's check and the rules between options are declared once (lightning_para.options), shared
+        # Each option's check and the rules between options are declared once (lightning_para.spec.options), shared
         # with ParallelConfig and the --layout parser.
         if isinstance(self.compile, Mapping):  # ParaStrategy's dict of torch.compile options: compiled
             object.__setattr__(self, "compile", True)
@@ -117,11 +115,9 @@ class Layout(_LayoutOptions):
             if f.name == "dp_shard" and self.dp_shard is None:
                 continue
             check_option(f.name, getattr(self, f.name), _PLANNER_ALSO.get(f.name))
-        if self.dp_shard is None:
-            if self.dp % self.dp_replicate:
-                check_rules({"dp": self.dp, "dp_replicate": self.dp_replicate}, LAYOUT_RULES)
-            object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
         check_rules({f.name: getattr(self, f.name) for f in fields(self)}, LAYOUT_RULES)
+        if self.dp_shard is None:
+            object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
         problem = sequence_parallel_problem(self.sequence_parallel, self.tp)
         if problem:  # ParaStrategy only warns (nothing to split over); the planner cannot price a sequence shard of tp=1
             raise ValueError("`sequence_parallel=True` needs `tp > 1` (it shards the sequence over the tp ranks).")
@@ -148,8 +144,9 @@ class Layout(_LayoutOptions):
         return out
 
     @classmethod
-    def from_config(cls, config: "ParallelConfig", dims: "ParallelDims") -> "Layout":
-        """The layout of a resolved ParaStrategy configuration (the reverse of :meth:`strategy_kwargs`).
+    def from_config(cls, config: Any, dims: Degrees) -> "Layout":
+        """The layout of a resolved ParaStrategy configuration (the reverse of :meth:`strategy_kwargs`): ``config`` a
+        :class:`~lightning_para.config.ParallelConfig`, ``dims`` its :class:`~lightning_para.mesh.ParallelDims`.
 
         ``dims`` gives the degrees ``"auto"`` resolved to. Pipeline options are those of the
         run only with a pipeline (``pp=1`` runs no schedule) and ``sequence_parallel`` only with
@@ -158,8 +155,7 @@ class Layout(_LayoutOptions):
         pipelined = dims.pp > 1
         kwargs = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
         kwargs.update(
-            dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp, dp_replicate=dims.dp_replicate,
-            dp_shard=dims.dp // dims.dp_replicate,
+            **{name: getattr(dims, name) for name in DEGREES}, dp_shard=dims.dp_shard,
             sequence_parallel=config.sequence_parallel and dims.tp > 1,
             schedule=config.schedule if pipelined else "1f1b",
             microbatches=config.pipeline_microbatches if pipelined else None,
@@ -169,43 +165,29 @@ class Layout(_LayoutOptions):
         )
         return cls(**kwargs)
 
+    @cached_property
+    def degrees(self) -> Degrees:
+        """The layout's degrees: the record :class:`~lightning_para.mesh.ParallelDims` is built on."""
+        return Degrees(**{name: getattr(self, name) for name in DEGREES})
+
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel degree: ranks that hold the same experts, ``dp / ep``."""
-        return max(1, self.dp // self.ep)
+        return self.degrees.world_size
 
     def group(self, dim: str) -> tuple[int, int]:
-        """``(size, span)`` of a communication group: its ranks, and how many consecutive
-        ranks it reaches over (it stays inside a node when the span fits in one).
-
-        Dims: ``tp``, ``cp``, ``ep``, ``dp`` (the ZeRO/gradient group of dense parameters:
-        ``cp x dp_shard``), ``edp`` (the same for experts: ``cp x dp_shard / ep``),
-        ``dp_replicate`` and ``pp``.
-        """
-        inner_dp = self.tp * self.cp * self.dp_shard  # type: ignore[operator]
-        groups = {
-            "tp": (self.tp, self.tp),
-            "cp": (self.cp, self.tp * self.cp),
-            "ep": (self.ep, self.tp * self.cp * self.ep),
-            "dp": (self.cp * self.dp_shard, inner_dp),  # type: ignore[operator]
-            "edp": (max(1, self.cp * self.dp_shard // self.ep), inner_dp),  # type: ignore[operator]
-            "dp_replicate": (self.dp_replicate, inner_dp * self.dp_replicate),
-            "pp": (self.pp, self.world_size),
-        }
-        if dim not in groups:
-            raise ValueError(f"`dim={dim!r}` is unknown. Choose one of {', '.join(map(repr, groups))}.")
-        return groups[dim]
+        """``(size, span)`` of a communication group of the planner's dimension ``dim``: its ranks, and how many
+        consecutive ranks it reaches over (it stays inside a node when the span fits in one;
+        :meth:`Degrees.group <lightning_para.spec.dims.Degrees.group>`: ``dp`` is ZeRO's ``cp x dp_shard``)."""
+        return self.degrees.group(dim)
 
     def label(self) -> str:
         """A compact name, e.g. ``dp128 tp8 pp16 z1 sp zero_bubble m16``."""
         parts = [f"dp{self.dp}"]
         if self.dp_replicate > 1:
             parts[0] += f"({self.dp_replicate}x{self.dp_shard})"
-        parts += [f"{name}{getattr(self, name)}" for name in ("tp", "pp", "ep", "cp") if getattr(self, name) > 1]
+        # The model-parallel degrees above 1, innermost first (dp_replicate is in dp's part).
+        parts += [f"{n}{getattr(self, n)}" for n in reversed(MESH_DIMS) if n in DEGREES[1:] and n != "dp_replicate"
+                  and getattr(self, n) > 1]
         if self.cp > 1 and self.cp_method == "all_to_all":
             parts[-1] += "(ulysses)"
         parts.append(f"z{self.zero}")

@@ -1,21 +1,5 @@
-"""Bytes per rank: model states (ZeRO) and activations (Megatron-LM's per-layer formulas).
-
-Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 5.1 and Fig. 1). With ``psi`` parameters on
-a rank after tp/pp/ep split them, ``w``/``g`` bytes per weight/gradient, ``K`` bytes of fp32
-master plus optimizer state, and ``N`` ranks sharing them:
-
-=====  ==========  ===================  ==========
-stage  weights     gradients            K
-=====  ==========  ===================  ==========
-0      w psi       g psi                K psi
-1      w psi       g psi                K psi / N
-2      w psi       g psi / N            K psi / N
-3      w psi / N   g psi / N            K psi / N
-=====  ==========  ===================  ==========
-
-Dense parameters use ``N = cp * dp_shard``, routed experts ``N = cp * dp_shard / ep``.
-Over several microbatches ZeRO-2/3 with ``zero_accumulation="no_sync"`` hold full gradients
-(and ZeRO-3 its gathered weights) until the last one; ``"reduce_each_step"`` keeps them sharded.
+"""Bytes per rank: activations (Megatron-LM's per-layer formulas); the model states' are ZeRO's
+(:func:`lightning_para.spec.zero.zero_state_bytes`).
 
 Activations of one transformer layer for one microbatch (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", Sec. 4, 16-bit activations, ``s``
@@ -38,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_para.options import ACTIVATION_CHECKPOINTING
+from lightning_para.spec.options import ACTIVATION_CHECKPOINTING
 from lightning_para.plan.model import ModelDesc
 
 
@@ -247,27 +231,3 @@ def head_activation_bytes(
     norm_input = (e + (4 if model.norm_upcast else 0)) * s * b * model.hidden / sp  # see `ModelDesc.norm_upcast`
     projection_input = e * s * b * model.hidden / (1 if sequence_parallel and sp_saves_gathered_inputs else sp)
     return norm_input + projection_input + logit_bytes * s * b * model.vocab / tp
-
-
-def zero_state_bytes(
-    params: float,
-    *,
-    zero: int,
-    shards: int,
-    weight_bytes: int,
-    grad_bytes: int,
-    optimizer_bytes: int,
-    full_grads: bool = False,
-) -> tuple[float, float, float]:
-    """``(weights, gradients, optimizer)`` bytes of ``params`` parameters on one rank (table above).
-
-    ``optimizer_bytes`` is the ZeRO paper's K: fp32 master plus optimizer state. ``full_grads``:
-    gradients are held unsharded during accumulation (ZeRO-2/3 with ``"no_sync"``).
-    """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"`zero={zero!r}` is not a ZeRO stage. Choose one of 0, 1, 2, 3.")
-    n = shards
-    weights = weight_bytes * params / (n if zero == 3 else 1)
-    grads = grad_bytes * params / (n if zero >= 2 and not full_grads else 1)
-    optimizer = optimizer_bytes * params / (n if zero >= 1 else 1)
-    return weights, grads, optimizer

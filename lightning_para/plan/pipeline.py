@@ -1,30 +1,9 @@
-"""Pipeline schedules as the cost model sees them: rules, bubble, in-flight microbatches, layer split.
+"""The pipeline as the cost model sees it: the layer split and what each pipeline rank holds (:func:`pipeline_ranks`),
+and the peaks a rank's compute order reaches (:func:`held_activations_peak`, :func:`lazy_gradient_peak`).
 
-The schedules own their math (:mod:`lightning_para.parallel.pipeline.schedules`: rules, bubble, fill, in-flight
-microbatches, compute order); this module reads it for the schedules the planner prices and adds the layer split.
-
-``p`` pipeline ranks, ``m`` microbatches per pipeline flush, ``v`` stages (model chunks) per rank.
-
-=============  ==========================  ====================================================
-schedule       bubble (idle / step time)   source
-=============  ==========================  ====================================================
-gpipe, 1f1b    (p-1) / (m+p-1)             GPipe (Huang et al. 2019); 1F1B: PipeDream-Flush
-                                           (Narayanan et al. 2021a), Megatron-LM Sec. 2.2.1
-interleaved    (p-1) / (v m + p-1)         Megatron-LM (Narayanan et al. 2021b), Sec. 2.2.2
-zero_bubble    (p-1)/3 / (m + (p-1)/3)     ZB-H1 (Qi et al. 2024, Sec. 3), with t_F = t_B = t_W
-zbv            0 (needs m >= 2p-1)         ZB-V (Qi et al. 2024, Sec. 6)
-=============  ==========================  ====================================================
-
-Microbatches whose activations a rank holds at its peak (in units of "one microbatch through
-all of this rank's layers"; Korthikanti et al. 2022, Sec. 4.2.3):
-
-* GPipe: all ``m`` (every forward runs before any backward);
-* 1F1B and ZB-H1 (``v = 1``): rank ``i`` holds ``min(p - i, m)`` (ZB-H1 keeps 1F1B's peak);
-* interleaved (and zero_bubble with ``v > 1``): rank ``i`` runs ``2 (p - i - 1) + (v - 1) p``
-  warm-up chunk-forwards plus one in flight (Megatron-LM's ``get_num_warmup_microbatches``),
-  each ``1/v`` of its layers: ``p + (p - 1) / v`` on rank 0, Korthikanti's ``1 + (p-1)/(p v)``
-  times 1F1B;
-* ZB-V: ``p`` on every rank, the same peak as 1F1B's rank 0 (Qi et al. 2024, Sec. 6).
+The schedules own their math (:mod:`lightning_para.spec.schedules`: rules, bubble, fill, in-flight microbatches,
+compute order); the split is :mod:`lightning_para.spec.split`'s. ``p`` pipeline ranks, ``m`` microbatches per
+pipeline flush, ``v`` stages (model chunks) per rank.
 """
 
 from __future__ import annotations
@@ -34,47 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from lightning_para.options import PLANNED_SCHEDULES
-from lightning_para.options import SCHEDULES as STRATEGY_SCHEDULES
-from lightning_para.parallel.pipeline import schedules
-from lightning_para.parallel.pipeline.schedules import stage_to_rank
-from lightning_para.parallel.pipeline.split_math import balanced_split, explicit_split
 from lightning_para.plan.model import ModelDesc, PipelineUnit
 from lightning_para.plan.tensors import ParamTensor, part_tensors, total_numel
-
-SCHEDULES = PLANNED_SCHEDULES  # those priced here (lightning_para.options names every one ParaStrategy runs)
-
-
-def check_schedule(name: str) -> None:
-    """``ValueError`` for a schedule name the planner does not price."""
-    if name in STRATEGY_SCHEDULES and name not in SCHEDULES:
-        raise ValueError(
-            f"`schedule={name!r}` runs under ParaStrategy, but the planner has no bubble model for it."
-            f" Choose one of {', '.join(map(repr, SCHEDULES))} to plan."
-        )
-    if name not in SCHEDULES:
-        raise ValueError(f"`schedule={name!r}` is unknown. Choose one of {', '.join(map(repr, SCHEDULES))}.")
-
-
-def schedule_problem(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Optional[str]:
-    """Why ``schedule`` cannot run with these degrees (``None`` if it can): the schedule's own rules
-    (:func:`lightning_para.parallel.pipeline.schedules.schedule_problem`), for a schedule the planner prices."""
-    check_schedule(schedule)
-    return schedules.schedule_problem(schedule, pp, microbatches, virtual_stages)
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step on every pipeline rank for equal stage times (table above; the schedule's
-    :func:`~lightning_para.parallel.pipeline.schedules.expected_bubble`)."""
-    check_schedule(schedule)
-    return schedules.expected_bubble(schedule, pp, microbatches, virtual_stages) or 0.0
-
-
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches' worth of this rank's activations held at its peak (the schedule's
-    :func:`~lightning_para.parallel.pipeline.schedules.in_flight_microbatches`)."""
-    check_schedule(schedule)
-    return schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank)
+from lightning_para.spec.schedules import check_planned, in_flight_microbatches, stage_to_rank
+from lightning_para.spec.split import balanced_split, explicit_split
 
 
 def unit_split(costs: Sequence[float], chunks: int, explicit: Optional[Sequence[int]] = None) -> list[int]:
@@ -143,7 +85,7 @@ def pipeline_ranks(
             rank=0, layers=tuple(range(model.layers)), embedding=True, head=True, sends_forward=0, sends_backward=0,
             in_flight=1.0, final_norm=True, last_stage=True,
         )]
-    check_schedule(schedule)  # once: the ranks below read the schedule's own math directly
+    check_planned(schedule)  # once: the ranks below read the schedule's own math directly
     chunks = pp * virtual_stages
     costs = [float(total_numel(unit_tensors(model, unit))) for unit in units]
     starts = unit_split(costs, chunks, split) + [len(units)]
@@ -161,7 +103,7 @@ def pipeline_ranks(
                 # Only boundaries to another rank communicate (ZB-V's rank p-1 holds chunks p-1 and p).
                 sends_forward=sum(c != chunks - 1 and placement[c + 1] != rank for c in owned),
                 sends_backward=sum(c != 0 and placement[c - 1] != rank for c in owned),
-                in_flight=schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
+                in_flight=in_flight_microbatches(schedule, pp, microbatches, virtual_stages, rank),
                 final_norm=any(u.final_norm for u in held),
                 last_stage=chunks - 1 in owned,
                 chunks=tuple(

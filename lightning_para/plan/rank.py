@@ -24,7 +24,7 @@ from lightning_para.plan.overhead import (
     optimizer_dtensor_ops,
     optimizer_ops,
 )
-from lightning_para.memory import PredictedMemory
+from lightning_para.spec.memory import PredictedMemory
 from lightning_para.plan.pipeline import RankLayers
 from lightning_para.plan.rank_memory import activation_kwargs, head_bytes, peak_memory
 from lightning_para.plan.rank_states import (

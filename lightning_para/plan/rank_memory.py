@@ -7,17 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Union
 
-from lightning_para.parallel.context.tiles import score_tile_rows
-from lightning_para.parallel.pipeline.schedules import compute_order
+from lightning_para.spec.tiles import score_tile_rows
+from lightning_para.spec.zero import zero_state_bytes
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.layout import Layout
-from lightning_para.plan.memory import (
-    embedding_activation_bytes,
-    head_activation_bytes,
-    layer_activation_bytes,
-    zero_state_bytes,
-)
-from lightning_para.memory import PredictedMemory
+from lightning_para.plan.memory import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
+from lightning_para.spec.memory import PredictedMemory
+from lightning_para.spec.schedules import compute_order
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
 from lightning_para.plan.rank_states import (

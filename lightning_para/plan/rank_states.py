@@ -4,7 +4,7 @@ dry run and the profiler compare their measurements with)."""
 
 from __future__ import annotations
 
-from lightning_para.memory import PredictedMemory
+from lightning_para.spec.memory import PredictedMemory
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc

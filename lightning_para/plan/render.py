@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from lightning_para.plan.cost import Estimate, bucket_bytes, format_bytes
 from lightning_para.plan.layout import Layout
+from lightning_para.spec.options import POSITIONAL
 
-_ALWAYS_SHOWN = ("dp", "tp", "pp", "ep", "zero", "sequence_parallel", "schedule", "microbatches", "virtual_stages",
-                 "activation_checkpointing")
+_ALWAYS_SHOWN = (*POSITIONAL, "sequence_parallel", "schedule", "microbatches", "virtual_stages", "activation_checkpointing")
 _DEFAULTS = Layout().strategy_kwargs()  # the layout options' defaults, which are ParaStrategy's
 
 

@@ -14,9 +14,7 @@ from lightning_para.plan.cost import Estimate, format_bytes, memory_unit
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.render import grid, strategy_yaml
-
-_COMM_DIMS = ("tp", "cp", "ep", "pp", "dp", "edp", "dp_replicate")
-
+from lightning_para.spec.dims import PRICED
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ def fits_table(result: PlanResult, limit: int = 10) -> str:
         comm = item.comm_bytes()
         crossing = item.crosses_nodes()
         comm_text = " ".join(
-            f"{dim}{'*' if crossing.get(dim) else ''}={comm[dim] / unit[1]:.3g}" for dim in _COMM_DIMS if dim in comm
+            f"{dim}{'*' if crossing.get(dim) else ''}={comm[dim] / unit[1]:.3g}" for dim in PRICED if dim in comm
         )
         rows.append([
             str(i), item.layout.label(), f"{format_bytes(m.total, unit, False)} ({parts})", f"{item.bubble:.1%}",

@@ -12,20 +12,28 @@ collectives), then to less memory.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, format_bytes, layout_problems, price_layout
-from lightning_para.options import ACTIVATION_CHECKPOINTING, ZERO_ACCUMULATION
 from lightning_para.plan.layout import FIXED_OPTIONS, Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.plan.pipeline import SCHEDULES, check_schedule
 from lightning_para.plan.result import PlanResult, Rejected
+from lightning_para.spec.dims import DIMS, divisors
+from lightning_para.spec.options import (
+    ACTIVATION_CHECKPOINTING,
+    LAYOUT_RULES,
+    OPTIONS,
+    ZERO_ACCUMULATION,
+    ZERO_STAGES,
+    check_option,
+    rule_problems,
+)
+from lightning_para.spec.schedules import PLANNED_SCHEDULES, check_planned, schedule_info
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# SearchSpace's lists named otherwise than the option whose values they list.
+_LISTS = {"schedules": "schedule", "recompute": "activation_checkpointing"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,8 @@ class SearchSpace:
     ep: Optional[Sequence[int]] = None
     cp: Sequence[int] = (1,)
     dp_replicate: Sequence[int] = (1,)
-    zero: Sequence[int] = (0, 1, 2, 3)
-    schedules: Sequence[str] = SCHEDULES
+    zero: Sequence[int] = ZERO_STAGES
+    schedules: Sequence[str] = PLANNED_SCHEDULES
     virtual_stages: Sequence[int] = (1, 2, 4)
     microbatches: Sequence[Optional[int]] = (None,)
     recompute: Sequence[Optional[str]] = ACTIVATION_CHECKPOINTING
@@ -74,26 +82,20 @@ class SearchSpace:
     options: Layout = field(default_factory=Layout)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages"):
-            values = getattr(self, name)
-            if values is not None and (
-                not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
-            ):
-                raise ValueError(f"`{name}={values!r}` must be a non-empty sequence of positive integers (or None).")
-        if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
-            raise ValueError(f"`zero={self.zero!r}` must list ZeRO stages from 0, 1, 2, 3.")
-        for schedule in self.schedules:
-            check_schedule(schedule)
-        if any(r not in ACTIVATION_CHECKPOINTING for r in self.recompute):
-            raise ValueError(
-                f"`recompute={self.recompute!r}` must list choices from {', '.join(map(repr, ACTIVATION_CHECKPOINTING))}."
-            )
-        if any(z not in ZERO_ACCUMULATION for z in self.zero_accumulation):
-            raise ValueError(
-                f"`zero_accumulation={self.zero_accumulation!r}` must list choices from {', '.join(map(repr, ZERO_ACCUMULATION))}."
-            )
-        if any(m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1) for m in self.microbatches):
-            raise ValueError(f"`microbatches={self.microbatches!r}` must list positive integers or None.")
+        # Each list's values are checked by the option they are values of (lightning_para.spec.options).
+        for f in fields(self):
+            option, values = _LISTS.get(f.name, f.name), getattr(self, f.name)
+            if option not in OPTIONS or values is None:  # None degree lists: every divisor that can work
+                continue
+            if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+                raise ValueError(f"`{f.name}={values!r}` must be a non-empty sequence of `{option}` values (or None).")
+            try:
+                for value in values:
+                    check_option(option, value, tuple(v for v in OPTIONS[option].also if v != "auto"))
+                    if option == "schedule":
+                        check_planned(value)
+            except ValueError as err:
+                raise ValueError(f"`{f.name}={values!r}` must list `{option}` values: {err}") from None
 
 
 def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int]) -> Iterator[Layout]:
@@ -102,14 +104,10 @@ def _variants(layout_degrees: dict, space: SearchSpace, per_step: Optional[int])
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         schedules = []
-        for schedule in space.schedules:
-            if schedule in ("gpipe", "1f1b"):
-                schedules.append((schedule, 1))
-            elif schedule == "zbv":
-                schedules.append((schedule, 2))
-            else:
-                lowest = 2 if schedule == "interleaved" else 1
-                schedules += [(schedule, v) for v in space.virtual_stages if v >= lowest]
+        for schedule in space.schedules:  # the stages per rank each runs (its rule), or those tried
+            info = schedule_info(schedule)
+            tried = range(info.min_virtual, info.max_virtual + 1) if info.max_virtual else space.virtual_stages
+            schedules += [(schedule, v) for v in tried if v >= info.min_virtual]
     fixed = {name: getattr(space.options, name) for name in FIXED_OPTIONS}
     sp_choices = space.sequence_parallel if tp > 1 else (False,)
     accumulate = space.zero_accumulation if zero >= 2 and (per_step or 1) > 1 else ("no_sync",)
@@ -135,9 +133,9 @@ def search(
     """
     space = space or SearchSpace()
     world, gpn = cluster.world_size, cluster.gpus_per_node
-    tps = space.tp or [t for t in _divisors(world) if t <= gpn or not space.tp_within_node]
-    pps = space.pp or [p for p in _divisors(world) if p <= model.layers]
-    eps = space.ep or (_divisors(model.num_experts) if model.is_moe else [1])
+    tps = space.tp or [t for t in divisors(world) if t <= gpn or not space.tp_within_node]
+    pps = space.pp or [p for p in divisors(world) if p <= model.layers]
+    eps = space.ep or (divisors(model.num_experts) if model.is_moe else [1])
     result = PlanResult(model, cluster, training)
     for tp in tps:
         for cp in space.cp:
@@ -147,13 +145,10 @@ def search(
                 dp = world // (tp * cp * pp)
                 for ep in eps:
                     for dp_replicate in space.dp_replicate:
-                        if dp % dp_replicate:
-                            continue
                         for zero in space.zero:
-                            if dp_replicate > 1 and zero == 0:
-                                continue
-                            degrees = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "dp_replicate": dp_replicate, "zero": zero}
-                            _price(model, cluster, training, space, degrees, result)
+                            degrees = dict(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, dp_replicate=dp_replicate, zero=zero)
+                            if not rule_problems(degrees, LAYOUT_RULES):  # no layout without them: not tried
+                                _price(model, cluster, training, space, degrees, result)
     result.fits.sort(key=lambda e: (e.step_seconds, e.layout.zero, e.memory.total))
     result.rejected.sort(key=lambda r: (r.estimate is None, -(r.estimate.headroom_bytes if r.estimate else 0)))
     return result
@@ -172,8 +167,9 @@ def _price(
     misses: list[Rejected] = []
     for layout in _variants(degrees, space, per_step):
         problems = layout_problems(model, cluster, training, layout)
-        if space.tp_within_node and tp > cluster.gpus_per_node:
-            problems.insert(0, f"tp={tp} spans more than one node ({cluster.gpus_per_node} GPUs per node)")
+        problems[:0] = [f"{d.name}={layout.group(d.name)[0]} spans more than one node ({cluster.gpus_per_node} GPUs per"
+                        f" node)" for d in DIMS if d.within_node and space.tp_within_node
+                        and layout.group(d.name)[1] > cluster.gpus_per_node]
         if problems:
             misses.append(Rejected(layout, "; ".join(problems)))
             continue

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_para.plan.model import ModelDesc
+from lightning_para.spec.zero import chunk_rows
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ParamTensor:
     def shard_numel(self, shards: int) -> int:
         """Elements of the largest of ``shards`` row chunks (``ceil(rows / shards)`` rows): what the
         first data-parallel rank holds, and what each rank's bucket segment or FSDP2 shard occupies."""
-        return math.ceil(self.rows / shards) * (self.numel // self.rows if self.rows else 0)
+        return chunk_rows(self.rows, shards) * (self.numel // self.rows if self.rows else 0)
 
 
 def _split(size: int, parts: int) -> int:

@@ -5,12 +5,17 @@
 
 from pathlib import Path
 
-from lightning_para.recipes.data import ByteTokenizer, TextDataModule, check_vocab
-from lightning_para.recipes.gpt import GPT, GPTConfig
-from lightning_para.recipes.hf import HFCausalLM
-from lightning_para.recipes.litgpt import LitGPTCausalLM
-from lightning_para.recipes.moe import MoEGPT
-from lightning_para.recipes.tokens import TokenDataModule
+from lightning_para.spec.lazy import lazy_face
+
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".data": ("ByteTokenizer", "TextDataModule", "check_vocab"),
+    ".gpt": ("GPT", "GPTConfig"),
+    ".hf": ("HFCausalLM",),
+    ".litgpt": ("LitGPTCausalLM",),
+    ".moe": ("MoEGPT",),
+    ".tokens": ("TokenDataModule",),
+})
+__all__ += ["CONFIG_DIR", "config_names", "config_path"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -29,4 +34,3 @@ def config_path(name: str) -> Path:
     return path
 
 
-__all__ = ["ByteTokenizer", "CONFIG_DIR", "GPT", "GPTConfig", "HFCausalLM", "LitGPTCausalLM", "MoEGPT", "TextDataModule", "TokenDataModule", "check_vocab", "config_names", "config_path"]

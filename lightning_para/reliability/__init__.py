@@ -7,16 +7,10 @@
 Atomic checkpoints live with the checkpoint format, in :mod:`lightning_para.checkpoint.atomic`.
 """
 
-from lightning_para.reliability.integrity import IntegrityChecker, IntegrityError, replicated_state
-from lightning_para.reliability.resumable_data import ResumableDataLoader, ResumableSampler
-from lightning_para.reliability.watchdog import WATCHDOG_EXIT_CODE, Watchdog
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = [
-    "IntegrityChecker",
-    "IntegrityError",
-    "ResumableDataLoader",
-    "ResumableSampler",
-    "WATCHDOG_EXIT_CODE",
-    "Watchdog",
-    "replicated_state",
-]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".integrity": ("IntegrityChecker", "IntegrityError", "replicated_state"),
+    ".resumable_data": ("ResumableDataLoader", "ResumableSampler"),
+    ".watchdog": ("WATCHDOG_EXIT_CODE", "Watchdog"),
+})

@@ -43,13 +43,15 @@ from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import local_tensor
 from lightning_para.mesh import ParallelDims
+from lightning_para.spec.dims import DIM, DIMS
 
 INTEGRITY_ACTIONS = ("raise", "warn")
 _CHUNK = 1 << 24  # elements per checksum pass: bounds the temporary int64 copies to 128 MiB
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_GROUP_ORDER = ("dp", "edp", "dp_replicate", "cp", "tp")  # every rank gathers over its groups in this order
+# The groups a parameter may have replicas over, in the order every rank gathers over them (the dimension table's).
+_GROUP_ORDER = tuple(d.name for d in DIMS if d.replicas)
 # Mesh dims over which data parallelism (and context parallelism) may shard a DTensor parameter (FSDP2).
-_DATA_DIMS = {"dp", "dp_shard", "dp_shard_cp", "edp", "edp_cp", "dp_replicate", "cp"}
+_DATA_DIMS = {d.name for d in DIMS if d.data}
 
 
 class IntegrityError(RuntimeError):
@@ -101,21 +103,17 @@ def replica_groups(param: Tensor, dims: ParallelDims, *, fully_sharded: bool, is
     if not fully_sharded and not present & _DATA_DIMS:
         # ZeRO 0-2 keep whole parameters on every data-parallel and context-parallel rank; experts
         # only on the ranks that hold the same experts (edp, in every replica).
-        names += ["edp", "dp_replicate"] if is_expert and dims.ep > 1 else ["dp"]
+        names += [p for p in DIM["dp"].parts if p != "ep"] if is_expert and dims.ep > 1 else ["dp"]
         names.append("cp")
     if "tp" not in present:  # not split by tensor parallelism: whole on every tp rank
         names.append("tp")
-    return [n for n in dict.fromkeys(names) if _group_size(dims, n) > 1]
-
-
-def _group_size(dims: ParallelDims, name: str) -> int:
-    return {"dp": dims.dp, "edp": dims.edp, "dp_replicate": dims.dp_replicate, "cp": dims.cp, "tp": dims.tp}[name]
+    return [n for n in dict.fromkeys(names) if dims.size(n) > 1]
 
 
 def _groups_to_gather(dims: ParallelDims) -> list[str]:
     """Decided by the layout alone, so every member of a group calls its all-gather (``edp`` is only
     needed, and only differs from ``dp``, with expert parallelism)."""
-    return [name for name in _GROUP_ORDER if _group_size(dims, name) > 1 and (name != "edp" or dims.ep > 1)]
+    return [name for name in _GROUP_ORDER if dims.size(name) > 1 and (name != "edp" or dims.ep > 1)]
 
 
 @dataclass

@@ -7,8 +7,10 @@ record). What it counts, and the planner's prediction beside it, are :mod:`light
 The command line is ``lightning-para dryrun``.
 """
 
-from lightning_para.simulate.rank import RankDryRun, dry_run_rank
-from lightning_para.simulate.step import causal_lm_step_loss, in_flight_microbatches
-from lightning_para.simulate.world import start_fake_world
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = ["RankDryRun", "causal_lm_step_loss", "dry_run_rank", "in_flight_microbatches", "start_fake_world"]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".rank": ("RankDryRun", "dry_run_rank"),
+    ".step": ("causal_lm_step_loss", "in_flight_microbatches"),
+    ".world": ("start_fake_world",),
+})

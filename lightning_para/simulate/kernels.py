@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.overrides import TorchFunctionMode
 
+from lightning_para.spec.plugins import load_plugins
+
 
 class _MetaFlashAttention(torch.autograd.Function):
     """Causal attention with the saved-tensor profile of a GPU flash kernel on grouped-query heads:
@@ -150,6 +152,7 @@ def _meta_answer(func):  # noqa: ANN001, ANN202
     ):
         frame = frame.f_back
     caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+    load_plugins()
     for answer in _META_ANSWERS:
         value = answer(func, caller)
         if value is not None:

@@ -29,7 +29,7 @@
 5. Modelled: the CUDA caching allocator's reserved peak (``MeasuredMemory.reserved``, and
    ``reserved_expandable`` with ``expandable_segments``): the step's storages are recorded in the order they
    are allocated and freed, with the stream current at each, and replayed as steady-state steps through
-   :mod:`lightning_para.plan.allocator`.
+   :mod:`lightning_para.simulate.allocator`.
 
 The planner's prediction for the same pipeline rank sits beside each figure
 (:func:`~lightning_para.plan.cost.estimate`: ``resident`` states, ``memory.activations``).
@@ -80,11 +80,13 @@ from lightning_para.instrument.collectives import CollectiveCounter, dry_run_lab
 from lightning_para.instrument.compare import Comparison, memory_comparisons, predicted_rank
 from lightning_para.instrument.live_bytes import LiveBytes, local_shard, storage_key
 from lightning_para.instrument.records import CommFigure
-from lightning_para.memory import MeasuredMemory, PredictedMemory, measure_states
+from lightning_para.memory import measure_states
+from lightning_para.spec.dims import COORDINATES
+from lightning_para.spec.memory import MeasuredMemory, PredictedMemory
 from lightning_para.moe import balanced_routing
 from lightning_para.parallel.tensor import step_mixed_groups_per_tensor
 from lightning_para.parallelize import parallelize
-from lightning_para.plan.allocator import AllocationTrace, steady_state_peaks
+from lightning_para.simulate.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.model import ModelDesc
 from lightning_para.precision import ParaPrecision
@@ -200,7 +202,7 @@ def dry_run_rank(
     live, comm = LiveBytes(), CollectiveCounter(dry_run_labels(dims), time_collectives=False)
     live.exclude = {storage_key(local_shard(p)) for p in module.parameters()}
     live.exclude |= {storage_key(local_shard(q)) for g in optimizer.param_groups for q in g["params"]}
-    # The step's allocations in order, for the caching allocator's reserved peak (`plan.allocator`); the weights and
+    # The step's allocations in order, for the caching allocator's reserved peak (`simulate.allocator`); the weights and
     # masters exist before it.
     states = {storage_key(local_shard(t)): local_shard(t).untyped_storage().nbytes() for t in
               [*module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]}
@@ -246,7 +248,7 @@ def dry_run_rank(
     ).reserved) if run_step else None for expand in (False, True)]
     measured = MeasuredMemory(float(params), float(grads), float(opt), float(activations), float(peak), *reserved)
     resident, step_peak, predicted_comm, layers = predicted_rank(model, config, dims, training, pp_rank, microbatches)
-    coords = {name: dims.local_rank(name) for name in ("pp", "dp", "cp", "tp", "ep") if getattr(dims, name) > 1}
+    coords = {name: dims.local_rank(name) for name in COORDINATES if getattr(dims, name) > 1}
     clock["total"] = time.perf_counter() - t0
     return RankDryRun(
         rank=rank, world_size=world_size, coordinates=coords, pipeline_rank=pp_rank, layers=layers,

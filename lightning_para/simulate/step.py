@@ -14,16 +14,16 @@ from torch import Tensor, nn
 from lightning_para.instrument.live_bytes import LiveBytes
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import moe_layers
-from lightning_para.parallel.pipeline import schedules
 from lightning_para.parallel.pipeline.contracts import StaticStageShapes
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step
 from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallelize import ParallelModel
+from lightning_para.spec import schedules
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, virtual_stages: int = 1) -> int:
     """Microbatches whose activations a pipeline rank holds at its peak (GPipe: all of them; 1F1B: ``pp - rank``):
-    the schedule's own :func:`~lightning_para.parallel.pipeline.schedules.in_flight_microbatches`, rounded up."""
+    the schedule's own :func:`~lightning_para.spec.schedules.in_flight_microbatches`, rounded up."""
     return math.ceil(schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, pp_rank))
 
 

@@ -77,13 +77,13 @@ def attention_parity_job(
     tile_bytes: Optional[int] = None,
 ) -> dict:
     if tile_bytes is not None:  # ring attention's score tiles, made small enough to split every chunk pair
-        from lightning_para.parallel.context import ring
+        from lightning_para.spec import tiles  # the one source the ring reads its tiles from
 
-        previous, ring.SCORE_TILE_BYTES = ring.SCORE_TILE_BYTES, tile_bytes
+        previous, tiles.SCORE_TILE_BYTES = tiles.SCORE_TILE_BYTES, tile_bytes
         try:
             return attention_parity_job(method, is_causal, load_balance, heads, kv_heads, seq, scale, layout, count)
         finally:
-            ring.SCORE_TILE_BYTES = previous
+            tiles.SCORE_TILE_BYTES = previous
     group = _cp_group(layout)
     cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, grad_out = _inputs(2, heads, kv_heads, seq, 8)
@@ -267,10 +267,10 @@ def test_cp2_matches_full_sdpa(pools, method, is_causal, load_balance, heads, kv
 
 @pytest.mark.parametrize("is_causal,load_balance,heads,kv_heads", [(True, True, 4, 4), (True, False, 4, 2), (False, True, 4, 2)])
 def test_cp2_ring_in_row_tiles_matches_full_sdpa(pools, is_causal, load_balance, heads, kv_heads):
-    """Ring attention computes each chunk pair's scores in tiles of query rows (`ring.SCORE_TILE_BYTES`): with
+    """Ring attention computes each chunk pair's scores in tiles of query rows (`spec.tiles.SCORE_TILE_BYTES`): with
     3-row tiles of 8-row chunks (32 tokens over cp=2, load-balanced; 16-row chunks contiguous) the diagonal's
     mask, the tiles' concatenation and the dK/dV sums over tiles still give full SDPA."""
-    from lightning_para.parallel.context.ring import score_tile_rows
+    from lightning_para.spec.tiles import score_tile_rows
 
     chunk = 32 // 2 // (2 if load_balance else 1)
     tile_bytes = 3 * 4 * 2 * heads * chunk  # three rows of [batch 2, heads, rows, chunk] fp32 scores

@@ -243,7 +243,8 @@ class _PhaseCounter(Callback):
 
 def planned_comm_bytes(world: int, per_rank_batch: int, **layout) -> dict[str, float]:
     """The planner's bytes per step and mesh dimension for the test GPT (fp32, one microbatch per step)."""
-    from lightning_para.plan import Cluster, Layout, Training, describe_module, estimate
+    from lightning_para.describe import describe_module
+    from lightning_para.plan import Cluster, Layout, Training, estimate
 
     lay = Layout(**layout)
     cluster = Cluster.of("h100", nodes=1, gpus_per_node=world)

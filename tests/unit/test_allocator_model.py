@@ -1,4 +1,4 @@
-"""The caching allocator model (``plan/allocator.py``, issue 23): its rules by hand, and the dry run's reserved
+"""The caching allocator model (``simulate/allocator.py``, issue 23): its rules by hand, and the dry run's reserved
 peak against what an H100 and an H200 reserved for the same ranks (``benchmarks/results/gpu_fake_world.md``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_para.plan.allocator import (
+from lightning_para.simulate.allocator import (
     LARGE_BUFFER,
     AllocationTrace,
     CachingAllocatorModel,

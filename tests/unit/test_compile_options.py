@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_para import ParaStrategy
 from lightning_para.config import ParallelConfig
-from lightning_para.parallel.compile import CompileWatch, apply_compile, compile_options
+from lightning_para.parallel.compile import CompileWatch, apply_compile
+from lightning_para.spec.options import compile_options
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.plan.cost import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP
 

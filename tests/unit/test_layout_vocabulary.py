@@ -16,14 +16,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_para import ParaStrategy
 from lightning_para.config import ParallelConfig
-from lightning_para.options import ACTIVATION_CHECKPOINTING, PRECISIONS, SCHEDULES, ZERO3_UNITS
+from lightning_para.spec.options import ACTIVATION_CHECKPOINTING, PRECISIONS, SCHEDULES, ZERO3_UNITS
 from lightning_para.parity import strategy_arguments
 from lightning_para.parity.run import world_of
-from lightning_para.plan import Cluster, Layout, Training, describe_module, estimate, preset
+from lightning_para.describe import describe_module
+from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.auto_layout import RunSetting, batch_shape, plan_layout, run_training_of, search_space
 from lightning_para.plan.cost import layout_problems
 from lightning_para.plan.layout import NOT_LAYOUT_ARGUMENTS
-from lightning_para.plan.run import LAYOUT_ALIASES, LAYOUT_KEYS, parse_layout
+from lightning_para.run_plan import LAYOUT_ALIASES, LAYOUT_KEYS, parse_layout
 from lightning_para.recipes import GPT
 
 CPU = torch.device("cpu")

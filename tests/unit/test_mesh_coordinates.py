@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_para.mesh import FLATTENED_DIMS, MESH_DIM_NAMES, ParallelDims
+from lightning_para.mesh import ParallelDims
+from lightning_para.spec.dims import FLATTENED as FLATTENED_DIMS
+from lightning_para.spec.dims import MESH_DIMS as MESH_DIM_NAMES
 
 
 def _expected(dims: ParallelDims, name: str, rank: int) -> int:

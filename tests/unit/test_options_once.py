@@ -1,6 +1,6 @@
 """The layout's options are declared once (issue 38 item 3, issue 35's thin adapters).
 
-``lightning_para.options.LAYOUT_OPTIONS`` gives ParallelConfig's fields, the planner's Layout fields,
+``lightning_para.spec.options.LAYOUT_OPTIONS`` gives ParallelConfig's fields, the planner's Layout fields,
 the ``--layout`` keys and the Args text of both front ends; both front ends take one ``__init__``
 (``core/front_end.ParaFrontEnd``), which LightningCLI reads. No process group here."""
 
@@ -18,7 +18,7 @@ import lightning_para
 from lightning_para.config import ParallelConfig
 from lightning_para.core.front_end import FRONT_END_ARGUMENTS, ParaFrontEnd
 from lightning_para.fabric import ParaStrategy as FabricParaStrategy
-from lightning_para.options import (
+from lightning_para.spec.options import (
     LAYOUT_OPTIONS,
     LAYOUT_RULES,
     OPTIONS,
@@ -31,7 +31,7 @@ from lightning_para.options import (
 from lightning_para.plan import Cluster, Layout, Training, preset
 from lightning_para.plan.cost import layout_problems
 from lightning_para.plan.layout import PLANNER_FIELDS
-from lightning_para.plan.run import parse_layout
+from lightning_para.run_plan import parse_layout
 
 FRONT_ENDS = [lightning_para.ParaStrategy, FabricParaStrategy]
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

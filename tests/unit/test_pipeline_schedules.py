@@ -15,16 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_para import ParallelConfig, PipelineSpec
-from lightning_para.options import SCHEDULES as PIPELINE_SCHEDULES
+from lightning_para.spec.options import SCHEDULES as PIPELINE_SCHEDULES
 from lightning_para.parallel.pipeline.spec import PipelineStageModule, named_layers_of, pipeline_spec_of
-from lightning_para.parallel.pipeline.split import apply_pipeline_parallel, balanced_split, explicit_split
+from lightning_para.parallel.pipeline.split import apply_pipeline_parallel
+from lightning_para.spec.split import balanced_split, explicit_split
 from lightning_para.instrument.saved_activations import SavedActivationMeter
-from lightning_para.parallel.pipeline.schedules import (
-    expected_bubble,
-    schedule_action_order,
-    stage_to_rank,
-    validate_pipeline_config,
-)
+from lightning_para.parallel.pipeline.schedules import schedule_action_order, validate_pipeline_config
+from lightning_para.spec.schedules import expected_bubble, stage_to_rank
 from tests.distributed.pp_models import TinyTokenModel
 
 # (schedule, virtual_stages) for every registered name

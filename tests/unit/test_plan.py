@@ -15,6 +15,7 @@ import torch
 import yaml
 from torch import nn
 
+from lightning_para.describe import describe_module
 from lightning_para.plan import (
     Cluster,
     Layout,
@@ -22,13 +23,13 @@ from lightning_para.plan import (
     SearchSpace,
     Training,
     bubble_fraction,
-    describe_module,
     estimate,
     layer_activation_bytes,
     preset,
     search,
 )
-from lightning_para.plan.pipeline import in_flight_microbatches, pipeline_ranks, unit_split
+from lightning_para.plan.pipeline import pipeline_ranks, unit_split
+from lightning_para.spec.schedules import in_flight_microbatches
 from tests.harness import run_code
 from lightning_para.plan.tensors import embedding_tensors, head_tensors, layer_tensors, total_numel
 
@@ -611,7 +612,7 @@ def test_ring_attention_score_tiles_are_priced_as_the_ring_computes_them():
     in eager code (not for Ulysses, nor for Megatron's profile) with the ring's own tile rule. The dry run of
     Llama 3 405B at 131K, cp=16: the last rank's peak +33.6% before the ring worked in place and in tiles and the
     planner priced them, +2.9% after."""
-    from lightning_para.parallel.context.ring import score_tile_rows
+    from lightning_para.spec.tiles import score_tile_rows
     model = preset("llama3-8b").with_changes(layers=4)
     cluster = Cluster.of("h100", nodes=1)
     training = Training(seq_len=65536, global_batch=4, micro_batch=1, precision="bf16-true")

@@ -18,7 +18,7 @@ import pytest
 from lightning_para.parallel.pipeline.schedules import schedule_action_order
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.plan.model import ModelDesc
-from lightning_para.parallel.pipeline.schedules import compute_order
+from lightning_para.spec.schedules import compute_order
 from lightning_para.plan.pipeline import held_activations_peak, lazy_gradient_peak, pipeline_ranks
 from tests.harness import run_code
 

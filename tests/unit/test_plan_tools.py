@@ -17,12 +17,13 @@ from lightning_para.config import ParallelConfig
 from lightning_para.observe.timeline import PipelineEvent, replayed_idle_fraction, with_median_cpu
 from lightning_para.parallel.pipeline.schedules import schedule_action_order
 from lightning_para.parity import RunRecord, compare_records, strategy_arguments, tolerances
-from lightning_para.plan import Cluster, Layout, Training, bubble_fraction, describe_module, estimate, preset
+from lightning_para.describe import describe_module
+from lightning_para.plan import Cluster, Layout, Training, bubble_fraction, estimate, preset
 from lightning_para.auto_layout import auto_configure, choose, run_training_of, search_space
 from lightning_para.instrument.compare import Comparison, PredictionCheck
 from lightning_para.plan.cost import layout_problems, resolve_batch
 from lightning_para.plan.model import default_pipeline_units
-from lightning_para.plan.run import parse_layout, run_training
+from lightning_para.run_plan import parse_layout, run_training
 from lightning_para.recipes import GPT, MoEGPT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -329,7 +330,7 @@ def test_auto_configure_checks_the_schedule_and_splits_the_model_once_per_priced
     config = ParallelConfig(layout="auto", layout_memory_gb=1.0)
     searched_schedules = len(search_space(config, _meta(GPT), describe_module(_meta(GPT)), 4).schedules)
 
-    calls = {"check_schedule": 0, "unit_split": 0}
+    calls = {"check_planned": 0, "unit_split": 0}
     priced: list = []
 
     def counting(name, real):
@@ -344,8 +345,8 @@ def test_auto_configure_checks_the_schedule_and_splits_the_model_once_per_priced
         priced.append(layout)
         return real_price(model, cluster, training, layout)
 
-    monkeypatch.setattr(pipeline, "check_schedule", counting("check_schedule", pipeline.check_schedule))
-    monkeypatch.setattr(search_module, "check_schedule", counting("check_schedule", search_module.check_schedule))
+    monkeypatch.setattr(pipeline, "check_planned", counting("check_planned", pipeline.check_planned))
+    monkeypatch.setattr(search_module, "check_planned", counting("check_planned", search_module.check_planned))
     monkeypatch.setattr(pipeline, "unit_split", counting("unit_split", pipeline.unit_split))
     monkeypatch.setattr(search_module, "price_layout", counting_price)
     auto_configure(config, _meta(GPT), SimpleNamespace(seq_len=64, global_batch_size=16), world_size=4,
@@ -353,5 +354,5 @@ def test_auto_configure_checks_the_schedule_and_splits_the_model_once_per_priced
     pipelined = sum(layout.pp > 1 for layout in priced)
     assert pipelined > 0, "the search should price some pipeline layouts of a model with configure_pipeline()"
     # The search space checks each schedule it may try once; then each priced pipeline layout checks its own once.
-    assert calls["check_schedule"] == searched_schedules + pipelined
+    assert calls["check_planned"] == searched_schedules + pipelined
     assert calls["unit_split"] == pipelined

@@ -165,7 +165,7 @@ def test_torchtitan_benchmarks(run: Run) -> None:
 def test_torchtitan_8b_reserved_memory_by_the_dry_run(run: Run) -> None:
     """torchtitan's memory column is the caching allocator's peak reserved memory. The dry run of the same layout
     (rank 0, ParaStrategy's code in torchtitan's precision and loss) replays its step's allocations through
-    ``plan.allocator`` (within +0.2% to +2.2% of what an H100/H200 reserved: tests/unit/test_allocator_model.py):
+    ``simulate.allocator`` (within +0.2% to +2.2% of what an H100/H200 reserved: tests/unit/test_allocator_model.py):
     the issue's tolerance, 10%, against the published figure."""
     assert (run.training.seq_len, run.training.micro_batch, run.training.precision) == (8192, 2, "bf16-true")
     proc = run_code(ALLOCATOR_DRY_RUN, str(run.gpus), str(preset(run.model).layers), "1", timeout=900)

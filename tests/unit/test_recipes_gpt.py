@@ -9,7 +9,7 @@ from torch import nn
 from lightning_para.parallel.pipeline.spec import PipelineStageModule
 from lightning_para.parallel.tensor.validate import check_plan
 from lightning_para.parallel.tensor.plan import resolve_plan
-from lightning_para.plan.describe import describe_module
+from lightning_para.describe import describe_module
 from lightning_para.recipes.gpt import GPT, PRESETS, GPTConfig, apply_rope
 
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_para import PipelineSpec
 from lightning_para.parallel.pipeline.spec import named_layers_of
-from lightning_para.parallel.pipeline.split import balanced_split
+from lightning_para.spec.split import balanced_split
 from lightning_para.recipes.gpt import GPT
 
 

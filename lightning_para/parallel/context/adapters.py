@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_para.parallel.context.sharding import ContextParallelShard, unshard_sequence
+from lightning_para.spec.plugins import load_plugins
 
 __all__ = [
     "ContextParallelAdapter",
@@ -108,4 +109,5 @@ def register_context_parallel_adapter(adapter: ContextParallelAdapter) -> None:
 
 def context_parallel_adapters() -> tuple[ContextParallelAdapter, ...]:
     """The registered adapters, in registration order."""
+    load_plugins()
     return tuple(_ADAPTERS.values())

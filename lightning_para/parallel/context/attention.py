@@ -28,10 +28,12 @@ from lightning_para.parallel.context.documents import check_document_ids, docume
 from lightning_para.parallel.context.ring import ring_attention
 from lightning_para.parallel.context.sharding import unshard_sequence
 from lightning_para.parallel.context.ulysses import ulysses_attention
+from lightning_para.spec.options import CP_METHODS as _NAMES
 
 __all__ = ["CP_METHODS", "ContextParallelSDPA", "context_parallel_attention", "context_parallel_sdpa"]
 
-CP_METHODS: dict[str, Callable[..., torch.Tensor]] = {"ring": ring_attention, "all_to_all": ulysses_attention}
+# The methods by their declared names (lightning_para.spec.options.CP_METHODS).
+CP_METHODS: dict[str, Callable[..., torch.Tensor]] = dict(zip(_NAMES, (ring_attention, ulysses_attention)))
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_SIGNATURE = inspect.Signature(

@@ -33,9 +33,9 @@ from lightning_para.parallel.context._checks import (
     check_global_document_ids, check_key_valid, check_qkv, cp_rank_and_size, default_scale,
 )
 from lightning_para.parallel.context.sharding import chunk_ids_for_rank
-from lightning_para.parallel.context.tiles import SCORE_TILE_BYTES, score_tile_rows
+from lightning_para.spec.tiles import score_tile_rows
 
-__all__ = ["SCORE_TILE_BYTES", "ring_attention", "score_tile_rows"]
+__all__ = ["ring_attention"]
 
 # Distinct tags keep K, V, dK and dV messages between the same two peers apart (for c = 2 the
 # next and previous rank coincide, and a backward step has K/V and dK/dV exchanges in flight).

@@ -69,6 +69,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_para._dtensor import local_tensor, parameter_owners
+from lightning_para.spec.options import ZERO3_UNITS
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -77,7 +78,6 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-ZERO3_UNITS = ("auto", "blocks", "blocks_and_ends")
 
 # One `fully_shard` call: a module, or several modules that share one all-gather and one
 # reduce-scatter (FSDP2's grouped modules, `fully_shard([a, b])`).

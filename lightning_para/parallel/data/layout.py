@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
 from lightning_para._dtensor import local_tensor
+from lightning_para.spec.zero import chunk_rows, row_range
 
 
 @dataclass
@@ -46,9 +47,8 @@ class ParamSlot:
         local = self.local
         self.rows = local.shape[0] if local.dim() > 0 else 1
         self.row_numel = local.numel() // self.rows if self.rows else 0
-        self.chunk_rows = math.ceil(self.rows / self.world) if self.sharded else self.rows
-        self.start_row = min(self.rank * self.chunk_rows, self.rows) if self.sharded else 0
-        self.end_row = min(self.start_row + self.chunk_rows, self.rows)
+        self.chunk_rows = chunk_rows(self.rows, self.world) if self.sharded else self.rows
+        self.start_row, self.end_row = row_range(self.rows, self.world, self.rank) if self.sharded else (0, self.rows)
 
     @property
     def local(self) -> Tensor:

@@ -3,27 +3,11 @@
 The result is a typed :class:`MemoryBreakdown` (``ParaStrategy.memory_breakdown()`` returns it; the
 data-parallel implementation builds it, since the formulas are data parallelism's).
 
-With psi parameters on a rank before data parallelism (after TP/PP/EP split them), ``p`` and
-``g`` bytes per parameter and gradient element, ``K`` optimizer bytes per parameter (fp32
-master included) and ``N`` data-parallel ranks (Rajbhandari et al. 2020, Sec. 5):
-
-=====  ====================  ===========================  ======================
-stage  params                grads                        optimizer
-=====  ====================  ===========================  ======================
-0      p psi                 g psi                        K psi
-1      p psi                 g psi                        K psi / N
-2      p psi                 g psi / N                    K psi / N
-3      p psi / N             g psi / N                    K psi / N
-=====  ====================  ===========================  ======================
-
-With bf16 weights and Adam (p = g = 2, K = 12) the totals are the paper's
-16, 4 + 12/N, 2 + 14/N and 16/N bytes/param. Under ZeRO-3, FSDP2 keeps the sharded weights in
-fp32 (they *are* the master copy), so p = g = 4, K = 8: still 16/N. Expert parameters use
-``N = edp`` (they are replicated over fewer ranks).
-
-``N`` counts the ranks that *shard* the state: ``dp_shard x cp`` (context-parallel ranks hold
-the same parameters, so ZeRO shards over them too). Under hybrid sharding the ``dp_replicate``
-replicas each hold a full set of shards, so ``N = dp_shard x cp``, not ``dp x cp``.
+The formulas are the ZeRO paper's (:mod:`lightning_para.spec.zero`, the one written form): with psi parameters on a
+rank before data parallelism (after TP/PP/EP split them), ``p`` and ``g`` bytes per parameter and gradient element,
+``K`` optimizer bytes per parameter (fp32 master included) and ``N`` ranks that *shard* the state (``dp_shard x cp``;
+experts ``edp x cp``). Under ZeRO-3, FSDP2 keeps the sharded weights in fp32 (they *are* the master copy), so
+p = g = 4, K = 8: still 16/N.
 
 Measured bytes count each storage once: a ZeRO-1/2 fp32 master is a view of its parameter's
 rows and is not counted twice.
@@ -37,7 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_para.memory import MeasuredMemory, PredictedMemory, measure_states
+from lightning_para.memory import measure_states
+from lightning_para.spec.memory import MeasuredMemory, PredictedMemory
+from lightning_para.spec.zero import zero_state_bytes
 
 # Optimizer state tensors per parameter element, by optimizer class (for the expected bytes).
 _STATES_PER_ELEMENT = {
@@ -134,15 +120,10 @@ def expected(
     grad_bytes: int,
     optimizer_bytes: int,
 ) -> PredictedMemory:
-    """The ZeRO formula per category for this rank (see module docstring)."""
-
-    def shard(psi: int, n: int, sharded: bool) -> float:
-        return psi / n if sharded else float(psi)
-
-    out = {}
-    for key, per, from_stage in (("params", param_bytes, 3), ("grads", grad_bytes, 2), ("optimizer", optimizer_bytes, 1)):
-        out[key] = per * (shard(psi_dense, dp, stage >= from_stage) + shard(psi_expert, edp, stage >= from_stage))
-    return PredictedMemory(**out)
+    """The ZeRO formula per category for this rank (:func:`~lightning_para.spec.zero.zero_state_bytes`)."""
+    parts = [zero_state_bytes(psi, zero=stage, shards=n, weight_bytes=param_bytes, grad_bytes=grad_bytes,
+                              optimizer_bytes=optimizer_bytes) for psi, n in ((psi_dense, dp), (psi_expert, edp))]
+    return PredictedMemory(*(dense + expert for dense, expert in zip(*parts)))
 
 
 def formula(stage: int, n: int) -> str:

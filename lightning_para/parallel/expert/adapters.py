@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_para.parallel.expert.dispatch import AllToAllDispatcher
+from lightning_para.spec.plugins import load_plugins
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ def register_expert_adapter(adapter: ExpertAdapter) -> None:
 
 def expert_adapters() -> tuple[ExpertAdapter, ...]:
     """The registered adapters, in registration order."""
+    load_plugins()
     return tuple(_ADAPTERS.values())
 
 

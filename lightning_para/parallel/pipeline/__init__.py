@@ -2,9 +2,11 @@
 Lightning steps (:mod:`.runner`), torch's schedules (:mod:`.schedules`) and measurement
 (:mod:`.measure`)."""
 
-from lightning_para.parallel.pipeline.measure import PipelineEvent, PipelineStats, PipelineStepStats
-from lightning_para.parallel.pipeline.runner import PipelineRunner
-from lightning_para.parallel.pipeline.spec import PipelineSpec
-from lightning_para.parallel.pipeline.split import apply_pipeline_parallel
+from lightning_para.spec.lazy import lazy_face
 
-__all__ = ["PipelineEvent", "PipelineRunner", "PipelineStats", "PipelineStepStats", "PipelineSpec", "apply_pipeline_parallel"]
+__getattr__, __dir__, __all__ = lazy_face(__name__, {
+    ".measure": ("PipelineEvent", "PipelineStats", "PipelineStepStats"),
+    ".runner": ("PipelineRunner",),
+    ".spec": ("PipelineSpec",),
+    ".split": ("apply_pipeline_parallel",),
+})

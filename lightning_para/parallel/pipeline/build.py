@@ -13,7 +13,8 @@ from torch.distributed.pipelining.schedules import (  # private: see docs/archit
     _wait_batch_p2p,
 )
 
-from lightning_para.parallel.pipeline.schedules import schedule_info, stage_to_rank
+from lightning_para.parallel.pipeline.schedules import TORCH_SCHEDULES
+from lightning_para.spec.schedules import schedule_info, stage_to_rank
 
 
 class ScheduleForwardOnly(PipelineScheduleMulti):
@@ -63,9 +64,8 @@ def build_schedule(
     if loss_fn is None:
         pp = stages[0].group_size
         return ScheduleForwardOnly(stages, microbatches, stage_to_rank(schedule, pp, len(stages)))
-    if info.multi_stage:
-        return info.torch_class(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-    return info.torch_class(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    torch_class = TORCH_SCHEDULES[schedule]
+    return torch_class(stages if info.multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 __all__ = ["ScheduleForwardOnly", "build_schedule"]

@@ -41,7 +41,7 @@ from lightning_para.parallel.pipeline.build import build_schedule
 from lightning_para.parallel.pipeline.contracts import GradientSync, StaticStageShapes
 from lightning_para.parallel.pipeline.checkpoint import keep_own_stages, merge_param_group_names
 from lightning_para.parallel.pipeline.losses import mean_loss, share_from_last, share_train_losses, stages_aux_loss
-from lightning_para.parallel.pipeline.schedules import expected_bubble
+from lightning_para.spec.schedules import expected_bubble
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule
 from lightning_para.parallel.tensor.loss import loss_parallel_backward, loss_parallel_step
 

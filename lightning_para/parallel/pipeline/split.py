@@ -12,7 +12,7 @@ The returned :class:`~lightning_para.parallel.pipeline.runner.PipelineRunner` th
 Lightning step through torch's schedule. The modules of this package:
 
 * ``spec``: the contract (``PipelineSpec``) and the module holding one stage;
-* ``split`` (here): the split, keeping only this rank's stages; ``split_math``: where the stages start (pure);
+* ``split`` (here): the split, keeping only this rank's stages; ``spec/split.py``: where the stages start (pure);
 * ``runner``: Lightning steps through the schedule, losses, gradients, stats;
 * ``schedules``: the schedule registry, validation, action orders, bubble formulas (a leaf);
 * ``measure``: per-action clocks and saved-activation bytes.
@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_para._dtensor import parameter_owners
 from lightning_para.parallel.pipeline.runner import PipelineRunner
-from lightning_para.parallel.pipeline.schedules import stage_to_rank
-from lightning_para.parallel.pipeline.split_math import balanced_split, explicit_split
+from lightning_para.spec.schedules import stage_to_rank
+from lightning_para.spec.split import balanced_split, explicit_split
 from lightning_para.parallel.pipeline.spec import PipelineSpec, PipelineStageModule, named_layers_of, pipeline_spec_of
 
 

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from lightning_para.spec.plugins import load_plugins
+
 
 @dataclass(frozen=True)
 class TensorParallelAdapter:
@@ -56,6 +58,7 @@ def register_tensor_parallel_adapter(adapter: TensorParallelAdapter) -> None:
 
 def tensor_parallel_adapter(module: nn.Module) -> Optional[TensorParallelAdapter]:
     """The registered adapter that claims ``module``, if any."""
+    load_plugins()
     for adapter in _ADAPTERS.values():
         if adapter.claims(module):
             return adapter

@@ -4,16 +4,18 @@
 
 * :class:`~lightning_para.config.ParallelConfig`'s fields (names, types, defaults) and its checks;
 * the planner's :class:`~lightning_para.plan.layout.Layout`'s fields (the options it prices, under the same
-  names; a few with a planner's own type or default, named in ``plan/layout.py``) and its checks;
-* the ``--layout`` parser's keys and value checks (:func:`~lightning_para.plan.run.parse_layout`);
+  names; a few with a planner's own type or default, named in ``plan/layout.py``) and its checks, and the values
+  the search tries (:class:`~lightning_para.plan.search.SearchSpace`, checked here);
+* the ``--layout`` parser's keys and value checks (:func:`~lightning_para.run_plan.parse_layout`);
 * the ``Args`` section of both front ends' ``ParaStrategy`` (:func:`arguments_doc`). Their ``__init__``
-  (``core/arguments.py``) spells the same arguments out, because LightningCLI, ``help()`` and IDEs read an
+  (``core/front_end.py``) spells the same arguments out, because LightningCLI, ``help()`` and IDEs read an
   explicit signature; ``tests/unit/test_options_once.py`` holds it to this declaration.
 
 The rules that involve several options (:data:`RULES`) are written once too: ``ParallelConfig`` raises
 on them, ``Layout`` on the ones without which it is no layout, and the planner lists the others as the
-reasons it excludes a layout (:func:`rule_problems`). A leaf of the ``config`` layer: it imports only the
-dimension registries that own their names.
+reasons it excludes a layout (:func:`rule_problems`). The values each option takes are declared here, and the
+dimensions that implement them read them from here (``parallel/``: recomputation modes, cp methods, ZeRO-3 units,
+fp8 recipes, torch.compile's keys). Part of the spec layer: it imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -24,37 +26,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
-from lightning_para.mesh import expert_degree_problem
-from lightning_para.parallel.activation_checkpoint import MODES as _AC_MODES
-from lightning_para.parallel.compile import compile_options
-from lightning_para.parallel.context.attention import CP_METHODS as _CP_ATTENTION
-from lightning_para.parallel.data.fsdp import ZERO3_UNITS
-from lightning_para.parallel.fp8 import FP8_RECIPES as _FP8
-from lightning_para.parallel.pipeline.schedules import PIPELINE_SCHEDULES, schedule_info
+from lightning_para.spec.dims import divisors
+from lightning_para.spec.schedules import PLANNED_SCHEDULES, SCHEDULES, schedule_info
 
 # Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-# ``activation_checkpointing`` (the planner's "recomputation"): none, per-op selective (save every matmul,
-# attention and collective output), torchtitan's per-op selective (``"selective_op"``: every second matmul
-# recomputed, see ``parallel/activation_checkpoint.py``), whole blocks.
-ACTIVATION_CHECKPOINTING = (None, *_AC_MODES)
-# Every pipeline schedule ParaStrategy runs (``parallel/pipeline/schedules.py`` is the registry).
-SCHEDULES = PIPELINE_SCHEDULES
-# The schedules whose bubble and in-flight activations the planner prices (``plan/pipeline.py``);
-# the others are valid layouts that the planner rejects with a reason.
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+# ``activation_checkpointing`` (the planner's "recomputation"): per-op selective (save every matmul, attention and
+# collective output), torchtitan's per-op selective (``"selective_op"``: every second matmul recomputed, see
+# ``parallel/activation_checkpoint.py``), whole blocks; or None.
+RECOMPUTE_MODES = ("selective", "selective_op", "full")
+ACTIVATION_CHECKPOINTING = (None, *RECOMPUTE_MODES)
 ZERO_STAGES = (0, 1, 2, 3)
 # How ZeRO accumulates gradients over several microbatches: "no_sync" (whole gradients, one reduction
 # per step), "reduce_each_step" (ZeRO-2/3: one reduce-scatter per Lightning micro-step), and
 # "reduce_each_microbatch" (ZeRO-2: also one per pipeline microbatch and stage, so a pipeline rank never
 # holds more than one stage's whole gradients: the Llama 3 paper's FSDP under pipelining).
 ZERO_ACCUMULATION = ("no_sync", "reduce_each_step", "reduce_each_microbatch")
-CP_METHODS = tuple(_CP_ATTENTION)  # "ring" (ring attention), "all_to_all" (DeepSpeed-Ulysses)
+CP_METHODS = ("ring", "all_to_all")  # ring attention (parallel/context/ring.py), DeepSpeed-Ulysses (ulysses.py)
 PIPELINE_BALANCE = ("params", "time")
 TP_UNPLANNED = ("error", "replicate")
-FP8_RECIPES = (None, *_FP8)  # torchao float8 training (parallel/fp8.py); None: off
-
-assert set(PLANNED_SCHEDULES) <= set(SCHEDULES), "the planner prices a schedule ParaStrategy does not run"
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 training (parallel/fp8.py); None: off
+# ZeRO-3's FSDP2 units (parallel/data/fsdp.py; the option's doc says what each groups).
+ZERO3_UNITS = ("auto", "blocks", "blocks_and_ends")
+# torch.compile's keyword arguments that compile=<dict> may give.
+COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
 
 Degree = Union[int, Literal["auto"]]
 Kind = Literal["degree", "flag", "choice", "zero", "number", "compile", "any"]
@@ -66,7 +61,7 @@ class Option:
 
     ``kind`` says how a value is checked (:func:`check_option`): ``"degree"`` a positive integer,
     ``"flag"`` a bool, ``"choice"`` one of ``choices``, ``"zero"`` a ZeRO stage, ``"number"`` a
-    positive number of ``unit``, ``"compile"`` :func:`~lightning_para.parallel.compile.compile_options`'
+    positive number of ``unit``, ``"compile"`` :func:`compile_options`'
     check, ``"any"`` unchecked here (checked where it is applied). ``also``: values taken besides
     (``"auto"``, ``None``). ``not_planned``: why the planner's ``Layout`` has no such field (empty: it has).
     """
@@ -144,7 +139,7 @@ LAYOUT_OPTIONS: tuple[Option, ...] = (
            " per step. ``\"blocks_and_ends\"`` (torchtitan's): the embedding and the head get a unit each, which"
            " holds less memory gathered and costs two more collectives per step. ``\"auto\"`` (default):"
            " ``\"blocks\"`` when the parameters outside the blocks are no more than the largest block's. The bytes"
-           " moved are the same (``docs/data_parallel.md``).", "choice", tuple(ZERO3_UNITS)),
+           " moved are the same (``docs/data_parallel.md``).", "choice", ZERO3_UNITS),
     Option("compile", Union[bool, Mapping[str, Any]], False, "``torch.compile`` each transformer block after TP/SP,"
            " CP and activation checkpointing, before data parallelism (``True``: inductor; a dict:"
            " ``torch.compile``'s keyword arguments, e.g. ``{\"backend\": \"aot_eager\"}``). Blocks of one class share"
@@ -153,7 +148,7 @@ LAYOUT_OPTIONS: tuple[Option, ...] = (
            " linears (not the head, not widths that are not multiples of 16; ``strategy.parallel_model.float8`` names"
            " them); ``pip install lightning-para[fp8]``. Emulated without float8 hardware. Under tp, torchao's float8"
            " tensor-parallel styles (``\"tensorwise\"`` only); under ZeRO-3 the weights are all-gathered in float8.",
-           "choice", FP8_RECIPES),
+           "choice", (None, *FP8_RECIPES)),
     Option("layout", Optional[str], None, "``\"auto\"``: at setup the planner (``lightning_para.plan``) picks every"
            " degree and option left at its default for this model, world size and device memory, logs the choice"
            " and the runner-up, and uses it; values you set are kept (``docs/planner.md``).", "choice", ("auto",),
@@ -165,11 +160,33 @@ LAYOUT_OPTIONS: tuple[Option, ...] = (
 OPTIONS: dict[str, Option] = {o.name: o for o in LAYOUT_OPTIONS}
 # The first arguments of ParaStrategy that may be given by position (the degrees and the ZeRO stage).
 POSITIONAL = ("dp", "tp", "pp", "ep", "zero")
+# The degrees ``dp="auto"`` resolves from the world size (``dp_shard`` is ``dp / dp_replicate``).
+WORLD_SIZED = ("dp", "dp_shard")
 
 
 
 def choices_text(values: Any) -> str:
     return ", ".join(repr(v) for v in values)
+
+
+def compile_options(value: Union[bool, Mapping[str, Any], None]) -> Optional[dict[str, Any]]:
+    """``compile=`` as ``torch.compile`` keyword arguments (``None``: no compile).
+
+    ``True`` is torch's defaults (inductor); a mapping is passed to ``torch.compile``. Raises
+    ``ValueError`` naming ``compile`` for another value or an unknown key.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(COMPILE_KEYS))
+        if unknown:
+            raise ValueError(
+                f"`compile={dict(value)!r}`: {unknown} are not torch.compile options. Use keys from {list(COMPILE_KEYS)}."
+            )
+        return dict(value)
+    raise ValueError(f"`compile={value!r}` must be True, False or a dict of torch.compile options ({list(COMPILE_KEYS)}).")
 
 
 def check_option(name: str, value: Any, also: Optional[tuple[Any, ...]] = None) -> None:
@@ -231,6 +248,25 @@ def data_parallel_factors_problem(dp: Any, dp_replicate: Optional[int], dp_shard
             choices = [d for d in range(1, dp + 1) if dp % d == 0]
             return f"`{name}={value}` must divide `dp={dp}`", f"Choose {name} in {choices}."
     return None
+
+
+def expert_degree_problem(ep: int, dp: Any, dp_replicate: Optional[int] = None, dp_shard: Optional[int] = None) -> Problem:
+    """``ep`` must divide the sharded part of ``dp``: expert parallelism splits the data-parallel ranks of one
+    replica (``dp="auto"``: checked once the world size resolves it)."""
+    if not isinstance(dp, int) or isinstance(dp, bool):
+        return None
+    replicas = dp_replicate if dp_replicate is not None else (dp // dp_shard if dp_shard else 1)
+    shard = dp // max(1, replicas)
+    if shard % ep == 0:
+        return None
+    if replicas == 1:
+        return (f"`ep={ep}` must divide `dp={dp}`",
+                f"expert parallelism splits the data-parallel ranks. Choose ep in {divisors(dp)} or a dp that is a"
+                f" multiple of {ep}.")
+    return (f"`ep={ep}` must divide `dp_shard={shard}`",
+            f"expert parallelism splits the data-parallel ranks of one replica (hybrid sharding replicates whole"
+            f" replicas over dp_replicate={replicas}). Choose ep in {divisors(shard)} or a dp_shard that is a multiple"
+            f" of {ep}.")
 
 
 def hybrid_sharding_problem(dp_replicate: Optional[int], zero: Any, layout: Optional[str] = None) -> Problem:
@@ -304,7 +340,7 @@ RuleFunction = Callable[..., Problem]
 # ``NOTE_RULES`` make an option idle (ParallelConfig warns).
 LAYOUT_RULES: tuple[RuleFunction, ...] = (data_parallel_factors_problem, hybrid_sharding_problem, zero_accumulation_problem)
 RUN_RULES: tuple[RuleFunction, ...] = (
-    expert_degree_problem,  # the degrees' own rule (mesh.py, which ParallelDims checks once "auto" is resolved)
+    expert_degree_problem,  # the degrees' own rule (ParallelDims checks it again once "auto" is resolved)
     context_recompute_problem, fp8_tensor_parallel_problem, pipeline_zero3_problem, pipeline_compile_problem,
 )
 NOTE_RULES: tuple[RuleFunction, ...] = (sequence_parallel_problem, zero3_units_problem)
@@ -339,11 +375,11 @@ def warn_rules(values: Mapping[str, Any]) -> None:
 
 
 __all__ = [
-    "LAYOUT_OPTIONS", "LAYOUT_RULES", "NOTE_RULES", "OPTIONS", "Option", "POSITIONAL",
-    "RULES", "RUN_RULES", "arguments_doc", "check_option", "check_rules", "choices_text", "rule_problems",
+    "LAYOUT_OPTIONS", "LAYOUT_RULES", "NOTE_RULES", "OPTIONS", "Option", "POSITIONAL", "WORLD_SIZED",
+    "RULES", "RUN_RULES", "arguments_doc", "check_option", "compile_options", "check_rules", "choices_text", "rule_problems",
     "warn_rules", "data_parallel_factors_problem", "expert_degree_problem", "hybrid_sharding_problem", "zero_accumulation_problem",
     "context_recompute_problem", "fp8_tensor_parallel_problem", "pipeline_zero3_problem", "pipeline_compile_problem",
     "sequence_parallel_problem", "zero3_units_problem",
     "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS",
-    "SCHEDULES", "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES",
+    "RECOMPUTE_MODES", "SCHEDULES", "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES", "COMPILE_KEYS",
 ]

@@ -1,6 +1,5 @@
-"""Where pipeline stages start: the split math, pure Python (no process group, no module), so the planner
-(``lightning_para.plan``) prices the same split :func:`~lightning_para.parallel.pipeline.split.apply_pipeline_parallel`
-applies, from this one source."""
+"""Where pipeline stages start: the split math, pure Python, so the planner prices the same split
+:func:`~lightning_para.parallel.pipeline.split.apply_pipeline_parallel` applies, from this one source."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Ring attention's score tiles, pure Python: how many query rows one tile of a chunk pair's fp32 scores holds. The
-ring (:mod:`.ring`) computes in these tiles and the planner (``lightning_para.plan``) prices two of them, from this one
+ring (``parallel/context/ring.py``) computes in these tiles and the planner (``lightning_para.plan``) prices two of them, from this one
 source."""
 
 from __future__ import annotations

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_para.config import ParallelConfig
-from lightning_para.options import OPTIONS, check_option
-from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
 from lightning_para.plan.layout import PLANNER_FIELDS, Layout
 from lightning_para.plan.model import ModelDesc
+from lightning_para.spec.options import OPTIONS, check_option
+
+if TYPE_CHECKING:  # read by duck typing: the command line's `--layout` parser loads no runtime
+    from lightning_para.config import ParallelConfig
+    from lightning_para.mesh import ParallelDims
 
 # Options whose declared default is a value but whose planner field takes None (bucket_size_mb: Megatron's rule).
 PLANNER_NONE = {name for name, (_, default) in PLANNER_FIELDS.items() if default is None}
@@ -40,7 +42,7 @@ def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
 
 # Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
 LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages", "bucket_mb": "bucket_size_mb"}
-# `--layout "tp=2,pp=2,zero=1"` keys -> the option (lightning_para.options) they set: Layout's fields, which are
+# `--layout "tp=2,pp=2,zero=1"` keys -> the option (lightning_para.spec.options) they set: Layout's fields, which are
 # ParaStrategy's argument names (tests/unit/test_layout_vocabulary.py), and the short aliases.
 LAYOUT_KEYS: dict[str, str] = {
     **{f.name: f.name for f in fields(Layout)}, **LAYOUT_ALIASES,
@@ -57,7 +59,7 @@ def parse_layout(text: str) -> dict[str, Any]:
     the aliases ``sp m v bucket_mb``. Booleans take ``1``/``0``/``true``/``false``; lists
     (``pipeline_split``) are written with ``:`` (``pipeline_split=0:3``); ``none`` is ``None`` where
     the argument may be ``None``. Each value is checked by its option's one check
-    (:func:`lightning_para.options.check_option`).
+    (:func:`lightning_para.spec.options.check_option`).
     """
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
