@@ -123,7 +123,7 @@ def worker_job(schedule: str, virtual: int, dim: int, layers: int, rows: int, st
 
 
 def summarize(name: str, virtual: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    from lightning_para.parallel.pipeline.schedules import expected_bubble
+    from lightning_para.spec.schedules import expected_bubble
 
     import statistics
 

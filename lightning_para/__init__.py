@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
 import sys
 from typing import Any
 
@@ -65,24 +64,21 @@ def _register(module: Any) -> None:
         registry.register(f"para_zero{stage}", build, description=f"lightning-para with ZeRO stage {stage}", zero=stage)
 
 
-class _RegisterAfter(importlib.abc.Loader):
-    """A registry module's loader that registers ``"para"`` once the module has run."""
+class _RegisterAfter:
+    """A registry module's loader (the one its finder gave) that registers ``"para"`` once the module has run."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # create_module, get_code, is_package, ...: the loader's
         return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
         _register(module)
 
 
-class _RegistryWatch(importlib.abc.MetaPathFinder):
+class _RegistryWatch:
     """Finds Lightning's registry modules as the other finders do, with a loader that registers after them."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:

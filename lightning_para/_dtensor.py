@@ -4,7 +4,6 @@
 * plain values out of a Lightning step's output;
 * placements that shard (``Shard`` and torch's ``_StridedShard``);
 * which modules own each parameter (tied parameters), walked once;
-* ``divisors``, for error messages that list the valid degrees;
 * ``scale_grad``: identity forward, scaled gradient (expert weights under expert parallelism).
 
 Nothing here imports another module of the package, so every module may import it.
@@ -110,13 +109,7 @@ def scale_grad(x: Tensor, scale: float) -> Tensor:
     return _ScaleGrad.apply(x, scale)
 
 
-def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n``, ascending (the valid degrees for a dimension of size ``n``)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 __all__ = [
-    "divisors",
     "full_tensor",
     "is_sharded_placement",
     "is_strided",

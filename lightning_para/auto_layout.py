@@ -44,7 +44,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.spec.options import OPTIONS, PLANNED_SCHEDULES, ZERO_ACCUMULATION, ZERO_STAGES
+from lightning_para.spec.options import OPTIONS, ZERO_ACCUMULATION, ZERO_STAGES
+from lightning_para.spec.schedules import PLANNED_SCHEDULES
 from lightning_para.parallel.tensor.plan import resolve_plan
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate

@@ -12,20 +12,10 @@ from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any, Optional, Protocol
 
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.pipeline.schedules import validate_pipeline_config
-from lightning_para.spec.options import (
-    ACTIVATION_CHECKPOINTING,
-    LAYOUT_OPTIONS,
-    PRECISIONS,
-    TP_UNPLANNED,
-    ZERO_STAGES,
-    check_option,
-    check_rules,
-    data_parallel_factors_problem,
-    warn_rules,
-)
+from lightning_para.spec.options import LAYOUT_OPTIONS, check_option, check_rules, data_parallel_factors_problem, warn_rules
+from lightning_para.spec.schedules import validate_pipeline_config
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "PRECISIONS", "ParallelConfig", "StrategyLayout", "TP_UNPLANNED", "ZERO_STAGES"]
+__all__ = ["ParallelConfig", "StrategyLayout"]
 
 
 class StrategyLayout(Protocol):

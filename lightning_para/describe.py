@@ -157,56 +157,10 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
     roots = list(_with_configs([module]))
     search = roots + list(_with_configs(first.modules()))
 
-    heads = _int_attr(search, HEADS)
-    if heads is None:
-        raise ValueError("Cannot find the number of attention heads (looked for " + ", ".join(HEADS) + ").")
-    head_dim = _int_attr(search, ("head_dim",)) or hidden // heads
-    kv_heads = _int_attr(search, KV_HEADS)
-    if kv_heads is None:
-        for linear_name, linear in _linears(first):
-            leaf = linear_name.rsplit(".", 1)[-1].lower()
-            if linear.in_features == hidden and leaf in FUSED_QKV:
-                kv_heads = (linear.out_features - heads * head_dim) // (2 * head_dim)
-                break
-            if linear.in_features == hidden and leaf in KEY_PROJ:
-                kv_heads = linear.out_features // head_dim
-                break
-    kv_heads = kv_heads or heads
-
+    heads, head_dim, kv_heads = _attention_heads(search, first, hidden)
     moe_flags = [_moe_part(block) is not None for block in blocks]
-    moe_kwargs: dict[str, Any] = {}
+    moe_kwargs = _moe_kwargs(blocks, moe_flags, roots, hidden) if any(moe_flags) else {}
     dense_block = blocks[moe_flags.index(False)] if False in moe_flags else None
-    if any(moe_flags):
-        moe_index = moe_flags.index(True)
-        moe = _moe_part(blocks[moe_index])
-        moe_search = list(_with_configs(moe.modules())) + roots  # type: ignore[union-attr]
-        num_experts = _int_attr(moe_search, EXPERTS)
-        if num_experts is None and isinstance(getattr(moe, "experts", None), nn.ModuleList):
-            num_experts = len(moe.experts)  # type: ignore[union-attr, arg-type]
-        top_k = _int_attr(moe_search, TOP_K)
-        if num_experts is None or top_k is None:
-            raise ValueError("Found an MoE layer but not its number of experts and top-k (looked for "
-                             + ", ".join(EXPERTS + TOP_K) + ").")
-        moe_ffn, _ = _expert_width(moe, hidden, num_experts)  # type: ignore[arg-type]
-        shared = next((getattr(moe, s) for s in SHARED if isinstance(getattr(moe, s, None), nn.Module)), None)
-        indices = [i for i, flag in enumerate(moe_flags) if flag]
-        every = indices[1] - indices[0] if len(indices) > 1 else 1
-        if indices[0] < every - 1 or indices != list(range(indices[0], len(blocks), every)):
-            warnings.warn(
-                f"describe_module: MoE layers {indices} do not follow `first_k_dense` + every `moe_every`-th layer;"
-                " the description approximates them.",
-                stacklevel=2,
-            )
-            every = min(every, indices[0] + 1)
-        moe_kwargs = {
-            "num_experts": num_experts, "top_k": top_k,
-            "moe_ffn": moe_ffn or _int_attr(moe_search, MOE_FFN),
-            "shared_expert_ffn": (_mlp_shape(shared, hidden, None)[0] or 0) if shared is not None else 0,
-            "moe_every": every, "first_k_dense": indices[0] - (every - 1),
-        }
-        capacity = getattr(moe, "capacity_factor", None)
-        if isinstance(capacity, (int, float)) and not isinstance(capacity, bool):
-            moe_kwargs["capacity_factor"] = float(capacity)
 
     ffn, gated = (None, None)
     if dense_block is not None:
@@ -241,6 +195,61 @@ def describe_module(module: nn.Module, *, name: Optional[str] = None) -> ModelDe
             stacklevel=2,
         )
     return desc
+
+
+def _attention_heads(search: list[Any], first: nn.Module, hidden: int) -> tuple[int, int, int]:
+    """``(heads, head_dim, kv_heads)`` from the configs' attributes, else (kv heads) from the key or fused q|k|v
+    projection's width."""
+    heads = _int_attr(search, HEADS)
+    if heads is None:
+        raise ValueError("Cannot find the number of attention heads (looked for " + ", ".join(HEADS) + ").")
+    head_dim = _int_attr(search, ("head_dim",)) or hidden // heads
+    kv_heads = _int_attr(search, KV_HEADS)
+    if kv_heads is None:
+        for linear_name, linear in _linears(first):
+            leaf = linear_name.rsplit(".", 1)[-1].lower()
+            if linear.in_features == hidden and leaf in FUSED_QKV:
+                kv_heads = (linear.out_features - heads * head_dim) // (2 * head_dim)
+                break
+            if linear.in_features == hidden and leaf in KEY_PROJ:
+                kv_heads = linear.out_features // head_dim
+                break
+    return heads, head_dim, kv_heads or heads
+
+
+def _moe_kwargs(blocks: nn.Module, moe_flags: list[bool], roots: list[Any], hidden: int) -> dict[str, Any]:
+    """:class:`ModelDesc`'s MoE fields from the first MoE block (experts, top-k, widths, capacity) and where the MoE
+    blocks are (``first_k_dense`` + every ``moe_every``-th)."""
+    moe = _moe_part(blocks[moe_flags.index(True)])
+    moe_search = list(_with_configs(moe.modules())) + roots  # type: ignore[union-attr]
+    num_experts = _int_attr(moe_search, EXPERTS)
+    if num_experts is None and isinstance(getattr(moe, "experts", None), nn.ModuleList):
+        num_experts = len(moe.experts)  # type: ignore[union-attr, arg-type]
+    top_k = _int_attr(moe_search, TOP_K)
+    if num_experts is None or top_k is None:
+        raise ValueError("Found an MoE layer but not its number of experts and top-k (looked for "
+                         + ", ".join(EXPERTS + TOP_K) + ").")
+    moe_ffn, _ = _expert_width(moe, hidden, num_experts)  # type: ignore[arg-type]
+    shared = next((getattr(moe, s) for s in SHARED if isinstance(getattr(moe, s, None), nn.Module)), None)
+    indices = [i for i, flag in enumerate(moe_flags) if flag]
+    every = indices[1] - indices[0] if len(indices) > 1 else 1
+    if indices[0] < every - 1 or indices != list(range(indices[0], len(blocks), every)):
+        warnings.warn(
+            f"describe_module: MoE layers {indices} do not follow `first_k_dense` + every `moe_every`-th layer;"
+            " the description approximates them.",
+            stacklevel=3,
+        )
+        every = min(every, indices[0] + 1)
+    kwargs = {
+        "num_experts": num_experts, "top_k": top_k,
+        "moe_ffn": moe_ffn or _int_attr(moe_search, MOE_FFN),
+        "shared_expert_ffn": (_mlp_shape(shared, hidden, None)[0] or 0) if shared is not None else 0,
+        "moe_every": every, "first_k_dense": indices[0] - (every - 1),
+    }
+    capacity = getattr(moe, "capacity_factor", None)
+    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool):
+        kwargs["capacity_factor"] = float(capacity)
+    return kwargs
 
 
 def _pipeline_units(

@@ -57,7 +57,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.config import PRECISIONS
+from lightning_para.spec.options import PRECISIONS
 from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.scaler import ParaGradScaler

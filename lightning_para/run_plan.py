@@ -9,7 +9,7 @@ This module translates between the two, so that
 * ``ParaStrategy(layout="auto")`` can turn the planner's choice into a config
   (:meth:`ParallelConfig.with_layout`, through :meth:`Layout.strategy_kwargs`: the one mapping);
 * the profiler and ``lightning-para plan --validate`` can ask the planner about *this* run
-  (:func:`layout_from_config`, :func:`run_training`) and compare;
+  (:meth:`Layout.from_config`, :func:`run_training`) and compare;
 * ``--layout`` strings are read the one way (:func:`parse_layout`).
 
 The local machine's figures (a :class:`Cluster` of this machine) are measured, not modelled:
@@ -34,11 +34,6 @@ if TYPE_CHECKING:  # read by duck typing: the command line's `--layout` parser l
 
 # Options whose declared default is a value but whose planner field takes None (bucket_size_mb: Megatron's rule).
 PLANNER_NONE = {name for name, (_, default) in PLANNER_FIELDS.items() if default is None}
-
-def layout_from_config(config: ParallelConfig, dims: ParallelDims) -> Layout:
-    """The planner's :class:`Layout` of a resolved ParaStrategy configuration (:meth:`Layout.from_config`)."""
-    return Layout.from_config(config, dims)
-
 
 # Short names accepted by `--layout` beside every Layout field (= every ParaStrategy layout argument).
 LAYOUT_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "v": "virtual_stages", "bucket_mb": "bucket_size_mb"}
@@ -103,11 +98,6 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def layout_arguments(layout: Layout) -> dict[str, Any]:
-    """ParaStrategy arguments of a planner :class:`Layout` (:meth:`Layout.strategy_kwargs`)."""
-    return layout.strategy_kwargs()
-
-
 def strategy_overrides(arguments: dict[str, Any]) -> list[str]:
     """``--trainer.strategy.KEY VALUE`` command-line overrides for LightningCLI."""
     out = []
@@ -158,11 +148,10 @@ def predict_run(
     model: ModelDesc, config: ParallelConfig, dims: ParallelDims, training: Training, cluster: Cluster
 ) -> Estimate:
     """The planner's prediction for a ParaStrategy run (raises ``ValueError`` if it cannot price it)."""
-    return estimate(model, cluster, training, layout_from_config(config, dims))
+    return estimate(model, cluster, training, Layout.from_config(config, dims))
 
 
 __all__ = [
-    "LAYOUT_ALIASES", "LAYOUT_KEYS", "layout_arguments",
-    "layout_from_config", "optimizer_kind", "parse_layout", "predict_run", "run_training",
+    "LAYOUT_ALIASES", "LAYOUT_KEYS", "optimizer_kind", "parse_layout", "predict_run", "run_training",
     "strategy_overrides",
 ]

@@ -48,7 +48,7 @@ from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIO
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.presets import PRESETS
 from lightning_para.plan.search import SearchSpace, search
-from lightning_para.run_plan import layout_arguments, parse_layout, strategy_overrides
+from lightning_para.run_plan import parse_layout, strategy_overrides
 from lightning_para.spec.options import ACTIVATION_CHECKPOINTING, ZERO_STAGES
 
 # A config's model, this machine's figures and a validation run need torch, Lightning and the runtime: each is
@@ -296,7 +296,7 @@ def run(argv: list[str]) -> int:
         if args.layout:
             arguments = {"dp": "auto", **parse_layout(args.layout)}
         elif result.best is not None:
-            arguments = layout_arguments(result.best.layout)
+            arguments = result.best.layout.strategy_kwargs()
         else:
             raise PlanError("No layout fits, so there is nothing to validate; give `--layout`.")
         check = validate(args.config, arguments, gpus, args.steps)

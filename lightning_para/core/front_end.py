@@ -243,13 +243,5 @@ class ParaFrontEnd:
         as a :class:`~lightning_para.parallel.pipeline.PipelineStats` record."""
         return self.core.pipeline_stats()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("para", cls, description="lightning-para: ZeRO/TP/PP/EP on one DeviceMesh")
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"para_zero{stage}", cls, description=f"lightning-para with ZeRO stage {stage}", zero=stage
-            )
-
 
 __all__ = ["FRONT_END_ARGUMENTS", "ParaFrontEnd"]

@@ -14,7 +14,7 @@ from lightning.fabric.plugins import Precision as FabricPrecision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_para.config import PRECISIONS
+from lightning_para.spec.options import PRECISIONS
 from lightning_para.precision import ParaPrecision
 
 

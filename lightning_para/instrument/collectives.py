@@ -64,25 +64,27 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def group_labels(mesh: Any) -> dict[str, str]:
-    """Process-group name -> mesh dimension name.
+def group_labels(mesh: Any, planner: bool = False) -> dict[str, str]:
+    """Process-group name -> dimension name, in the dimension table's priority (a group two names share takes the
+    plainer); the groups of one rank after the others (their collectives, e.g. ZeRO over dp=1, move nothing).
 
-    ``mesh`` is a :class:`~lightning_para.mesh.ParallelDims` (preferred: it keeps the flattened
-    ``dp`` mesh itself, which torch asks callers to do instead of slicing it from the root) or a
-    ``DeviceMesh`` with named dims.
+    ``mesh`` is a :class:`~lightning_para.mesh.ParallelDims` (preferred: it keeps the flattened ``dp`` mesh itself,
+    which torch asks callers to do instead of slicing it from the root) or a ``DeviceMesh`` with named dims.
+    ``planner``: the planner's names (the dry run's record: ``dp_shard_cp`` / ``edp_cp`` are its ``dp`` / ``edp``,
+    :func:`~lightning_para.spec.dims.planner_label`), groups of one rank left out.
     """
     labels: dict[str, str] = {}
     if mesh is not None:
         sub_mesh = getattr(mesh, "get_mesh", None) or mesh.__getitem__
         subs = []
-        for dim in DIM:  # in the table's order, its labels' priority: a shared group takes the plainer name
+        for dim in DIM:
             try:
-                subs.append((dim, sub_mesh(dim)))
+                subs.append((planner_label(dim) if planner else dim, sub_mesh(dim)))
             except (KeyError, RuntimeError, ValueError):
                 continue
-        # Real groups first; then size-1 dims, whose collectives (e.g. ZeRO over dp=1) move nothing.
-        for dim, sub in sorted(subs, key=lambda item: item[1].size() <= 1):
-            labels.setdefault(sub.get_group().group_name, dim)
+        for label, sub in sorted(subs, key=lambda item: item[1].size() <= 1):
+            if label and (not planner or sub.size() > 1):
+                labels.setdefault(sub.get_group().group_name, label)
     if dist.is_initialized():
         labels.setdefault(dist.group.WORLD.group_name, "world")
     return labels
@@ -113,25 +115,6 @@ def classify(op: str, args: tuple) -> Optional[tuple[str, int]]:
     if op in ("broadcast", "send", "recv", "recv_any_source", "reduce", "scatter", "gather"):
         return ("recv" if op.startswith("recv") else op), _nbytes(args[0])
     return op, _nbytes(args[0]) if args else 0
-
-
-def dry_run_labels(dims: Any) -> dict[str, str]:
-    """Process-group name -> the planner's dimension name, for a :class:`~lightning_para.mesh.ParallelDims`
-    (groups of one rank left out; ``dp_shard_cp`` / ``edp_cp`` named ``dp`` / ``edp``, as the planner prices them:
-    :func:`~lightning_para.spec.dims.planner_label`)."""
-    names: dict[str, str] = {}
-    for name in DIM:
-        if not planner_label(name):
-            continue
-        try:
-            mesh = dims.get_mesh(name)
-        except (KeyError, RuntimeError, ValueError):
-            continue
-        if mesh.size() > 1:
-            names.setdefault(mesh.get_group().group_name, planner_label(name))
-    if dist.is_initialized():
-        names.setdefault(dist.group.WORLD.group_name, "world")
-    return names
 
 
 # c10d ops (what torch.distributed's calls reach through the dispatcher) and functional collectives (DTensor)

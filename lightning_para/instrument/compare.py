@@ -50,8 +50,9 @@ from lightning_para.spec.memory import MeasuredMemory, PredictedMemory
 from lightning_para.mesh import ParallelDims
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.cost import Estimate, estimate
+from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
-from lightning_para.run_plan import layout_from_config
+from lightning_para.plan.render import grid
 from lightning_para.spec.dims import DIM, PRICED
 
 MEMORY_PARTS = ("params", "grads", "optimizer")
@@ -196,12 +197,9 @@ class PredictionCheck:
                 values = [f"{row.predicted / MIB:.3f} MiB", f"{row.measured / MIB:.3f} MiB", f"{row.ratio:.4f}"]
             verdict = "" if row.tolerance is None else ("ok" if row.ok else f"OFF (tolerance {row.tolerance:g})")
             lines.append([str(row.rank), f"{row.kind} {row.name}", *values, verdict])
-        widths = [max(len(x) for x in column) for column in zip(header, *lines, strict=True)]
-        text = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *lines]]
-        text.insert(1, "  ".join("-" * w for w in widths))
         worst = ", ".join(f"{kind} {value:.2%}" if kind not in IDLE_KINDS else f"{kind} {value:.3f}"
                           for kind, value in self.worst().items())
-        return f"{self.label}: predicted vs measured (worst: {worst})\n" + "\n".join(text)
+        return f"{self.label}: predicted vs measured (worst: {worst})\n" + grid(header, lines)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: the layout, every comparison and the worst errors."""
@@ -289,7 +287,7 @@ def predicted_rank(
     the same microbatches; the data-parallel ones are per step on both sides, but the gradient reductions of
     ZeRO-2's "reduce_each_microbatch" under a pipeline, which are per microbatch too."""
     cluster = Cluster.of("h100", nodes=max(1, dims.world_size // 8), gpus_per_node=min(8, dims.world_size))
-    layout = layout_from_config(config, dims)
+    layout = Layout.from_config(config, dims)
     est = estimate(model, cluster, training, layout)
     rank = est.ranks[pp_rank]
     microbatches = training.global_batch // (training.micro_batch * dims.dp)

@@ -38,6 +38,7 @@ from lightning_para.describe import describe_module
 from lightning_para.plan.model import ModelDesc
 from lightning_para.calibrate.machine import local_cluster
 from lightning_para.run_plan import optimizer_kind, predict_run, run_training
+from lightning_para.spec.dims import DIM
 
 
 def describe_for_prediction(module: nn.Module) -> tuple[Optional[ModelDesc], Optional[str]]:
@@ -131,9 +132,7 @@ def check_run(
                     comm={} if accumulation > 1 else m.comm)
             for m in measured
         ]
-    sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep, "edp": dims.edp, "cp": dims.cp,
-             "dp_replicate": dims.dp_replicate}
-    return compare(estimate, measured, sizes)
+    return compare(estimate, measured, {name: dims.size(name) for name in DIM})
 
 
 __all__ = ["check_run", "describe_for_prediction", "measure_rank"]

@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_para.spec.options import PRECISIONS
+from lightning_para.spec.options import PRECISIONS, choices_text
 from lightning_para.plan.gemm import MEASURED_GEMMS, MEASURED_PEAK_FLOPS, Gemm, GemmModel, gpu_gemm_model
 
 OPTIMIZERS = ("adam", "sgd")
@@ -55,10 +55,6 @@ _PRECISION_BYTES = {
 assert set(_PRECISION_BYTES) == set(PRECISIONS), "the planner must price every precision ParaStrategy has"
 
 
-def _choices(values: Any) -> str:
-    return ", ".join(repr(v) for v in values)
-
-
 def _check_positive(name: str, value: Any, integer: bool = False) -> None:
     bad_type = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
     if bad_type or not value > 0:
@@ -68,14 +64,8 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 
 # Per-GPU figures: memory one process can allocate, dense bf16 peak FLOP/s, and one direction of
 # NVLink (intra) and of the GPU's network adapter (inter), in bytes/s. Vendor datasheets (H100/H800/A100 SXM).
-# Memory: a "80 GB" H100 is not 80e9 usable bytes. Measured (on the lent H100 80GB HBM3
-# SXM and H200, driver 580, torch CUDA): nvidia-smi totals 81,559 MiB (H100) and 143,771 MiB
-# (H200), the same NVML totals Modal publishes (thundergolfer.com/blog/nvidia-gpu-memory-capacity);
-# the driver reserves 480 / 616 MiB of them, so CUDA's total (`torch.cuda.mem_get_info`) is
-# 85,017,493,504 / 150,109,880,320 bytes, and after the CUDA context (651 MB) a process has
-# 84,366,524,416 / 149,458,911,232 bytes free: the presets' `memory_bytes`. (A process filled
-# 84.29e9 bytes in 256 MiB blocks on the H100.) The other presets keep their datasheet figures
-# (not measured here); `reserved_bytes` (`--reserved-memory`) is what a framework keeps beyond that.
+# Memory: what one process can allocate after the driver's reserve and the CUDA context, measured on the lent H100
+# and H200 (docs/planner.md, "Published runs"); the other presets keep their datasheet figures.
 # * h100: H100 SXM5 80 GB, 989 TFLOP/s dense BF16, NVLink 4 900 GB/s bidirectional (450 one
 #   way), one 400 Gb/s ConnectX-7 (50 GB/s) per GPU (NVIDIA H100 datasheet; DGX H100).
 # * h100-96gb: the 96 GB HBM2e H100 of Meta's Grand Teton hosts that torchtitan benchmarks on
@@ -85,13 +75,9 @@ def _check_positive(name: str, value: Any, integer: bool = False) -> None:
 # * b200: B200 192 GB HBM3e (HGX B200), 2.25 PFLOP/s dense BF16 (4.5 with sparsity), NVLink 5
 #   1.8 TB/s bidirectional (900 GB/s one way), ConnectX-7 400 Gb/s per GPU (NVIDIA DGX B200 datasheet).
 #
-# Element-wise bandwidth (`elementwise_bandwidth`, eager torch code's norms, casts, SwiGLU products, residual adds
-# and AdamW): measured on the lent machines (benchmarks/gpu_step_model.py): an RMS norm, a SwiGLU product
-# and a residual add on 16,384 x 4,096 bf16 tensors, forward and backward. H100 80GB HBM3 SXM: 2.545-2.559e12
-# bytes/s in three runs (76% of its 3.35 TB/s datasheet bandwidth); H200: 3.05e12 (64% of 4.8 TB/s). The other
-# presets keep the H100's fraction of their datasheet bandwidth (the H200 shows the fraction is not constant: read
-# them as +-20%): B200 8 TB/s, H800 3.35, A100 80 GB 2.04, A100 40 GB 1.56. The 96 GB HBM2e H100's bandwidth is
-# unpublished: it keeps the SXM's figure.
+# Element-wise bandwidth (`elementwise_bandwidth`: eager torch code's norms, casts, SwiGLU products, residual adds and
+# AdamW), measured on the lent H100 and H200 (benchmarks/gpu_step_model.py; docs/planner.md, "On a GPU"); the other
+# presets keep the H100's fraction of their datasheet bandwidth (read them as +-20%).
 _H100_ELEMENTWISE = 2.55e12
 _H200_ELEMENTWISE = 3.05e12
 _HBM_FRACTION = _H100_ELEMENTWISE / 3.35e12
@@ -113,17 +99,8 @@ GPU_SPECS: dict[str, dict[str, float]] = {
 }
 
 # What a multi-GPU run loses beyond one GPU's GEMMs and element-wise bytes, as a factor on the matmul rate
-# (`Cluster.at_scale_efficiency`). The planner used to price every published run with one matmul efficiency, 0.5, set across
-# all of them (docs/planner.md, "Published runs"); the GEMMs it stood for are measured: 0.79 of peak at those widths
-# and 16,384 rows on the lent H100 (the median below). The residual is the ratio, 0.5 / 0.79 = 0.63: the old
-# constant's calibration made explicit, not refitted. A measurement agrees with it: rank 0 of torchtitan's two 8B
-# FSDP layouts, run with real kernels and free collectives on the lent H200 (`benchmarks/gpu_fake_world.py`, titan_w8
-# and titan_w128: 1.789 and 1.771 s per step), against the same layouts' published 2.843 and 2.923 s per step
-# (16,384 tokens at 5,762 and 5,605 tokens/s per GPU): 0.63 and 0.61. What it holds, which the recorded data cannot
-# split: collectives' kernels sharing SMs and HBM with the overlapped compute, stragglers at every synchronization,
-# exposed communication the overlap model misses, and power-capped parts (torchtitan's 500 W H100s). The same factor
-# for every preset: nothing recorded tells them apart. With one GPU (world 1) it is not applied: the single-GPU
-# steps are the GEMMs and the bytes, measured within -15% to -2% (`tests/unit/test_gpu_measurements.py`).
+# (`Cluster.at_scale_efficiency`): the published runs' former single efficiency, 0.5, over the measured GEMM efficiency
+# it stood for; its derivation and the measurement that agrees with it: docs/planner.md, "Matmul efficiency by GPU".
 ISSUE_23_EFFICIENCY = 0.5
 MEASURED_LLAMA_GEMM_EFFICIENCY = statistics.median(
     g.flops / g.seconds / MEASURED_PEAK_FLOPS for g in MEASURED_GEMMS["h100"] if 16384 in (g.m, g.k))
@@ -255,7 +232,7 @@ class Cluster:
         :data:`AT_SCALE_EFFICIENCY`; any field can be overridden. ``efficiency=`` replaces the curve by that one
         figure (``lightning-para plan --efficiency``)."""
         if gpu not in GPU_SPECS:
-            raise ValueError(f"`gpu={gpu!r}` is unknown. Choose one of {_choices(GPU_SPECS)}, or build Cluster(...).")
+            raise ValueError(f"`gpu={gpu!r}` is unknown. Choose one of {choices_text(GPU_SPECS)}, or build Cluster(...).")
         specs = GPU_SPECS[gpu]
         curve: dict[str, Any] = {}
         if "efficiency" not in overrides:
@@ -332,13 +309,13 @@ class Training:
                 f"`accumulation={self.accumulation}` must divide `global_batch={self.global_batch}` (batches per step)."
             )
         if self.precision not in PRECISIONS:
-            raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {_choices(PRECISIONS)}.")
+            raise ValueError(f"`precision={self.precision!r}` is unknown. Choose one of {choices_text(PRECISIONS)}.")
         if self.activation_profile not in ACTIVATION_PROFILES:
             raise ValueError(
-                f"`activation_profile={self.activation_profile!r}` is unknown. Choose one of {_choices(ACTIVATION_PROFILES)}."
+                f"`activation_profile={self.activation_profile!r}` is unknown. Choose one of {choices_text(ACTIVATION_PROFILES)}."
             )
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {_choices(OPTIMIZERS)}.")
+            raise ValueError(f"`optimizer={self.optimizer!r}` is unknown. Choose one of {choices_text(OPTIMIZERS)}.")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:  # type: ignore[operator]
             raise ValueError(f"`micro_batch={self.micro_batch}` must divide `global_batch={self.global_batch}`.")
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_para.plan.cluster import Cluster
-from lightning_para.plan.layout import Layout
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}  # others: n - 1
@@ -90,22 +89,23 @@ class Collective:
         return replace(self, exposed_seconds=max(0.0, min(seconds, self.seconds)))
 
 
-def crosses_nodes(layout: Layout, cluster: Cluster, dim: str) -> bool:
-    """Whether the ``dim`` group of ``layout`` spans more than one node."""
-    size, span = layout.group(dim)
+def crosses_nodes(group: tuple[int, int], cluster: Cluster) -> bool:
+    """Whether a group of ``(size, span)`` (:meth:`Layout.group <lightning_para.plan.layout.Layout.group>`) spans
+    more than one node."""
+    size, span = group
     return size > 1 and span > cluster.gpus_per_node
 
 
 def collective(
-    layout: Layout, cluster: Cluster, dim: str, op: str, what: str, payload: float, calls: float
+    group: tuple[int, int], cluster: Cluster, dim: str, op: str, what: str, payload: float, calls: float
 ) -> Collective:
-    """A :class:`Collective` with its alpha-beta time (``group_size`` from ``layout``)."""
+    """A :class:`Collective` over the ``dim`` group of ``(size, span)``, with its alpha-beta time."""
     if op not in OPS:
         raise ValueError(f"`op={op!r}` is unknown. Choose one of {', '.join(map(repr, OPS))}.")
-    n, _ = layout.group(dim)
+    n = group[0]
     if dim == "pp" or (dim == "cp" and op == "send_recv"):
         n = 2 if n > 1 else 1  # point-to-point: one neighbour
-    cross = crosses_nodes(layout, cluster, dim)
+    cross = crosses_nodes(group, cluster)
     bandwidth = cluster.inter_node_bw if cross else cluster.intra_node_bw
     latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
     item = Collective(dim, op, what, float(payload), float(calls), n, cross, 0.0)

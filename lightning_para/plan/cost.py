@@ -1,40 +1,13 @@
 """``estimate(model, cluster, training, layout)``: memory, communication, bubble and step time of one layout.
 
-Roofline step time, per pipeline rank ``r`` (every assumption written down; sources in
-:mod:`~lightning_para.plan.memory`, :mod:`~lightning_para.plan.comm` and
-:mod:`~lightning_para.plan.pipeline`):
-
-* **compute** per microbatch: ``6 N + 12 L (a d) s`` FLOPs per token (PaLM, Appendix B) for the
-  layers, output head and experts rank ``r`` holds, divided by tp (experts: by tp only with SP,
-  otherwise every tp rank runs them), times 4/3 with full recomputation (one more forward;
-  Korthikanti et al. 2022, Sec. 5) and plus the attention-score forward with selective
-  recomputation (none with FlashAttention, which already recomputes them), plus the forward of
-  the matmuls torchtitan's per-op policy recomputes (``"selective_op"``: k, o and one ``h x f``
-  matrix per layer, :func:`~lightning_para.plan.memory.selective_op_recompute_params`), at
-  ``peak_flops * efficiency``;
-* **tp and ep** collectives are on the critical path (not overlapped: the next matmul needs
-  their result), except SP's backward re-gather of saved inputs, which Megatron overlaps with
-  the weight-gradient matmul (Korthikanti et al. 2022, Sec. 4.2.2);
-* **cp** ring exchanges overlap the blockwise attention; only what exceeds it is exposed;
-* **pp** sends are exposed (one activation or gradient per chunk boundary and microbatch);
-* the **bubble** stretches the busiest rank's time: ``M t_mb / (1 - bubble)``;
-* **dp** gradient reduction (all ZeRO stages) overlaps the backward of the last microbatch
-  except its last bucket (see :func:`bucket_bytes`); the weight all-gather after the optimizer
-  step (ZeRO-1/2) overlaps the next step's first forward except its first bucket (Megatron-LM's
-  ``--overlap-param-gather``); ZeRO-3 gathers overlap the compute of their phase (FSDP
-  prefetch), except the first layer's. This is what a well-overlapped engine reaches, and what
-  the published layouts were trained with. ParaStrategy today is less overlapped: its ZeRO-1
-  reduce-scatters after backward, a pipeline stage syncs after its schedule, and ZeRO-1/2
-  all-gather in the optimizer's step hook; its step takes up to those collectives' ``seconds``
-  longer (reported by the profiler's step-time comparison, which is not gated).
-
-``compile`` (and ``fp8`` with it) divide the compute time by torchtitan's measured speedups
-(:data:`COMPILE_SPEEDUP`, :data:`COMPILE_FP8_SPEEDUP`; sources in :mod:`~lightning_para.plan.rank`).
-
-Per-operator overhead (``Cluster.op_seconds``, 0 on the GPU presets, calibrated on CPU) adds
-``ops x op_seconds`` to each microbatch and to the optimizer step (:mod:`lightning_para.plan.overhead`).
-Not modelled: the optimizer step's arithmetic, stragglers, network
-contention between dimensions, dropped or imbalanced MoE tokens.
+Roofline step time: per pipeline rank, a microbatch's compute at the rank's matmul efficiency (and its non-matmul
+bytes over the element-wise bandwidth, for eager torch code) plus its exposed tp, ep, cp and pp communication; the
+bubble stretches the busiest rank's time, ``M t_mb / (1 - bubble)``; the data-parallel communication adds what it
+does not overlap (a well-overlapped engine's: the last bucket of the gradient reduction, the first of the weight
+gather, ZeRO-3's first layer). Every assumption, its source and what is not modelled: ``docs/planner.md``, "Step
+time and MFU (roofline)"; the memory and communication terms: "Memory per rank" and "Communication per step".
+``compile`` (and ``fp8`` with it) divide the compute time by torchtitan's measured speedups (:data:`COMPILE_SPEEDUP`,
+:data:`COMPILE_FP8_SPEEDUP`).
 """
 
 from __future__ import annotations
@@ -48,7 +21,7 @@ from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import pipeline_ranks
 from lightning_para.plan.rank import COMPILE_FP8_SPEEDUP, COMPILE_SPEEDUP, RankEstimate, price_rank
-from lightning_para.plan.rank_states import bucket_bytes
+from lightning_para.plan.shape import RankShape, bucket_bytes
 from lightning_para.spec.dims import PRICED
 from lightning_para.spec.memory import PredictedMemory
 from lightning_para.spec.options import RUN_RULES, rule_problems
@@ -137,7 +110,7 @@ class Estimate:
     def crosses_nodes(self) -> dict[str, bool]:
         """For each dimension of degree > 1: whether its group spans nodes."""
         dims = [d for d in PRICED if self.layout.group(d)[0] > 1 and (d != "edp" or self.model.is_moe)]
-        return {dim: crosses_nodes(self.layout, self.cluster, dim) for dim in dims}
+        return {dim: crosses_nodes(self.layout.group(dim), self.cluster) for dim in dims}
 
     def summary(self) -> str:
         m, unit = self.memory, memory_unit(self.memory.total)
@@ -308,7 +281,7 @@ def price_layout(model: ModelDesc, cluster: Cluster, training: Training, layout:
         key = (kinds, part.embedding, part.head, part.final_norm, part.last_stage, part.sends_forward,
                part.sends_backward, part.in_flight, chunks)
         if key not in priced:
-            priced[key] = price_rank(model, cluster, training, layout, part, per_step, flushes)
+            priced[key] = price_rank(RankShape(model, training, layout, part, per_step, flushes), cluster)
         ranks.append(replace(priced[key], pipeline_rank=part.rank))
     bubble = expected_bubble(layout.schedule, layout.pp, flush, layout.virtual_stages) or 0.0
     pipeline_seconds = per_step * max(r.microbatch_seconds for r in ranks) / (1.0 - bubble)

@@ -27,33 +27,10 @@ from lightning_para.spec.options import (
 # The layout options a Layout holds with the planner's own type and default (the rest: the declaration's).
 # The planner prices resolved layouts: whole degrees, a bool for loss parallel and compile (a dict of
 # torch.compile options is ``True`` here), ``dp_shard`` derived from ``dp / dp_replicate``, the split as a
-# tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.rank_states.bucket_bytes`).
+# tuple, and ``bucket_size_mb=None`` for Megatron-LM's rule (:func:`~lightning_para.plan.shape.bucket_bytes`).
 PLANNER_FIELDS: dict[str, tuple[Any, Any]] = {
     **{name: (int, 1) for name in DEGREES}, "loss_parallel": (bool, True), "compile": (bool, False),
     "pipeline_split": (Optional[tuple[int, ...]], None), "bucket_size_mb": (Optional[float], None),
-}
-# ParaStrategy's arguments that are not part of a layout, and why: the layout options the planner does not
-# price (the declaration says why) and the front ends' own arguments. With Layout's fields they are all of
-# ParaStrategy.__init__'s arguments (tests/unit/test_layout_vocabulary.py checks it).
-NOT_LAYOUT_ARGUMENTS: dict[str, str] = {
-    **{o.name: o.not_planned for o in LAYOUT_OPTIONS if o.not_planned},
-    "precision": "the planner's Training.precision (priced there)",
-    "save_distributed_checkpoint": "checkpoint format",
-    "process_group_backend": "process group set-up",
-    "timeout": "process group set-up",
-    "integrity_check_every_n_steps": "reliability checks",
-    "integrity_action": "reliability checks",
-    "watchdog_timeout": "reliability checks",
-    "check_finite": "reliability checks (the non-finite stop, reliability/step_guard.py)",
-    "on_sigterm": "reliability checks (preemption, reliability/step_guard.py)",
-    "run_id": "checkpoint identity (which run a resume continues, checkpoint/run.py)",
-    "straggler": "reliability checks (a slow rank named, reliability/straggler.py)",
-    "spike_guard": "reliability checks (loss spikes skipped or clipped, reliability/spike_guard.py)",
-    "accelerator": "Lightning plumbing",
-    "parallel_devices": "Lightning plumbing",
-    "cluster_environment": "Lightning plumbing",
-    "checkpoint_io": "Lightning plumbing",
-    "precision_plugin": "Lightning plumbing (see precision)",
 }
 # Options the search does not vary: :class:`~lightning_para.plan.search.SearchSpace` takes them
 # from its ``options`` layout (``layout="auto"``: the user's config), so a chosen layout keeps them.
@@ -83,25 +60,12 @@ class Layout(_LayoutOptions):
 
     Every field is the ParaStrategy argument of the same name and meaning, documented once in
     :data:`lightning_para.spec.options.LAYOUT_OPTIONS` (:meth:`strategy_kwargs` and :meth:`from_config` are
-    the one mapping each way; the ParaStrategy arguments that are no part of a layout are
-    :data:`NOT_LAYOUT_ARGUMENTS`; :data:`PLANNER_FIELDS` the fields with the planner's own type or default).
-    What the planner makes of them:
-
-    * ``ep`` must divide ``dp_shard``; ``cp_method="all_to_all"`` needs heads divisible by ``cp x tp``:
-      checked against the model by :func:`~lightning_para.plan.cost.layout_problems`, with ParaStrategy's
-      rules (:data:`lightning_para.spec.options.RUN_RULES`).
-    * ``dp_shard`` defaults to ``dp / dp_replicate``; ZeRO shards over it and all-reduces over ``dp_replicate``.
-    * ``cp_load_balance``: priced as balanced either way (the planner does not model the causal imbalance).
-    * ``sp_save_input_shard`` and ``loss_parallel``: priced as ``True``.
-    * ``schedule``: the planner prices ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble`` and ``zbv``.
-    * ``microbatches``: microbatches per pipeline flush (``None``: all microbatches of the step in one
-      flush; otherwise the rest is gradient accumulation). Ignored without a pipeline.
-    * ``pipeline_split``: indices into the pipeline contract's entries; ``pipeline_balance``: the planner
-      splits by parameters either way.
-    * ``compile``: a step-time factor (:data:`~lightning_para.plan.cost.COMPILE_SPEEDUP`); ``fp8`` with it
-      :data:`~lightning_para.plan.cost.COMPILE_FP8_SPEEDUP`, without it eager (no memory change).
-    * ``bucket_size_mb``: ``None`` is Megatron-LM's rule, which the YAML then suggests. It changes the
-      number of calls, not the bytes.
+    the one mapping each way; :data:`PLANNER_FIELDS` the fields with the planner's own type or default; the other
+    ParaStrategy arguments are the options the planner does not price, each saying why, and the front ends' own).
+    What the planner makes of each (priced, carried, or priced as the default): ``docs/planner.md``, "Layout and mesh
+    order"; the model-dependent checks (heads divide ``tp``, experts divide ``ep``, ...) are
+    :func:`~lightning_para.plan.cost.layout_problems`'s, with ParaStrategy's rules
+    (:data:`lightning_para.spec.options.RUN_RULES`).
     """
 
     def __post_init__(self) -> None:

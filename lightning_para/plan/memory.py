@@ -1,21 +1,12 @@
-"""Bytes per rank: activations (Megatron-LM's per-layer formulas); the model states' are ZeRO's
+"""Bytes per rank: activations (Megatron-LM's per-layer formulas, Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Sec. 4); the model states' are ZeRO's
 (:func:`lightning_para.spec.zero.zero_state_bytes`).
 
-Activations of one transformer layer for one microbatch (Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models", Sec. 4, 16-bit activations, ``s``
-sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``t`` tensor parallel):
-
-* no parallelism: ``sbh (34 + 5 a s / h)`` (Eq. 1);
-* tensor parallel: ``sbh (10 + 24/t + 5 a s / (h t))`` (Eq. 2);
-* tensor + sequence parallel: ``sbh (34/t + 5 a s / (h t))`` (Eq. 4);
-* selective recomputation drops the ``5 a s / h`` term (Sec. 5, Eq. 6);
-* full recomputation keeps the layer input, ``2 sbh`` (Table 2; ``2 sbh / t`` with SP, whose
-  input is sequence-sharded);
-* torchtitan's per-op selective recomputation (``"selective_op"``) keeps what its policy saves
-  (:func:`selective_op_layer_bytes`).
-
-:func:`layer_activation_bytes` derives those coefficients term by term, so they also follow
-GQA, gated MLPs, MoE layers, models without dropout and FlashAttention (see its docstring).
+:func:`layer_activation_bytes` derives the paper's coefficients (``sbh (34 + 5 a s / h)`` without parallelism, its
+Eq. 2 and 4 under tp and SP, Eq. 6 under selective recomputation, the layer input under full recomputation) term by
+term, so they also follow GQA, gated MLPs, MoE layers, models without dropout, FlashAttention and torchtitan's per-op
+selective recomputation (:func:`selective_op_layer_bytes`). Each term, its source and the measurements behind it:
+``docs/planner.md``, "Memory per rank" and "Memory terms".
 """
 
 from __future__ import annotations
@@ -60,27 +51,7 @@ def layer_activation_bytes(
     SwiGLU (it keeps the gate/up output and the product). Under ``"selective"`` it keeps 3 (the
     matmul outputs gate, fc and the product's recomputation inputs; silu is recomputed).
 
-    Korthikanti et al. 2022, Sec. 4.1, term by term (``e`` bytes per element, 2 in the paper):
-
-    * kept whole under tp (sharded by SP): the inputs of the two norms, of the QKV projection
-      and of the MLP, ``4 e sbh``, plus two dropout masks ``2 sbh`` (1 byte each) -> ``10 sbh``;
-      an eager norm that upcasts (``ModelDesc.norm_upcast``, transformers') keeps ``4 sbh`` more each;
-    * sharded by tp: Q, K, V and the attention output, ``e sb (2 a d + 2 kv d)`` -> ``8 sbh`` for
-      MHA; the MLP's activation input and output, ``2 e sbf`` -> ``16 sbh`` for ``f = 4h``
-      (three tensors, ``3 e sbf``, for a fused SwiGLU: gate, up, and their product);
-    * attention scores: softmax output ``e as^2b``, its dropout mask ``as^2b`` and output
-      ``e as^2b`` -> ``5 as^2b`` (only the softmax without dropout; none with FlashAttention,
-      which keeps the fp32 row log-sum-exp ``4 asb`` instead);
-    * MoE layer (replacing the MLP; :class:`lightning_para.moe.MoE`): the router's fp32 copy of its
-      input ``4 sbh`` (routing in fp32, Switch Sec. 2.4; none when activations are fp32 already) and
-      its fp32 probabilities ``4 sbE``; per routed token copy (``top_k`` copies, times the capacity
-      factor) the expert's input, its output twice (the combine's scatter keeps it, and the
-      gate multiply keeps the scattered copy) ``3 e h`` and its hidden activations; the shared
-      experts' hidden activations. Experts are not tensor parallel: they see ``1/t`` of the tokens
-      with SP and all of them without. ``expert_parallel`` (``ep > 1``): the dispatcher's own
-      combine keeps the local experts' output once more, ``4 e h`` per copy. (What the dry
-      run measures of the MoE layer's saved tensors; docs/planner.md has the history.)
-
+    The terms, one by one, are the module docstring's ("Term by term").
     Context parallelism divides ``s`` by ``cp`` (each query block still scores all ``s`` keys).
     """
     if recompute not in ACTIVATION_CHECKPOINTING:
@@ -92,23 +63,17 @@ def layer_activation_bytes(
     sp_divisor = tp if sequence_parallel else 1
     if recompute == "full":
         return residual * s * b * h / sp_divisor
-    if recompute == "selective_op" and not moe_layer:
-        return selective_op_layer_bytes(
+    # SwiGLU ``c_proj(silu(gate(x)) * fc(x))`` keeps four ``f``-wide tensors: the gate's output (for
+    # silu), silu's output and fc's output (for the product), the product (for c_proj); GELU two
+    # (the dry run's saved tensors of the recipe block).
+    hidden_tensors = (swiglu_tensors if recompute is None else 3) if model.gated_mlp else 2
+    if recompute == "selective_op":  # an MoE layer's experts priced as under "selective" (see above)
+        attention_part = selective_op_layer_bytes(
             model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
-            flash_attention=flash_attention, activation_bytes=activation_bytes, input_bytes=residual,
+            flash_attention=flash_attention, activation_bytes=activation_bytes, mlp=not moe_layer, input_bytes=residual,
         )
-    dropout_masks = 2 * s * b * h if model.dropout else 0
-    # The norms' inputs (sharded by SP) and the q/k/v and MLP projections' inputs. Megatron-SP saves the
-    # latter's sequence shard and gathers again in backward (Korthikanti Sec. 4.2.2); plain DTensor SP
-    # saves them after the all-gather, whole (measured by the dry run's saved tensors).
-    # An eager norm that upcasts (transformers' RMSNorm) keeps an fp32 copy of its input besides (`norm_upcast`).
-    # Without recomputation both norm inputs are the residual stream; under "selective" the block's input is
-    # (the checkpoint's argument) and the second norm's input is recomputed, its place taken by an e-byte term.
-    norm_inputs = 2 * residual if recompute is None else residual + e
-    replicated = (norm_inputs + 2 * (4 if model.norm_upcast else 0)) * s * b * h + dropout_masks
-    gathered = 2 * e * s * b * h
-    if not (sequence_parallel and sp_saves_gathered_inputs):
-        replicated, gathered = replicated + gathered, 0.0
+        return attention_part + (_expert_bytes(model, s, b, e, hidden_tensors, 2, 0) / sp_divisor if moe_layer else 0.0)
+    replicated, gathered = _stream_bytes(model, s, b, e, residual, recompute, sequence_parallel and sp_saves_gathered_inputs)
     attention = e * s * b * (2 * model.q_dim + 2 * model.kv_dim)
     if flash_attention:
         scores = 4.0 * model.heads * s * b
@@ -117,33 +82,42 @@ def layer_activation_bytes(
     else:
         per_score = e + (1 + e if model.dropout else 0)
         scores = per_score * model.heads * s * seq_len * b
-    # SwiGLU ``c_proj(silu(gate(x)) * fc(x))`` keeps four ``f``-wide tensors: the gate's output (for
-    # silu), silu's output and fc's output (for the product), the product (for c_proj); GELU two
-    # (the dry run's saved tensors of the recipe block).
-    hidden_tensors = (swiglu_tensors if recompute is None else 3) if model.gated_mlp else 2
-    if recompute == "selective_op":  # an MoE layer: its experts priced as under "selective" (see above)
-        attention_part = selective_op_layer_bytes(
-            model, seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel, cp=cp,
-            flash_attention=flash_attention, activation_bytes=activation_bytes, mlp=False, input_bytes=residual,
-        )
-        moe_ffn = model.moe_ffn or model.ffn
-        copies = s * b * model.top_k * (model.capacity_factor or 1.0)
-        routed = copies * e * (2 * h + hidden_tensors * moe_ffn)
-        shared = e * s * b * hidden_tensors * model.shared_expert_ffn
-        return attention_part + (4.0 * s * b * model.num_experts + routed + shared) / sp_divisor
     if moe_layer:
-        moe_ffn = model.moe_ffn or model.ffn
-        copies = s * b * model.top_k * (model.capacity_factor or 1.0)
-        routed = copies * e * ((4 if expert_parallel else 3) * h + hidden_tensors * moe_ffn)
-        shared = e * s * b * hidden_tensors * model.shared_expert_ffn
-        router = 4.0 * s * b * (model.num_experts + (h if e < 4 else 0))
-        experts = (router + routed + shared) / sp_divisor
-        mlp_sharded = 0.0
+        experts = _expert_bytes(model, s, b, e, hidden_tensors, 4 if expert_parallel else 3, h if e < 4 else 0)
+        experts, mlp_sharded = experts / sp_divisor, 0.0
     else:
-        experts = 0.0
-        mlp_sharded = e * s * b * hidden_tensors * model.ffn
+        experts, mlp_sharded = 0.0, e * s * b * hidden_tensors * model.ffn
     tp_sharded = attention + mlp_sharded + scores
     return replicated / sp_divisor + gathered + tp_sharded / tp + experts
+
+
+def _stream_bytes(model: ModelDesc, s: float, b: int, e: int, residual: int, recompute: Optional[str],
+                  gathered_inputs: bool) -> tuple[float, float]:
+    """``(kept whole under tp, kept after SP's all-gather)``: the norms' inputs (sharded by SP) and the q/k/v and MLP
+    projections' inputs. Megatron-SP saves the latter's sequence shard and gathers again in backward (Korthikanti
+    Sec. 4.2.2); plain DTensor SP (``gathered_inputs``) saves them after the all-gather, whole (measured by the dry
+    run's saved tensors). An eager norm that upcasts (transformers' RMSNorm) keeps an fp32 copy of its input besides
+    (`norm_upcast`). Without recomputation both norm inputs are the residual stream; under "selective" the block's
+    input is (the checkpoint's argument) and the second norm's input is recomputed, its place taken by an e-byte
+    term."""
+    h = model.hidden
+    dropout_masks = 2 * s * b * h if model.dropout else 0
+    norm_inputs = 2 * residual if recompute is None else residual + e
+    replicated = (norm_inputs + 2 * (4 if model.norm_upcast else 0)) * s * b * h + dropout_masks
+    gathered = 2 * e * s * b * h
+    return (replicated, gathered) if gathered_inputs else (replicated + gathered, 0.0)
+
+
+def _expert_bytes(model: ModelDesc, s: float, b: int, e: int, hidden_tensors: int, per_copy: int,
+                  router_input: float) -> float:
+    """An MoE layer's experts (before SP's division): per routed token copy ``per_copy`` ``e h``-byte tensors (the
+    expert's input and its output, kept again by the combine) and its hidden activations; the shared experts'; the
+    router's fp32 probabilities and ``router_input`` (its fp32 copy of the input: ``h``, or none)."""
+    moe_ffn = model.moe_ffn or model.ffn
+    copies = s * b * model.top_k * (model.capacity_factor or 1.0)
+    routed = copies * e * (per_copy * model.hidden + hidden_tensors * moe_ffn)
+    shared = e * s * b * hidden_tensors * model.shared_expert_ffn
+    return 4.0 * s * b * (model.num_experts + router_input) + routed + shared
 
 
 def selective_op_layer_bytes(

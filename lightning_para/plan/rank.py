@@ -1,9 +1,8 @@
 """One pipeline rank's price: its compute, its non-matmul traffic and the collectives of every dimension with their
-overlap (the per-rank half of :func:`~lightning_para.plan.cost.estimate`); its memory is :mod:`.rank_memory`'s.
+overlap (the per-rank half of :func:`~lightning_para.plan.cost.estimate`); its memory is :mod:`.rank_memory`'s. Every
+term reads one :class:`~lightning_para.plan.shape.RankShape`, resolved once per rank.
 
-The assumptions are listed in :mod:`lightning_para.plan.cost`; the formulas' sources in
-:mod:`~lightning_para.plan.memory` and :mod:`~lightning_para.plan.comm`; the measurements behind the terms in
-``docs/planner.md``.
+The assumptions, the formulas' sources and the measurements behind the terms: ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from dataclasses import dataclass
 
 from lightning_para.plan.cluster import Cluster, Training
 from lightning_para.plan.comm import Collective, collective, per_call_seconds
-from lightning_para.plan.layout import Layout
 from lightning_para.plan.gemm import model_gemms
+from lightning_para.plan.layout import Layout
 from lightning_para.plan.memory import layer_activation_bytes, selective_op_recompute_params
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.overhead import (
@@ -24,17 +23,10 @@ from lightning_para.plan.overhead import (
     optimizer_dtensor_ops,
     optimizer_ops,
 )
-from lightning_para.spec.memory import PredictedMemory
-from lightning_para.plan.pipeline import RankLayers
-from lightning_para.plan.rank_memory import activation_kwargs, head_bytes, peak_memory
-from lightning_para.plan.rank_states import (
-    bucket_bytes,
-    rank_params,
-    rank_tensors,
-    resident_states,
-    zero3_ends,
-)
+from lightning_para.plan.rank_memory import head_bytes, peak_memory
+from lightning_para.plan.shape import RankShape, activation_kwargs, bucket_bytes, resident_states, zero3_ends
 from lightning_para.plan.tensors import layer_tensors, shard_numel, total_numel
+from lightning_para.spec.memory import PredictedMemory
 
 
 @dataclass(frozen=True)
@@ -81,20 +73,20 @@ def layer_traffic_basis(model: ModelDesc, training: Training, layout: Layout, in
     )
 
 
-def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers,
-                             accumulating: float = 0.0) -> float:
+def microbatch_traffic_bytes(shape: RankShape, accumulating: float = 0.0) -> float:
     """Bytes the non-matmul operators of one rank read and write for one microbatch, forward and backward
     (coefficients per precision and their counting in :mod:`lightning_para.plan.overhead`): each layer's
     activations as they would be kept without recomputation (a recomputed forward moves its share, a third,
     once more), the head's, the weight casts, and, for the ``accumulating`` fraction of microbatches that are
     not a step's first (``(m - 1) / m``), the weight gradients added into those held (ZeRO-3: their shards)."""
+    model, training, layout, part = shape.model, shape.training, shape.layout, shape.part
     rates = TRAFFIC_BY_PRECISION[training.precision]
     layers = sum(layer_traffic_basis(model, training, layout, i) for i in part.layers)
     if layout.activation_checkpointing in ("full", "selective_op"):
         layers *= 4.0 / 3.0  # the forward, replayed
     traffic = rates.layer_per_activation_byte * layers
     layer_params = sum(total_numel(layer_tensors(model, i, layout.tp, layout.ep)) for i in part.layers)
-    dense, expert, _ = rank_params(model, layout, part)
+    dense, expert = shape.dense, shape.expert
     weight = training.bytes.weight
     traffic += rates.layer_per_param_byte * layer_params * weight
     traffic += rates.embedding_head_per_param_byte * max(0.0, dense + expert - layer_params) * weight
@@ -102,23 +94,23 @@ def microbatch_traffic_bytes(model: ModelDesc, training: Training, layout: Layou
         traffic += rates.head_per_activation_byte * head_bytes(model, training, layout)
     if accumulating:
         if layout.zero == 3:
-            dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
+            dense, expert = dense / shape.shards[0], expert / shape.shards[1]
         traffic += accumulating * rates.accumulate_per_grad_byte * (dense + expert) * training.bytes.grad
     return traffic
 
 
-def optimizer_traffic_bytes(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> float:
+def optimizer_traffic_bytes(shape: RankShape) -> float:
     """Bytes one rank's AdamW step reads and writes: ``optimizer_bytes_per_param`` per element it steps (its
     1/N shard under ZeRO; SGD counted alike, an upper bound)."""
-    dense, expert, _ = rank_params(model, layout, part)
-    if layout.zero >= 1:
-        dense, expert = dense / layout.group("dp")[0], expert / layout.group("edp")[0]
-    return TRAFFIC_BY_PRECISION[training.precision].optimizer_bytes_per_param * (dense + expert)
+    dense, expert = shape.dense, shape.expert
+    if shape.layout.zero >= 1:
+        dense, expert = dense / shape.shards[0], expert / shape.shards[1]
+    return TRAFFIC_BY_PRECISION[shape.training.precision].optimizer_bytes_per_param * (dense + expert)
 
 
-def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: RankLayers) -> tuple[float, float]:
+def _compute_flops(shape: RankShape) -> tuple[float, float]:
     """``(all, attention scores)`` FLOPs of one microbatch, forward and backward, on one rank."""
-    tokens = training.micro_batch * training.seq_len / layout.cp
+    model, training, layout, part, tokens = shape.model, shape.training, shape.layout, shape.part, shape.tokens
     tp, expert_tp = layout.tp, (layout.tp if layout.sequence_parallel else 1)
     scores = 12.0 * model.q_dim * training.seq_len * tokens * len(part.layers) / tp
     flops = scores
@@ -145,12 +137,10 @@ def _compute_flops(model: ModelDesc, training: Training, layout: Layout, part: R
     return flops, scores
 
 
-def _microbatch_collectives(
-    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int
-) -> list[tuple[Collective, bool]]:
+def _microbatch_collectives(shape: RankShape, cluster: Cluster) -> list[tuple[Collective, bool]]:
     """tp, ep, cp and pp collectives of one step, each with whether it is on the critical path."""
-    e = training.bytes.activation
-    tokens = training.micro_batch * training.seq_len / layout.cp
+    model, training, layout, part, per_step = shape.model, shape.training, shape.layout, shape.part, shape.per_step
+    e, tokens = training.bytes.activation, shape.tokens
     activation = tokens * model.hidden * e
     full = layout.activation_checkpointing == "full"
     # torchtitan's per-op policy keeps reduce-scatter outputs only: the recomputation runs SP's
@@ -160,8 +150,8 @@ def _microbatch_collectives(
     found: list[tuple[Collective, bool]] = []
 
     def add(dim: str, op: str, what: str, payload: float, calls_per_microbatch: float, critical: bool = True) -> None:
-        if calls_per_microbatch > 0 and layout.group(dim)[0] > 1:
-            found.append((collective(layout, cluster, dim, op, what, payload, calls_per_microbatch * per_step), critical))
+        if calls_per_microbatch > 0 and shape.groups[dim][0] > 1:
+            found.append((collective(shape.groups[dim], cluster, dim, op, what, payload, calls_per_microbatch * per_step), critical))
 
     # tp: one collective before and after each tensor-parallel block (attention; dense MLP) per
     # direction; MoE blocks are not tensor parallel. Embedding and head add one each.
@@ -200,13 +190,12 @@ def _microbatch_collectives(
         part.sends_forward + part.sends_backward)
     if layout.pp > 1:
         # ParaStrategy's pipeline shares the last stage's fp32 step loss with every stage: one all-reduce per step.
-        found.append((collective(layout, cluster, "pp", "all_reduce", "step loss", 4, 1), True))
+        found.append((collective(shape.groups["pp"], cluster, "pp", "all_reduce", "step loss", 4, 1), True))
     return found
 
 
 def _dp_collectives(
-    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, flushes: int,
-    backward_window: float, forward_window: float, per_step: int = 1,
+    shape: RankShape, cluster: Cluster, backward_window: float, forward_window: float
 ) -> tuple[list[Collective], float]:
     """dp/edp/dp_replicate collectives of one step and their exposed seconds (module docstring).
 
@@ -218,42 +207,42 @@ def _dp_collectives(
     reduction overlaps that microbatch's backward and the forward after it, the last bucket's tail only once a
     step (a stage's buckets are not waited for until the next backward starts).
     """
-    tensors = rank_tensors(model, layout, part)
+    training, layout, tensors, per_step = shape.training, shape.layout, shape.tensors, shape.per_step
     g, w = training.grad_bytes, training.bytes.weight
     each_step = layout.zero_accumulation in ("reduce_each_step", "reduce_each_microbatch") and layout.zero >= 2
-    reductions = flushes if each_step else 1
+    reductions = shape.flushes if each_step else 1
     each_microbatch = layout.reduces_each_microbatch
     if each_microbatch:
         reductions = per_step
     grad_sync: list[Collective] = []
     after_step: list[Collective] = []
     zero3: list[Collective] = []
-    for dim, expert in (("dp", False), ("edp", True)):
-        group, n = [t for t in tensors if t.expert == expert], layout.group(dim)[0]
+    for expert, n in zip((False, True), shape.shards):
+        dim, group = "edp" if expert else "dp", [t for t in tensors if t.expert == expert]
         if not group or n == 1:
             continue
         params, padded = total_numel(group), n * shard_numel(group, n)
         capacity = layout.bucket_size_mb * 2**20 if layout.bucket_size_mb is not None else bucket_bytes(n, g)
         buckets = max(1, math.ceil(params * g / capacity))
         if layout.zero == 0:
-            grad_sync.append(collective(layout, cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
+            grad_sync.append(collective(shape.groups[dim], cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
         elif layout.zero < 3:
             # gloo: the bucket is all-reduced in place (its reduce-scatter would send as much, plus a copy).
             op = "all_reduce" if cluster.reduce_scatter_is_all_reduce else "reduce_scatter"
-            grad_sync.append(collective(layout, cluster, dim, op, "gradients", padded * g / buckets, buckets * reductions))
-            after_step.append(collective(layout, cluster, dim, "all_gather", "updated weights", padded * w / buckets,
+            grad_sync.append(collective(shape.groups[dim], cluster, dim, op, "gradients", padded * g / buckets, buckets * reductions))
+            after_step.append(collective(shape.groups[dim], cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:
-            gathered, gathers, units = _zero3_gathers(model, layout, part, expert, n)
-            zero3.append(collective(layout, cluster, dim, "all_gather", "weights (forward, backward)",
+            gathered, gathers, units = _zero3_gathers(shape, expert, n)
+            zero3.append(collective(shape.groups[dim], cluster, dim, "all_gather", "weights (forward, backward)",
                                     gathered * w / gathers, gathers * reductions))
-            zero3.append(collective(layout, cluster, dim, "reduce_scatter", "gradients", padded * g / units,
+            zero3.append(collective(shape.groups[dim], cluster, dim, "reduce_scatter", "gradients", padded * g / units,
                                     units * reductions))
     if layout.dp_replicate > 1:
         dense = total_numel(t for t in tensors if not t.expert)
         expert_params = total_numel(t for t in tensors if t.expert)
-        shard = (dense / layout.group("dp")[0] + expert_params / max(1, layout.group("edp")[0])) * g
-        grad_sync.append(collective(layout, cluster, "dp_replicate", "all_reduce", "gradient shards", shard, reductions))
+        shard = (dense / shape.shards[0] + expert_params / max(1, shape.shards[1])) * g
+        grad_sync.append(collective(shape.groups["dp_replicate"], cluster, "dp_replicate", "all_reduce", "gradient shards", shard, reductions))
     exposed: list[Collective] = []
     if grad_sync:
         total = sum(c.seconds for c in grad_sync) / reductions
@@ -282,7 +271,7 @@ def _dp_collectives(
     return exposed, sum(c.exposed_seconds for c in exposed)
 
 
-def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: bool, n: int) -> tuple[int, int, int]:
+def _zero3_gathers(shape: RankShape, expert: bool, n: int) -> tuple[int, int, int]:
     """``(elements gathered, all-gathers, units)`` per ZeRO-3 step on one rank, as
     ``parallel/data/fsdp.py`` shards (padding included; ``expert``: the expert units over edp).
 
@@ -290,13 +279,13 @@ def _zero3_gathers(model: ModelDesc, layout: Layout, part: RankLayers, expert: b
     the embedding and the head (tied or not) are gathered once (the embedding's backward needs no
     weight, the head stays gathered); grouped or a unit each (:func:`zero3_ends`).
     """
-    tp, ep = layout.tp, layout.ep
+    model, part, tp, ep = shape.model, shape.part, shape.layout.tp, shape.layout.ep
     if expert:  # one expert unit per MoE layer, resharded after forward like any block
         tensors = [t for i in part.layers for t in layer_tensors(model, i, tp, ep) if t.expert]
         units = sum(1 for i in part.layers if any(t.expert for t in layer_tensors(model, i, tp, ep)))
         return 2 * n * shard_numel(tensors, n), 2 * units, units
     layers = [[t for t in layer_tensors(model, i, tp, ep) if not t.expert] for i in part.layers]
-    ends, grouped = zero3_ends(model, layout, part)
+    ends, grouped = zero3_ends(shape)
     twice = [t for layer in layers[:-1] for t in layer]
     once = (layers[-1] if layers else []) + ends
     end_units = (1 if grouped else int(part.embedding) + int(part.head or part.final_norm)) if ends else 0
@@ -320,17 +309,14 @@ def compute_speedup(layout: Layout) -> float:
     return 1.0
 
 
-def price_rank(
-    model: ModelDesc, cluster: Cluster, training: Training, layout: Layout, part: RankLayers, per_step: int,
-    flushes: int = 1,
-) -> RankEstimate:
-    """Memory, compute and communication of one pipeline rank ``part`` for one optimizer step of
-    ``per_step`` microbatches in ``flushes`` pipeline flushes (accumulation steps; overlap rules in
-    :mod:`lightning_para.plan.cost`). ``training.micro_batch`` must be resolved (an int)."""
-    resident = resident_states(model, training, layout, part)
-    flops, score_flops = _compute_flops(model, training, layout, part)
-    tokens = training.micro_batch * training.seq_len / layout.cp
-    speed = cluster.peak_flops * cluster.matmul_efficiency(tokens, model_gemms(model, tokens, layout.tp, layout.ep))
+def price_rank(shape: RankShape, cluster: Cluster) -> RankEstimate:
+    """Memory, compute and communication of one pipeline rank (:class:`~lightning_para.plan.shape.RankShape`: its
+    part of the model for one optimizer step of ``per_step`` microbatches in ``flushes`` pipeline flushes; overlap
+    rules in :mod:`lightning_para.plan.cost`)."""
+    model, training, layout, part, per_step = shape.model, shape.training, shape.layout, shape.part, shape.per_step
+    resident = resident_states(shape)
+    flops, score_flops = _compute_flops(shape)
+    speed = cluster.peak_flops * cluster.matmul_efficiency(shape.tokens, model_gemms(model, shape.tokens, layout.tp, layout.ep))
     compute = flops / speed / compute_speedup(layout)
     # Per-operator overhead (0 on the GPU presets): dispatcher, autograd, launch (plan/overhead.py).
     compute += microbatch_ops(model, layout, part) * cluster.op_seconds
@@ -341,15 +327,29 @@ def price_rank(
     if cluster.elementwise_bandwidth > 0 and training.activation_profile == "torch":
         # The non-matmul operators' bytes (plan/overhead.py). Eager torch code only: Megatron-LM's fused kernels
         # (norm + linear, SwiGLU, RoPE, cross-entropy) move a fraction of them, which is left in `efficiency`.
-        accumulating = (per_step - 1) / per_step
-        traffic = microbatch_traffic_bytes(model, training, layout, part, accumulating)
+        traffic = microbatch_traffic_bytes(shape, (per_step - 1) / per_step)
         compute += traffic / cluster.elementwise_bandwidth / compute_speedup(layout)
-        optimizer_seconds += optimizer_traffic_bytes(model, training, layout, part) / cluster.elementwise_bandwidth
-    critical = 0.0
+        optimizer_seconds += optimizer_traffic_bytes(shape) / cluster.elementwise_bandwidth
+    collectives, critical = _exposed_microbatch_collectives(shape, cluster, per_step * score_flops / speed)
+    backward_share = 0.75 if layout.activation_checkpointing == "full" else 2.0 / 3.0
+    dp_items, dp_exposed = _dp_collectives(shape, cluster, backward_share * compute, (1 - backward_share) * compute)
+    return RankEstimate(
+        pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
+        in_flight=part.in_flight, memory=peak_memory(shape, resident), resident=resident,
+        collectives=tuple(collectives + dp_items), compute_seconds=compute,
+        microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
+        optimizer_seconds=optimizer_seconds,
+    )
+
+
+def _exposed_microbatch_collectives(shape: RankShape, cluster: Cluster, attention_seconds: float
+                                    ) -> tuple[list[Collective], float]:
+    """The tp, ep, cp and pp collectives with their exposed seconds, and those seconds' sum (the critical path's):
+    ring attention's exchanges overlap the step's blockwise attention (``attention_seconds``), all-to-alls do not."""
+    critical, cp_seconds = 0.0, 0.0
     collectives: list[Collective] = []
-    cp_seconds = 0.0
-    for item, on_path in _microbatch_collectives(model, cluster, training, layout, part, per_step):
-        if item.dim == "cp" and item.op == "send_recv":  # ring hops overlap blockwise attention; all-to-alls do not
+    for item, on_path in _microbatch_collectives(shape, cluster):
+        if item.dim == "cp" and item.op == "send_recv":
             cp_seconds += item.seconds
             collectives.append(item)
             continue
@@ -357,19 +357,7 @@ def price_rank(
         critical += item.exposed_seconds
         collectives.append(item)
     if cp_seconds:
-        # Ring attention overlaps its exchanges with the blockwise attention of the step.
-        spare = max(0.0, cp_seconds - per_step * score_flops / speed)
+        spare = max(0.0, cp_seconds - attention_seconds)
         collectives = [c.exposed(spare * c.seconds / cp_seconds) if c.dim == "cp" else c for c in collectives]
         critical += spare
-    backward_share = 0.75 if layout.activation_checkpointing == "full" else 2.0 / 3.0
-    dp_items, dp_exposed = _dp_collectives(
-        model, cluster, training, layout, part, flushes, backward_share * compute, (1 - backward_share) * compute,
-        per_step,
-    )
-    return RankEstimate(
-        pipeline_rank=part.rank, layers=len(part.layers), embedding=part.embedding, head=part.head,
-        in_flight=part.in_flight, memory=peak_memory(model, training, layout, part, per_step, resident, flushes),
-        resident=resident, collectives=tuple(collectives + dp_items), compute_seconds=compute,
-        microbatch_seconds=compute + critical / per_step, dp_exposed_seconds=dp_exposed,
-        optimizer_seconds=optimizer_seconds,
-    )
+    return collectives, critical

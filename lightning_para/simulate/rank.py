@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from lightning_para.config import ParallelConfig
-from lightning_para.instrument.collectives import CollectiveCounter, dry_run_labels
+from lightning_para.instrument.collectives import CollectiveCounter, group_labels
 from lightning_para.instrument.compare import Comparison, memory_comparisons, predicted_rank
 from lightning_para.instrument.live_bytes import LiveBytes, local_shard, storage_key
 from lightning_para.instrument.records import CommFigure
@@ -199,7 +199,7 @@ def dry_run_rank(
     microbatches = config.pipeline_microbatches if dims.pp > 1 else 1
     in_flight = in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches, config.virtual_stages) \
         if dims.pp > 1 else 1
-    live, comm = LiveBytes(), CollectiveCounter(dry_run_labels(dims), time_collectives=False)
+    live, comm = LiveBytes(), CollectiveCounter(group_labels(dims, planner=True), time_collectives=False)
     live.exclude = {storage_key(local_shard(p)) for p in module.parameters()}
     live.exclude |= {storage_key(local_shard(q)) for g in optimizer.param_groups for q in g["params"]}
     # The step's allocations in order, for the caching allocator's reserved peak (`simulate.allocator`); the weights and

@@ -53,7 +53,7 @@ class MeasuredMemory(_ModelStates):
 @dataclass(frozen=True)
 class PredictedMemory(_ModelStates):
     """Bytes one rank is predicted to hold: by the planner at the step's peak (``plan.rank_memory``) or between
-    optimizer steps (``plan.rank_states.resident_states``: states only), or by the ZeRO paper's formulas (states
+    optimizer steps (``plan.shape.resident_states``: states only), or by the ZeRO paper's formulas (states
     only: ``parallel.data.memory``)."""
 
     params: float

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 from lightning_para.spec.dims import divisors
-from lightning_para.spec.schedules import PLANNED_SCHEDULES, SCHEDULES, schedule_info
+from lightning_para.spec.schedules import SCHEDULES, schedule_info
 
 # Lightning's precision names that ParaPrecision implements (see precision.py for what each keeps).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -380,6 +380,6 @@ __all__ = [
     "warn_rules", "data_parallel_factors_problem", "expert_degree_problem", "hybrid_sharding_problem", "zero_accumulation_problem",
     "context_recompute_problem", "fp8_tensor_parallel_problem", "pipeline_zero3_problem", "pipeline_compile_problem",
     "sequence_parallel_problem", "zero3_units_problem",
-    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PLANNED_SCHEDULES", "PRECISIONS",
+    "ACTIVATION_CHECKPOINTING", "CP_METHODS", "FP8_RECIPES", "PIPELINE_BALANCE", "PRECISIONS",
     "RECOMPUTE_MODES", "SCHEDULES", "TP_UNPLANNED", "ZERO3_UNITS", "ZERO_ACCUMULATION", "ZERO_STAGES", "COMPILE_KEYS",
 ]

@@ -2,28 +2,14 @@
 planner, its cost model and the dry run read.
 
 * :data:`RULES` maps each user-facing name to what it needs (stages per rank, placement, minimum microbatches); the
-  torch classes that run them are ``parallel/pipeline/schedules.py``'s;
+  torch classes that run them are ``parallel/pipeline/build.py``'s; :func:`validate_pipeline_config` checks a layout
+  against them (``tests/pipeline_orders.py`` builds torch's schedules and checks they accept exactly these layouts);
 * rules (:func:`schedule_problem`), bubble (:func:`expected_bubble`), fill and drain (:func:`fill_factor`), in-flight
   microbatches (:func:`in_flight_microbatches`), each rank's compute order (:func:`compute_order`) and the stage
   placement (:func:`stage_to_rank`).
 
-Bubble formulas (idle time / step time on every rank, equal stage times; p ranks, m microbatches, v stages per rank):
-
-=============  =======================  ==================================================
-schedule       bubble                   source
-=============  =======================  ==================================================
-gpipe, 1f1b    (p-1) / (m+p-1)          GPipe (Huang et al. 2019); PipeDream-Flush / 1F1B
-interleaved    (p-1) / (v*m+p-1)        Megatron-LM, Narayanan et al. 2021, Sec. 2.2.2
-looped_bfs     (p-1) / (v*m+p-1)        Lamy-Poirier 2023 (same count as interleaved)
-zero_bubble    (p-1)/3 / (m+(p-1)/3)    ZB-H1, Qi et al. 2024 (t_F = t_B_input = t_W)
-zbv            ~0 (m >= 2p-1)           ZB-V, Qi et al. 2024, Sec. 6 (t_F = t_B_input = t_W)
-dualpipev      not modelled here        DeepSeek-V3 report 2024 (overlaps F and B)
-=============  =======================  ==================================================
-
-Microbatches whose activations a rank holds at its peak (in units of "one microbatch through all of this rank's
-layers"; Korthikanti et al. 2022, Sec. 4.2.3): GPipe all ``m``; 1F1B and ZB-H1 (``v = 1``) ``min(p - i, m)`` on rank
-``i``; interleaved ``2 (p - i - 1) + (v - 1) p`` warm-up chunk-forwards plus one in flight (Megatron-LM's
-``get_num_warmup_microbatches``), each ``1/v`` of its layers; ZB-V ``p`` on every rank (Qi et al. 2024, Sec. 6).
+The formulas and their sources (GPipe, 1F1B, Megatron-LM's interleaving, ZB-H1 and ZB-V; Korthikanti et al. 2022
+for the in-flight activations): ``docs/planner.md``, "Bubble" and "Memory per rank".
 """
 
 from __future__ import annotations
@@ -153,7 +139,22 @@ def schedule_problem(
     if planned and schedule in ("interleaved", "zero_bubble") and (m < p or m % p):
         return (f"schedule '{schedule}' needs microbatches a multiple of pp ({m} vs pp={p})",
                 f"Set microbatches to a multiple of {p}.")
+    if schedule in ("interleaved", "zero_bubble") and m % max(1, m // p):  # torch's rounds of max(1, m // p)
+        return (f"schedule '{schedule}' needs microbatches a multiple of its rounds ({m} vs {max(1, m // p)} rounds)",
+                f"Set microbatches to a multiple of pp={p} (or fewer than pp).")
     return None
+
+
+def validate_pipeline_config(pp: int, schedule: str, microbatches: Optional[int], virtual_stages: int) -> int:
+    """The microbatches of a pipeline layout (``None``: :func:`default_microbatches`) checked against the schedule's
+    rules (:func:`schedule_problem`: the rules torch's schedules apply when they are built, stated here; the tests
+    build torch's schedules on recording stages and check they accept exactly these layouts); ``ValueError`` naming
+    the argument and the fix, before any process exists."""
+    m = default_microbatches(pp, virtual_stages) if microbatches is None else microbatches
+    problem = schedule_problem(schedule, pp, m, virtual_stages, planned=False)
+    if problem:
+        raise ValueError(f"`schedule={schedule!r}` with pp={pp}, microbatches={m}: {problem[0]}. {problem[1]}")
+    return m
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -226,4 +227,5 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int
 __all__ = [
     "PLANNED_SCHEDULES", "RULES", "SCHEDULES", "ScheduleInfo", "bubble_fraction", "check_planned", "compute_order", "default_microbatches",
     "expected_bubble", "fill_factor", "in_flight_microbatches", "schedule_info", "schedule_problem", "stage_to_rank",
+    "validate_pipeline_config",
 ]

@@ -1,26 +1,14 @@
 """ZeRO's shard arithmetic, written once: the rows a data-parallel rank holds of a tensor, and the bytes of model states
-per rank (Rajbhandari et al. 2020, "ZeRO", Sec. 5.1 and Fig. 1).
+per rank (Rajbhandari et al. 2020, "ZeRO", Sec. 5.1; the table is ``docs/planner.md``'s, "Memory per rank").
 
 Rows: ZeRO-1/2 (``parallel/data/layout.py``) and FSDP2 (ZeRO-3) split each tensor by rows (dim 0) into
 ``ceil(rows / N)``-row chunks (``torch.chunk``'s layout), so a tensor whose rows ``N`` does not divide is padded, and
 the first rank holds the most (:func:`chunk_rows`, :func:`row_range`); the planner counts the same (``plan/tensors.py``).
 
-Bytes: with ``psi`` parameters on a rank after tp/pp/ep split them, ``w``/``g`` bytes per weight/gradient, ``K`` bytes
-of fp32 master plus optimizer state, and ``N`` ranks sharing them (:func:`zero_state_bytes`):
-
-=====  ==========  ===================  ==========
-stage  weights     gradients            K
-=====  ==========  ===================  ==========
-0      w psi       g psi                K psi
-1      w psi       g psi                K psi / N
-2      w psi       g psi / N            K psi / N
-3      w psi / N   g psi / N            K psi / N
-=====  ==========  ===================  ==========
-
-With bf16 weights and Adam (w = g = 2, K = 12) the totals are the paper's 16, 4 + 12/N, 2 + 14/N and 16/N bytes per
-parameter. Dense parameters use ``N = dp_shard x cp``, routed experts ``N = edp x cp`` (the cp ranks hold the same
-parameters; hybrid sharding's ``dp_replicate`` replicas each hold a full set of shards). Over several microbatches
-ZeRO-2/3 with ``zero_accumulation="no_sync"`` hold full gradients until the last one (``full_grads``).
+Bytes (:func:`zero_state_bytes`): stage 1 shards the optimizer state (fp32 master included), stage 2 the gradients
+too, stage 3 the weights too, over ``N`` ranks: ``dp_shard x cp`` for dense parameters, ``edp x cp`` for routed
+experts. Over several microbatches ZeRO-2/3 with ``zero_accumulation="no_sync"`` hold full gradients until the last
+one (``full_grads``).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_pp2_schedules_match_single_device(pools, layout, variant):
         assert r["logged"] == last["logged"]
         assert r["losses"] == last["losses"]
     # Each rank ran exactly the actions of the schedule, in the schedule's order.
-    from lightning_para.parallel.pipeline.schedules import schedule_action_order
+    from tests.pipeline_orders import schedule_action_order
 
     order = schedule_action_order(layout["schedule"], 2, 4, layout.get("virtual_stages", 1))
     for r in results:

@@ -406,11 +406,6 @@ def test_one_subpackage_per_dimension():
 PENDING_LONG_FUNCTIONS = {
     "lightning_para.parallelize.parallelize",
     "lightning_para.simulate.rank.dry_run_rank",
-    # The planner's pricing pass and the tensor-parallel plan: split in the next step of this work.
-    "lightning_para.describe.describe_module",
-    "lightning_para.parallel.tensor.plan.auto_plan",
-    "lightning_para.plan.memory.layer_activation_bytes",
-    "lightning_para.plan.rank_memory.peak_memory",
 }
 
 

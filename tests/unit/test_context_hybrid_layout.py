@@ -24,7 +24,7 @@ from lightning_para.recipes.gpt import GPT, apply_rope
         ({"dp_replicate": 2}, None, r"`dp_replicate=2` \(hybrid sharding\) needs `zero` in 1, 2 or 3"),
         ({"dp_replicate": 2, "dp_shard": 2, "ep": 4, "zero": 1}, 4,
          r"`ep=4` must divide `dp_shard=2`.* replicates whole replicas over dp_replicate=2.* Choose ep in \[1, 2\]"),
-        ({"dp_shard": 3, "zero": 1}, 4, r"`dp_shard=3` must divide dp=4 .* Choose dp_shard in \[1, 2, 4\]"),
+        ({"dp_shard": 3, "zero": 1}, 4, r"`dp_shard=3` must divide `dp=4`.* Choose dp_shard in \[1, 2, 4\]"),
         ({"cp": 2, "tp": 2}, 6, r"world size 6 is not divisible by pp=1 x cp=2 x tp=2 = 4.* Choose pp, cp and tp"),
         ({"dp": 2, "cp": 2}, 8, r"pp=1 x dp=2 x cp=2 x tp=1 = 4 do not match the world size 8"),
     ],

@@ -308,7 +308,7 @@ def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_pri
 
 def test_dry_run_walks_the_interleaved_schedule():
     """The interleaved schedule (pp=4 x v=2, 8 microbatches) runs its whole order on the dry-run rank
-    (`parallel.pipeline.schedules.compute_order`, every chunk of every microbatch): its tensor-parallel collectives are the step's
+    (`spec.schedules.compute_order`, every chunk of every microbatch): its tensor-parallel collectives are the step's
     (the planner's to the call), and its held activations and peak agree with the planner's schedule walk."""
     code = CHILD.replace("microbatches=8)", "microbatches=8, schedule='interleaved', virtual_stages=2)")
     for rank in (0, 63):

@@ -23,7 +23,8 @@ from lightning_para.describe import describe_module
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.auto_layout import RunSetting, batch_shape, plan_layout, run_training_of, search_space
 from lightning_para.plan.cost import layout_problems
-from lightning_para.plan.layout import NOT_LAYOUT_ARGUMENTS
+from lightning_para.core.front_end import FRONT_END_ARGUMENTS
+from lightning_para.spec.options import LAYOUT_OPTIONS
 from lightning_para.run_plan import LAYOUT_ALIASES, LAYOUT_KEYS, parse_layout
 from lightning_para.recipes import GPT
 
@@ -39,6 +40,9 @@ def _meta(**kwargs) -> GPT:
 def test_every_parastrategy_argument_is_a_layout_field_or_named_as_not_one():
     """A new ParaStrategy argument fails here until it is a Layout field or listed, with a reason, as no part of a layout."""
     arguments = set(inspect.signature(ParaStrategy.__init__).parameters) - {"self"}
+    # No part of a layout: the options the planner does not price (each says why) and the front ends' own arguments.
+    NOT_LAYOUT_ARGUMENTS = {o.name for o in LAYOUT_OPTIONS if o.not_planned} | {
+        name.strip() for key in FRONT_END_ARGUMENTS for name in key.split(",")}
     layout_fields = {f.name for f in fields(Layout)}
     assert layout_fields <= arguments, f"Layout fields that are not ParaStrategy arguments: {layout_fields - arguments}"
     assert not layout_fields & set(NOT_LAYOUT_ARGUMENTS)
@@ -118,7 +122,7 @@ def test_unpriced_schedule_is_a_reason_not_a_crash():
 
 def test_zero3_units_are_priced_as_chosen():
     """"blocks" groups the embedding, final norm and head (fewer gathers), "blocks_and_ends" does not;
-    "auto" is one of the two by plan/rank.py's rule (_zero3_ends), so the numbers for auto stay the same."""
+    "auto" is one of the two by plan/shape.py's rule (zero3_ends), so the numbers for auto stay the same."""
     model, cluster = preset("gpt-125m"), Cluster.of("h100", nodes=1)
     training = Training(seq_len=1024, global_batch=16, precision="bf16-true")
 

@@ -20,8 +20,9 @@ from lightning_para.parallel.pipeline.spec import PipelineStageModule, named_lay
 from lightning_para.parallel.pipeline.split import apply_pipeline_parallel
 from lightning_para.spec.split import balanced_split, explicit_split
 from lightning_para.instrument.saved_activations import SavedActivationMeter
-from lightning_para.parallel.pipeline.schedules import schedule_action_order, validate_pipeline_config
-from lightning_para.spec.schedules import expected_bubble, stage_to_rank
+from lightning_para.spec.schedules import validate_pipeline_config
+from tests.pipeline_orders import schedule_action_order, torch_accepts
+from lightning_para.spec.schedules import expected_bubble, schedule_problem, stage_to_rank
 from tests.distributed.pp_models import TinyTokenModel
 
 # (schedule, virtual_stages) for every registered name
@@ -147,6 +148,30 @@ def test_bubble_formulas():
 def test_bad_pipeline_configs_raise_value_error_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParallelConfig(pp=2, **kwargs)
+
+
+def test_the_schedule_rules_are_torchs():
+    """``validate_pipeline_config`` states the rules torch's schedules apply when built; torch, building every rank's
+    schedule on recording stages, accepts exactly the layouts the rules accept (the library's own rules aside: the
+    stages per rank each schedule runs, ZB-V's fill ``m >= 2p - 1``). A rule left out (torch's rounds, planted by
+    dropping it) fails this."""
+
+    def ours(schedule, pp, m, v, problem=schedule_problem):
+        return problem(schedule, pp, m, v, planned=False) is None
+
+    def torchs(schedule, pp, m, v):  # a layout the library's own rules leave to torch
+        found = schedule_problem(schedule, pp, m, v, planned=False)
+        return found is None or not ("virtual_stages" in found[0] or "2*pp-1" in found[0])
+
+    def without_rounds(schedule, pp, m, v, planned=False):
+        found = schedule_problem(schedule, pp, m, v, planned)
+        return None if found is not None and "rounds" in found[0] else found
+
+    grid = [(s, pp, m, v) for s in PIPELINE_SCHEDULES for pp in (2, 3, 4) for v in (1, 2, 3) for m in range(1, 13)
+            if torchs(s, pp, m, v)]
+    differ = [g for g in grid if ours(*g) != torch_accepts(*g)]
+    assert not differ, differ
+    assert any(ours(*g, problem=without_rounds) != torch_accepts(*g) for g in grid if g[0] == "interleaved")
 
 
 def test_default_microbatches_is_one_per_stage():

@@ -268,7 +268,7 @@ def test_estimate_refuses_a_layout_that_cannot_run():
         (lambda: preset("gpt-5"), r"`name='gpt-5'` is not a known model. Choose one of 'gpt-125m'"),
         (lambda: ModelDesc(layers=2, hidden=64, heads=4, ffn=128, vocab=10, norm="batch"), r"`norm='batch'`"),
         (lambda: ModelDesc(layers=2, hidden=64, heads=4, kv_heads=3, ffn=128, vocab=10), r"`kv_heads=3` must divide"),
-        (lambda: SearchSpace(zero=(5,)), r"`zero=\(5,\)` must list ZeRO stages"),
+        (lambda: SearchSpace(zero=(5,)), r"`zero=\(5,\)` must list `zero` values: `zero=5` is not a ZeRO stage"),
         (lambda: describe_module("gpt"), r"`module` must be a torch.nn.Module"),
     ],
 )

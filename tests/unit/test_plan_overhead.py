@@ -189,9 +189,14 @@ def test_count_traffic_coefficients_rejects_other_precisions():
 
 def test_elementwise_traffic_is_bytes_over_bandwidth_for_eager_torch_code():
     from lightning_para.plan.rank import microbatch_traffic_bytes, optimizer_traffic_bytes
+    from lightning_para.plan.shape import RankShape
 
     model = preset("llama3-8b").with_changes(layers=4)
     training = Training(seq_len=128, global_batch=8, micro_batch=1, precision="32-true")
+
+    def shape(layout: Layout, part) -> RankShape:
+        return RankShape(model, training, layout, part)
+
     layout = Layout(dp=2, tp=2, pp=2, zero=1)
     gpu = Cluster.of("h100", nodes=1, gpus_per_node=8)
     assert gpu.elementwise_bandwidth == pytest.approx(2.55e12)  # measured on an H100 (plan/cluster.py)
@@ -201,11 +206,11 @@ def test_elementwise_traffic_is_bytes_over_bandwidth_for_eager_torch_code():
     parts = pipeline_ranks(model, layout.schedule, 2, 1, base.microbatches)
     per_step = base.microbatches  # every microbatch after a step's first adds its gradients into those held
     for r0, r1, part in zip(base.ranks, priced.ranks, parts):
-        traffic = microbatch_traffic_bytes(model, training, layout, part, (per_step - 1) / per_step)
-        assert traffic > microbatch_traffic_bytes(model, training, layout, part) > 0
+        traffic = microbatch_traffic_bytes(shape(layout, part), (per_step - 1) / per_step)
+        assert traffic > microbatch_traffic_bytes(shape(layout, part)) > 0
         assert r1.compute_seconds - r0.compute_seconds == pytest.approx(traffic / 1e10)
         assert r1.optimizer_seconds - r0.optimizer_seconds == pytest.approx(
-            optimizer_traffic_bytes(model, training, layout, part) / 1e10)
+            optimizer_traffic_bytes(shape(layout, part)) / 1e10)
     # Megatron-LM's fused kernels: not priced (left in the matmul efficiency)
     megatron = dataclasses.replace(training, activation_profile="megatron")
     assert estimate(model, cpu, megatron, layout).step_seconds == pytest.approx(
@@ -214,10 +219,10 @@ def test_elementwise_traffic_is_bytes_over_bandwidth_for_eager_torch_code():
     one = Layout(dp=1, tp=1, pp=2)
     sp = Layout(dp=1, tp=2, pp=2, sequence_parallel=True)
     part = pipeline_ranks(model, one.schedule, 2, 1, 2)[0]
-    assert microbatch_traffic_bytes(model, training, sp, part) <= 0.5 * microbatch_traffic_bytes(model, training, one, part) * 1.001
+    assert microbatch_traffic_bytes(shape(sp, part)) <= 0.5 * microbatch_traffic_bytes(shape(one, part)) * 1.001
     # ZeRO-1 steps a 1/dp shard of the parameters
     z0 = dataclasses.replace(layout, zero=0)
-    assert optimizer_traffic_bytes(model, training, layout, parts[0]) == pytest.approx(
-        optimizer_traffic_bytes(model, training, z0, parts[0]) / 2)
+    assert optimizer_traffic_bytes(shape(layout, parts[0])) == pytest.approx(
+        optimizer_traffic_bytes(shape(z0, parts[0])) / 2)
     with pytest.raises(ValueError, match="elementwise_bandwidth"):
         dataclasses.replace(gpu, elementwise_bandwidth=-1.0)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_para.parallel.pipeline.schedules import schedule_action_order
+from tests.pipeline_orders import schedule_action_order
 from lightning_para.plan import Cluster, Layout, Training, estimate, preset
 from lightning_para.plan.model import ModelDesc
 from lightning_para.spec.schedules import compute_order

@@ -15,7 +15,7 @@ import torch
 from lightning_para.cli import main
 from lightning_para.config import ParallelConfig
 from lightning_para.observe.timeline import PipelineEvent, replayed_idle_fraction, with_median_cpu
-from lightning_para.parallel.pipeline.schedules import schedule_action_order
+from tests.pipeline_orders import schedule_action_order
 from lightning_para.parity import RunRecord, compare_records, strategy_arguments, tolerances
 from lightning_para.describe import describe_module
 from lightning_para.plan import Cluster, Layout, Training, bubble_fraction, estimate, preset

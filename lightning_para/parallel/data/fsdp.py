@@ -53,7 +53,7 @@ When each unit reshards and gathers (:func:`apply_fully_shard`):
 So under either unit choice a step moves ``3 psi - psi_head - psi_embedding - psi_last_block``,
 never more than the ZeRO paper's 3 psi, and ``psi_last_block`` less than Lightning's
 ``configure_model`` recipe (blocks plus a root holding embedding and head: 3 psi of blocks + 2 psi
-of the rest). The planner prices the same (``plan/rank_states.py``).
+of the rest). The planner prices the same (``plan/shape.py``).
 """
 
 from __future__ import annotations

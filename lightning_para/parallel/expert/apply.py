@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_para._dtensor import divisors
+from lightning_para.spec.dims import divisors
 from lightning_para.moe import MoE, moe_layers
 from lightning_para.parallel.expert.adapters import ExpertAdapter, expert_adapters
 from lightning_para.parallel.expert.dispatch import AllToAllDispatcher

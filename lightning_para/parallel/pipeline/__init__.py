@@ -1,5 +1,5 @@
 """Pipeline parallelism: the contract (:mod:`.spec`), the split (:mod:`.split`), the runner of
-Lightning steps (:mod:`.runner`), torch's schedules (:mod:`.schedules`) and measurement
+Lightning steps (:mod:`.runner`), torch's schedules (:mod:`.build`; their rules are in ``lightning_para.spec.schedules``) and measurement
 (:mod:`.measure`)."""
 
 from lightning_para.spec.lazy import lazy_face

@@ -6,15 +6,30 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.schedules import (  # private: see docs/architecture.md
     PipelineScheduleMulti,
     _batch_p2p,
     _wait_batch_p2p,
 )
 
-from lightning_para.parallel.pipeline.schedules import TORCH_SCHEDULES
 from lightning_para.spec.schedules import schedule_info, stage_to_rank
+
+# The torch class each schedule name runs (its rules are lightning_para.spec.schedules').
+TORCH_SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble, "looped_bfs": ScheduleLoopedBFS, "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 
 class ScheduleForwardOnly(PipelineScheduleMulti):
@@ -68,4 +83,4 @@ def build_schedule(
     return torch_class(stages if info.multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-__all__ = ["ScheduleForwardOnly", "build_schedule"]
+__all__ = ["ScheduleForwardOnly", "TORCH_SCHEDULES", "build_schedule"]

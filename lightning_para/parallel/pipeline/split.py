@@ -110,7 +110,7 @@ def apply_pipeline_parallel(
 ) -> PipelineRunner:
     """Split ``module`` into pipeline stages over the 1-D ``pp_mesh``, keep only this rank's, and
     return their runner. ``microbatches`` is the validated count
-    (:func:`~lightning_para.parallel.pipeline.schedules.validate_pipeline_config`).
+    (:func:`~lightning_para.spec.schedules.validate_pipeline_config`).
 
     Raises ``ValueError`` (before any send/recv) if the module lacks the contract, has fewer
     layers than stages, or ties parameters across stages.

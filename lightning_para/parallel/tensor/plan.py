@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -240,13 +240,46 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
 
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear) and not in_moe(n) and not in_adapted(n)}
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding) and not in_moe(n)}
-    owners = {pid: [fqn for fqn, _ in held] for pid, held in parameter_owners(root).items()}
 
-    # --- output head and token embedding, found by structure: a Linear whose weight is tied to
-    # an Embedding, else a Linear (hidden -> vocabulary) matching an Embedding (vocabulary, hidden):
-    # head names first, then outside the blocks, then anywhere (a user's pipeline wrapper may hold
-    # the head inside a ModuleList). A Linear named like a projection (q_proj, c_fc...) never is
-    # the head, even when vocabulary == width.
+    head, token = _head_and_token(root, linears, embeddings)
+    hidden = embeddings[token].embedding_dim if token is not None else None
+    if token is not None:
+        plan[token] = "vocab_parallel"
+    if head is not None:
+        plan[head] = "lm_head"
+
+    sublayers = _sublayers(linears, head, hidden, plan)
+    plan.update(sublayers)
+    sublayers.update(adapted)
+    plan.update(adapted)
+
+    def in_sublayer(fqn: str) -> bool:
+        return any(fqn.startswith(s + ".") for s in sublayers)
+
+    # --- other embeddings of the model width feed the residual stream (position, token type)
+    for e, emb in embeddings.items():
+        if e != token and emb.embedding_dim == hidden and not in_sublayer(e):
+            plan[e] = "sequence_slice"
+
+    # --- norms on the residual stream; inside attention, norms over head_dim (q/k norms) run on
+    # this rank's heads. Other parameter-holding modules inside a sublayer are left for the check.
+    for n, m in modules.items():
+        if not n or not is_norm(m) or in_moe(n):
+            continue
+        if not in_sublayer(n):
+            plan[n] = "norm"
+        elif sublayers.get(_parent(n)) == "attention" and _norms_head_dim(m, modules[_parent(n)]):
+            plan[n] = "head_norm"
+    return plan
+
+
+def _head_and_token(root: nn.Module, linears: dict[str, nn.Linear], embeddings: dict[str, nn.Embedding]
+                    ) -> tuple[Optional[str], Optional[str]]:
+    """The output head and the token embedding, found by structure: a Linear whose weight is tied to an Embedding,
+    else a Linear (hidden -> vocabulary) matching an Embedding (vocabulary, hidden): head names first, then outside
+    the blocks, then anywhere (a user's pipeline wrapper may hold the head inside a ModuleList). A Linear named like
+    a projection (q_proj, c_fc...) never is the head, even when vocabulary == width."""
+    owners = {pid: [fqn for fqn, _ in held] for pid, held in parameter_owners(root).items()}
     head, token = None, None
     for n, lin in linears.items():
         tied = [o for o in owners[id(lin.weight)] if o != n and o in embeddings]
@@ -272,13 +305,13 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
             if _leaf(n) in _HEAD_NAMES and not _in_block(root, n) and vocab in (None, lin.out_features)
         ]
         head = named[0] if named else None
-    hidden = embeddings[token].embedding_dim if token is not None else None
-    if token is not None:
-        plan[token] = "vocab_parallel"
-    if head is not None:
-        plan[head] = "lm_head"
+    return head, token
 
-    # --- sublayers: a parent whose Linears are all classified, with >=1 colwise and >=1 rowwise
+
+def _sublayers(linears: dict[str, nn.Linear], head: Optional[str], hidden: Optional[int], plan: dict[str, str]
+               ) -> dict[str, str]:
+    """The sublayers (``{parent: "attention" | "mlp"}``): a parent whose Linears are all classified, with >=1
+    colwise and >=1 rowwise; their Linears' styles go into ``plan``."""
     by_parent: dict[str, list[str]] = {}
     for n in linears:
         if n != head:
@@ -297,28 +330,7 @@ def auto_plan(root: nn.Module) -> dict[str, str]:
             continue  # attention and MLP projections in one module: no single sublayer input
         plan.update(styles)
         sublayers[parent] = "attention" if is_attention else "mlp"
-    plan.update(sublayers)
-    sublayers.update(adapted)
-    plan.update(adapted)
-
-    def in_sublayer(fqn: str) -> bool:
-        return any(fqn.startswith(s + ".") for s in sublayers)
-
-    # --- other embeddings of the model width feed the residual stream (position, token type)
-    for e, emb in embeddings.items():
-        if e != token and emb.embedding_dim == hidden and not in_sublayer(e):
-            plan[e] = "sequence_slice"
-
-    # --- norms on the residual stream; inside attention, norms over head_dim (q/k norms) run on
-    # this rank's heads. Other parameter-holding modules inside a sublayer are left for the check.
-    for n, m in modules.items():
-        if not n or not is_norm(m) or in_moe(n):
-            continue
-        if not in_sublayer(n):
-            plan[n] = "norm"
-        elif sublayers.get(_parent(n)) == "attention" and _norms_head_dim(m, modules[_parent(n)]):
-            plan[n] = "head_norm"
-    return plan
+    return sublayers
 
 
 def _norms_head_dim(norm: nn.Module, attention: nn.Module) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_para._dtensor import divisors, tied_parameter_groups
+from lightning_para._dtensor import tied_parameter_groups
+from lightning_para.spec.dims import divisors
 from lightning_para.parallel.tensor.adapters import tensor_parallel_adapter
 from lightning_para.parallel.tensor.columns import FusedBlocksColwise
 from lightning_para.parallel.tensor.plan import HEAD_ATTRS, KV_HEAD_ATTRS, Style, config_head_counts, head_attributes

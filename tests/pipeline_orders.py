@@ -1,44 +1,24 @@
-"""torch's pipeline schedules, run without communication: validation and action orders.
+"""torch's pipeline schedules run on recording stub stages, without communication: each rank's action order
+(:func:`schedule_action_order`), which the tests check against the papers, the planner's compute order and the
+runner's recorded events, and whether torch builds a schedule at all (:func:`torch_accepts`), which the tests
+check the spec layer's schedule rules against.
 
-The schedules' rules and math (stages per rank, bubble, in-flight microbatches, compute order) are
-:mod:`lightning_para.spec.schedules`'; this module holds the ``torch.distributed.pipelining`` class each name runs
-(:data:`TORCH_SCHEDULES`, which :mod:`.build` steps) and runs torch's own schedule code on stub stages (pure
-computation, no process group):
-
-* :func:`validate_pipeline_config` checks ``pp``/``microbatches``/``virtual_stages`` against the rules *and* by
-  building torch's schedule for every rank, so a configuration torch would reject fails at ``ParaStrategy(...)``
-  with a ``ValueError``, long before any send/recv;
-* :func:`schedule_action_order` returns each rank's compute actions (``"0F3"``: stage 0, forward, microbatch 3) the
-  same way, for unit tests and timeline drawings.
+A stub implementing ~15 private ``PipelineStage`` members (``RecordingStage``): torch has no public "dry run" of a
+schedule. It lives with the tests; the library states the rules (``lightning_para.spec.schedules``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
-from lightning_para.spec.schedules import default_microbatches, schedule_info, schedule_problem, stage_to_rank
-
-TORCH_SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble, "looped_bfs": ScheduleLoopedBFS, "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
+from lightning_para.parallel.pipeline.build import TORCH_SCHEDULES
+from lightning_para.spec.schedules import schedule_info, stage_to_rank, validate_pipeline_config
 
 
-# ----------------------------------------------------------------------------- validation without communication
-class _RecordingStage:
+class RecordingStage:
     """Just enough of a ``PipelineStage`` for torch's schedule code to run without communication.
 
     Every send/receive is empty and every compute action only appends ``"<stage><F|B|I|W><mb>"``
@@ -93,36 +73,24 @@ class _RecordingStage:
         return ()
 
 
-def _build_for_rank(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int, log: list[str]):
+def build_for_rank(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int, log: list[str]) -> Any:
+    """torch's schedule object of ``rank`` over recording stages that append their actions to ``log``."""
     info = schedule_info(schedule)
     mapping = stage_to_rank(schedule, pp, virtual_stages)
     num_stages = pp * virtual_stages
-    stubs = [_RecordingStage(s, num_stages, rank, pp, log) for s in range(num_stages) if mapping[s] == rank]
+    stubs = [RecordingStage(s, num_stages, rank, pp, log) for s in range(num_stages) if mapping[s] == rank]
     loss = lambda output, target: output  # noqa: E731 - a loss makes torch plan the backward actions
-    if info.multi_stage:
-        return TORCH_SCHEDULES[schedule](stubs, microbatches, loss_fn=loss, scale_grads=False)
-    return TORCH_SCHEDULES[schedule](stubs[0], microbatches, loss_fn=loss, scale_grads=False)
+    return TORCH_SCHEDULES[schedule](stubs if info.multi_stage else stubs[0], microbatches, loss_fn=loss, scale_grads=False)
 
 
-def validate_pipeline_config(pp: int, schedule: str, microbatches: Optional[int], virtual_stages: int) -> int:
-    """Check a pipeline layout before any process exists; returns the number of microbatches.
-
-    Raises ``ValueError`` naming the argument and the fix.
-    """
-    m = default_microbatches(pp, virtual_stages) if microbatches is None else microbatches
-    problem = schedule_problem(schedule, pp, m, virtual_stages, planned=False)
-    if problem:
-        raise ValueError(f"`schedule={schedule!r}` with pp={pp}, microbatches={m}: {problem[0]}. {problem[1]}")
-    v = virtual_stages
-    for rank in range(pp):
-        try:
-            _build_for_rank(schedule, pp, m, v, rank, [])
-        except (ValueError, AssertionError, RuntimeError) as err:
-            raise ValueError(
-                f"torch.distributed.pipelining rejects `schedule={schedule!r}` with pp={pp},"
-                f" microbatches={m}, virtual_stages={v}: {err} Change `microbatches` (a multiple of pp always works)."
-            ) from None
-    return m
+def torch_accepts(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> bool:
+    """Whether torch builds ``schedule`` for every rank of this layout."""
+    try:
+        for rank in range(pp):
+            build_for_rank(schedule, pp, microbatches, virtual_stages, rank, [])
+    except (ValueError, AssertionError, RuntimeError):
+        return False
+    return True
 
 
 def schedule_action_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[int, list[str]]:
@@ -136,11 +104,8 @@ def schedule_action_order(schedule: str, pp: int, microbatches: int, virtual_sta
     orders: dict[int, list[str]] = {}
     for rank in range(pp):
         log: list[str] = []
-        built = _build_for_rank(schedule, pp, microbatches, virtual_stages, rank, log)
+        built = build_for_rank(schedule, pp, microbatches, virtual_stages, rank, log)
         batch = torch.zeros(microbatches, 1)
         built.step(batch, target=batch, return_outputs=False)
         orders[rank] = log
     return orders
-
-
-__all__ = ["TORCH_SCHEDULES", "schedule_action_order", "validate_pipeline_config"]
