@@ -2,7 +2,7 @@
 
 What it asks the planner (:func:`search`):
 
-* the model: :func:`~lightning_para.plan.describe_module` of the LightningModule as it is at setup
+* the model: :func:`~lightning_para.describe.describe_module` of the LightningModule as it is at setup
   (built in ``__init__``, whole, possibly on the meta device), with its ``configure_pipeline()``;
 * the run: sequence length and batch from the datamodule (``seq_len``/``seq_length``/
   ``max_seq_length``/``block_size``; ``global_batch_size``, else ``batch_size`` per data-parallel

@@ -6,7 +6,8 @@
   saves for backward (:class:`SavedActivationMeter`, the pipeline runner's ``measure_activations``);
 * :mod:`.operators`: operator counters (bytes moved by non-matmul operators, DTensor-dispatched operators);
 * :mod:`.records`: the record measured and predicted collectives share (:class:`CommFigure`); memory's two records,
-  ``MeasuredMemory`` and ``PredictedMemory``, and the one way held bytes are counted are :mod:`lightning_para.memory`'s;
+  ``MeasuredMemory`` and ``PredictedMemory``, are :mod:`lightning_para.spec.memory`'s, the one way held bytes are
+  counted :mod:`lightning_para.memory`'s;
 * :mod:`.compare`: the one comparator (predicted vs measured, tolerances) and the planner's predicted side of a
   dry-run rank.
 

@@ -30,8 +30,8 @@ dimension where the planner predicts none counts as no error: that is scalars (a
 with ``sync_dist=True``, the clipping norm), not the layout's traffic.
 
 Memory is compared part by part (:func:`memory_comparisons`), the same way for the profiler's run and the dry run:
-a :class:`~lightning_para.memory.MeasuredMemory` against the planner's
-:class:`~lightning_para.memory.PredictedMemory`. The dry run's side (:func:`predicted_rank`): the planner's memory
+a :class:`~lightning_para.spec.memory.MeasuredMemory` against the planner's
+:class:`~lightning_para.spec.memory.PredictedMemory`. The dry run's side (:func:`predicted_rank`): the planner's memory
 and collectives of one pipeline rank, its collectives in payload bytes as the dry run counts them
 (:class:`~lightning_para.instrument.records.CommFigure`).
 """

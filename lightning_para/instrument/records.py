@@ -1,7 +1,7 @@
 """The record a measurement of collectives and the planner's prediction of them share: one kind of collective over
 one mesh dimension. The dry run fills a list of them from its step and one from the planner
 (:func:`~lightning_para.instrument.compare.predicted_rank`), so the two sides read alike. Memory's two records are
-:mod:`lightning_para.memory`'s."""
+:mod:`lightning_para.spec.memory`'s."""
 
 from __future__ import annotations
 
