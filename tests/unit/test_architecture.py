@@ -612,13 +612,19 @@ def test_spec_and_plan_import_only_themselves():
 
 
 CLOSURE = """
-import importlib, json, pkgutil, sys
+import contextlib, importlib, io, json, pkgutil, sys
 import lightning_para.plan, lightning_para.spec
 for package in (lightning_para.spec, lightning_para.plan):
     for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
-print(json.dumps(sorted(sys.modules)))
+planner = sorted(sys.modules)
+from lightning_para.cli import main
+with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+    main(["plan", "--help"])
+print(json.dumps([planner, sorted(sys.modules)]))
 """
+# What `lightning-para plan --help` may load beyond the planner: the command and its parsers.
+COMMAND = (f"{PACKAGE}.cli", f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.model_args", f"{PACKAGE}.run_plan")
 
 
 def closure_problems(loaded: list[str]) -> list[str]:
@@ -638,13 +644,15 @@ def test_closure_check_sees_lightning_and_the_runtime():
 def test_the_planner_and_the_spec_layer_load_no_lightning_and_no_runtime():
     """A fresh interpreter imports ``lightning_para.plan`` and ``lightning_para.spec`` and every module in them: its
     ``sys.modules`` holds no Lightning module and no ``lightning_para`` module outside ``spec/`` and ``plan/``
-    (``__init__`` files included)."""
+    (``__init__`` files included). Then ``lightning-para plan --help`` adds its command's modules, and no torch."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", CLOSURE], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    loaded, command = json.loads(done.stdout.strip().splitlines()[-1])
     assert "lightning_para.plan.search" in loaded and "lightning_para.spec.dims" in loaded
     assert closure_problems(loaded) == []
+    # `lightning-para plan --help`: the command's modules besides, and not even torch.
+    assert [m for m in closure_problems(command) if m not in COMMAND] == [] and "torch" not in command
 
 
 def collective_counters(modules: dict[str, Path]) -> list[str]:

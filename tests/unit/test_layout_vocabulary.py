@@ -91,12 +91,15 @@ def test_strategy_kwargs_leave_out_the_planner_bucket_rule():
 
 def test_option_lists_are_defined_once():
     import lightning_para.config as config
+    import lightning_para.parallel.activation_checkpoint as ac
     import lightning_para.plan.cluster as cluster
     import lightning_para.plan.layout as layout
+    import lightning_para.precision as precision
     from lightning_para.plan.search import SearchSpace
 
-    assert config.PRECISIONS is cluster.PRECISIONS is PRECISIONS and "16-true" in PRECISIONS
-    assert config.ACTIVATION_CHECKPOINTING is SearchSpace().recompute is ACTIVATION_CHECKPOINTING
+    assert cluster.PRECISIONS is precision.PRECISIONS is PRECISIONS and "16-true" in PRECISIONS
+    assert SearchSpace().recompute is ACTIVATION_CHECKPOINTING and ac.MODES == ACTIVATION_CHECKPOINTING[1:]
+    assert not hasattr(config, "PRECISIONS")  # read from the spec layer, not re-exported
     assert not hasattr(layout, "RECOMPUTE")  # no second name for the same list
     for precision in PRECISIONS:  # the planner prices every precision ParaStrategy has
         Training(seq_len=8, global_batch=8, precision=precision)
