@@ -9,6 +9,7 @@ table maps each module (relative to the package) to the names it defines, and
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -36,8 +37,10 @@ def lazy_face(
     face.__class__ = _Face
 
     def __getattr__(name: str) -> object:
-        if name not in where:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if name not in where:  # a subpackage or module, as an eager face's imports made it an attribute
+            if name.startswith("_") or importlib.util.find_spec(f"{package}.{name}") is None:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return importlib.import_module(f"{package}.{name}")
         value = getattr(importlib.import_module(where[name], package), name)
         setattr(face, name, value)  # the next lookup is an ordinary attribute
         return value
