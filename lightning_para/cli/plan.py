@@ -48,7 +48,6 @@ from lightning_para.plan.cluster import ACTIVATION_PROFILES, GPU_SPECS, PRECISIO
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.presets import PRESETS
 from lightning_para.plan.search import SearchSpace, search
-from lightning_para.run_plan import parse_layout, strategy_overrides
 from lightning_para.spec.options import ACTIVATION_CHECKPOINTING, ZERO_STAGES
 
 # A config's model, this machine's figures and a validation run need torch, Lightning and the runtime: each is
@@ -225,6 +224,7 @@ def validate(config_path: str, arguments: dict[str, Any], world: int, steps: int
     from lightning_para.cli.fit import run_cli  # lazy: with it
     from lightning_para.instrument.compare import PredictionCheck  # lazy: with it
     from lightning_para.observe.profiler import ParaProfiler  # lazy: with it
+    from lightning_para.run_plan import strategy_overrides  # lazy: with it
 
     if steps < 3:
         raise PlanError(f"`--steps {steps}`: validation needs at least 3 (a warm-up, a traced and a timed step).")
@@ -294,6 +294,8 @@ def run(argv: list[str]) -> int:
         if config is None:
             raise PlanError("`--validate` runs your config: give `--config`.")
         if args.layout:
+            from lightning_para.run_plan import parse_layout  # lazy: a run's layout (the command's --layout)
+
             arguments = {"dp": "auto", **parse_layout(args.layout)}
         elif result.best is not None:
             arguments = result.best.layout.strategy_kwargs()

@@ -623,8 +623,8 @@ with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
     main(["plan", "--help"])
 print(json.dumps([planner, sorted(sys.modules)]))
 """
-# What `lightning-para plan --help` may load beyond the planner: the command and its parsers.
-COMMAND = (f"{PACKAGE}.cli", f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.model_args", f"{PACKAGE}.run_plan")
+# What `lightning-para plan --help` may load beyond the planner: the command and its model arguments.
+COMMAND = (f"{PACKAGE}.cli", f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.model_args")
 
 
 def closure_problems(loaded: list[str]) -> list[str]:
