@@ -47,10 +47,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def attention_job(method: str, load_balance: bool, kv_heads: int, tile_bytes: Optional[int] = None) -> dict:
-    from lightning_para.parallel.context import ring
+    from lightning_para.spec import tiles
 
-    previous = ring.SCORE_TILE_BYTES
-    ring.SCORE_TILE_BYTES = tile_bytes or previous  # small tiles split every chunk pair into row tiles
+    previous = tiles.SCORE_TILE_BYTES
+    tiles.SCORE_TILE_BYTES = tile_bytes or previous  # small tiles split every chunk pair into row tiles
     try:
         cp, rank = dist.get_world_size(), dist.get_rank()
         g = torch.Generator().manual_seed(0)
@@ -71,7 +71,7 @@ def attention_job(method: str, load_balance: bool, kv_heads: int, tile_bytes: Op
         errors = {name: _rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), full, expected)}
         return {"finite": all(bool(torch.isfinite(t).all()) for t in full), **errors}
     finally:
-        ring.SCORE_TILE_BYTES = previous
+        tiles.SCORE_TILE_BYTES = previous
 
 
 @pytest.mark.parametrize(
