@@ -359,7 +359,7 @@ def _load_gpt(folder):
 def test_litgpt_folder_round_trip(pools, tmp_path, world, kwargs, config):
     """A LitGPT folder loads into the layout unchanged (exported before the first step: bitwise equal),
     trains as on one device, and exports back -- live or from the ParaStrategy checkpoint, identically --
-    to a folder whose logits are the in-layout model's within 1e-6 (relative to the largest logit)."""
+    to a folder whose logits are the in-layout model's within 1e-5 (relative to the largest logit)."""
     import functools
 
     from lightning_para.integrations.litgpt import export
@@ -382,7 +382,8 @@ def test_litgpt_folder_round_trip(pools, tmp_path, world, kwargs, config):
         exported_logits = end(x)
     if results[0]["logits"] is not None:
         gap = (exported_logits - results[0]["logits"]).abs().max() / results[0]["logits"].abs().max()
-        assert gap <= 1e-6, gap
+        # tp's partial sums and ep's expert outputs add in another order than one device: the fp32 standard
+        assert gap <= FP32_RTOL, gap
     export(results[0]["saved"][-1], tmp_path / "from_ckpt")
     from_ckpt, live = _litgpt_state(tmp_path / "from_ckpt"), _litgpt_state(tmp_path / "end")
     assert from_ckpt.keys() == live.keys() == original.keys()
