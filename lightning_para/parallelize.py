@@ -1,45 +1,11 @@
-"""``parallelize()``: apply every dimension to a model, in one fixed order.
+"""``parallelize()``: apply every dimension to a model, in one fixed order (the order and why: the comment in
+:func:`parallelize` and ``docs/architecture.md``, "The order in ``parallelize()``").
 
-Order, and why:
-
-1. **Expert layout check and tensor-parallel plan** on the whole model: every rank raises the
-   same ``ValueError`` for an impossible ``ep`` or ``tp`` before the pipeline split leaves each
-   rank a part of the model; the plan is kept by module identity, so each stage later gets its
-   modules' styles whatever names reach them. **Context parallel** set-up on the whole model
-   too: it changes no parameter, it tells every position-aware submodule its cp rank (before the
-   split, so every stage's modules hear it).
-2. **Pipeline split**: each rank keeps only its own stages, so every later step works on
-   (and allocates for) a fraction of the model.
-3. **Tensor parallel**: it turns parameters into DTensors on the ``tp`` mesh; data
-   parallelism must see those shards, not the full weights, to shard the right bytes.
-4. **Expert parallel**: experts become ``ep`` shards; the record names the expert modules, so
-   data parallelism reduces their parameters over ``edp`` only.
-5. **Activation checkpointing** wraps blocks that are already TP/EP-parallel, so the
-   recomputed forward re-issues the same collectives. Then **compile** (``compile=True``):
-   each block, already parallel and checkpointed, is compiled (``parallel/compile.py``), so
-   data parallelism's hooks and FSDP2 units sit around compiled blocks (torchtitan's order).
-6. **Data parallel / ZeRO**: FSDP2 (stage 3) must wrap the final parameters, and the
-   ZeRO-0/1/2 gradient hooks must sit on the parameters that really receive gradients.
-   Gradients are averaged over ``dp x cp`` (the cp ranks hold different tokens of the same
-   samples): ZeRO shards over ``dp_shard x cp`` and, under hybrid sharding, all-reduces the
-   shards over ``dp_replicate``; FSDP2 gets the 2-D HSDP mesh then.
-7. **Precision cast** to bf16 (``bf16-true``) before any gradient hook is registered: a cast
-   swaps DTensor parameters' tensors and drops their hooks. Without fp32 masters
-   (``master_weights=False``) the model is cast before step 1, so every dimension shards bf16
-   parameters; ZeRO-3 with masters casts weights made in bf16 up to fp32 there (FSDP2's fp32
-   shards are the masters; it gathers in bf16 itself). ZeRO-0/1/2 with masters cast inside step 6,
-   after taking their fp32 master copies (from the exact fp32 initialisation) and before
-   tensor parallelism's and ZeRO's gradient hooks are registered (:class:`_PrecisionCast`).
-
-Before step 1, ``fp8`` converts the chosen linears to torchao float8 training (``parallel/fp8.py``), so
-the tensor-parallel plan and the pipeline split see the new modules. Also before step 1, :func:`~lightning_para.compat.detect_user_parallelism` looks at what the user's
-``configure_model`` already applied (TP with ``parallelize_module``, FSDP2 with ``fully_shard``),
-checks it against the degrees, and those dimensions are skipped: a model the user fully sharded
-gets nothing more; one the user split with TP gets only data parallelism (ZeRO) on top.
-
-Each step is one ``apply_*`` function of its dimension's package, given its sub-mesh and its
-options explicitly. The result is a typed :class:`ParallelModel`: what was applied, per
-dimension, for the strategy and the tools that read it.
+What the user's ``configure_model`` already applied (TP with ``parallelize_module``, FSDP2 with ``fully_shard``)
+is checked against the degrees and skipped (:func:`~lightning_para.compat.detect_user_parallelism`): a model the
+user fully sharded gets nothing more; one the user split with TP gets only data parallelism on top. Each step is
+one ``apply_*`` function of its dimension's package, given its sub-mesh and its options explicitly. The result is
+a typed :class:`ParallelModel`: what was applied, per dimension, for the engine and the tools that read it.
 """
 
 from __future__ import annotations
@@ -68,7 +34,7 @@ from lightning_para.parallel.fp8 import (
     float8_tensor_parallel_styles,
 )
 from lightning_para.parallel.context import ContextParallel, apply_context_parallel
-from lightning_para.parallel.data import DataParallel, GradReplication, apply_data_parallel
+from lightning_para.parallel.data import DataParallel, GradReplication, NoDataParallel, apply_data_parallel
 from lightning_para.parallel.expert import ExpertParallelInfo, apply_expert_parallel, check_expert_layout
 from lightning_para.parallel.pipeline import PipelineRunner, apply_pipeline_parallel
 from lightning_para.parallel.tensor import (
@@ -96,11 +62,12 @@ class ParallelModel:
     config: ParallelConfig
     dims: ParallelDims
     parts: list[nn.Module]
+    # Data parallelism (ZeRO 0-2, FSDP2, or the user's fully_shard): the one interface to it (a no-op one
+    # until `parallelize` applies it).
+    data_parallel: DataParallel
     pipeline: Optional[PipelineRunner] = None
     tensor: list[TensorParallelInfo] = field(default_factory=list)
     experts: list[ExpertParallelInfo] = field(default_factory=list)
-    # Data parallelism (ZeRO 0-2, FSDP2, or the user's fully_shard): the one interface to it.
-    data_parallel: Optional[DataParallel] = None
     context: Optional[ContextParallel] = None  # cp > 1: batch split, attention and loss around each step
     compiled: list[CompileInfo] = field(default_factory=list)  # compile=True: the compiled blocks, per part
     float8: Optional[Float8Info] = None  # fp8: the linears converted to torchao float8 training, and the skipped
@@ -113,13 +80,11 @@ class ParallelModel:
     @property
     def fully_sharded(self) -> bool:
         """Whether parameters are FSDP2 shards (ZeRO-3, HSDP, or the user's ``fully_shard``)."""
-        return self.data_parallel is not None and self.data_parallel.fully_sharded
+        return self.data_parallel.fully_sharded
 
     @property
     def grad_replication(self) -> GradReplication:
         """On how many ranks each optimizer parameter's gradient is identical (set when optimizers are attached)."""
-        if self.data_parallel is None:
-            return GradReplication()
         return self.data_parallel.grad_replication
 
     @property
@@ -136,8 +101,7 @@ class ParallelModel:
 
         Taken once and used for a batch of questions (the set is built at call time)."""
         ids = {id(p) for info in self.experts for p in info.expert_parameters()}
-        if self.data_parallel is not None:
-            ids |= self.data_parallel.masters_of(ids)
+        ids |= self.data_parallel.masters_of(ids)
         return lambda t: id(t) in ids
 
 
@@ -171,16 +135,15 @@ def parallelize(
     if user.fully_sharded:
         return _keep_user_fully_sharded(module, dims, config, user, param_dtype)
     compile_opts = compile_options(config.compile)  # None: no compile
-    float8 = None
-    if config.fp8 is not None:  # first: the tp plan and pipeline split see the float8 modules
-        # ZeRO-3: FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16).
-        fsdp_float8 = config.zero == 3 and dims.zero_shards > 1
-        keep = adapted_fused_projections(module) if dims.tp > 1 else None
-        float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8, keep=keep)
-        if float8.skipped:
-            log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
+    # The order, and why: float8 first (the tp plan and the pipeline split see the float8 modules); the cast of
+    # `*-true` before any dimension makes its parameters and hooks (or, ZeRO 0-2 with masters, just before the
+    # gradient hooks: `_PrecisionCast`); the ep check, cp set-up and tp plan on the whole model, so every rank
+    # raises the same error before the pipeline split keeps only this rank's stages; tp (data parallelism must
+    # shard the tp shards), ep, then recomputation around already-parallel blocks (it re-issues their
+    # collectives) and compile on each stage; data parallelism last, over the final parameters.
+    float8 = _apply_float8(module, dims, config) if config.fp8 is not None else None
     cast = _PrecisionCast.choose(param_dtype, master_dtype, config.zero)
-    if cast.first is not None:  # before any dimension: parallel parameters and their hooks are made in it
+    if cast.first is not None:
         _cast(module, cast.first)
     if dims.ep > 1:
         check_expert_layout(module, dims.ep, dims.dp)
@@ -199,63 +162,32 @@ def parallelize(
         )
         if dims.tp_enabled and not user.tensor_parallel else None
     )
-    pipeline = None
-    parts = [module]
-    if dims.pp_enabled:
-        if compile_opts is not None:
-            check_blocks(module)  # on the whole model: a stage may hold only the embedding or the head
-        pipeline = apply_pipeline_parallel(
-            module, dims.get_mesh("pp"), schedule=config.schedule, microbatches=config.pipeline_microbatches,
-            virtual_stages=config.virtual_stages, pipeline_split=config.pipeline_split,
-            pipeline_balance=config.pipeline_balance,
-        )
-        parts = list(pipeline.stage_modules)
+    pipeline = _apply_pipeline(module, dims, config, compile_opts) if dims.pp_enabled else None
     result = ParallelModel(
-        config=config, dims=dims, parts=parts, pipeline=pipeline, context=context, user=user, float8=float8
+        config, dims, list(pipeline.stage_modules) if pipeline is not None else [module],
+        NoDataParallel(dims, stage=config.zero), pipeline=pipeline, context=context, user=user, float8=float8,
     )
-
     # Tensor parallelism's gradient hooks wait for the last cast (see `_PrecisionCast`).
-    hooked_by_tp: list[nn.Module] = []
-    if user.tensor_parallel:
-        hooked_by_tp = [module]  # the user's TP stays as it is; its gradients get their parameters' layouts
-    elif dims.tp_enabled:
-        # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
-        # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
-        # combined (the recomputed forward would install the hooks a second time).
-        # Under compile the block's saved tensors are the compiled graph's, chosen by AOTAutograd's
-        # partitioner; the shard-keeping saved-tensor hooks (matched by storage pointer) cannot be
-        # traced and would graph-break and recompile at every call, so they are left out too.
-        keep_shard = (
-            config.sp_save_input_shard and config.activation_checkpointing is None
-            and compile_opts is None
-        )
-        float8_styles = float8_tensor_parallel_styles(
-            config.fp8, float8_collectives=float8_collectives_supported(dims.get_mesh("tp").get_group())
-        )
-        result.tensor = [
-            apply_tensor_parallel(
-                part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
-                loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
-                pipeline_stage=pipeline is not None, float8=float8_styles, hook_grads=False,
-            )
-            for part in parts
-        ]
-        hooked_by_tp = parts
-        if pipeline is not None and result.loss_parallel:
-            pipeline.enable_loss_parallel()
-        if pipeline is not None and config.sequence_parallel:
-            pipeline.require_sequence_multiple(dims.tp)  # checked on every pipeline rank before any send
-
+    hooked_by_tp = [module] if user.tensor_parallel else _apply_tensor_parallel(result, tp_plan, compile_opts)
     ep_mesh = dims.get_mesh("ep") if dims.ep > 1 else None
-    result.experts = [apply_expert_parallel(part, ep_mesh, dims.get_mesh("dp")) for part in parts]
-
+    result.experts = [apply_expert_parallel(part, ep_mesh, dims.get_mesh("dp")) for part in result.parts]
     recompute = [c for c in (context.mode if context else None, recompute_context) if c is not None]
-    for part in parts:
+    for part in result.parts:
         # Under cp the recomputed attention must run across the cp group again (its mode is not active in backward).
         apply_activation_checkpointing(part, config.activation_checkpointing, partial(_entered, recompute) if recompute else None)
     if compile_opts is not None:  # after TP/SP, CP, EP and recomputation; before data parallelism wraps the blocks
-        result.compiled = [apply_compile(part, options=compile_opts, require_blocks=pipeline is None) for part in parts]
+        result.compiled = [apply_compile(part, options=compile_opts, require_blocks=pipeline is None) for part in result.parts]
+    result.data_parallel = _apply_data_parallel(result, module, cast, hooked_by_tp, param_dtype, master_dtype)
+    return result
 
+
+def _apply_data_parallel(
+    result: ParallelModel, module: nn.Module, cast: "_PrecisionCast", hooked_by_tp: list[nn.Module],
+    param_dtype: Optional[torch.dtype], master_dtype: Optional[torch.dtype],
+) -> DataParallel:
+    """ZeRO 0-2 or FSDP2 over everything applied before; the last cast and tensor parallelism's gradient hooks
+    come between ZeRO taking its masters and its own gradient hooks (``before_gradient_hooks``)."""
+    config, dims = result.config, result.dims
     result.psi_dense, result.psi_expert = _count_params(module, result.expert_predicate())
 
     def before_gradient_hooks() -> None:
@@ -264,15 +196,69 @@ def parallelize(
         for target in hooked_by_tp:
             hook_grad_layouts(target)
 
-    result.data_parallel = apply_data_parallel(
-        module, dims, stage=config.zero, parts=parts, accumulation=config.zero_accumulation,
+    return apply_data_parallel(
+        module, dims, stage=config.zero, parts=result.parts, accumulation=config.zero_accumulation,
         bucket_size_mb=config.bucket_size_mb, zero3_units=config.zero3_units, param_dtype=param_dtype,
         master_dtype=master_dtype, is_expert=result.expert_predicate(),
         expert_units=[m for info in result.experts for m in info.expert_modules],
         shard_placement_fn=fsdp_shard_placement_fn(dims.zero_shards) if dims.tp_enabled else None,
         psi_dense=result.psi_dense, psi_expert=result.psi_expert, before_gradient_hooks=before_gradient_hooks,
     )
-    return result
+
+
+def _apply_float8(module: nn.Module, dims: ParallelDims, config: ParallelConfig) -> Float8Info:
+    """torchao's float8 training linears; under ZeRO-3 FSDP2 all-gathers the float8 weights in float8 (half the
+    bytes of bf16). Fused projections tensor parallelism adapts stay in high precision."""
+    keep = adapted_fused_projections(module) if dims.tp > 1 else None
+    fsdp_float8 = config.zero == 3 and dims.zero_shards > 1
+    float8 = apply_float8(module, recipe=config.fp8, fsdp_float8_all_gather=fsdp_float8, keep=keep)
+    if float8.skipped:
+        log.info("fp8=%r: kept in high precision: %s", config.fp8, "; ".join(f"{k} ({v})" for k, v in float8.skipped.items()))
+    return float8
+
+
+def _apply_pipeline(
+    module: nn.Module, dims: ParallelDims, config: ParallelConfig, compile_opts: Optional[Any]
+) -> PipelineRunner:
+    """The pipeline split: only this rank's stages are kept (and built, from a meta model)."""
+    if compile_opts is not None:
+        check_blocks(module)  # on the whole model: a stage may hold only the embedding or the head
+    return apply_pipeline_parallel(
+        module, dims.get_mesh("pp"), schedule=config.schedule, microbatches=config.pipeline_microbatches,
+        virtual_stages=config.virtual_stages, pipeline_split=config.pipeline_split,
+        pipeline_balance=config.pipeline_balance,
+    )
+
+
+def _apply_tensor_parallel(result: ParallelModel, tp_plan: Any, compile_opts: Optional[Any]) -> list[nn.Module]:
+    """Tensor (and sequence) parallelism on each part, from the plan resolved on the whole model; returns the
+    modules whose gradients get their parameters' layouts once the last cast is done."""
+    config, dims, pipeline = result.config, result.dims, result.pipeline
+    if not dims.tp_enabled:
+        return []
+    # Megatron-SP keeps the sequence shard of each sublayer input and all-gathers it again in
+    # backward. Activation checkpointing recomputes the whole block anyway, so the two are not
+    # combined (the recomputed forward would install the hooks a second time).
+    # Under compile the block's saved tensors are the compiled graph's, chosen by AOTAutograd's
+    # partitioner; the shard-keeping saved-tensor hooks (matched by storage pointer) cannot be
+    # traced and would graph-break and recompile at every call, so they are left out too.
+    keep_shard = config.sp_save_input_shard and config.activation_checkpointing is None and compile_opts is None
+    float8_styles = float8_tensor_parallel_styles(
+        config.fp8, float8_collectives=float8_collectives_supported(dims.get_mesh("tp").get_group())
+    )
+    result.tensor = [
+        apply_tensor_parallel(
+            part, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=config.sequence_parallel,
+            loss_parallel=config.loss_parallel, keep_sequence_shard=keep_shard, unplanned=config.tp_unplanned,
+            pipeline_stage=pipeline is not None, float8=float8_styles, hook_grads=False,
+        )
+        for part in result.parts
+    ]
+    if pipeline is not None and result.loss_parallel:
+        pipeline.enable_loss_parallel()
+    if pipeline is not None and config.sequence_parallel:
+        pipeline.require_sequence_multiple(dims.tp)  # checked on every pipeline rank before any send
+    return result.parts
 
 
 @dataclass(frozen=True)
@@ -311,7 +297,7 @@ def _keep_user_fully_sharded(
 ) -> ParallelModel:
     """The user's ``fully_shard`` (and TP, if any) is the whole layout: nothing is added. Under ``*-true``
     the model is cast as Lightning's ModelParallelStrategy casts it (FSDP2 keeps shards in that dtype)."""
-    result = ParallelModel(config=config, dims=dims, parts=[module], user=user)
+    result = ParallelModel(config, dims, [module], NoDataParallel(dims, stage=config.zero), user=user)
     dense, _ = _count_params(module, result.expert_predicate())
     result.psi_dense = dense * dims.dp  # the shards FSDP2 left this rank, times the ranks that share them
     result.data_parallel = apply_data_parallel(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 

@@ -34,15 +34,14 @@ from torch import Tensor, nn
 import lightning.pytorch as pl
 from lightning_para import checkpoint as ckpt
 from lightning_para.core.front_end import ParaFrontEnd
-from lightning_para.fabric.checkpoint import for_the_trainer
-from lightning_para.mesh import ParallelDims
+from lightning_para.checkpoint.fabric_format import for_the_trainer
 from lightning_para.observe.panels import straggler_metrics
 from lightning_para.observe.publish import log_scalars
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import MemoryBreakdown, convert_sync_batchnorm
 from lightning_para.auto_layout import LayoutChoice, auto_configure
 from lightning_para.precision import ParaPrecision, as_para_precision
-from lightning_para.reliability.preemption import save_hpc_checkpoint
+from lightning_para.reliability.preemption import StepBoundary, save_hpc_checkpoint
 
 
 class ParaStrategy(ParaFrontEnd, ParallelStrategy):
@@ -105,34 +104,21 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         # Read by Lightning to decide whether to insert a DistributedSampler.
         return True
 
+    def _step_number(self) -> int:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer.global_step if trainer is not None else -1
+
     def setup_environment(self) -> None:
-        dims = self._resolve_dims()  # raises before any collective
+        self._resolve_dims()  # raises before any collective
         self._share_cores()
         super().setup_environment()
         self._setup_distributed()
         if self.config.layout == "auto":  # the planner decides on rank 0 and broadcasts, before the mesh exists
-            dims = self._plan_layout()
-        dims = self.core.build_mesh(self.root_device.type)
+            self._plan_layout()
+        dims = self.core.setup_environment(self.root_device.type, self.world_size, self.broadcast)
         assert self.lightning_module is not None
         # What `LightningModule.device_mesh` returns inside `configure_model` (Lightning reads this attribute).
         self.lightning_module._device_mesh = dims.mesh
-        self._start_watchdog()
-
-    # ------------------------------------------------------------------ watchdog
-    def _start_watchdog(self) -> None:
-        self.core.start_watchdog(self.world_size, self.broadcast)
-
-    def _report(self, what: str, exempt: bool = False) -> None:
-        """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
-        self.core.report(what, exempt)
-
-    def _compiling(self, phase: str) -> bool:
-        """Compiling steps are exempt from the watchdog (:meth:`ParaEngine.compiling`)."""
-        return self.core.compiling(phase, self._global_step())
-
-    def _global_step(self) -> int:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return trainer.global_step if trainer is not None else -1
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
@@ -144,7 +130,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         # would detach them from their mesh.
         ModelParallelStrategy.teardown(self)
 
-    def _plan_layout(self) -> ParallelDims:
+    def _plan_layout(self) -> None:
         module = self.lightning_module
         assert module is not None
         trainer = module._trainer  # private: see docs/architecture.md
@@ -155,7 +141,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             accumulation=trainer.accumulate_grad_batches if trainer is not None else 1, trainer=trainer,
         )
         rank_zero_info(self.layout_choice.report)
-        return self._resolve_dims()
+        self._resolve_dims()
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -173,24 +159,25 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        precision = self.precision_plugin
-        precision.device_type = self.root_device.type
-        self._report("setup: parallelize the model", exempt=True)
         # Materialised (or, with pretrained weights pending, loaded after parallelizing: each rank its own
         # slices); BatchNorms converted before sharding. A module set up before keeps its layout (and its
         # converted BatchNorms; a clear error if FSDP2 holds plain ones).
-        self.core.parallelize(module, self.root_device, precision, before=self._sync_batchnorm)
+        self.core.setup_module(module, self.root_device, self.precision_plugin, before=self._sync_batchnorm)
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            ckpt.begin_run(self.core.checkpoint_run, trainer)  # the checkpoint folders held from the start, leftovers swept
+            self.core.checkpoints.begin_run(trainer)  # the checkpoint folders held from the start, leftovers swept
             self.setup_optimizers(trainer)
-            self._attach_optimizers()
+            self.core.setup_optimizers([o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers])
             # Wrap again: a LightningOptimizer's class is made from its optimizer's class, which ZeRO-1/2 just
             # subclassed (`zero_grad` also drops the gradients shown in `p.grad`).
-            self.optimizers = self._raw_optimizers()
+            self.optimizers = list(self.core.optimizers)
         self.setup_precision_plugin()
-        self.core.connect(self.root_device, precision, self._global_step, self._check_step)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        # Re-created for every fit: ZeRO edits the optimizer's param groups in place.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
 
     def _sync_batchnorm(self, module: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the dp group, on any device
@@ -203,31 +190,21 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         else:
             layer_sync.apply(module)  # the user's own LayerSync plugin decides (in place)
 
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        # Re-created for every fit: ZeRO edits the optimizer's param groups in place.
-        self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
-
-    def _attach_optimizers(self) -> None:
-        self.core.attach_optimizers(self._raw_optimizers())
-
-    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        super().pre_backward(closure_loss)
-        module = self.lightning_module
-        # MoE aux-loss gradients are scaled as Lightning scales the loss: over the accumulation.
-        accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
-        self.core.before_backward(module, self.precision_plugin, accumulate)
-
-    def finalize_gradients(self) -> None:
-        """Finish any gradient communication still pending (before clipping or unscaling)."""
-        self.core.finalize_gradients()
-
     # ------------------------------------------------------------------ steps
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if not any(isinstance(c, StepBoundary) for c in trainer.callbacks):  # after ModelCheckpoint
+            trainer.callbacks.append(StepBoundary(lambda: self.core.end_step(self._save_preemption_checkpoint)))
+        self.core.start_training()  # after Lightning's SIGTERM handler (which runs a collective)
+        if self.core.straggler is not None:  # rank 0 logs every rank's figure: a per-rank TensorBoard panel
+            self.core.straggler.publish = lambda figures, named: log_scalars(trainer, straggler_metrics(figures, named))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.core.begin_step("train batch", f"train batch {batch_idx} loaded")
+
     def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
-        self._report(f"{name} (global step {self._global_step()})", exempt=self._compiling(name))
         module = self.lightning_module
         through_root = self.core.forward_through_root(module)
 
@@ -241,8 +218,8 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         # cp's first-step check runs the step twice more without gradients: not a manual-optimization
         # training_step (it steps the optimizer itself; a validation step can check).
         manual = name == "training_step" and not module.automatic_optimization
-        return self.core.run_step(
-            name, module, args, kwargs, context, call=call, precision=precision, check_cp=not manual,
+        return self.core.step(
+            name, module, args, kwargs, context, call=call, check_cp=not manual,
             check_contexts={
                 "training_step": precision.train_step_context, "validation_step": precision.val_step_context,
                 "test_step": precision.test_step_context, "predict_step": precision.predict_step_context,
@@ -250,9 +227,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
-        self.core.after_training_step(output, self._global_step())  # notes of a non-finite loss, recompile storms
-        return output
+        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
@@ -263,20 +238,30 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        module = self.lightning_module
+        # MoE aux-loss gradients are scaled as Lightning scales the loss: over the accumulation.
+        self.core.before_backward(module.trainer.accumulate_grad_batches if module.automatic_optimization else 1)
+
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        self._report(f"backward and gradient sync (global step {self._global_step()})", exempt=self._compiling("backward"))
-        if not self.core.has_pipeline:
-            with self.core.backward_context():  # tensor parallel's loss-parallel kernels
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The pipeline schedule already ran forward and backward over every microbatch inside
-        # `training_step`; its gradients join `.grad` here (after Lightning's zero_grad) and sync
-        # over dp. The precision hooks still run so `on_before/after_backward` callbacks fire.
+        # Lightning's `Strategy.backward`, with the engine's backward of the loss in the middle: under pp the
+        # schedule ran it inside `training_step` and its gradients join `.grad` there (after Lightning's
+        # zero_grad); the precision hooks still run, so `on_before/after_backward` callbacks fire.
+        module, precision = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
-        self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.core.finish_pipeline_backward()
-        self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        closure_loss = precision.pre_backward(closure_loss, module)
+        self.core.backward(closure_loss, lambda loss: precision.backward(loss, module, optimizer, *args, **kwargs))
+        closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return self.core.optimizer_step(lambda: super(ParaStrategy, self).optimizer_step(optimizer, closure, model, **kwargs))
+
+    def finalize_gradients(self) -> None:
+        """Finish any gradient communication still pending (before clipping or unscaling)."""
+        self.core.finalize_gradients()
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -284,14 +269,6 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         policy (``zero_accumulation``; :meth:`DataParallel.accumulation_no_sync`)."""
         with self.core.accumulation_no_sync():
             yield
-
-    # ------------------------------------------------------------------ non-finite values, SIGTERM
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        trainer = self.lightning_module.trainer
-        self.core.guard.start_fit(trainer, self._save_preemption_checkpoint)  # end-of-batch stop, SIGTERM
-        if self.core.straggler is not None:  # rank 0 logs every rank's figure: a per-rank TensorBoard panel
-            self.core.straggler.publish = lambda figures, named: log_scalars(trainer, straggler_metrics(figures, named))
 
     def _save_preemption_checkpoint(self) -> str:
         """Always sharded, whatever ``save_distributed_checkpoint`` says: a sharded checkpoint resumes into
@@ -302,35 +279,14 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         finally:
             self.save_distributed_checkpoint = sharded
 
-    def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
-        """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
-        self._report(f"finite check (global step {self._global_step()})", exempt=self._compiling("finite check"))
-        self.core.check_step(self._global_step(), self.precision_plugin.main_params(optimizer) if check_gradients else None)
-
-    # ------------------------------------------------------------------ integrity
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        step = self.lightning_module.trainer.global_step
-        self._report(f"train batch {batch_idx} loaded (global step {step})", exempt=self._compiling("train batch"))
-        integrity = self.core.integrity
-        if integrity is not None and integrity.due(step):  # after the last step's ZeRO gather
-            self.check_integrity(step)
-
     def on_train_end(self) -> None:
         super().on_train_end()
-        self.core.guard.settle()  # the last step's finite check (read a step late)
-        step = self.lightning_module.trainer.global_step
-        integrity = self.core.integrity
-        if integrity is not None and step != integrity.last_checked_step:
-            self.check_integrity(step)
+        self.core.end_training()  # the last step's finite check (read a step late), the last integrity check
 
     def check_integrity(self, step: Optional[int] = None) -> list[str]:
         """Compare every replicated tensor across its replicas now (collective; see ``docs/reliability.md``).
         Returns the findings; raises ``IntegrityError`` on one unless ``integrity_action="warn"``."""
-        module = self.lightning_module
-        return self.core.check_integrity(
-            module.trainer.global_step if step is None else step, module, self._raw_optimizers(), self.root_device
-        )
+        return self.core.check_integrity(step)
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> MemoryBreakdown:
@@ -340,13 +296,13 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
         The formulas' ``N`` is the number of ranks that *shard* the state: ``dp_shard x cp``
         (``edp x cp`` for experts); hybrid sharding's ``dp_replicate`` replicas hold copies."""
-        return self.core.memory_breakdown(self.lightning_module, self._raw_optimizers(), self.precision_plugin)
+        return self.core.memory_breakdown(self.lightning_module)
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_parameters(self) -> None:
         """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
         ones the optimizer and checkpoints name (e.g. ModelCheckpoint saving after validation)."""
-        self.core.reshard(self.lightning_module)
+        self.core.checkpoints.reshard(self.lightning_module)
 
     def on_validation_end(self) -> None:
         self._sharded_parameters()  # and the gathered head's memory is freed until the next forward
@@ -360,14 +316,15 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded (DTensors) on every rank; with ``save_distributed_checkpoint=False``, the full state as
         plain tensors on rank 0 and ``{}`` elsewhere (Lightning's contract; collective)."""
-        return self.core.model_state(self.lightning_module, full=not self.save_distributed_checkpoint)
+        return self.core.checkpoints.model_state(self.lightning_module, full=not self.save_distributed_checkpoint)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """By parameter name with global DTensors; with ``save_distributed_checkpoint=False``, PyTorch's own
         format with full plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return self.core.optimizer_state(self.lightning_module, optimizer, full=not self.save_distributed_checkpoint)
+        full = not self.save_distributed_checkpoint
+        return self.core.checkpoints.optimizer_state(self.lightning_module, optimizer, full=full)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by `load_checkpoint`
@@ -378,11 +335,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
-        # Rank 0's path, and its token naming the hidden sibling every rank writes into (atomic save).
-        path, token = self.broadcast((str(filepath), self.core.checkpoint_run.new_token()))
-        self.core.save_checkpoint(
-            Path(path), token, checkpoint, sharded=self.save_distributed_checkpoint, module=self.lightning_module,
-            step=self._global_step(),
+        self.core.checkpoints.save(
+            filepath, checkpoint, sharded=self.save_distributed_checkpoint, module=self.lightning_module,
+            broadcast=self.broadcast,
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -393,8 +348,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
-        self._report(f"choosing the checkpoint for {checkpoint_path}", exempt=True)
         # "hpc"/"last" (Lightning's lookups) become this run's newest complete checkpoint, agreed from rank 0.
-        path = ckpt.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None), self.core.checkpoint_run)
+        path = self.core.checkpoints.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None))
         # A Fabric checkpoint (lightning_para.fabric) loads too: its model and optimizers, the loops start afresh.
-        return for_the_trainer(self.core.load_checkpoint(path, self.lightning_module, self._raw_optimizers()))
+        return for_the_trainer(self.core.checkpoints.load(path, self.lightning_module, self.core.optimizers))

@@ -416,7 +416,7 @@ def fabric_reliability_job(part: str) -> dict[str, Any]:
             model.module.blocks[0].attn.c_proj.weight.view(-1)[0] += 1.0
     fabric.backward(loss_fn(model(inputs), targets))
     optimizer.step()
-    result["reports"] = list(strategy.core.integrity.reports)
+    result["reports"] = list(strategy.core.run_guard.integrity.reports)
     return result
 
 

@@ -61,10 +61,9 @@ def _to_rank_zero(part: dict[str, Any], dims: ParallelDims) -> Optional[list[dic
 
 
 @torch.no_grad()
-def full_model_state(module: nn.Module, data_parallel: Optional[DataParallel], dims: ParallelDims) -> dict[str, Any]:
+def full_model_state(module: nn.Module, data_parallel: DataParallel, dims: ParallelDims) -> dict[str, Any]:
     """``module.state_dict()`` as full plain CPU tensors on global rank 0, ``{}`` elsewhere (collective)."""
-    slots = data_parallel.optimizer_slots() if data_parallel is not None else ()
-    masters = {s.name: s for s in slots if s.separate_master}
+    masters = {s.name: s for s in data_parallel.optimizer_slots() if s.separate_master}
     part: dict[str, Any] = {}
     for key, value in module.state_dict().items():
         slot = masters.get(key)

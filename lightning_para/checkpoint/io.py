@@ -36,7 +36,7 @@ def load_full_checkpoint_into(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     views: Mapping[int, OptimParam],
-    data_parallel: Optional[DataParallel],
+    data_parallel: DataParallel,
     strict: bool = True,
     path: Any = "<checkpoint>",
 ) -> None:
@@ -49,10 +49,9 @@ def load_full_checkpoint_into(
     for key, target in own.items():
         if key in state:
             _copy_full_into(target, state[key])
-    if data_parallel is not None:
-        for slot in data_parallel.optimizer_slots():
-            if slot.name in state:
-                slot.load_master(_local_of_full(slot.param, state[slot.name]))
+    for slot in data_parallel.optimizer_slots():
+        if slot.name in state:
+            slot.load_master(_local_of_full(slot.param, state[slot.name]))
     for optimizer, osd in zip(optimizers, checkpoint.get("optimizer_states", [])):
         init_optimizer_state(optimizer, data_parallel)
         for group, saved_group in zip(optimizer.param_groups, osd["param_groups"]):
@@ -73,8 +72,7 @@ def load_full_checkpoint_into(
                         current.copy_(value)
                     else:
                         optimizer.state[q][key] = value
-    if data_parallel is not None:
-        data_parallel.gather_params()
+    data_parallel.gather_params()
 
 
 def _local_of_full(param: Tensor, full: Tensor) -> Tensor:
@@ -167,7 +165,7 @@ def load_checkpoint_in_place(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     views: Mapping[int, OptimParam],
-    data_parallel: Optional[DataParallel] = None,
+    data_parallel: DataParallel,
     pipeline: Optional[PipelineRunner] = None,
     strict: Optional[bool] = None,
     convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
@@ -215,7 +213,7 @@ def load_checkpoint_in_place(
         unexpected = sorted(k[prefix:] for k in available - _model_keys_everywhere(wanted, pipeline))
         check_keys(path, module, missing, unexpected, strict)
         load_sharded_into(path, {"state_dict": own})
-        if data_parallel is not None and not optimizers:
+        if not optimizers:
             data_parallel.reset_masters_from_params()
         for i, optimizer in enumerate(optimizers):
             load_optimizer_state(optimizer, views, path, f"optimizer_{i}", data_parallel)

@@ -18,7 +18,6 @@ name them; describing every layout here gives one format that all layouts read.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,14 +92,13 @@ def slot_to_global(slot: ParamSlot, local: Tensor, dims: ParallelDims) -> Any:
 
 
 def optimizer_params(
-    module: nn.Module, data_parallel: Optional[DataParallel], dims: ParallelDims
+    module: nn.Module, data_parallel: DataParallel, dims: ParallelDims
 ) -> dict[int, OptimParam]:
     """Map ``id(tensor the optimizer steps)`` to its name and global view (the shards data parallelism's
     optimizers step instead of parameters: :meth:`DataParallel.optimizer_slots`)."""
     views = {id(p): OptimParam(name, lambda t: t) for name, p in module.named_parameters()}
-    if data_parallel is not None:
-        for slot in data_parallel.optimizer_slots():
-            views[id(slot.master)] = OptimParam(slot.name, lambda t, s=slot: slot_to_global(s, t, dims), slot)
+    for slot in data_parallel.optimizer_slots():
+        views[id(slot.master)] = OptimParam(slot.name, lambda t, s=slot: slot_to_global(s, t, dims), slot)
     return views
 
 
@@ -133,7 +131,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, views: Mapping[int, O
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer, data_parallel: Optional[DataParallel] = None) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, data_parallel: DataParallel) -> None:
     """Create an optimizer's state tensors without changing any weight (for checkpoint loading).
 
     Runs one step with zero gradients and ``lr=0`` (and no weight decay) on parameters that
@@ -152,7 +150,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, data_parallel: Option
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
-        with data_parallel.step_without_communication() if data_parallel is not None else contextlib.nullcontext():
+        with data_parallel.step_without_communication():
             optimizer.step()
     finally:
         for g, old in zip(optimizer.param_groups, saved):
@@ -168,7 +166,7 @@ def load_optimizer_state(
     views: Mapping[int, OptimParam],
     path: Union[str, Path],
     prefix: str,
-    data_parallel: Optional[DataParallel],
+    data_parallel: DataParallel,
 ) -> None:
     """Restore one optimizer from a sharded checkpoint into the current layout."""
     init_optimizer_state(optimizer, data_parallel)
@@ -194,8 +192,7 @@ def load_optimizer_state(
             if view.separate_master and skey + MASTER_KEY in missing:
                 # The checkpoint has no fp32 master (it came from an fp32 run): take the loaded weights.
                 view.slot.load_master(view.slot.local)
-    if data_parallel is not None:
-        data_parallel.gather_params()
+    data_parallel.gather_params()
 
 
 __all__ = ["gather_rows", "init_optimizer_state", "load_optimizer_state", "optimizer_params", "optimizer_state_dict", "slot_to_global"]

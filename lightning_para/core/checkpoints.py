@@ -1,7 +1,5 @@
-"""The engine's checkpoint IO: state dicts of any layout, atomic checksummed saves, loads in place.
-
-:class:`EngineCheckpoints` is a part of :class:`~lightning_para.core.engine.ParaEngine` (its base): the methods
-read the engine's own state (the parallel model, the step guard, the checkpoint run).
+"""``Checkpoints``: the engine's checkpoint IO, one object it holds: state dicts of any layout, atomic checksummed
+saves, loads in place, and this run's hold on its checkpoint folders (:class:`~lightning_para.checkpoint.CheckpointRun`).
 """
 
 from __future__ import annotations
@@ -13,77 +11,94 @@ import torch
 from torch import nn
 
 from lightning_para import checkpoint as ckpt
-from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data import DataParallel
+from lightning_para.core.run_guard import RunGuard
 from lightning_para.parallelize import ParallelModel
-from lightning_para.reliability.step_guard import StepGuard
 
 
-class EngineCheckpoints:
-    """Saving and loading a run's model and optimizers in any layout (see the module docstring)."""
+class Checkpoints:
+    """Saving and loading one run's model and optimizers in any layout.
 
-    guard: StepGuard
-    checkpoint_run: ckpt.CheckpointRun
-    parallel: Optional[ParallelModel]
-    data_parallel: Optional[DataParallel]
-    parallel_dims: ParallelDims
-    report: Callable[..., None]  # the run guard's (EngineRunGuard.report)
+    Args:
+        run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
+        parallel: the engine's parallel model (raises until the model is set up).
+        run_guard: told what this rank does (I/O is exempt from the watchdog); settled before a save.
+    """
 
-    def reshard(self, module: Optional[nn.Module]) -> None:
+    def __init__(self, run_id: Optional[str], parallel: Callable[[], ParallelModel], run_guard: RunGuard) -> None:
+        self.run = ckpt.CheckpointRun(run_id)  # which run saves; rank 0's hold on its checkpoint folders
+        self.parallel = parallel
+        self.run_guard = run_guard
+
+    def begin_run(self, trainer: Any) -> None:
+        """Collective, when ``fit`` starts: rank 0 holds ``trainer``'s checkpoint folders and sweeps the leftovers
+        of interrupted saves (``checkpoint/resume.py``)."""
+        ckpt.begin_run(self.run, trainer)
+
+    def resume_path(self, requested: Any, trainer: Any) -> Path:
+        """Collective: the checkpoint a load of ``requested`` loads (``"hpc"``/``"last"``: this run's newest complete one)."""
+        self.run_guard.report(f"choosing the checkpoint for {requested}", exempt=True)
+        return ckpt.resume_path(requested, trainer, self.run)
+
+    def reshard(self, module: nn.Module) -> None:
         """FSDP2 units a forward-only pass left gathered are resharded, so parameters are the sharded
         ones the optimizer and checkpoints name."""
-        if module is not None and self.data_parallel is not None:
-            self.data_parallel.reshard(module)
-
-    def optim_views(self, module: nn.Module) -> Any:
-        return ckpt.optimizer_params(module, self.data_parallel, self.parallel_dims)
+        self.parallel().data_parallel.reshard(module)
 
     def model_state(self, module: nn.Module, *, full: bool) -> dict[str, Any]:
         """Sharded (DTensors) on every rank; ``full``: plain tensors on rank 0 and ``{}`` elsewhere (collective)."""
         self.reshard(module)
         if not full:
             return module.state_dict()
-        return ckpt.full_model_state(module, self.data_parallel, self.parallel_dims)
+        parallel = self.parallel()
+        return ckpt.full_model_state(module, parallel.data_parallel, parallel.dims)
 
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
         """By parameter name with global DTensors; ``full``: PyTorch's own format with full plain tensors on
         rank 0 and ``{}`` elsewhere (collective)."""
         self.reshard(module)
-        state = ckpt.optimizer_state_dict(optimizer, self.optim_views(module))
-        pipeline = self.parallel.pipeline if self.parallel is not None else None
-        if pipeline is not None:  # each stage's optimizer names only its own parameters
-            state["param_groups"] = pipeline.merge_param_group_names(state["param_groups"])
-        if full:
-            return ckpt.full_optimizer_state(state, module, self.parallel_dims)
-        return state
+        parallel = self.parallel()
+        state = ckpt.optimizer_state_dict(optimizer, ckpt.optimizer_params(module, parallel.data_parallel, parallel.dims))
+        if parallel.pipeline is not None:  # each stage's optimizer names only its own parameters
+            state["param_groups"] = parallel.pipeline.merge_param_group_names(state["param_groups"])
+        return ckpt.full_optimizer_state(state, module, parallel.dims) if full else state
 
-    def save_checkpoint(self, path: Path, token: str, checkpoint: dict[str, Any], *, sharded: bool, module: Optional[nn.Module], step: int) -> None:
+    def save(
+        self, path: Any, checkpoint: dict[str, Any], *, sharded: bool, module: Optional[nn.Module],
+        broadcast: Callable[[Any], Any],
+    ) -> None:
         """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically, with
-        checksums; ``path`` and ``token`` are rank 0's, broadcast by the front end (collective)."""
-        self.guard.settle()  # the step guard's check in flight first: no checkpoint holds a non-finite step
+        checksums, at rank 0's ``path`` (collective). The step guard's check in flight is read first: no
+        checkpoint holds a non-finite step."""
+        target, token = broadcast((str(path), self.run.new_token()))  # the hidden sibling every rank writes into
+        self.run_guard.settle()
         if module is not None:
             # What integrations record about the model (transformers: each model's class and config).
             checkpoint.update(ckpt.model_info(module))
-        self.report(f"saving checkpoint {path}", exempt=True)  # I/O may outlast watchdog_timeout
-        ckpt.save_checkpoint(path, checkpoint, sharded=sharded, token=token, run=self.checkpoint_run)
-        self.report(f"checkpoint {path} saved (global step {step})")
+        self.run_guard.report(f"saving checkpoint {target}", exempt=True)  # I/O may outlast watchdog_timeout
+        ckpt.save_checkpoint(Path(target), checkpoint, sharded=sharded, token=token, run=self.run)
+        self.run_guard.report(f"checkpoint {target} saved (step {self.run_guard.step()})")
 
-    def load_checkpoint(
+    def load(
         self, path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: Optional[bool] = None,
         convert: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None,
     ) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder of any layout, or one full file) and
         return the rest of the checkpoint. ``strict`` (default ``module.strict_loading``): missing or unexpected
         model keys raise; ``convert``: a single file's layout into Lightning's (``checkpoint.load_checkpoint_in_place``)."""
-        self.report(f"loading checkpoint {path}", exempt=True)
+        self.run_guard.report(f"loading checkpoint {path}", exempt=True)
         self.reshard(module)
+        parallel = self.parallel()
+        views = ckpt.optimizer_params(module, parallel.data_parallel, parallel.dims)
         # A load may run under torch.inference_mode(): tensors DCP reads there could not be copied into
         # parameters ("Cannot set version_counter for inference tensor").
         with torch.inference_mode(False), torch.no_grad():
             return ckpt.load_checkpoint_in_place(
-                path, module, optimizers, self.optim_views(module), data_parallel=self.data_parallel,
-                pipeline=self.parallel.pipeline if self.parallel is not None else None, strict=strict, convert=convert,
+                path, module, optimizers, views, data_parallel=parallel.data_parallel, pipeline=parallel.pipeline,
+                strict=strict, convert=convert,
             )
 
+    def teardown(self) -> None:
+        self.run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
 
-__all__ = ["EngineCheckpoints"]
+
+__all__ = ["Checkpoints"]

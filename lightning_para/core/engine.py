@@ -1,66 +1,45 @@
-"""``ParaEngine``: what a training run on one device mesh does, whichever front end drives it.
+"""``ParaEngine``: what a training run on one device mesh does, whichever front end drives it, as a lifecycle.
 
-The Trainer's :class:`lightning_para.ParaStrategy` (``strategy.py``) and Fabric's
-:class:`lightning_para.fabric.ParaStrategy` are adapters over one engine. The engine owns:
-
-* the layout (:class:`~lightning_para.config.ParallelConfig` -> :class:`~lightning_para.mesh.ParallelDims`,
-  the one DeviceMesh) and the record of what :func:`~lightning_para.parallelize` applied;
-* the model set-up: materialising an ``empty_init`` (meta) model, parallelizing it once, attaching
-  optimizers to data parallelism (and torchao's float8 scale hooks);
-* the run guard: the step guard (non-finite values, SIGTERM), the watchdog and the integrity checker;
-* the routing of a step: context parallelism's batch split and its first-step check, the pipeline
-  schedule, the loss-parallel contexts of tensor parallelism, MoE aux-loss gradient scaling;
-* checkpoint IO: state dicts of any layout, atomic checksummed saves, loads in place.
-
-A front end supplies only what its framework knows: the world size, the step counter, how a
-step is called (Lightning's forward redirection) and the accumulation factor.
-
-The run guard's methods are :class:`~lightning_para.core.run_guard.EngineRunGuard`'s and the checkpoint IO's
-:class:`~lightning_para.core.checkpoints.EngineCheckpoints`' (the engine's own state, in two more modules).
+The Trainer's :class:`lightning_para.ParaStrategy` and Fabric's :class:`lightning_para.fabric.ParaStrategy`
+translate their framework's calls into it and nothing more; the dry run drives its step too. In order:
+``resolve_dims``, ``setup_environment``, ``setup_module``, ``setup_optimizers``, ``start_training``; per step
+``begin_step``, ``step``, ``before_backward``, ``backward``, ``before_optimizer_step`` (called by the precision
+once gradients are final), ``optimizer_step``, ``end_step``; then ``end_training``, ``on_exception``,
+``teardown``; saves and loads through ``checkpoints``. ``docs/architecture.md`` ("The engine as a lifecycle")
+says who calls what. The run guard (step guard, watchdog, integrity checker) and the checkpoint IO are objects
+the engine holds; a feature acting at a step boundary, around the optimizer step or at a save hooks into the
+matching method here, once for both front ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import Generator
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_para import checkpoint as ckpt
 from lightning_para._dtensor import plain_step_output
-from lightning_para.checkpoint.pretrained import load_pretrained_into, materialize_for_loading, pending_weights, real_buffers
 from lightning_para.config import ParallelConfig
-from lightning_para.core.checkpoints import EngineCheckpoints
-from lightning_para.core.run_guard import EngineRunGuard
-from lightning_para.instrument.saved_activations import SavedActivationMeter
+from lightning_para.core.checkpoints import Checkpoints
+from lightning_para.core.model_setup import parallel_model_of
+from lightning_para.core.precision import PrecisionCore
+from lightning_para.core.run_guard import RunGuard
 from lightning_para.mesh import ParallelDims
 from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
 from lightning_para.parallel.compile import CompileWatch
-from lightning_para.parallel.data import DataParallel, MemoryBreakdown
-from lightning_para.parallel.pipeline import PipelineStats
+from lightning_para.parallel.data import MemoryBreakdown
 from lightning_para.parallel.fp8 import precompute_float8_scales
+from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallel.tensor import loss_parallel_backward, loss_parallel_step, step_mixed_groups_per_tensor
-from lightning_para.parallelize import ParallelModel, parallelize
-from lightning_para.precision import ParaPrecision
-from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
-from lightning_para.reliability.spike_guard import spike_guard_option
-from lightning_para.reliability.step_guard import StepGuard, pipeline_rank_info
-from lightning_para.reliability.straggler import mesh_coordinates, straggler_option
-from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout
-
-# The layout each module was parallelized with, so a second `fit`/`setup` of the same module reuses it
-# (a module is parallelized in place, once). Weak: it keeps no module alive.
-_PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, ParallelModel]" = weakref.WeakKeyDictionary()
+from lightning_para.parallelize import ParallelModel
+from lightning_para.reliability.spike_guard import SpikeGuard
+from lightning_para.reliability.straggler import StragglerDetector
 
 
-class ParaEngine(EngineRunGuard, EngineCheckpoints):
-    """One run's layout, parallel model, run guard and checkpoint IO (see the module docstring).
+class ParaEngine:
+    """One run's layout, parallel model, run guard and checkpoint IO, as a lifecycle (see the module docstring).
 
     Args:
         config: the validated layout.
@@ -69,41 +48,29 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
         run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
         timeout: the process-group timeout (the watchdog's must be below it).
         front_end: ``"Trainer"`` or ``"Fabric"``, named in errors about the order of calls.
+        step: the front end's step counter (the Trainer's global step, Fabric's optimizer steps).
     """
 
     def __init__(
-        self,
-        config: ParallelConfig,
-        *,
-        integrity_check_every_n_steps: Optional[int] = None,
-        integrity_action: str = "raise",
-        watchdog_timeout: Optional[float] = 60.0,
-        timeout: Optional[timedelta] = None,
-        check_finite: bool = True,
-        on_sigterm: Optional[str] = "checkpoint",
-        run_id: Optional[str] = None,
-        front_end: str = "Trainer",
-        straggler: Any = True,
-        spike_guard: Any = None,
+        self, config: ParallelConfig, *, integrity_check_every_n_steps: Optional[int] = None,
+        integrity_action: str = "raise", watchdog_timeout: Optional[float] = 60.0, timeout: Optional[timedelta] = None,
+        check_finite: bool = True, on_sigterm: Optional[str] = "checkpoint", run_id: Optional[str] = None,
+        front_end: str = "Trainer", step: Callable[[], int] = lambda: -1, straggler: Any = True, spike_guard: Any = None,
     ) -> None:
-        check_integrity_options(integrity_check_every_n_steps, integrity_action)
-        check_watchdog_timeout(watchdog_timeout, timeout)
         self.config = config
         self.front_end = front_end
-        self.watchdog_timeout = watchdog_timeout
-        self.checkpoint_run = ckpt.CheckpointRun(run_id)  # which run saves; rank 0's hold on its checkpoint folders
-        self.watchdog: Optional[Watchdog] = None
-        self.integrity = (
-            IntegrityChecker(integrity_check_every_n_steps, integrity_action) if integrity_check_every_n_steps else None
+        self.run_guard = RunGuard(
+            step, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
+            watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=on_sigterm,
+            straggler=straggler, spike_guard=spike_guard,
         )
-        self.guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # NaN stop, SIGTERM
-        self.spike = spike_guard_option(spike_guard)  # both ride the step guard's all-reduce
-        self.straggler = straggler_option(straggler)
-        self.guard.riders = [r for r in (self.spike, self.straggler) if r is not None]
+        self.checkpoints = Checkpoints(run_id, lambda: self.parallel_model, self.run_guard)
         self.dims: Optional[ParallelDims] = None
         self.parallel: Optional[ParallelModel] = None
-        self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles
-        self._compiled_phases: set[str] = set()  # compile=True: step kinds that ran once (compiled) already
+        self.module: Optional[nn.Module] = None  # the set-up model, and what it runs with
+        self.precision = PrecisionCore()
+        self.device = torch.device("cpu")
+        self.optimizers: list[torch.optim.Optimizer] = []
 
     # ------------------------------------------------------------------ layout
     def resolve_dims(self, world_size: int, devices_per_node: Optional[int] = None) -> ParallelDims:
@@ -113,10 +80,12 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             self.dims = dims
         return self.dims
 
-    def build_mesh(self, device_type: str) -> ParallelDims:
+    def setup_environment(self, device_type: str, world_size: int, broadcast: Callable[[Any], Any]) -> ParallelDims:
+        """The process group exists: build the mesh (once) and start the watchdog."""
         dims = self.parallel_dims
         if dims.mesh is None:
             dims.build_mesh(device_type)
+        self.run_guard.start_watchdog(world_size, broadcast)
         return dims
 
     @property
@@ -132,25 +101,38 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
         return self.parallel
 
     @property
-    def data_parallel(self) -> Optional[DataParallel]:
-        return self.parallel.data_parallel if self.parallel is not None else None
-
-    @property
     def has_pipeline(self) -> bool:
         return self.parallel is not None and self.parallel.pipeline is not None
 
+    @property
+    def compile_watch(self) -> Optional[CompileWatch]:
+        """``compile=True``: the compiled block graphs and their recompilations."""
+        return self.run_guard.compile_watch
+
+    @property
+    def straggler(self) -> Optional[StragglerDetector]:
+        return self.run_guard.straggler
+
+    @property
+    def spike_guard(self) -> Optional[SpikeGuard]:
+        return self.run_guard.spike
+
+    @property
+    def preempted(self) -> bool:
+        """Every rank agreed on a SIGTERM (``on_sigterm="checkpoint"``): the loop saves and exits."""
+        return self.run_guard.preempted
+
     def forward_through_root(self, module: nn.Module) -> bool:
         """Whether a step must enter through ``module.__call__`` (FSDP2's root hooks), not a named method."""
-        return self.data_parallel is not None and self.data_parallel.forward_through_root(module)
+        return self.parallel_model.data_parallel.forward_through_root(module)
 
-    def memory_breakdown(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], precision: ParaPrecision) -> MemoryBreakdown:
+    def memory_breakdown(self, module: Optional[nn.Module] = None) -> MemoryBreakdown:
         """This rank's parameter, gradient and optimizer bytes against the ZeRO formulas (``docs/data_parallel.md``)."""
-        if self.data_parallel is None:
-            raise RuntimeError(f"memory_breakdown() is available once the {self.front_end} has set up the strategy.")
+        parallel, module = self.parallel_model, module or self.module
         first = next(iter(module.parameters()), None)
-        return self.data_parallel.memory_breakdown(
-            module, optimizers, param_bytes=first.element_size() if first is not None else 4,
-            master_dtype=precision.master_dtype, is_expert=self.parallel_model.expert_predicate(),
+        return parallel.data_parallel.memory_breakdown(
+            module, self.optimizers, param_bytes=first.element_size() if first is not None else 4,
+            master_dtype=self.precision.master_dtype, is_expert=parallel.expert_predicate(),
         )
 
     def pipeline_stats(self) -> PipelineStats:
@@ -159,74 +141,41 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             raise RuntimeError("pipeline_stats() needs pipeline parallelism (pp > 1).")
         return self.parallel_model.pipeline.stats()
 
-    # ------------------------------------------------------------------ model
-    def parallelize(
-        self, module: nn.Module, device: torch.device, precision: ParaPrecision,
-        before: Optional[Callable[[nn.Module], None]] = None,
+    def progress(self, phase: str) -> None:
+        """Tell the watchdog this rank is in ``phase`` of the current step (a compiling one is exempt)."""
+        self.run_guard.progress(phase)
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(
+        self, module: nn.Module, device: torch.device, precision: PrecisionCore,
+        before: Optional[Callable[[nn.Module], None]] = None, parallel: Optional[ParallelModel] = None,
     ) -> ParallelModel:
-        """Materialise ``module`` and parallelize it in place, once; a module parallelized before keeps its
-        layout (a different one raises). ``before(module)`` runs on the materialised model, before any
-        dimension (the Trainer converts BatchNorms there).
-
-        Parameters made under ``init_module(empty_init=True)`` are on the meta device: allocated on
-        ``device`` and reset deterministically before sharding; or, when the module asks for pretrained
-        weights (:mod:`lightning_para.checkpoint.pretrained`), read after parallelizing, each rank its
-        own slices (ZeRO 0-2 replicate them over dp: empty storage before, no random init)."""
-        existing = _PARALLELIZED.get(module)
-        if existing is not None:
-            self._check_same_layout(existing)
-            self.parallel = existing
-            if before is not None:
-                before(module)
-            return existing
-        weights = pending_weights(module) if any(p.is_meta for p in module.parameters()) else None
-        kept_buffers = real_buffers(module) if weights is not None else {}
-        if not self.parallel_dims.pp_enabled:  # the pipeline split builds only this rank's stages
-            if weights is None:
-                self.materialize(module, device)
-            elif self.config.zero < 3:
-                materialize_for_loading(module, device, kept_buffers)
-        if before is not None:
-            before(module)
-        self.parallel = parallelize(
-            module, self.parallel_dims, self.config, param_dtype=precision.param_dtype, master_dtype=precision.master_dtype
+        """Materialise ``module`` and parallelize it in place, once (:func:`~lightning_para.core.model_setup.parallel_model_of`;
+        ``parallel``: it was parallelized already, the dry run's on the meta device); then the run guard and the
+        precision are connected to it. ``before(module)`` runs on the materialised model, before any dimension
+        (the Trainer converts BatchNorms)."""
+        self.run_guard.report("setup: parallelize the model", exempt=True)
+        precision.device_type = device.type
+        self.precision, self.device, self.module = precision, device, module
+        new = parallel is None
+        if parallel is None:
+            parallel, new = parallel_model_of(module, self.parallel_dims, self.config, device, precision, before, self.run_guard.report)
+        if new:  # counts from here: the first compilation of each block class is expected
+            self.run_guard.watch_compiles(parallel)
+        self.parallel, self.dims = parallel, parallel.dims  # a module parallelized before keeps its layout and mesh
+        self.run_guard.connect(parallel, device)
+        active, spike = self.run_guard.guard.active, self.run_guard.spike
+        precision.connect_layout(
+            parallel.data_parallel, check_step=self.before_optimizer_step if active else None,
+            step_gate=spike.run_step if spike is not None else None,
         )
-        if weights is not None:
-            materialize_for_loading(module, device, kept_buffers)
-            self.report("setup: load pretrained weights, each rank its own slices", exempt=True)
-            load_pretrained_into(module, weights)
-        _PARALLELIZED[module] = self.parallel
-        if self.parallel.pipeline is not None:
-            self.parallel.pipeline.activation_meter = SavedActivationMeter
-        if self.parallel.compiled:  # counts from here: the first compilation of each block class is expected
-            types = sorted({t for info in self.parallel.compiled for t in info.block_types})
-            self.compile_watch = CompileWatch(types)
-        return self.parallel
+        return parallel
 
-    @staticmethod
-    def materialize(module: nn.Module, device: torch.device) -> None:
-        """Meta parameters (``init_module(empty_init=True)``) allocated on ``device`` and reset by each
-        submodule's ``reset_parameters`` (seeded: every rank gets the same values); the rest moved there."""
-        _materialize_distributed_module(module, device)
-        module.to(device)
-
-    def _check_same_layout(self, existing: ParallelModel) -> None:
-        old, new = existing.config, self.config
-        if (existing.dims.shape, old.zero) != (self.parallel_dims.shape, new.zero):
-            raise ValueError(
-                "This module was already parallelized by another ParaStrategy with a different layout"
-                f" (pp={existing.dims.pp}, dp={existing.dims.dp}, tp={existing.dims.tp}, ep={existing.dims.ep},"
-                f" cp={existing.dims.cp}, dp_replicate={existing.dims.dp_replicate},"
-                f" zero={old.zero}). Create a new module instance (or load a checkpoint into one) for a new layout."
-            )
-        self.dims = existing.dims
-
-    def attach_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer], append: bool = False) -> None:
         """Hand each optimizer to data parallelism (ZeRO edits its param groups in place), and keep torchao's
-        float8 weight scales current under ZeRO-3's float8 all-gather."""
+        float8 weight scales current under ZeRO-3's float8 all-gather. ``append``: beside those set up before
+        (Fabric's one at a time), else in their place (the Trainer's, made again for every ``fit``)."""
         parallel = self.parallel_model
-        data_parallel = parallel.data_parallel
-        assert data_parallel is not None
         is_expert = parallel.expert_predicate()
         float8, parts = parallel.float8, parallel.parts
         if float8 is not None and float8.fsdp_float8_all_gather:
@@ -236,138 +185,166 @@ class ParaEngine(EngineRunGuard, EngineCheckpoints):
             for part in parts:
                 precompute_float8_scales(part)
         for optimizer in optimizers:
-            data_parallel.attach_optimizer(optimizer, is_expert=is_expert)
+            parallel.data_parallel.attach_optimizer(optimizer, is_expert=is_expert)
             step_mixed_groups_per_tensor(optimizer)  # after ZeRO, which may have put masters in the groups
             if float8 is not None and float8.fsdp_float8_all_gather:
                 # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
                 optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])
+        self.optimizers = [*self.optimizers, *optimizers] if append else list(optimizers)
 
-    def connect(
-        self, device: torch.device, precision: ParaPrecision, step: Callable[[], int],
-        check_step: Callable[[Any, bool], None],
-    ) -> None:
-        """After set-up: the step guard learns the device and stages; the precision plugin learns data
-        parallelism (gradient flush, replication counts) and the guard's check before each optimizer step."""
-        pipeline, dims, data_parallel = self.parallel_model.pipeline, self.parallel_dims, self.data_parallel
-        assert data_parallel is not None
-        self.guard.connect(device, pipeline_rank_info(dims.mesh), data_parallel.grad_replication)
-        if self.straggler is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self.straggler.connect(device, rank, dims.world_size, lambda r: mesh_coordinates(dims, r))
-        if self.spike is not None:
-            self.spike.connect(device, self.guard)
-        if pipeline is not None:  # which stage produced a NaN first: each stage's forward output is checked
-            self.guard.watch_stage_outputs(
-                ((m.stage_index, m) for m in pipeline.stage_modules), step, lambda: pipeline.inferring_shapes
-            )
-        precision.connect_layout(
-            data_parallel, check_step=check_step if self.guard.active else None,
-            step_gate=self.spike.run_step if self.spike is not None else None,
-        )
-
-    # ------------------------------------------------------------------ backward and accumulation
-    def before_backward(self, module: Optional[nn.Module], precision: ParaPrecision, accumulate: int) -> None:
-        """Before a (non-pipeline) backward: gradients shown since the last step are settled (DDP: until
-        ``zero_grad``), and MoE layers scale the aux-loss gradient they feed in backward as the loss is scaled
-        (``moe.aux_loss_grad_scale``: times the 16-mixed loss scale, over ``accumulate`` micro-steps). Under
-        pp the pipeline runner sets the MoE scale before its schedule runs backward."""
-        parallel = self.parallel
-        if parallel is None:
-            return
-        if self.straggler is not None:  # the end of this rank's own work before the gradient synchronisation
-            self.straggler.arrive()
-        if parallel.data_parallel is not None:
-            parallel.data_parallel.before_backward()
-        if parallel.moe_layers and parallel.pipeline is None and module is not None:
-            loss_scale = precision.scale if precision.uses_loss_scaling else 1.0
-            set_aux_loss_grad_scale(module, aux_loss_grad_scale(loss_scale=loss_scale, accumulate=accumulate))
-
-    def backward_context(self) -> contextlib.AbstractContextManager[None]:
-        """Tensor parallel: the loss-parallel cross-entropy kernels are DTensor custom ops, backward needs them too."""
-        return loss_parallel_backward(self.parallel is not None and self.parallel.loss_parallel)
-
-    def step_context(self) -> contextlib.AbstractContextManager[None]:
-        """Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel."""
-        return loss_parallel_step(self.parallel is not None and self.parallel.loss_parallel)
-
-    @contextlib.contextmanager
-    def accumulation_no_sync(self) -> Generator[None, None, None]:
-        """The first A-1 micro-steps follow data parallelism's accumulation policy (``zero_accumulation``)."""
-        data_parallel = self.data_parallel
-        if data_parallel is None:
-            yield
-        else:
-            with data_parallel.accumulation_no_sync():
-                yield
-
-    def finalize_gradients(self) -> None:
-        """Finish any gradient communication still pending (before clipping or unscaling)."""
-        if self.data_parallel is not None:
-            self.data_parallel.flush()
+    def start_training(self) -> None:
+        """``on_sigterm``: the signal handler records the signal only; every rank agrees on it at a step."""
+        self.run_guard.guard.install_signal_handler()
 
     # ------------------------------------------------------------------ steps
-    def run_step(
-        self, name: str, module: nn.Module, args: tuple, kwargs: dict, context: Any, *,
-        call: Callable[..., Any], precision: ParaPrecision, accumulate: Optional[int] = None, check_cp: bool = True,
-        check_contexts: Optional[dict[str, Callable[[], Any]]] = None,
+    def begin_step(self, phase: str = "step begins", what: Optional[str] = None) -> None:
+        """A step begins (the Trainer: its batch is loaded; Fabric: the last optimizer step ended): the watchdog
+        hears of it, and the scheduled integrity check runs (after the last step's ZeRO gather)."""
+        self.run_guard.progress(phase, what)
+        if self.run_guard.integrity_due():
+            self.check_integrity()
+
+    def step(
+        self, name: str, module: nn.Module, args: tuple, kwargs: dict, context: Any, *, call: Callable[..., Any],
+        accumulate: Optional[int] = None, check_cp: bool = True,
+        check_contexts: Optional[dict[str, Callable[[], Any]]] = None, observe: Optional[bool] = None,
     ) -> Any:
         """Run step ``name`` of ``module`` on this rank's share: context parallelism's chunks (with its
         first-step check unless ``check_cp`` is false), the pipeline schedule under pp, or ``call(*args,
         **kwargs)`` under tensor parallelism's loss-parallel context. ``context`` is the precision's step
-        context; ``check_contexts`` gives one per step name for the cp check's extra forwards."""
-        cp = self.parallel.context if self.parallel is not None else None
+        context; ``check_contexts`` gives one per step name for the cp check's extra forwards. The loss a
+        training step returns is noted (``observe``; default: for ``"training_step"``)."""
+        self.run_guard.progress(name)
+        output = self._step(name, module, args, kwargs, context, call, accumulate, check_cp, check_contexts or {})
+        if observe if observe is not None else name == "training_step":
+            self.observe_loss(output)
+        return output
+
+    def _step(
+        self, name: str, module: nn.Module, args: tuple, kwargs: dict, context: Any, call: Callable[..., Any],
+        accumulate: Optional[int], check_cp: bool, check_contexts: dict[str, Callable[[], Any]],
+    ) -> Any:
+        parallel = self.parallel_model
+        cp = parallel.context
         if cp is None:
-            return self._run_parallel_step(name, module, context, args, kwargs, call, precision, accumulate)
+            return self._run_parallel_step(name, module, context, args, kwargs, call, accumulate)
         # Context parallel (parallel/context/step.py): this rank's chunks of the batch; SDPA runs
         # across the cp group and cross-entropy covers the whole sequence, in every stage too.
         # The first-step check runs the step twice more without gradients (not under pp: stages see activations).
-        if not cp.positions_checked and self.config.cp_check and self.parallel.pipeline is None and check_cp:
-            contexts = check_contexts or {}
+        if not cp.positions_checked and self.config.cp_check and parallel.pipeline is None and check_cp:
             batch = args[0] if args else kwargs.get("batch")
 
             def run(step_batch: Any) -> Any:
                 step_args, step_kwargs = ((step_batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": step_batch})
-                step_context = contexts[name]() if name in contexts else contextlib.nullcontext()
-                return self._run_parallel_step(name, module, step_context, step_args, step_kwargs, call, precision, accumulate)
+                step_context = check_contexts[name]() if name in check_contexts else contextlib.nullcontext()
+                return self._run_parallel_step(name, module, step_context, step_args, step_kwargs, call, accumulate)
 
-            multiple = self.parallel.dims.tp if self.config.sequence_parallel else 1
-            cp.check_positions(module, batch, run, sequence_multiple=multiple)
+            cp.check_positions(module, batch, run, sequence_multiple=parallel.dims.tp if self.config.sequence_parallel else 1)
         args, kwargs = cp.split_step_inputs(module, args, kwargs)
         mode = cp.mode()
         with mode:
-            output = self._run_parallel_step(name, module, context, args, kwargs, call, precision, accumulate)
+            output = self._run_parallel_step(name, module, context, args, kwargs, call, accumulate)
         cp.check_attention_reached(mode)
         return cp.gather_output(output) if name == "predict_step" else output
 
     def _run_parallel_step(
         self, name: str, module: nn.Module, context: Any, args: tuple, kwargs: dict, call: Callable[..., Any],
-        precision: ParaPrecision, accumulate: Optional[int],
+        accumulate: Optional[int],
     ) -> Any:
-        parallel = self.parallel
-        if parallel is not None and parallel.pipeline is not None:
+        parallel = self.parallel_model
+        if parallel.pipeline is not None:
             with context:  # the runner enters the tensor-parallel contexts around its stages itself
-                return self.pipeline_run(name, module, args[0] if args else kwargs["batch"], precision, accumulate)
+                # Forward and backward of every microbatch for a training step (gradients set aside until `backward`).
+                return parallel.pipeline.run(
+                    name, module, args[0] if args else kwargs["batch"], loss_scale=self.precision.loss_scale,
+                    gradient_sync=parallel.data_parallel, accumulate=accumulate,
+                )
         with context, self.step_context():
             output = call(*args, **kwargs)
         return plain_step_output(output, gather=name == "predict_step")
 
-    def pipeline_run(
-        self, name: str, module: nn.Module, batch: Any, precision: ParaPrecision, accumulate: Optional[int] = None
-    ) -> Any:
-        """One step of the pipeline schedule over ``batch`` (pp > 1): forward and backward of every
-        microbatch for ``"training_step"`` (gradients set aside until :meth:`finish_pipeline_backward`)."""
-        parallel = self.parallel_model
-        if parallel.pipeline is None:
-            raise RuntimeError("A pipeline step needs pipeline parallelism (pp > 1).")
-        return parallel.pipeline.run(
-            name, module, batch, loss_scale=precision.scale if precision.uses_loss_scaling else 1.0,
-            gradient_sync=parallel.data_parallel, accumulate=accumulate,
-        )
+    def step_context(self) -> contextlib.AbstractContextManager[None]:
+        """Tensor parallel: cross-entropy on vocab-sharded logits runs loss-parallel."""
+        return loss_parallel_step(self.parallel_model.loss_parallel)
 
-    def finish_pipeline_backward(self) -> None:
-        """The pipeline step's gradients join ``.grad`` and sync over dp (its schedule ran backward already)."""
+    def observe_loss(self, output: Any) -> None:
+        """Device-side notes of a non-finite local loss (no sync, no collective); under pp the loss is the
+        last stage's, shared, so only that rank's counts."""
+        pipeline = self.parallel_model.pipeline
+        self.run_guard.observe_loss(output, local=pipeline is None or pipeline.has_last)
+
+    def accumulation_no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """The first A-1 micro-steps follow data parallelism's accumulation policy (``zero_accumulation``)."""
+        return self.parallel_model.data_parallel.accumulation_no_sync()
+
+    # ------------------------------------------------------------------ backward and the optimizer step
+    def before_backward(self, accumulate: int) -> None:
+        """Before a backward: gradients shown since the last step are settled (DDP: until ``zero_grad``), and
+        MoE layers scale the aux-loss gradient they feed in backward as the loss is scaled (times the 16-mixed
+        loss scale, over ``accumulate`` micro-steps; under pp the runner sets it before its schedule)."""
         parallel = self.parallel_model
-        assert parallel.pipeline is not None
-        parallel.pipeline.finish_backward(parallel.data_parallel)
+        self.run_guard.before_backward()
+        parallel.data_parallel.before_backward()
+        if parallel.moe_layers and parallel.pipeline is None and self.module is not None:
+            scale = aux_loss_grad_scale(loss_scale=self.precision.loss_scale, accumulate=accumulate)
+            set_aux_loss_grad_scale(self.module, scale)
+
+    def backward(self, loss: Tensor, run_backward: Callable[[Tensor], Any], *, observe: bool = False) -> Any:
+        """The backward of ``loss``: under pp the schedule ran it inside :meth:`step`, so its gradients join
+        ``.grad`` and sync over dp (skipped inside ``accumulation_no_sync``); else ``run_backward(loss)`` (the
+        framework's backward) under tensor parallelism's loss-parallel kernels. ``observe``: note the loss first."""
+        self.run_guard.progress("backward and gradient sync")
+        parallel = self.parallel_model
+        if parallel.pipeline is not None:
+            parallel.pipeline.finish_backward(parallel.data_parallel)
+            return None
+        if observe:
+            self.observe_loss(loss)
+        with loss_parallel_backward(parallel.loss_parallel):  # DTensor custom ops: backward needs them too
+            return run_backward(loss)
+
+    def finalize_gradients(self) -> None:
+        """Finish any gradient communication still pending (before clipping or unscaling)."""
+        self.parallel_model.data_parallel.flush()
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, check_gradients: bool) -> None:
+        """The gradients are final (the precision calls this, on every rank): one all-reduce agrees on non-finite
+        values and signals (``reliability/step_guard``); an optimizer step with unchecked gradients (fp16 loss
+        scaling) still counts as a step for the signal."""
+        self.run_guard.check_step(self.precision.main_params(optimizer) if check_gradients else ())
+
+    def optimizer_step(self, run: Callable[[], Any]) -> Any:
+        """Around the framework's optimizer step (``run()``); a recompile storm warns once after it (``compile=True``)."""
+        self.run_guard.progress("optimizer step")
+        output = run()
+        if self.run_guard.compile_watch is not None:
+            self.run_guard.compile_watch.check()  # names dynamo's reasons
+        return output
+
+    def end_step(self, save: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """The boundary after a step, on every rank: a loss noted since the last check is checked (micro-steps,
+        manual optimization); after an agreed SIGTERM every rank stops here, ``save``-ing the preemption
+        checkpoint first (without ``save`` under ``on_sigterm="checkpoint"`` the loop saves: :attr:`preempted`)."""
+        self.run_guard.end_step(save)
+
+    def end_training(self) -> None:
+        """The last step's agreement is read (a step late); the integrity check runs unless it did at this step."""
+        self.run_guard.settle()
+        if self.run_guard.integrity_due(final=True):
+            self.check_integrity()
+
+    def check_integrity(self, step: Optional[int] = None, module: Optional[nn.Module] = None) -> list[str]:
+        """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
+        return self.run_guard.check_integrity(self.parallel_model, module or self.module, self.optimizers, self.device, step)
+
+    # ------------------------------------------------------------------ the end
+    def on_exception(self, exception: BaseException) -> None:
+        self.run_guard.on_exception(exception)
+
+    def teardown(self) -> None:
+        self.run_guard.teardown()
+        self.checkpoints.teardown()
+
+
 
 __all__ = ["ParaEngine"]

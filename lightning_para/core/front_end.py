@@ -25,7 +25,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_para.config import ParallelConfig
 from lightning_para.core.engine import ParaEngine
 from lightning_para.mesh import ParallelDims
-from lightning_para.spec.options import LAYOUT_OPTIONS, Degree, arguments_doc
+from lightning_para.spec.options import Degree, arguments_doc
 from lightning_para.parallel.pipeline import PipelineStats
 from lightning_para.parallelize import ParallelModel
 from lightning_para.reliability.spike_guard import SpikeGuard
@@ -134,18 +134,23 @@ class ParaFrontEnd:
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        arguments = locals()  # the layout options by their declared names: no third list of them
-        options = {o.name: arguments[o.name] for o in LAYOUT_OPTIONS}
-        if options["loss_parallel"] == "auto":
-            options["loss_parallel"] = self.auto_loss_parallel
-        config = ParallelConfig(**options)
+        config = ParallelConfig(
+            dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, cp=cp, cp_method=cp_method, cp_load_balance=cp_load_balance,
+            cp_check=cp_check, dp_replicate=dp_replicate, dp_shard=dp_shard, sequence_parallel=sequence_parallel,
+            sp_save_input_shard=sp_save_input_shard, tp_plan=tp_plan, tp_unplanned=tp_unplanned,
+            loss_parallel=self.auto_loss_parallel if loss_parallel == "auto" else loss_parallel,
+            activation_checkpointing=activation_checkpointing, schedule=schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, pipeline_split=pipeline_split, pipeline_balance=pipeline_balance,
+            bucket_size_mb=bucket_size_mb, zero_accumulation=zero_accumulation, zero3_units=zero3_units,
+            compile=compile, fp8=fp8, layout=layout, layout_memory_gb=layout_memory_gb,
+        )
         self._check_front_end(config, on_sigterm)
         # The layout, run guard and checkpoint IO; reliability options validated before any process group exists.
         self.core = ParaEngine(
             config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite,
             on_sigterm=self.auto_on_sigterm if on_sigterm == "auto" else on_sigterm, run_id=run_id,
-            front_end=self.front_end, straggler=straggler, spike_guard=spike_guard,
+            front_end=self.front_end, step=self._step_number, straggler=straggler, spike_guard=spike_guard,
         )
         if precision is not None and precision_plugin is not None:
             raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
@@ -158,6 +163,10 @@ class ParaFrontEnd:
         self._timeout = timeout
 
     # ------------------------------------------------------------------ the front end's part
+    def _step_number(self) -> int:
+        """The step counter the engine reports and checks with (the Trainer's global step, Fabric's optimizer steps)."""
+        raise NotImplementedError
+
     def _check_front_end(self, config: ParallelConfig, on_sigterm: Optional[str]) -> None:
         """Raise ``ValueError`` naming an argument this front end does not take (default: it takes them all)."""
 
@@ -215,6 +224,11 @@ class ParaFrontEnd:
         return self.core.parallel_model
 
     @property
+    def checkpoint_run(self) -> Any:
+        """This run's :class:`~lightning_para.checkpoint.CheckpointRun` (``ParaModelCheckpoint`` reads it for ``"last"``)."""
+        return self.core.checkpoints.run
+
+    @property
     def device_mesh(self) -> Any:
         """The one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "edp", "ep", "cp", "tp")`` and flattened
         ``"dp"``, ``"dp_shard"``, ``"dp_shard_cp"``, ``"edp_cp"`` (see :mod:`lightning_para.mesh`)."""
@@ -236,7 +250,7 @@ class ParaFrontEnd:
     @property
     def spike_guard(self) -> Optional[SpikeGuard]:
         """The spike guard (``None``: off): ``.events`` lists the spikes logged so far."""
-        return self.core.spike
+        return self.core.spike_guard
 
     def pipeline_stats(self) -> PipelineStats:
         """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),

@@ -1,41 +1,57 @@
-"""The engine's run guard: the step guard (non-finite values, SIGTERM), the watchdog and the integrity checker.
+"""``RunGuard``: what keeps a run honest between steps, one object the engine holds.
 
-:class:`EngineRunGuard` is a part of :class:`~lightning_para.core.engine.ParaEngine` (its base): the methods read
-the engine's own state, set in ``ParaEngine.__init__``.
+It owns the step guard (non-finite values, SIGTERM; :mod:`lightning_para.reliability.step_guard`) and its riders
+(the spike guard, the straggler detector), the watchdog, the integrity checker and, under ``compile=True``, the
+compile watch. :class:`~lightning_para.core.engine.ParaEngine`
+calls it at the points of its lifecycle; no front end reaches into it.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_para import checkpoint as ckpt
-from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallelize import ParallelModel
-from lightning_para.reliability.integrity import IntegrityChecker
-from lightning_para.reliability.spike_guard import SpikeGuard
-from lightning_para.reliability.step_guard import Preempted, StepGuard
-from lightning_para.reliability.watchdog import Watchdog, start_watchdog
+from lightning_para.reliability.integrity import IntegrityChecker, check_integrity_options
+from lightning_para.reliability.spike_guard import spike_guard_option
+from lightning_para.reliability.step_guard import Preempted, StepGuard, pipeline_rank_info
+from lightning_para.reliability.straggler import mesh_coordinates, straggler_option
+from lightning_para.reliability.watchdog import Watchdog, check_watchdog_timeout, start_watchdog
 
 
-class EngineRunGuard:
-    """What keeps a run honest between steps (see the module docstring)."""
+class RunGuard:
+    """The run guard of one run. ``step()`` reads the front end's step counter (for reports and the checks).
 
-    watchdog_timeout: Optional[float]
-    watchdog: Optional[Watchdog]
-    integrity: Optional[IntegrityChecker]
-    guard: StepGuard
-    spike: Optional[SpikeGuard]
-    checkpoint_run: ckpt.CheckpointRun
-    parallel: Optional[ParallelModel]
-    compile_watch: Optional[CompileWatch]
-    _compiled_phases: set[str]
-    parallel_dims: ParallelDims
-    parallel_model: ParallelModel
+    Args: the reliability options of ``ParaStrategy`` (validated here, before any process group exists);
+    ``timeout`` is the process group's (the watchdog's must be below it).
+    """
 
+    def __init__(
+        self, step: Callable[[], int], *, integrity_check_every_n_steps: Optional[int], integrity_action: str,
+        watchdog_timeout: Optional[float], timeout: Optional[timedelta], check_finite: bool, on_sigterm: Optional[str],
+        straggler: Any = True, spike_guard: Any = None,
+    ) -> None:
+        check_integrity_options(integrity_check_every_n_steps, integrity_action)
+        check_watchdog_timeout(watchdog_timeout, timeout)
+        self.step = step
+        self.watchdog_timeout = watchdog_timeout
+        self.watchdog: Optional[Watchdog] = None
+        every = integrity_check_every_n_steps
+        self.integrity = IntegrityChecker(every, integrity_action) if every else None
+        self.guard = StepGuard(check_finite=check_finite, on_sigterm=on_sigterm)  # NaN stop, SIGTERM
+        self.spike = spike_guard_option(spike_guard)  # both ride the step guard's all-reduce
+        self.straggler = straggler_option(straggler)
+        self.guard.riders = [r for r in (self.spike, self.straggler) if r is not None]
+        self.compile_watch: Optional[CompileWatch] = None  # compile=True: graphs and recompiles
+        self._compiled_phases: set[str] = set()  # compile=True: step kinds that ran once (compiled) already
+
+    # ------------------------------------------------------------------ watchdog
     def start_watchdog(self, world_size: int, broadcast: Callable[[Any], Any]) -> None:
         if self.watchdog_timeout is None or world_size < 2 or self.watchdog is not None:
             return
@@ -48,7 +64,11 @@ class EngineRunGuard:
         if self.watchdog is not None:
             self.watchdog.progress(what, exempt)
 
-    def compiling(self, phase: str, step: int) -> bool:
+    def progress(self, phase: str, what: Optional[str] = None) -> None:
+        """Report ``phase`` (in words: ``what``) of the current step; a compiling one is exempt (:meth:`compiling`)."""
+        self.report(f"{what or phase} (step {self.step()})", exempt=self.compiling(phase))
+
+    def compiling(self, phase: str) -> bool:
         """Under compile, the first optimizer step and the first call of each other step kind compile the
         blocks (minutes with inductor on a large model, at different times on different ranks): exempt
         from the watchdog, like setup. Later recompilations are not."""
@@ -56,7 +76,84 @@ class EngineRunGuard:
             return False
         first = phase not in self._compiled_phases
         self._compiled_phases.add(phase)
-        return first or step <= 0
+        return first or self.step() <= 0
+
+    # ------------------------------------------------------------------ the engine's lifecycle points
+    def connect(self, parallel: ParallelModel, device: torch.device) -> None:
+        """A model is set up: the step guard learns the device and the stages (each stage's forward output
+        is checked, so a NaN is traced to the stage that made it); the riders learn the world."""
+        dims = parallel.dims
+        self.guard.connect(device, pipeline_rank_info(dims.mesh), parallel.data_parallel.grad_replication)
+        if self.straggler is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.straggler.connect(device, rank, dims.world_size, lambda r: mesh_coordinates(dims, r))
+        if self.spike is not None:
+            self.spike.connect(device, self.guard)
+        pipeline = parallel.pipeline
+        if pipeline is not None:
+            self.guard.watch_stage_outputs(
+                ((m.stage_index, m) for m in pipeline.stage_modules), self.step, lambda: pipeline.inferring_shapes
+            )
+
+    def watch_compiles(self, parallel: ParallelModel) -> None:
+        """``compile=True``: count compilations from here (the first of each block class is expected)."""
+        if parallel.compiled:
+            self.compile_watch = CompileWatch(sorted({t for info in parallel.compiled for t in info.block_types}))
+
+    def observe_loss(self, output: Any, local: bool) -> None:
+        """Device-side notes of a non-finite local loss (no sync, no collective); ``local``: this rank computed
+        it (under pp only the last stage's rank does)."""
+        if self.guard.active:
+            self.guard.observe_loss(output, self.step(), local=local)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if self.spike is not None and local and isinstance(loss, torch.Tensor):
+            self.spike.observe_loss(loss)
+        if self.integrity is not None and local:
+            self.integrity.observe_loss(output, self.step())
+
+    def before_backward(self) -> None:
+        """The end of this rank's own work before the gradient synchronisation (straggler detection)."""
+        if self.straggler is not None:
+            self.straggler.arrive()
+
+    def check_step(self, params: Optional[Any]) -> None:
+        """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
+        self.progress("finite check")
+        self.guard.check(self.step(), params)
+
+    def integrity_due(self, final: bool = False) -> bool:
+        """Whether the scheduled integrity check runs now (``final``: at the end of training, unless it ran at this step)."""
+        integrity, step = self.integrity, self.step()
+        return integrity is not None and (step != integrity.last_checked_step if final else integrity.due(step))
+
+    def check_integrity(
+        self, parallel: ParallelModel, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device,
+        step: Optional[int] = None,
+    ) -> list[str]:
+        """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
+        checker = self.integrity or IntegrityChecker(1, "raise")
+        return checker.check_model(
+            self.step() if step is None else step, module, optimizers, parallel.dims, device,
+            fully_sharded=parallel.fully_sharded, is_expert=parallel.expert_predicate(),
+        )
+
+    def end_step(self, save: Optional[Callable[[], Optional[str]]]) -> None:
+        """A step boundary (every rank together): the step guard's boundary, and after an agreed SIGTERM the stop
+        (``save`` writes the preemption checkpoint; without one under ``on_sigterm="checkpoint"`` the loop saves)."""
+        try:
+            self.guard.at_step_boundary(self.step(), save)
+        except Preempted as preempted:
+            self.on_exception(preempted)  # every rank agreed: the watchdog stops as after a finished run
+            raise
+
+    def settle(self) -> None:
+        """Read the step guard's agreement in flight now (before a save, at the end of training)."""
+        self.guard.settle()
+
+    @property
+    def preempted(self) -> bool:
+        """Every rank agreed on a SIGTERM (read from the step guard's agreement: no collective of its own)."""
+        return self.guard.stop_signal is not None
 
     def on_exception(self, exception: BaseException) -> None:
         if self.watchdog is not None:  # stop beating: peers blocked on this rank exit after watchdog_timeout
@@ -68,42 +165,9 @@ class EngineRunGuard:
 
     def teardown(self) -> None:
         self.guard.restore_signal_handler()
-        self.checkpoint_run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
 
-    def after_training_step(self, output: Any, step: int) -> None:
-        """A training step's loss is out: note a non-finite one; warn once on a recompile storm (``compile=True``)."""
-        if self.compile_watch is not None:
-            self.compile_watch.check()  # names dynamo's reasons
-        self.observe_loss(output, step)
 
-    def observe_loss(self, output: Any, step: int) -> None:
-        """Device-side notes of a non-finite local loss (no sync, no collective); under pp the loss is the
-        last stage's, shared, so only that rank's counts."""
-        pipeline = self.parallel.pipeline if self.parallel is not None else None
-        local = pipeline is None or pipeline.has_last
-        if self.guard.active:
-            self.guard.observe_loss(output, step, local=local)
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if self.spike is not None and local and isinstance(loss, torch.Tensor):
-            self.spike.observe_loss(loss)
-        if self.integrity is not None and local:
-            self.integrity.observe_loss(output, step)
-
-    def check_step(self, step: int, params: Optional[Any]) -> None:
-        """Gradients are final: one all-reduce agrees on non-finite values and signals (``reliability/step_guard``)."""
-        self.guard.check(step, params)
-
-    def check_integrity(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device) -> list[str]:
-        """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
-        parallel = self.parallel_model
-        checker = self.integrity or IntegrityChecker(1, "raise")
-        return checker.check_model(
-            step, module, optimizers, self.parallel_dims, device,
-            fully_sharded=parallel.fully_sharded, is_expert=parallel.expert_predicate(),
-        )
-
-
-__all__ = ["EngineRunGuard"]
+__all__ = ["RunGuard"]

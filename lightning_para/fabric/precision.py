@@ -1,9 +1,9 @@
-"""``FabricParaPrecision``: :class:`~lightning_para.ParaPrecision` spoken in Fabric's precision protocol.
+"""``FabricParaPrecision``: the precision core (:mod:`lightning_para.core.precision`) in Fabric's precision protocol.
 
 The modes, the fp32 masters, the rank-agreed loss scaling and the global-norm clipping are
-ParaPrecision's; only the call signatures differ between Lightning's two front ends. Fabric calls
-``backward(tensor, module)`` and ``optimizer_step(optimizer)`` (no closure, no Trainer hooks) and
-``unscale_gradients(optimizer)`` before clipping.
+:class:`~lightning_para.core.precision.PrecisionCore`'s; only the call signatures differ between Lightning's two
+front ends. Fabric calls ``backward(tensor, module)`` and ``optimizer_step(optimizer)`` (no closure, no Trainer
+hooks) and ``unscale_gradients(optimizer)`` before clipping.
 """
 
 from __future__ import annotations
@@ -11,32 +11,23 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.fabric.plugins import Precision as FabricPrecision
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_para.core.precision import PrecisionCore
 from lightning_para.spec.options import PRECISIONS
-from lightning_para.precision import ParaPrecision
 
 
-class FabricParaPrecision(ParaPrecision):
-    """ParaPrecision for Fabric's ``ParaStrategy`` (same arguments as :class:`~lightning_para.ParaPrecision`)."""
+class FabricParaPrecision(PrecisionCore, FabricPrecision):
+    """ParaPrecision for Fabric's ``ParaStrategy`` (arguments: :class:`~lightning_para.core.precision.PrecisionCore`'s).
+    ``fabric.setup`` casts nothing: :func:`~lightning_para.parallelize` casts at the right point of its order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._unscaled: Optional[bool] = None  # 16-mixed: found inf when this step's gradients were unscaled
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        # Fabric calls this before the strategy's `setup_module`; `parallelize()` casts at the right point of its order.
-        return module
-
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
-        return tensor  # no Trainer hooks; the loss scale is applied in `backward`
-
     def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         (tensor * self.scale if self.uses_loss_scaling else tensor).backward(*args, **kwargs)
-
-    def post_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
-        return tensor
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Complete pending gradient communication, then (16-mixed) divide by the loss scale once per step."""
@@ -46,9 +37,7 @@ class FabricParaPrecision(ParaPrecision):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The step guard's agreement, then the step; under 16-mixed every rank skips a step with inf gradients."""
-        self.finalize_gradients()
-        if self._check_step is not None:
-            self._check_step(optimizer, not self.uses_loss_scaling)
+        self.before_optimizer_step(optimizer, not self.uses_loss_scaling)
         if not self.uses_loss_scaling:
             return self.gated_step(optimizer, lambda: optimizer.step(**kwargs))
         self.unscale_gradients(optimizer)
@@ -64,7 +53,7 @@ def as_fabric_para_precision(plugin: Optional[FabricPrecision]) -> Optional[Fabr
     """Convert the plugin Fabric built from ``Fabric(precision=...)`` (or a Trainer-side ParaPrecision) into one."""
     if plugin is None or isinstance(plugin, FabricParaPrecision):
         return plugin
-    if isinstance(plugin, ParaPrecision):
+    if isinstance(plugin, PrecisionCore):
         return FabricParaPrecision(plugin.precision, master_weights=plugin.master_weights)
     mode = getattr(plugin, "precision", "32-true")
     if mode not in PRECISIONS:

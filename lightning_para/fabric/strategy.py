@@ -1,30 +1,12 @@
 """Fabric's ``ParaStrategy``: the same layouts as the Trainer's, for a loop the user writes.
 
-``L.Fabric(strategy=ParaStrategy(tp=2, zero=3))``: the arguments, their validation and errors are
-the Trainer's (one :class:`~lightning_para.config.ParallelConfig`), and every piece of work is the
-framework-neutral engine's (:class:`lightning_para.core.ParaEngine`): this module only speaks
-Fabric's strategy protocol. What Fabric calls, and what it does here:
-
-* ``fabric.launch()`` / ``setup_environment``: the degrees are checked against the world size
-  before any process starts; the process group and the one DeviceMesh are built;
-* ``fabric.init_module(empty_init=True)``: parameters on the meta device; ``fabric.setup(model)``
-  materialises them (each submodule's ``reset_parameters``, seeded) and parallelizes the model;
-* ``fabric.setup_optimizers`` (or ``fabric.setup(model, optimizer)``): the optimizer is handed to
-  data parallelism (ZeRO shards its state); one made before ``setup`` is re-pointed at the
-  parallel parameters by name;
-* ``fabric.backward``, ``fabric.no_backward_sync`` (accumulation without communication, the
-  ``zero_accumulation`` policy), ``fabric.clip_gradients`` (the global norm over dp, tp, pp and
-  ep shards), ``optimizer.step()`` (the step guard's agreement first);
-* ``fabric.setup_dataloaders``: a sampler per data-parallel rank (tp/pp ranks of one dp rank
-  read the same samples);
-* ``fabric.save`` / ``fabric.load``: the Trainer's sharded, atomic, checksummed format (either
-  front end loads the other's, into any layout), ``fabric.load_raw``, and one full file with
-  ``save_distributed_checkpoint=False``;
-* pp: :meth:`ParaStrategy.pipeline_step` runs the schedule over a batch; cp: :meth:`ParaStrategy.run_step`
-  runs the loop's forward and loss on this rank's sequence chunks (attention across the cp group).
-
-The arguments, and the views shared with the Trainer's front end, are
-:class:`~lightning_para.core.front_end.ParaFrontEnd`'s.
+``L.Fabric(strategy=ParaStrategy(tp=2, zero=3))``: the arguments, their validation and errors are the Trainer's
+(:class:`~lightning_para.core.front_end.ParaFrontEnd`), and every piece of work is the framework-neutral
+engine's (:class:`lightning_para.core.ParaEngine`): this module translates Fabric's strategy protocol
+(``setup_environment``, ``setup_module``, ``backward``, ``no_backward_sync``, ``clip_gradients``,
+``optimizer.step()``, ``save``/``load``) into the engine's lifecycle. pp: :meth:`ParaStrategy.pipeline_step` runs
+the schedule over a batch; cp: :meth:`ParaStrategy.run_step` runs the loop's forward and loss on this rank's
+sequence chunks. ``docs/fabric.md`` shows a loop and what each call does.
 """
 
 from __future__ import annotations
@@ -47,7 +29,7 @@ from lightning_para.checkpoint.run import RUN_KEY
 from lightning_para.config import ParallelConfig
 from lightning_para.core import ParaEngine
 from lightning_para.core.front_end import ParaFrontEnd
-from lightning_para.fabric.checkpoint import check_load_state, check_save_arguments, from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
+from lightning_para.checkpoint.fabric_format import check_load_state, check_save_arguments, from_full_file, restore_other, split_state, to_fabric_file, to_trainer_format
 from lightning_para.fabric.precision import FabricParaPrecision, as_fabric_para_precision
 from lightning_para.fabric.steps import check_accumulate, check_run_step, outside_run_step_error, pipeline_forward_error, schedule_only
 from lightning_para.fabric.wrappers import repoint, unwrap
@@ -105,8 +87,6 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         )
         self._num_nodes = 1
         self._backward_sync_control = _ParaBackwardSyncControl(self.core)
-        self._optimizers: list[Optimizer] = []
-        self._module: Optional[nn.Module] = None  # the set-up model (scheduled integrity checks read it)
         self._step = 0  # optimizer steps taken (the step guard's and the watchdog's step number)
         self._in_step = False  # inside `run_step` (under cp the model is called only there)
 
@@ -142,13 +122,15 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         if io is not None:
             raise NotImplementedError(_NO_CHECKPOINT_IO)
 
+    def _step_number(self) -> int:
+        return self._step
+
     def setup_environment(self) -> None:
         self._resolve_dims()  # raises before any collective
         self._share_cores()
         super().setup_environment()
         self._setup_distributed()
-        self.core.build_mesh(self.root_device.type)
-        self.core.start_watchdog(self.world_size, self.broadcast)
+        self.core.setup_environment(self.root_device.type, self.world_size, self.broadcast)
 
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
@@ -163,24 +145,18 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         pass  # `setup_module` materialises and places each rank's shards
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        self.core.report("setup: parallelize the model", exempt=True)
-        precision = self.precision
-        precision.device_type = self.root_device.type
-        self.core.parallelize(module, self.root_device, precision)
-        self._module = module
-        if self.core.parallel_model.pipeline is not None:
+        self.core.setup_module(module, self.root_device, self.precision)
+        if self.core.has_pipeline:
             module.register_forward_pre_hook(pipeline_forward_error)
         else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
             module.register_forward_pre_hook(self._report_forward)
-        self.core.connect(self.root_device, precision, lambda: self._step, self._check_step)
-        self.core.guard.install_signal_handler()  # on_sigterm: the signal is only recorded, agreed at a step
+        self.core.start_training()  # on_sigterm: the signal is only recorded, agreed at a step
         self.barrier()
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Hand ``optimizer`` (made from the set-up model's parameters) to data parallelism."""
-        self.core.attach_optimizers([optimizer])
-        self._optimizers.append(optimizer)
+        self.core.setup_optimizers([optimizer], append=True)
         return optimizer
 
     def setup_module_and_optimizers(
@@ -192,25 +168,19 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         module = self.setup_module(module)
         current = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
-            repoint(optimizer, names, current, pipeline=self.core.parallel_model.pipeline is not None)
+            repoint(optimizer, names, current, pipeline=self.core.has_pipeline)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     # ------------------------------------------------------------------ steps
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, accumulate: int = 1, **kwargs: Any) -> None:
         """``fabric.backward(loss)``. ``accumulate``: the micro-steps per optimizer step (``fabric.backward(loss / A,
         accumulate=A)``), read by MoE layers, which feed their aux-loss gradient themselves and scale it as the
-        loss is scaled; without MoE layers it changes nothing."""
+        loss is scaled; without MoE layers it changes nothing. Under pp :meth:`pipeline_step` ran forward and
+        backward of every microbatch: its gradients join ``.grad`` and sync here."""
         check_accumulate("backward", accumulate)
-        self.core.report(f"backward and gradient sync (step {self._step})", exempt=self.core.compiling("backward", self._step))
-        if self.core.has_pipeline:
-            # `pipeline_step` ran forward and backward of every microbatch: its gradients join `.grad` and sync.
-            self.core.finish_pipeline_backward()
-            return
-        precision = self.precision
-        self.core.observe_loss(tensor, self._step)  # a device-side note of a non-finite local loss: no sync
-        self.core.before_backward(unwrap(module) if module is not None else self._module, precision, accumulate=accumulate)
-        with self.core.backward_context():
-            precision.backward(tensor, module, *args, **kwargs)
+        self.core.before_backward(accumulate)
+        # The loss is noted on the device (a non-finite local loss; no sync).
+        self.core.backward(tensor, lambda loss: self.precision.backward(loss, module, *args, **kwargs), observe=True)
 
     def pipeline_step(self, module: nn.Module, batch: Any, accumulate: int = 1) -> Tensor:
         """Run the pipeline schedule (``pp > 1``) over ``batch``: forward and backward of every microbatch of
@@ -220,10 +190,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         ``1/accumulate`` of its gradients; do not divide the loss yourself). The model states the split
         with ``configure_pipeline()`` (``docs/pipeline_parallel.md``)."""
         check_accumulate("pipeline_step", accumulate)
-        self.core.report(f"pipeline step (step {self._step})", exempt=self.core.compiling("pipeline step", self._step))
-        loss = self._schedule("training_step", module, batch, accumulate)
-        self.core.observe_loss(loss, self._step)
-        return loss
+        return self._schedule("training_step", module, batch, accumulate)
 
     def pipeline_eval_step(self, module: nn.Module, batch: Any) -> Tensor:
         """The pipeline's forward-only loss over ``batch`` (``pp > 1``), on every rank."""
@@ -232,9 +199,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
     def _schedule(self, name: str, module: nn.Module, batch: Any, accumulate: Optional[int]) -> Any:
         # Through the core's step routing, so that under cp each stage sees this rank's sequence chunks.
-        return self.core.run_step(
+        return self.core.step(
             name, unwrap(module), (self.batch_to_device(batch),), {}, self.precision.forward_context(),
-            call=schedule_only, precision=self.precision, accumulate=accumulate,
+            call=schedule_only, accumulate=accumulate,
         )
 
     def run_step(self, module: nn.Module, step: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
@@ -251,9 +218,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         name = "training_step" if torch.is_grad_enabled() else "validation_step"
         self._in_step = True
         try:
-            return self.core.run_step(
+            return self.core.step(
                 name, unwrap(module), (batch,), {}, contextlib.nullcontext(), call=lambda local: step(module, local),
-                precision=self.precision,
+                observe=False,  # `fabric.backward` notes the loss
             )
         finally:
             self._in_step = False
@@ -266,16 +233,10 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             yield
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.core.report(f"optimizer step {self._step}", exempt=self.core.compiling("optimizer step", self._step))
-        output = self.precision.optimizer_step(unwrap(optimizer), **kwargs)
-        if self.core.compile_watch is not None:
-            self.core.compile_watch.check()  # warns once on a recompile storm, naming dynamo's reasons
+        output = self.core.optimizer_step(lambda: self.precision.optimizer_step(unwrap(optimizer), **kwargs))
         self._step += 1
-        if self.core.guard.stop_signal is not None and self.core.guard.on_sigterm == "exit":
-            self._stop_preempted()
-        integrity = self.core.integrity
-        if integrity is not None and integrity.due(self._step) and self._module is not None:
-            self.check_integrity(self._module)  # `integrity_check_every_n_steps`, after the step's ZeRO gather
+        self.core.end_step()  # on_sigterm="exit": every rank stops here; "checkpoint": `preempted` turns true
+        self.core.begin_step()  # `integrity_check_every_n_steps`, after the step's ZeRO gather
         return output
 
     @property
@@ -283,23 +244,12 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         """True on every rank once all ranks agreed on a SIGTERM (``on_sigterm="checkpoint"``), from the same
         ``optimizer.step()`` on: save with ``fabric.save`` and exit (code 143 tells schedulers to restart). Read
         from the step guard's agreement: no collective or device sync of its own."""
-        return self.core.guard.stop_signal is not None
-
-    def _stop_preempted(self) -> None:
-        try:
-            self.core.guard.stop_at_boundary(lambda: None)
-        except BaseException as preempted:
-            self.core.on_exception(preempted)  # every rank agreed: the watchdog stops as after a finished run
-            raise
+        return self.core.preempted
 
     def _report_forward(self, module: nn.Module, args: Any) -> None:
         if not self._in_step and self.core.parallel_dims.cp > 1:
             raise RuntimeError(outside_run_step_error(self.core.parallel_dims.cp))
-        phase = "forward" if torch.is_grad_enabled() else "forward without gradients"
-        self.core.report(f"{phase} (step {self._step})", exempt=self.core.compiling(phase, self._step))
-
-    def _check_step(self, optimizer: Any, check_gradients: bool) -> None:
-        self.core.check_step(self._step, self.precision.main_params(optimizer) if check_gradients else None)
+        self.core.progress("forward" if torch.is_grad_enabled() else "forward without gradients")
 
     def clip_gradients_norm(
         self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
@@ -323,11 +273,11 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
     def memory_breakdown(self, module: nn.Module) -> MemoryBreakdown:
         """This rank's parameter, gradient and optimizer bytes against the ZeRO formulas (``docs/data_parallel.md``)."""
-        return self.core.memory_breakdown(unwrap(module), self._optimizers, self.precision)
+        return self.core.memory_breakdown(unwrap(module))
 
     def check_integrity(self, module: nn.Module) -> list[str]:
         """Compare every replicated tensor across its replicas now (collective; ``docs/reliability.md``)."""
-        return self.core.check_integrity(self._step, unwrap(module), self._optimizers, self.root_device)
+        return self.core.check_integrity(module=unwrap(module))
 
     # ------------------------------------------------------------------ checkpoints
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -344,14 +294,13 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         checksummed; readable by the Trainer's ParaStrategy and by this one, in any layout (collective)."""
         check_save_arguments(storage_options, filter, sharded=self.save_distributed_checkpoint)
         parts = split_state(state, unwrap, "save_checkpoint")
-        full = not self.save_distributed_checkpoint
-        model_state = self.core.model_state(parts.module, full=full)
-        optimizer_states = [self.core.optimizer_state(parts.module, o, full=full) for o in parts.optimizers]
+        full, checkpoints = not self.save_distributed_checkpoint, self.core.checkpoints
+        model_state = checkpoints.model_state(parts.module, full=full)
+        optimizer_states = [checkpoints.optimizer_state(parts.module, o, full=full) for o in parts.optimizers]
         checkpoint = to_trainer_format(parts, model_state, optimizer_states, filter)
         if full:  # rank 0 holds the full states: Fabric's single-file layout
             checkpoint = to_fabric_file(checkpoint) if self.is_global_zero else {}
-        target, token = self.broadcast((str(path), self.core.checkpoint_run.new_token()))
-        self.core.save_checkpoint(Path(target), token, checkpoint, sharded=not full, module=parts.module, step=self._step)
+        checkpoints.save(path, checkpoint, sharded=not full, module=parts.module, broadcast=self.broadcast)
 
     def load_checkpoint(
         self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None, strict: bool = True,
@@ -366,7 +315,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             self._load_raw(path, state, strict)
             return {}
         parts = split_state(state, unwrap, "load_checkpoint")
-        loaded = self.core.load_checkpoint(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
+        loaded = self.core.checkpoints.load(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
         loaded = dict(loaded)
         loaded.pop(RUN_KEY, None)  # which run saved it (checkpoint/run.py): the checkpoint's record, not the user's state
         return restore_other(state, parts, loaded, strict)
@@ -375,7 +324,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         """``fabric.load_raw``: a sharded folder, a full checkpoint (Fabric's or the Trainer's), or a plain
         ``model.state_dict()`` file, into the parallel model."""
         parts = split_state({"model": module}, unwrap, "load_checkpoint")
-        self.core.load_checkpoint(path, module, [], strict=strict, convert=from_full_file(parts, raw_model_state=True))
+        self.core.checkpoints.load(path, module, [], strict=strict, convert=from_full_file(parts, raw_model_state=True))
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

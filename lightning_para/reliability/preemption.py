@@ -29,12 +29,12 @@ class Preempted(SIGTERMException):
 
 
 class StepBoundary(Callback):
-    """Runs :meth:`StepGuard.at_step_boundary` where Lightning's ``ModelCheckpoint`` saves (the end of a
-    training batch, after it: callbacks run in list order and Lightning puts checkpoint callbacks last),
-    so a preemption checkpoint resumes exactly as a periodic one does."""
+    """Calls ``end_step()`` (the engine's step boundary) where Lightning's ``ModelCheckpoint`` saves (the end of a
+    training batch, after it: callbacks run in list order and Lightning puts checkpoint callbacks last), so a
+    preemption checkpoint resumes exactly as a periodic one does."""
 
-    def __init__(self, guard: Any, save: Callable[[], Optional[str]]) -> None:
-        self.guard, self.save = guard, save
+    def __init__(self, end_step: Callable[[], None]) -> None:
+        self.end_step = end_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # An accumulation micro-step (automatic optimization, no optimizer step yet) issues no collective: the
@@ -46,7 +46,7 @@ class StepBoundary(Callback):
             and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         )
         if not accumulating:
-            self.guard.at_step_boundary(trainer.global_step, self.save)
+            self.end_step()
 
 
 def save_hpc_checkpoint(trainer: Any) -> str:

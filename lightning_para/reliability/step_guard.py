@@ -65,9 +65,7 @@ from lightning_para.reliability.integrity import IntegrityError
 from lightning_para.reliability.preemption import (
     PREEMPTED_EXIT_CODE,
     Preempted,
-    StepBoundary,
     hpc_checkpoint_path,
-    save_hpc_checkpoint,
 )
 
 SIGNAL_ACTIONS = ("checkpoint", "exit")
@@ -344,7 +342,7 @@ class StepGuard:
     # ---------------------------------------------------------------- signals
     def install_signal_handler(self) -> None:
         """Replace the SIGTERM handler (Lightning's broadcasts inside the handler) with one that only
-        records the signal; Lightning restores the original handlers when ``fit`` ends."""
+        records the signal (after Lightning's own is installed); restored at teardown."""
         if self.on_sigterm is None or self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._previous_handler = signal.getsignal(signal.SIGTERM)
@@ -361,27 +359,20 @@ class StepGuard:
             )
             sys.stderr.flush()
 
-    def start_fit(self, trainer: Any, save: Optional[Callable[[], Optional[str]]] = None) -> None:
-        """From ``on_train_start``: the end-of-batch hook (:class:`StepBoundary`) and the signal handler.
-        ``save``: writes the preemption checkpoint, returns its path (default :func:`save_hpc_checkpoint`)."""
-        if self.active and not any(isinstance(c, StepBoundary) for c in trainer.callbacks):
-            save = save or (lambda: save_hpc_checkpoint(trainer))
-            trainer.callbacks.append(StepBoundary(self, save))  # after ModelCheckpoint
-        self.install_signal_handler()  # after Lightning's (whose handler runs a collective)
-
     def restore_signal_handler(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
         self._installed = False
 
-    def at_step_boundary(self, step: int, save: Callable[[], Optional[str]]) -> None:
+    def at_step_boundary(self, step: int, save: Optional[Callable[[], Optional[str]]] = None) -> None:
         """After each training batch, on every rank: check a loss noted since the last check (manual
-        optimization, accumulation micro-steps); after an optimizer step, act on an agreed signal."""
+        optimization, accumulation micro-steps); after an optimizer step, act on an agreed signal. ``save=None``
+        under ``"checkpoint"``: the caller's loop saves and exits (it reads :attr:`stop_signal`)."""
         if self.pending:
             self.check(step)
         stepped, self.stepped = self.stepped, False
-        if stepped:
-            self.stop_at_boundary(save)
+        if stepped and (save is not None or self.on_sigterm == "exit"):
+            self.stop_at_boundary(save or (lambda: None))
 
     def stop_at_boundary(self, save: Callable[[], Optional[str]]) -> None:
         """At a step boundary (every rank together): after an agreed signal, save (``"checkpoint"``)
@@ -425,10 +416,8 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "Preempted",
     "SIGNAL_ACTIONS",
-    "StepBoundary",
     "StepGuard",
     "check_step_guard_options",
     "hpc_checkpoint_path",
-    "save_hpc_checkpoint",
     "pipeline_rank_info",
 ]

@@ -81,7 +81,7 @@ class Watch(Callback):
         if trainer.global_rank == self.slow_rank:
             time.sleep(0.05)
         if batch_idx == SPIKE_AT:
-            optimizer = trainer.strategy._raw_optimizers()[0]
+            optimizer = trainer.strategy.core.optimizers[0]
             self.before = snapshot(pl_module, optimizer)
             optimizer.register_step_pre_hook(self.grad_norm)
 
@@ -94,7 +94,7 @@ class Watch(Callback):
         straggler = trainer.strategy.straggler
         self.named.append(list(straggler.stragglers) if straggler is not None else [])
         if batch_idx in (SPIKE_AT, SPIKE_AT + 1):
-            self.result[f"unchanged_{batch_idx}"] = same(self.before, snapshot(pl_module, trainer.strategy._raw_optimizers()[0]))
+            self.result[f"unchanged_{batch_idx}"] = same(self.before, snapshot(pl_module, trainer.strategy.core.optimizers[0]))
 
 
 class MemoryLogger(Logger):
@@ -160,7 +160,7 @@ def fabric_job(strategy_kwargs: dict[str, Any], *, steps: int = STEPS, fused: bo
                 result["unchanged_6"] = same(before, snapshot(model, optimizer))
             result["losses"].append(float(loss))
             result["named"].append(list(strategy.straggler.stragglers) if strategy.straggler is not None else [])
-    strategy.core.guard.settle()  # the last step's agreement: its events are logged
+    strategy.core.run_guard.settle()  # the last step's agreement: its events are logged
     result["events"] = [vars(e) for e in strategy.spike_guard.events] if strategy.spike_guard is not None else []
     result["warnings"] = [str(w.message) for w in caught if "straggler" in str(w.message)]
     return result

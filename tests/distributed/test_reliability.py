@@ -195,7 +195,7 @@ def corruption_job(strategy_kwargs: dict[str, Any], corrupt: dict[str, Any], max
     trainer = L.Trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
                         callbacks=[Corrupt(**corrupt)], **trainer_kwargs(limit_val_batches=0))
     trainer.fit(model, datamodule=TextDataModule(seq_len=32, global_batch_size=8, max_bytes=40_000))
-    return strategy.core.integrity.reports
+    return strategy.core.run_guard.integrity.reports
 
 
 def test_a_flipped_weight_in_one_replica_is_reported_within_one_interval(pools):

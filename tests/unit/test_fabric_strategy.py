@@ -90,7 +90,7 @@ def test_checkpoint_errors_before_any_collective(tmp_path):
 
 
 def test_a_checkpoint_holds_one_model():
-    from lightning_para.fabric.checkpoint import split_state
+    from lightning_para.checkpoint.fabric_format import split_state
 
     with pytest.raises(ValueError, match="exactly one model"):
         split_state({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)}, lambda x: x, "save_checkpoint")
@@ -120,7 +120,7 @@ def test_accumulate_is_checked_before_any_work(accumulate):
 
 def test_save_filter_applies_to_every_entry():
     """Lightning's `filter` semantics: per entry of `state`, on its state dict's keys (model, optimizer, others)."""
-    from lightning_para.fabric.checkpoint import split_state, to_fabric_file, to_trainer_format
+    from lightning_para.checkpoint.fabric_format import split_state, to_fabric_file, to_trainer_format
 
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

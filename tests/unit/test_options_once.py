@@ -85,11 +85,11 @@ def test_layout_fields_are_the_planned_options():
 
 def test_front_end_defaults_of_auto():
     assert lightning_para.ParaStrategy().config.loss_parallel is True
-    assert lightning_para.ParaStrategy().core.guard.on_sigterm == "checkpoint"
+    assert lightning_para.ParaStrategy().core.run_guard.guard.on_sigterm == "checkpoint"
     assert FabricParaStrategy().config.loss_parallel is False
-    assert FabricParaStrategy().core.guard.on_sigterm is None
+    assert FabricParaStrategy().core.run_guard.guard.on_sigterm is None
     assert FabricParaStrategy(loss_parallel=True).config.loss_parallel is True
-    assert FabricParaStrategy(on_sigterm="exit").core.guard.on_sigterm == "exit"
+    assert FabricParaStrategy(on_sigterm="exit").core.run_guard.guard.on_sigterm == "exit"
     with pytest.raises(ValueError, match="on_sigterm='stop'"):
         FabricParaStrategy(on_sigterm="stop")
 

@@ -12,7 +12,7 @@ __getattr__, __dir__, __all__ = lazy_face(__name__, {
         "reshard_fsdp_units"),
     ".grad_norm": ("GradReplication", "clip_grads_by_global_norm", "clip_grads_by_value", "count_grad_replication",
         "global_grad_norm"),
-    ".interface": ("DataParallel",),
+    ".interface": ("DataParallel", "NoDataParallel"),
     ".layout": ("ParamSlot",),
     ".memory": ("BytesPerParam", "MemoryBreakdown"),
     ".sync_batchnorm": ("DataParallelBatchNorm", "convert_sync_batchnorm"),

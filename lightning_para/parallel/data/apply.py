@@ -77,6 +77,9 @@ class ZeroData(DataParallel):
     def commit_microbatches(self) -> None:
         self.engine.commit_pending()
 
+    def pending_gradients(self) -> list[Tensor]:
+        return [b.pending for b in self.engine.buckets if b.pending is not None]
+
     def before_backward(self) -> None:
         self.engine.before_backward()
 

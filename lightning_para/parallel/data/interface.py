@@ -1,7 +1,7 @@
 """``DataParallel``: what the rest of lightning-para may ask of data parallelism.
 
 One interface, returned by :func:`~lightning_para.parallel.data.apply_data_parallel`, with
-three implementations (:mod:`.apply`): ZeRO 0-2 (the :class:`~.zero.ZeroDataParallel` engine),
+three implementations (:mod:`.apply`; :class:`NoDataParallel` stands in until it is applied): ZeRO 0-2 (the :class:`~.zero.ZeroDataParallel` engine),
 ZeRO-3 / HSDP on FSDP2 (:mod:`.fsdp`), and the user's own ``fully_shard`` from
 ``configure_model`` (kept as it is). The strategy, the pipeline runner, ``checkpoint/``,
 ``observe/`` and ``ParaPrecision`` talk to this interface only; which engine runs, how
@@ -83,6 +83,10 @@ class DataParallel(ABC):
         """After :meth:`each_microbatch` and Lightning's ``zero_grad``: the summed shards become ``.grad``."""
         raise NotImplementedError(f"{type(self).__name__} reduces once per step, not per microbatch.")
 
+    def pending_gradients(self) -> list[Tensor]:
+        """Gradients reduced per microbatch and summed aside, not yet in ``.grad`` (:meth:`each_microbatch`)."""
+        return []
+
     def flush(self) -> None:
         """Finish any gradient communication still pending, so ``.grad`` holds this step's synced
         gradients (before unscaling, the inf check and clipping). Idempotent within a step."""
@@ -162,4 +166,14 @@ class DataParallel(ABC):
         )
 
 
-__all__ = ["DataParallel"]
+class NoDataParallel(DataParallel):
+    """One replica, nothing to synchronise: what a parallel model holds until data parallelism is applied."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def accumulation_no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+__all__ = ["DataParallel", "NoDataParallel"]
