@@ -101,10 +101,10 @@ GPU_SPECS: dict[str, dict[str, float]] = {
 # What a multi-GPU run loses beyond one GPU's GEMMs and element-wise bytes, as a factor on the matmul rate
 # (`Cluster.at_scale_efficiency`): the published runs' former single efficiency, 0.5, over the measured GEMM efficiency
 # it stood for; its derivation and the measurement that agrees with it: docs/planner.md, "Matmul efficiency by GPU".
-ISSUE_23_EFFICIENCY = 0.5
+PUBLISHED_RUNS_EFFICIENCY = 0.5
 MEASURED_LLAMA_GEMM_EFFICIENCY = statistics.median(
     g.flops / g.seconds / MEASURED_PEAK_FLOPS for g in MEASURED_GEMMS["h100"] if 16384 in (g.m, g.k))
-AT_SCALE_EFFICIENCY: dict[str, float] = {gpu: ISSUE_23_EFFICIENCY / MEASURED_LLAMA_GEMM_EFFICIENCY for gpu in GPU_SPECS}
+AT_SCALE_EFFICIENCY: dict[str, float] = {gpu: PUBLISHED_RUNS_EFFICIENCY / MEASURED_LLAMA_GEMM_EFFICIENCY for gpu in GPU_SPECS}
 
 
 @dataclass(frozen=True)

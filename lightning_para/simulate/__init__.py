@@ -11,6 +11,6 @@ from lightning_para.spec.lazy import lazy_face
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, {
     ".rank": ("RankDryRun", "dry_run_rank"),
-    ".step": ("causal_lm_step_loss", "in_flight_microbatches"),
+    ".step": ("causal_lm_step_loss",),
     ".world": ("start_fake_world",),
 })

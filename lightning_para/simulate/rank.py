@@ -19,6 +19,7 @@ and records are :mod:`lightning_para.instrument`'s, the planner's side :func:`~l
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -38,11 +39,12 @@ from lightning_para.moe import balanced_routing
 from lightning_para.parallelize import parallelize
 from lightning_para.spec.dims import COORDINATES
 from lightning_para.spec.memory import MeasuredMemory, PredictedMemory
+from lightning_para.spec.schedules import in_flight_microbatches
 from lightning_para.simulate.allocator import AllocationTrace, steady_state_peaks
 from lightning_para.plan.cluster import Training
 from lightning_para.plan.model import ModelDesc
 from lightning_para.simulate.kernels import FusedKernels
-from lightning_para.simulate.step import StepPeaks, in_flight_microbatches, train_step
+from lightning_para.simulate.step import StepPeaks, train_step
 from lightning_para.simulate.world import (
     count_loss_parallel,
     fsdp_on_meta,
@@ -141,7 +143,7 @@ def dry_run_rank(
     clock["total"] = time.perf_counter() - t0
     return RankDryRun(
         rank=rank, world_size=world_size, coordinates=coords, pipeline_rank=pp_rank, layers=layers,
-        in_flight=in_flight_microbatches(config.schedule, dims.pp, pp_rank, microbatches, config.virtual_stages)
+        in_flight=math.ceil(in_flight_microbatches(config.schedule, dims.pp, microbatches, config.virtual_stages, pp_rank))
         if dims.pp > 1 else 1, microbatches=microbatches, measured=measured,
         predicted_resident=resident, predicted_peak=step_peak,
         comm=comm.payload_figures(), predicted_comm=predicted_comm, step_ran=run_step, seconds=clock,
@@ -227,4 +229,4 @@ def _measured(
     return MeasuredMemory(float(params), float(grads), float(opt), peaks.activations, float(before.model_states + steady), *reserved)
 
 
-__all__ = ["RankDryRun", "dry_run_rank", "in_flight_microbatches"]
+__all__ = ["RankDryRun", "dry_run_rank"]

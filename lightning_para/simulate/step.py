@@ -6,7 +6,6 @@ exchange) or the module's forward and loss under tensor parallelism's loss-paral
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,13 +19,6 @@ from lightning_para.parallel.pipeline import PipelineRunner
 from lightning_para.parallel.pipeline.contracts import StaticStageShapes
 from lightning_para.parallel.tensor.loss import causal_lm_loss
 from lightning_para.parallelize import ParallelModel
-from lightning_para.spec import schedules
-
-
-def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, virtual_stages: int = 1) -> int:
-    """Microbatches whose activations a pipeline rank holds at its peak (GPipe: all of them; 1F1B: ``pp - rank``):
-    the schedule's own :func:`~lightning_para.spec.schedules.in_flight_microbatches`, rounded up."""
-    return math.ceil(schedules.in_flight_microbatches(schedule, pp, microbatches, virtual_stages, pp_rank))
 
 
 def causal_lm_step_loss(logits: Any, tokens: Tensor) -> Tensor:
@@ -143,4 +135,4 @@ def _static_stage_shapes(
     ))
 
 
-__all__ = ["StepPeaks", "causal_lm_step_loss", "in_flight_microbatches", "train_step"]
+__all__ = ["StepPeaks", "causal_lm_step_loss", "train_step"]
