@@ -1,8 +1,11 @@
-"""Operator counters: the bytes the non-matmul operators read and write (:class:`TrafficCounter`) and the
-operators that go through DTensor's dispatch (:class:`DTensorOpCounter`). Calibration times them
-(:mod:`lightning_para.calibrate`) and the tests recount ``plan/overhead.py``'s tables with them."""
+"""Operator counters: the bytes the non-matmul operators read and write and the kernels every operator
+launches (:class:`TrafficCounter`), and the operators that go through DTensor's dispatch
+(:class:`DTensorOpCounter`). Calibration times them (:mod:`lightning_para.calibrate`), the tests recount
+``plan/overhead.py``'s tables with them and ``benchmarks/kernel_counts.py`` counts kernels per step."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,23 +23,33 @@ _PRICED_BY_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_prod
                               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"})
 _NO_TRAFFIC = frozenset({"detach", "alias", "_unsafe_view", "_reshape_alias", "empty", "empty_like", "empty_strided",
                          "new_empty", "new_empty_strided", "lift_fresh"})
+# Profiler markers (``record_function``): dispatched like operators, but they launch nothing.
+_NO_KERNEL = _NO_TRAFFIC | {"_record_function_enter", "_record_function_enter_new", "_record_function_exit"}
 
 
 class TrafficCounter(TorchDispatchMode):
     """Bytes read and written by the non-matmul aten operators (inputs plus outputs of each; views,
     allocations and the operators priced by FLOPs excluded), and how many there were. Used by
     :func:`~lightning_para.calibrate.measure.measure_elementwise_bandwidth` and by the tests that recount ``plan/overhead.py``'s traffic
-    coefficients."""
+    coefficients.
+
+    ``kernels`` counts by name every operator that launches a kernel on a GPU (matmuls and collectives
+    included; views, detaches, aliases, bare allocations and profiler markers not): ``benchmarks/kernel_counts.py``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
         self.ops = 0
+        self.kernels: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        if func.is_view or name in _NO_TRAFFIC or name in _PRICED_BY_FLOPS:
+        if func.is_view or name in _NO_TRAFFIC:
+            return out
+        if name not in _NO_KERNEL:
+            self.kernels[name] += 1
+        if name in _PRICED_BY_FLOPS:
             return out
         self.ops += 1
         for value in tree_flatten((args, kwargs, out))[0]:
