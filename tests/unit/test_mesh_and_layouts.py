@@ -3,6 +3,8 @@ ZeRO-3 unit choice, and the ZeRO memory formulas."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -52,21 +54,25 @@ def test_get_mesh_errors_list_valid_names(fake_world):
         dims.get_mesh("sp")
 
 
-@pytest.mark.parametrize("numel, chunk, world", [(12, 4, 3), (10, 4, 3), (3, 2, 4), (7, 7, 1)])
-def test_rank_major_pack_roundtrip(numel, chunk, world):
-    flat = torch.arange(numel, dtype=torch.float32) + 1
-    dest = torch.full((world, chunk + 3), -1.0)
-    _pack(flat, chunk, world, dest, offset=1)
-    # Row r holds torch.chunk's r-th piece, zero-padded to `chunk`; other columns untouched.
-    pieces = list(torch.split(flat, chunk))
-    for r in range(world):
-        piece = pieces[r] if r < len(pieces) else torch.empty(0)
-        assert torch.equal(dest[r, 1 : 1 + len(piece)], piece)
-        assert torch.all(dest[r, 1 + len(piece) : 1 + chunk] == 0)
-        assert dest[r, 0] == -1 and torch.all(dest[r, 1 + chunk :] == -1)
-    back = torch.zeros(numel)
-    _unpack(dest, chunk, 1, back)
-    assert torch.equal(back, flat)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rank_major_pack_roundtrip(world):
+    shapes = [(12, 2), (10, 1), (3, 5), (7, 1), (1, 1)]  # rows x row elements; uneven and short ones too
+    tensors = [torch.arange(r * c, dtype=torch.float32).view(r, c) + 100 * i + 1 for i, (r, c) in enumerate(shapes)]
+    chunks = [math.ceil(r / world) * c for r, c in shapes]
+    dest = torch.full((world, sum(chunks)), -1.0)
+    _pack(tensors, dest)
+    # Row r holds torch.chunk's r-th piece of each tensor, zero-padded to its chunk, the tensors end to end.
+    offset = 0
+    for t, (r, c), chunk in zip(tensors, shapes, chunks):
+        pieces = list(torch.split(t.reshape(-1), chunk))
+        for rank in range(world):
+            piece = pieces[rank] if rank < len(pieces) else torch.empty(0)
+            assert torch.equal(dest[rank, offset : offset + len(piece)], piece)
+            assert torch.all(dest[rank, offset + len(piece) : offset + chunk] == 0)
+        offset += chunk
+    back = [torch.zeros_like(t) for t in tensors]
+    _unpack(dest, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
 class _Tied(nn.Module):

@@ -9,6 +9,7 @@ rows of its own shards, and an all-gather rebuilds the full parameters.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -71,6 +72,11 @@ class ParamSlot:
     def shard_shape(self) -> tuple[int, ...]:
         shape = tuple(self.local.shape) or (1,)
         return (self.end_row - self.start_row, *shape[1:])
+
+    @property
+    def master_shape(self) -> tuple[int, ...]:
+        """The shape of what the optimizer steps: this rank's rows (sharded), else the local parameter's."""
+        return self.shard_shape if self.sharded else tuple(self.local.shape)
 
     @property
     def separate_master(self) -> bool:
@@ -185,6 +191,10 @@ class Bucket:
     # after each of its microbatch backwards and sums the shards here, in the masters' dtype.
     part: Optional[int] = None
     pending: Optional[Tensor] = None
+    # Separate masters (fp32 of bf16 weights): one flat tensor of this rank's segment, each slot's master a view.
+    masters: Optional[Tensor] = None
+    # The flat gradient the masters' `.grad` views (weakly: `zero_grad` frees it), to accumulate into.
+    grads: Optional[weakref.ref] = None
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -238,41 +248,51 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def pack_rank_major(flat: Tensor, chunk: int, world: int, dest: Tensor, offset: int) -> None:
-    """``dest[:, offset:offset+chunk] = flat`` split into ``world`` chunks, zero-padded (rank-major layout)."""
-    n = flat.numel()
-    full = n // chunk if chunk else 0
-    if full:
-        dest[:full, offset : offset + chunk].copy_(flat[: full * chunk].view(full, chunk))
-    if full < world:
-        dest[full:, offset : offset + chunk].zero_()
-        rest = n - full * chunk
-        if rest:
-            dest[full, offset : offset + rest].copy_(flat[full * chunk :])
+def pack_rank_major(rows: Sequence[Tensor], out: Tensor) -> None:
+    """``out[r]`` = the ``r``-th ``torch.chunk`` (along dim 0) of each 2-D tensor of ``rows``, zero-padded to
+    ``ceil(rows / world)`` rows, laid end to end (``world = out.shape[0]``): FSDP2's layout, in one fused kernel."""
+    torch._chunk_cat(list(rows), 0, out.shape[0], out=out)
 
 
-def unpack_rank_major(src: Tensor, chunk: int, offset: int, flat: Tensor) -> None:
-    """Inverse of :func:`pack_rank_major`: write the rank-major chunks back into ``flat``."""
-    n = flat.numel()
-    full = n // chunk if chunk else 0
-    if full:
-        flat[: full * chunk].view(full, chunk).copy_(src[:full, offset : offset + chunk])
-    rest = n - full * chunk
-    if rest:
-        flat[full * chunk :].copy_(src[full, offset : offset + rest])
+def unpack_rank_major(src: Tensor, rows: Sequence[Tensor]) -> None:
+    """Inverse of :func:`pack_rank_major`: write each 2-D tensor of ``rows`` from ``src`` (``world x segment``) in
+    one fused copy, plus one copy per tensor whose rows do not divide by ``world`` (through a padded scratch)."""
+    world = src.shape[0]
+    sizes = [-(-t.shape[0] // world) * t.shape[1] for t in rows]
+    outs, uneven = [], []
+    for t, size in zip(rows, sizes):
+        if t.shape[0] % world == 0 and t.is_contiguous():
+            outs.append(t.view(world, size))
+        else:
+            outs.append(src.new_empty(world, size))
+            uneven.append((t, outs[-1]))
+    torch.split_with_sizes_copy(src, sizes, dim=1, out=outs)
+    for t, scratch in uneven:  # rank-major chunks of rows: the padding is all at the end
+        t.copy_(scratch.view(-1)[: t.numel()].view(t.shape))
 
 
-def make_master(slot: ParamSlot, master_dtype: Optional[torch.dtype]) -> Optional[nn.Parameter]:
-    """The optimizer's copy of ``slot``'s weights (``None``: it steps the model parameter itself): a view of
-    this rank's rows, or a ``master_dtype`` copy of them."""
-    local = slot.local
+@torch.no_grad()
+def attach_masters(bucket: Bucket, master_dtype: Optional[torch.dtype]) -> None:
+    """Each slot's ``master``, what the optimizer steps (``None``: the model parameter itself). Sharded, without
+    ``master_dtype``: a view of this rank's rows of the parameter. With ``master_dtype``: views into one flat
+    ``master_dtype`` copy of the bucket's segment (:attr:`Bucket.masters`), so casts and copies of the masters are
+    one kernel per bucket."""
     if master_dtype is None:
-        if not slot.sharded:
-            return None  # the optimizer steps the model parameter itself
-        # A view of the model parameter's own rows: the optimizer updates them in place.
-        return nn.Parameter(slot.local_rows(local.detach()), requires_grad=True)
-    source = slot.local_rows(local.detach()) if slot.sharded else local.detach()
-    return nn.Parameter(source.to(master_dtype).clone().view(source.shape), requires_grad=True)
+        for slot in bucket.slots:
+            if slot.sharded:  # the optimizer updates the model parameter's own rows in place
+                slot.master = nn.Parameter(slot.local_rows(slot.local.detach()), requires_grad=True)
+        return
+    flat = torch.zeros(bucket.segment_numel, dtype=master_dtype, device=bucket.slots[0].local.device)
+    bucket.masters = flat
+    for slot in bucket.slots:
+        view = flat[slot.offset : slot.offset + slot.shard_numel].view(slot.master_shape)
+        view.copy_((slot.local_rows(slot.local) if slot.sharded else slot.local).reshape(view.shape))
+        slot.master = nn.Parameter(view, requires_grad=True)
+
+
+def rows_of(tensor: Tensor, slot: ParamSlot) -> Tensor:
+    """A view of ``tensor`` (shaped like ``slot``'s local parameter) as ``rows x row elements``: how it is sharded."""
+    return tensor.view(slot.rows, slot.row_numel)
 
 
 def build_buckets(slots: Sequence[ParamSlot], capacity_bytes: int) -> list[Bucket]:

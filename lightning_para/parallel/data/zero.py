@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Callable, Optional
@@ -67,8 +68,8 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
+    attach_masters,
     build_buckets,
-    make_master,
     pack_rank_major,
     reduce_scatter_is_all_reduce,
     reduce_scatter_single,
@@ -139,16 +140,17 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
             if not param.requires_grad or param.numel() == 0 or param in self._slot_of:
                 continue
             alone = mesh.size() == 1 and self.replicas == 1  # nobody else holds this gradient
-            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone,
-                             part=part_of(param) if part_of is not None else None)
-            slot.master = make_master(slot, master_dtype)
-            if alone and slot.master is None:
+            if alone and master_dtype is None:
                 self._untouched.add(id(param))
                 continue
+            slot = ParamSlot(name=name, param=param, mesh=mesh, sharded=stage > 0 and not alone,
+                             part=part_of(param) if part_of is not None else None)
             self.slots.append(slot)
             self._slot_of[param] = slot
-        self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
         self.buckets = build_buckets(self.slots, int(bucket_size_mb * 1024 * 1024))
+        for bucket in self.buckets:
+            attach_masters(bucket, master_dtype)
+        self._slot_of_optimizer_param = {id(s.optimizer_param): s for s in self.slots}
         self._buckets_of_part: dict[int, list[Bucket]] = {}
         for bucket in self.buckets:
             if bucket.part is not None:
@@ -261,60 +263,61 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        world = bucket.world
+        world, device = bucket.world, bucket.slots[0].local.device
+        # Stage 0: the gradients end to end; 1/2: rank-major, each rank's rows of every gradient in its segment.
+        buffer = torch.empty(1 if self.stage == 0 else world, bucket.segment_numel, dtype=bucket.dtype, device=device)
+        pack_rank_major(self._gradients_to_send(bucket), buffer)
         if self.stage == 0:
-            buffer = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=bucket.slots[0].local.device)
-            for slot in bucket.slots:
-                dest = buffer[slot.offset : slot.offset + slot.numel]
-                grad = slot.accumulated_grad()  # not a gradient shown after an earlier sync
-                dest.copy_(local_tensor(grad).reshape(-1)) if grad is not None else dest.zero_()
+            buffer = buffer[0]
             if world > 1:  # a group of one rank: its gradient is already the average
                 buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
                 bucket.work = dist.all_reduce(buffer, group=bucket.slots[0].group, async_op=True)
             bucket.buffer = buffer
-        else:
-            device = bucket.slots[0].local.device
-            buffer = torch.empty(world, bucket.segment_numel, dtype=bucket.dtype, device=device)
-            for slot in bucket.slots:
-                grad = slot.accumulated_grad()  # not a shard shown after an earlier sync
+            bucket.launched = True
+            return
+        if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
+            buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
+        group = bucket.slots[0].group
+        if world > 1 and reduce_scatter_is_all_reduce(group, device):
+            # gloo: all-reduce the bucket in place (what its reduce-scatter does, minus a clone and a copy).
+            bucket.work = dist.all_reduce(buffer, group=group, async_op=True)
+            output = buffer[bucket.slots[0].rank]
+        elif world > 1:
+            output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
+            bucket.work = reduce_scatter_single(output, buffer.view(-1), group=group, async_op=True)
+        else:  # a shard group of one rank holds the whole "shard": no reduce-scatter
+            output = buffer[0]
+        bucket.buffer, bucket.output = buffer, output
+        bucket.launched = True
+
+    def _gradients_to_send(self, bucket: Bucket) -> list[Tensor]:
+        """Each slot's accumulated gradient as ``rows x row elements`` (zeros where it has none). Stages 1/2 take
+        it out of ``.grad`` (ZeRO-2 never holds all of them once their bucket is packed)."""
+        grads = []
+        for slot in bucket.slots:
+            grad = slot.accumulated_grad()  # not a gradient shown after an earlier sync
+            if self.stage > 0:
                 # During a pipeline schedule (one reduction per microbatch) the shown shard is set aside, not gone.
                 slot.clear_exposed_grad(forget=not self._each_microbatch)
-                if grad is None:
-                    buffer[:, slot.offset : slot.offset + slot.segment_numel].zero_()
-                else:
-                    pack_rank_major(local_tensor(grad).reshape(-1), slot.segment_numel, world, buffer, slot.offset)
-                    # The full gradient is now in the bucket; free it (ZeRO-2 never holds all of them).
-                    slot.param.grad = None
-            if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
-                buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
-            group = bucket.slots[0].group
-            if world > 1 and reduce_scatter_is_all_reduce(group, device):
-                # gloo: all-reduce the bucket in place (what its reduce-scatter does, minus a clone and a copy).
-                bucket.work = dist.all_reduce(buffer, group=group, async_op=True)
-                output = buffer[bucket.slots[0].rank]
-            elif world > 1:
-                output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-                bucket.work = reduce_scatter_single(output, buffer.view(-1), group=group, async_op=True)
-            else:  # a shard group of one rank holds the whole "shard": no reduce-scatter
-                output = buffer[0]
-            bucket.buffer, bucket.output = buffer, output
-        bucket.launched = True
+                slot.param.grad = None
+            if grad is None:
+                grads.append(torch.zeros(slot.rows, slot.row_numel, dtype=bucket.dtype, device=slot.local.device))
+            else:
+                grads.append(local_tensor(grad).reshape(slot.rows, slot.row_numel))
+        return grads
 
     @torch.no_grad()
     def _finish(self, bucket: Bucket, *, into_pending: bool = False) -> None:
         if bucket.work is not None:
             bucket.work.wait()
-        if self.stage == 0:
-            for slot in bucket.slots:
-                reduced = bucket.buffer[slot.offset : slot.offset + slot.numel]
-                if slot.master is not None:
-                    _accumulate_grad(slot.master, reduced.view(slot.master.shape))
-                    # Users still read the averaged gradient in the parameter's dtype (the optimizer reads the master's).
-                    self._expose(slot, reduced.view(slot.local.shape))
-                else:
-                    if slot.param.grad is None:
-                        slot.param.grad = torch.zeros_like(slot.param)
-                    local_tensor(slot.param.grad).view(-1).copy_(reduced)
+        if self.stage == 0 and bucket.masters is not None:
+            self._accept_shards(bucket, bucket.buffer)  # a "shard" of a group of one: the whole gradient
+        elif self.stage == 0:
+            for slot in bucket.slots:  # (rare) a parameter backward did not reach on this rank
+                if slot.param.grad is None:
+                    slot.param.grad = torch.zeros_like(slot.param)
+            grads = [local_tensor(slot.param.grad).view(-1) for slot in bucket.slots]
+            torch._foreach_copy_(grads, list(bucket.buffer.split([slot.numel for slot in bucket.slots])))
         elif into_pending:
             # One microbatch's shards, summed in the masters' dtype (fp32 accumulation of bf16 reductions);
             # a copy, so the bucket's buffer (all ranks' segments under gloo) is freed now.
@@ -322,7 +325,7 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
             if bucket.pending is None:
                 bucket.pending = bucket.output.to(master_dtype, copy=True)
             else:
-                bucket.pending.add_(bucket.output.to(master_dtype))
+                bucket.pending.add_(bucket.output)
         else:
             self._accept_shards(bucket, bucket.output)
         bucket.work = bucket.buffer = bucket.output = None
@@ -330,21 +333,32 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
         bucket.launched = False
 
     def _accept_shards(self, bucket: Bucket, output: Tensor) -> None:
-        """Stages 1/2: add the reduced segment ``output`` of ``bucket`` to its masters' gradients and show them."""
-        if any(s.master.dtype != s.local.dtype for s in bucket.slots) and (
-            output.untyped_storage().nbytes() > output.numel() * output.element_size()
-        ):
-            # gloo's in-place all-reduce: the bf16 shards shown in `.grad` (kept until the next
-            # backward) must not keep the whole bucket alive, only this rank's segment.
-            output = output.clone()
-        for slot in bucket.slots:
-            shard = output[slot.offset : slot.offset + slot.shard_numel].view(slot.shard_shape)
-            fresh = slot.master.grad is None
-            _accumulate_grad(slot.master, shard)
-            grad = slot.master.grad
-            if grad.dtype != slot.local.dtype:  # fp32 masters of bf16 weights: show the reduced bf16 shard
-                grad = (shard if fresh else grad).to(slot.local.dtype)
-            self._expose(slot, grad)
+        """Add the reduced segment ``output`` of ``bucket`` to its masters' gradients (views into one flat
+        gradient: one cast or add per bucket) and show them in ``.grad``."""
+        slots = bucket.slots
+        master_dtype, dtype = slots[0].master.dtype, slots[0].local.dtype
+        previous = [slot.master.grad for slot in slots]
+        flat = bucket.grads() if bucket.grads is not None else None
+        if flat is not None and all(g is not None and _same_storage(g, flat) for g in previous):
+            flat.add_(output)  # accumulation: the earlier syncs of this step are in the masters' gradients
+            shown = flat
+        else:
+            flat = output if output.dtype == master_dtype and _owns_storage(output) else output.to(master_dtype, copy=True)
+            bucket.grads = weakref.ref(flat)
+            shown = output if all(g is None for g in previous) else flat
+        for slot, grad in zip(slots, previous):
+            view = flat[slot.offset : slot.offset + slot.shard_numel].view(slot.master_shape)
+            if grad is not None and not _same_storage(grad, flat):
+                view.add_(grad)  # (rare) a gradient the master held from elsewhere
+            slot.master.grad = view
+        if master_dtype != dtype:
+            # fp32 masters of bf16 weights: show the reduced bf16 segment. gloo's in-place all-reduce: the shards shown
+            # in `.grad` (kept until the next backward) must not keep the whole bucket alive, only this rank's segment.
+            shown = shown if shown.dtype == dtype else flat.to(dtype)
+            shown = shown if _owns_storage(shown) else shown.clone()
+        for slot in slots:
+            grad = slot.master.grad if master_dtype == dtype else shown[slot.offset : slot.offset + slot.shard_numel]
+            self._expose(slot, grad.view(slot.master_shape))
 
     # ------------------------------------------------------------------ gradients users read
     def _expose(self, slot: ParamSlot, grad: Tensor) -> None:
@@ -372,12 +386,13 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
         return slot if slot is not None and slot.optimizer_param is tensor else None
 
 
-def _accumulate_grad(param: Tensor, grad: Tensor) -> None:
-    """``param.grad += grad``; ``grad`` is a view into a bucket buffer, so copy on first use."""
-    if param.grad is None:
-        param.grad = grad.to(param.dtype, copy=True)
-    else:
-        param.grad.add_(grad.to(param.dtype))
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _owns_storage(t: Tensor) -> bool:
+    """Whether ``t`` is all of its storage (not a row of a larger buffer that it would keep alive)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 __all__ = ["ParamSlot", "ZeroDataParallel"]

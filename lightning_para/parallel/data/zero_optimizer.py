@@ -13,7 +13,12 @@ parameters after its step (the gradient side is :mod:`lightning_para.parallel.da
   :meth:`ZeroDataParallel.flush` completes them if a rank's backward touched no parameter.
 * With fp32 parameters a master is a *view* of the model parameter's rows (no copy).
   With bf16 parameters (``precision="bf16-true"``) masters are fp32 copies: the 4 extra
-  bytes/param of the ZeRO paper, sharded with the stage.
+  bytes/param of the ZeRO paper, sharded with the stage, as views into one flat tensor per bucket
+  (the optimizer still steps one tensor per parameter, on its own foreach/fused path).
+* Nothing on the step path runs once per parameter: gradients are packed into a bucket by one
+  ``torch._chunk_cat``, the masters' gradients are one cast per bucket, the masters are copied into
+  the all-gather's input by one ``torch._foreach_copy_`` and out of its output by one
+  ``torch.split_with_sizes_copy`` (FSDP2's copy-in and copy-out); ``docs/performance.md`` counts it.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from lightning_para.parallel.data.layout import (
     Bucket,
     all_gather_single,
+    rows_of,
     unpack_rank_major,
 )
 
@@ -107,43 +114,33 @@ class OptimizerSharding:
     def gather_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
         """Write the updated shards back into every rank's full parameters.
 
-        Stages 1-2: one all-gather per (group, dtype), over all the buckets given laid end to end:
-        a bucket's segments are contiguous in each rank's part, so the unpacking is the same.
+        Stage 0: one fused copy (and cast) of every separate master into its parameter. Stages 1-2: one
+        all-gather per (group, dtype), over all the buckets given laid end to end (a bucket's segments are
+        contiguous in each rank's part, so the unpacking is the same), with one fused copy in and one out.
         """
         buckets = self.buckets if buckets is None else buckets
         if self.stage == 0:
-            for bucket in buckets:
-                for slot in bucket.slots:
-                    if slot.master is not None:
-                        slot.local.copy_(slot.master.view(slot.local.shape))
+            slots = [slot for bucket in buckets if bucket.masters is not None for slot in bucket.slots]
+            if slots:
+                torch._foreach_copy_([slot.local for slot in slots], [slot.master for slot in slots])
             return
         pending = []
         for group_buckets in _coalescable(buckets):
             first = group_buckets[0]
             device, world = first.slots[0].local.device, first.world
-            total = sum(b.segment_numel for b in group_buckets)
             # Padding after each shard is never read back (unpacking reads only real rows): `empty`.
-            send = torch.empty(total, dtype=first.dtype, device=device)
-            base = 0
-            for bucket in group_buckets:
-                for slot in bucket.slots:
-                    start = base + slot.offset
-                    send[start : start + slot.shard_numel].copy_(slot.master.reshape(-1))
-                base += bucket.segment_numel
+            send = torch.empty(sum(b.segment_numel for b in group_buckets), dtype=first.dtype, device=device)
+            torch._foreach_copy_(*_copy_in(send, group_buckets))
             if world == 1:
                 pending.append((group_buckets, send.view(1, -1), None))
                 continue
-            out = torch.empty(world, total, dtype=first.dtype, device=device)
+            out = torch.empty(world, send.numel(), dtype=first.dtype, device=device)
             work = all_gather_single(out.view(-1), send, group=first.slots[0].group, async_op=True)
             pending.append((group_buckets, out, work))
         for group_buckets, out, work in pending:
             if work is not None:
                 work.wait()
-            base = 0
-            for bucket in group_buckets:
-                for slot in bucket.slots:
-                    unpack_rank_major(out, slot.segment_numel, base + slot.offset, slot.local.view(-1))
-                base += bucket.segment_numel
+            unpack_rank_major(out, [rows_of(slot.local, slot) for bucket in group_buckets for slot in bucket.slots])
 
     @torch.no_grad()
     def reset_masters_from_params(self) -> None:
@@ -152,6 +149,21 @@ class OptimizerSharding:
             if slot.master is not None:
                 slot.load_master(slot.local)
 
+
+
+def _copy_in(send: Tensor, buckets: Sequence[Bucket]) -> tuple[list[Tensor], list[Tensor]]:
+    """``(destinations in send, masters)``: a bucket's flat masters whole, else each slot's rows."""
+    dest, src, base = [], [], 0
+    for bucket in buckets:
+        if bucket.masters is not None:
+            dest.append(send[base : base + bucket.segment_numel])
+            src.append(bucket.masters)
+        else:
+            for slot in bucket.slots:
+                dest.append(send[base + slot.offset : base + slot.offset + slot.shard_numel])
+                src.append(slot.master.view(-1))
+        base += bucket.segment_numel
+    return dest, src
 
 
 def _coalescable(buckets: Sequence[Bucket]) -> list[list[Bucket]]:
