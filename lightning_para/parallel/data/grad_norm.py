@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,26 @@ def count_grad_replication(
     return max((dims.dp * dims.cp * dims.tp) // distinct, 1)
 
 
+def foreach_norms(tensors: Iterable[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """The ``norm_type``-norm of each tensor, in fp32: one ``torch._foreach_norm`` per (device, dtype), the
+    grouping its fused kernels need (a NaN or inf anywhere makes its tensor's norm non-finite)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return [n for group in groups.values() for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
+
+
+def _local_grads(params: Iterable[Tensor], replication: Callable[[Tensor], int]) -> dict[int, list[Tensor]]:
+    """This rank's non-empty gradients, grouped by their replication factor."""
+    by_factor: dict[int, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = local_tensor(p.grad).detach()
+            if g.numel():
+                by_factor.setdefault(replication(p), []).append(g)
+    return by_factor
+
+
 @torch.no_grad()
 def global_grad_norm(
     params: Iterable[Tensor],
@@ -87,26 +107,28 @@ def global_grad_norm(
     """The norm of all gradients of ``params`` as if the whole model were on one device.
 
     ``replication(p)`` says on how many ranks ``p.grad`` is identical (a :class:`GradReplication`).
-    One all-reduce over ``group`` (default: the world) of a single float.
+    Batched: one fused norm per (device, dtype) and replication factor, one all-reduce over ``group``
+    (default: the world) of a single float.
     """
     norm_type = float(norm_type)
-    grads = [(local_tensor(p.grad), replication(p)) for p in params if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
-    if math.isinf(norm_type):
+    by_factor = _local_grads(params, replication)
+    device = next(iter(by_factor.values()))[0].device if by_factor else torch.device("cpu")
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    if not by_factor:
         local = torch.zeros((), device=device, dtype=torch.float32)
-        for g, _ in grads:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
-        if dist.is_initialized():
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    local = torch.zeros((), device=device, dtype=torch.float32)
-    for g, replication in grads:
-        if g.numel():
-            local += torch.linalg.vector_norm(g.detach().float(), norm_type).pow(norm_type) / replication
-    if dist.is_initialized():
-        dist.all_reduce(local, group=group)
-    return local.pow(1.0 / norm_type)
+    elif math.isinf(norm_type):
+        local = torch.stack(foreach_norms([g for grads in by_factor.values() for g in grads], norm_type)).amax()
+    elif not distributed and list(by_factor) == [1]:  # one device: torch's own `get_total_norm`, term for term
+        return torch.linalg.vector_norm(torch.stack(foreach_norms(by_factor[1], norm_type)), norm_type)
+    else:
+        parts = []
+        for factor, grads in by_factor.items():  # sum(|g|^p) / replication, one sum per factor
+            part = torch.stack(foreach_norms(grads, norm_type)).pow(norm_type).sum()
+            parts.append(part / factor if factor > 1 else part)
+        local = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    if distributed:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+    return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
@@ -133,20 +155,32 @@ def clip_grads_by_global_norm(
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
     Uses the same coefficient as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``,
-    capped at 1) so a sharded run matches a single-device run step for step.
+    capped at 1) so a sharded run matches a single-device run step for step; one fused multiply per
+    (device, dtype).
     """
     params = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, norm_type, group, replication)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        g = local_tensor(p.grad)
-        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    _foreach_grouped(params, lambda grads: torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype)))
     return total
 
 
 @torch.no_grad()
 def clip_grads_by_value(params: Iterable[Tensor], clip_value: float) -> None:
     """Elementwise clipping: correct on shards as they are, no communication."""
+    def clamp(grads: list[Tensor]) -> None:
+        torch._foreach_clamp_max_(grads, clip_value)
+        torch._foreach_clamp_min_(grads, -clip_value)
+
+    _foreach_grouped(params, clamp)
+
+
+def _foreach_grouped(params: Iterable[Tensor], op: Callable[[list[Tensor]], Any]) -> None:
+    """``op`` on the local gradients of ``params``, one call per (device, dtype)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            local_tensor(p.grad).clamp_(min=-clip_value, max=clip_value)
+            g = local_tensor(p.grad)
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for grads in groups.values():
+        op(grads)
