@@ -5,17 +5,20 @@ the same decision at the same step:
 
 * **Non-finite values.** A NaN/inf loss or gradient, left alone, turns the parameters into NaN
   and the run goes on (Megatron-LM checks loss and gradient norm for NaN by default, too). Each
-  rank notes, on the device and without a sync, whether its *local* loss (its own batch, before
-  any reduction) was finite and, under pipeline parallelism, whether each of its stages' forward
-  outputs was; before the optimizer steps, its share of the squared global gradient norm is computed
-  (``sum(|g|^2 / replication)``: one fused pass over its gradients, no communication).
+  rank keeps its *local* loss (its own batch, before any reduction) and, under pipeline
+  parallelism, the norm of each of its stages' forward outputs; before the optimizer steps, the
+  norms of its gradients are computed (one fused ``torch._foreach_norm`` per dtype, no
+  communication) and, with several ranks or a rider that reads it, its share of the squared global
+  gradient norm (``sum(|g|^2 / replication)``). Any inf/NaN makes its entry non-finite.
 * **Preemption.** SLURM and Kubernetes send SIGTERM to one or all processes. The signal handler
   only records the signal number (no collective inside a handler: a collective there pairs with
   whatever collective the peers run next, which is how a SIGTERM used to hang a run).
 
-Both go into **one all-reduce (SUM) of four floats over the world** (the flags counted over ranks -- the third:
-an asynchronous save failed, ``checkpoint/async_save.py`` -- and the squared global gradient norm), issued once
-per optimizer step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer step.
+Both go into **one all-reduce (SUM) of four floats over the world** (whether a signal arrived and whether an
+asynchronous save failed, ``checkpoint/async_save.py``, counted over ranks; the squared global gradient norm; the
+sum of the noted losses and stage outputs -- a non-finite one makes the sum non-finite), issued once per optimizer
+step after the gradients are synchronised (ZeRO's flush) and before clipping and the optimizer step; one rank alone
+has nothing to agree on and keeps its notes as they are.
 *Riders* (:attr:`StepGuard.riders`: the spike guard, the straggler detector) add their values to it: they agree
 over ranks with no collective of their own. The all-reduce is **read one step late**: step ``N`` launches its agreement (asynchronously;
 on an accelerator its result is copied to host memory behind the step's work and an event marks
@@ -38,9 +41,10 @@ the same thing at the same step:
   SIGTERM, what a process ended by SIGTERM reports, so schedulers and ``torchrun`` restart it).
   A signal received during step ``N`` stops the run at the end of step ``N + 1``.
 
-The cost per optimizer step: one pass over the local gradients (memory-bound), an ``isfinite``
-on each stage's output (pipeline only), one asynchronous all-reduce of 16 bytes (plus the riders') and,
-on an accelerator, one non-blocking copy of it to host (``docs/reliability.md``).
+The cost per optimizer step: one pass over the local gradients (memory-bound) and one concatenation of the notes:
+two kernels on one rank; with several ranks also a stack and a dot product of the norms and one asynchronous
+all-reduce of 16 bytes (plus the riders'); a norm of each stage's output (pipeline only); on an accelerator, one
+non-blocking copy to host (``docs/reliability.md``, ``docs/performance.md``).
 
 Why this module is long: the agreement, its riders and the decisions read from it share one all-reduce and
 its read a step late; split, each part would hold half of that protocol.
@@ -48,6 +52,7 @@ its read a step late; split, each part would hold half of that protocol.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -60,7 +65,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_para._dtensor import local_tensor
-from lightning_para.parallel.data.grad_norm import local_grad_square_sum
+from lightning_para.parallel.data.grad_norm import foreach_norms, local_grad_square_sum
 from lightning_para.reliability.integrity import IntegrityError
 from lightning_para.reliability.preemption import (
     PREEMPTED_EXIT_CODE,
@@ -70,7 +75,7 @@ from lightning_para.reliability.preemption import (
 
 SIGNAL_ACTIONS = ("checkpoint", "exit")
 _NONE = -1
-_BIG = 1 << 30
+_GRAD, _LOSS, _STAGE = "grad", "loss", "stage"  # what a note is: a gradient norm, a loss, a stage's output
 
 
 class NonFiniteError(IntegrityError):
@@ -107,19 +112,21 @@ def _tensors(output: Any) -> list[Tensor]:
 
 @dataclass
 class _Agreement:
-    """One step's flags on their way to the host: the all-reduce (``work``, ``None`` without a process group),
-    the host copy and the event after it (accelerators; on CPU the flags are host memory), the step and its notes."""
+    """One step's flags on their way to the host: the all-reduce (``work``, ``None`` with one rank), the host copy and
+    the event after it (accelerators; on CPU the flags are host memory), the step, the slice of the flags whose
+    non-finite values stop the run, and this rank's notes behind them (read only to name where a value was not finite)."""
 
     step: int
     flags: Tensor
-    grad_bad: Tensor
+    checked: tuple[int, int]
+    notes: list[tuple[tuple, Tensor]]
     riders: list[tuple[Any, int, int]]  # each rider's slice of the flags
     work: Any = None
     host: Optional[Tensor] = None
     event: Any = None
 
     def read(self) -> list[float]:
-        """``[non-finite, signal, background save failed, grad_sq, riders...]``: waits only for this agreement."""
+        """``[signal, background save failed, gradient norms..., notes..., riders...]``: waits only for this agreement."""
         if self.event is not None:
             self.event.synchronize()
             return self.host.tolist()  # host memory, written before the event: no device sync
@@ -166,13 +173,10 @@ class StepGuard:
         self.stop_signal: Optional[int] = None  # agreed by every rank
         self.pending = False  # a loss was observed since the last check (the same on every rank)
         self.stepped = False  # an optimizer step was checked since the last step boundary
-        self._loss_step = self._new(_NONE)  # first step with a non-finite local loss
-        self._stage = self._new(_BIG)  # first pipeline stage (in pipeline order) with a non-finite output
-        self._stage_step = self._new(_NONE)
+        # Noted since the last check, on the device: ((kind, ...), fp32 value), inf/NaN where not finite.
+        self._notes: list[tuple[tuple, Tensor]] = []
+        self._zero, self._one = (torch.full((1,), v, dtype=torch.float32, device=self.device) for v in (0.0, 1.0))
         self._in_flight: Optional[_Agreement] = None  # the last check's agreement, read at the next
-
-    def _new(self, value: int) -> Tensor:
-        return torch.full((), value, dtype=torch.int64, device=self.device)
 
     @property
     def active(self) -> bool:
@@ -181,21 +185,20 @@ class StepGuard:
     # ---------------------------------------------------------------- device-side notes (no sync)
     @torch.no_grad()
     def observe_loss(self, output: Any, step: int, local: bool = True) -> None:
-        """Note whether this rank's local loss is finite. ``local=False``: the value is not computed
-        here (a pipeline rank without the last stage receives it): mark the step, note nothing."""
+        """Keep this rank's local loss (a reference: no kernel). ``local=False``: the value is not computed here
+        (a pipeline rank without the last stage receives it): mark the step, note nothing."""
         self.pending = True
         loss = _first_tensor(output)
         if not self.check_finite or not local or loss is None:
             return
-        value = local_tensor(loss).detach().float().reshape(-1).sum().to(self.device)
-        bad = ~torch.isfinite(value) & (self._loss_step < 0)
-        self._loss_step = torch.where(bad, torch.full_like(self._loss_step, step), self._loss_step)
+        value = local_tensor(loss).detach()
+        self._notes.append(((_LOSS, step), value if value.dim() == 0 else value.float().sum()))
 
     def watch_stage_outputs(
         self, stages: Iterable[tuple[int, nn.Module]], step: Callable[[], int], skip: Callable[[], bool] = lambda: False
     ) -> None:
-        """Pipeline stages: note the first stage (by index) whose training forward output is not finite.
-        ``skip()`` says when a forward's inputs are placeholders (the schedule's shape inference)."""
+        """Pipeline stages: note the norm of each training forward output (the first stage by index whose output is
+        not finite is named). ``skip()`` says when a forward's inputs are placeholders (the schedule's shape inference)."""
         if not self.check_finite:
             return
         for index, module in stages:
@@ -206,13 +209,8 @@ class StepGuard:
             if not torch.is_grad_enabled() or skip():  # validation/prediction, or shape inference
                 return
             tensors = [local_tensor(t).detach() for t in _tensors(output) if t.is_floating_point()]
-            if not tensors:
-                return
-            bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(self.device)
-            first = bad & (self._stage > index)
-            self._stage = torch.where(first, torch.full_like(self._stage, index), self._stage)
-            self._stage_step = torch.where(bad & (self._stage_step < 0), torch.full_like(self._stage_step, step()),
-                                           self._stage_step)
+            kind = (_STAGE, index, step())
+            self._notes.extend((kind, norm) for norm in foreach_norms(tensors))
 
         return hook
 
@@ -226,31 +224,46 @@ class StepGuard:
         ``params``: the optimizer's parameters whose local gradients are checked (``None``: none, e.g.
         under fp16 loss scaling, where an inf gradient only skips the step)."""
         self.pending = False
-        grad_bad = self._new(0)
-        grad_sq = torch.zeros((), device=self.device)
         if params is not None:
             self.stepped = True
-        if (self.check_finite or any(getattr(r, "wants_grad_norm", False) for r in self.riders)) and params is not None:
-            # Non-finite iff some element is inf/NaN (or the sum of squares overflows fp32: also a stop).
-            grad_sq = local_grad_square_sum(params, self.replication, self.device)
-            if self.check_finite:
-                grad_bad = (~torch.isfinite(grad_sq)).to(torch.int64)
+        if not self.active:
+            return
+        notes, self._notes = self._notes, []
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        wants_norm = any(getattr(r, "wants_grad_norm", False) for r in self.riders)
+        grads: list[Tensor] = []
+        if params is not None and (self.check_finite or wants_norm):
+            if several or wants_norm:  # this rank's share of the squared global norm (riders read it; the SUM is it)
+                grads = [local_grad_square_sum(params, self.replication, self.device)]
+            else:  # one rank: the norms as they are (non-finite iff a gradient is, or the sum of squares overflows)
+                grads = foreach_norms(local_tensor(p.grad).detach() for p in params if p.grad is not None and p.grad.numel())
+        if several or wants_norm:  # the squared norm where riders read it (flags[2])
+            grads = grads or [self._zero]
+        if several:  # one size on every rank: the squared norm, and the sum of the notes
+            notes_part = [self._notes_sum(notes)]
+        else:
+            notes_part = [value for _, value in notes]
         save_failed = self.background is not None and self.background.failed()  # a host future: no sync
-        parts = [torch.stack([
-            (((self._loss_step >= 0) | (self._stage < _BIG)).to(torch.int64) | grad_bad).float(),
-            torch.full((), float(self.signal_received is not None), device=self.device),
-            torch.full((), float(save_failed), device=self.device), grad_sq,
-        ])]
-        riders, start = [], 4
+        parts = [self._one if self.signal_received is not None else self._zero,
+                 self._one if save_failed else self._zero,
+                 *(t.reshape(1).to(self.device) for t in (*grads, *notes_part))]
+        checked = (2, len(parts) if self.check_finite else 2)
+        riders, start = [], len(parts)
         for rider in self.riders:
             values = rider.payload(step, params is not None)
             if values is not None:
                 parts.append(values)
                 riders.append((rider, start, start + values.numel()))
                 start += values.numel()
-        previous, self._in_flight = self._in_flight, self._launch(step, torch.cat(parts), grad_bad, riders)
+        agreement = _Agreement(step, torch.cat(parts), checked, notes + [((_GRAD,), g) for g in grads], riders)
+        previous, self._in_flight = self._in_flight, self._launch(agreement, several)
         if previous is not None:
             self._act(previous)
+
+    def _notes_sum(self, notes: list[tuple[tuple, Tensor]]) -> Tensor:
+        if not notes:
+            return self._zero
+        return notes[0][1] if len(notes) == 1 else torch.stack([value.to(self.device) for _, value in notes]).sum()
 
     def this_step(self, rider: Any) -> Optional[tuple[int, Tensor, Tensor]]:
         """``(step, squared global gradient norm, its values)`` summed over ranks, on the device, for a rider acting in
@@ -260,12 +273,12 @@ class StepGuard:
             if r is rider:
                 if agreement.event is None and agreement.work is not None:
                     agreement.work.wait()
-                return agreement.step, agreement.flags[3], agreement.flags[start:stop]
+                return agreement.step, agreement.flags[2], agreement.flags[start:stop]
         return None
 
-    def _launch(self, step: int, flags: Tensor, grad_bad: Tensor, riders: list[tuple[Any, int, int]]) -> _Agreement:
-        agreement = _Agreement(step, flags, grad_bad, riders)
-        if dist.is_initialized():
+    def _launch(self, agreement: _Agreement, several: bool) -> _Agreement:
+        flags = agreement.flags
+        if several:
             agreement.work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
         if flags.device.type != "cpu":
             if agreement.work is not None:
@@ -284,23 +297,29 @@ class StepGuard:
 
     def _act(self, agreement: _Agreement) -> None:
         values = agreement.read()
-        if values[1] > 0 and self.stop_signal is None:
+        if values[0] > 0 and self.stop_signal is None:
             self.stop_signal = int(signal.SIGTERM)  # the one signal the handler is installed for
         for rider, start, stop in agreement.riders:
             rider.agreed(agreement.step, values[start:stop])
-        nonfinite, save_failed = values[0] > 0, values[2] > 0
+        nonfinite = not all(map(math.isfinite, values[agreement.checked[0] : agreement.checked[1]]))
+        save_failed = values[1] > 0
         if nonfinite or save_failed:
             if self._in_flight is not None and self._in_flight.work is not None:
                 self._in_flight.work.wait()  # the collective launched after it completes before the next one
             self._in_flight = None
             if nonfinite:
-                raise NonFiniteError(self._where(agreement.step, agreement.grad_bad))
+                raise NonFiniteError(self._where(agreement))
             self.background.settle()  # raises the failed write's error, agreed over ranks in the background
 
-    def _where(self, step: int, grad_bad: Tensor) -> str:
-        """Gather every rank's notes; the same message on every rank."""
-        local = torch.stack([self._loss_step, torch.where(self._stage < _BIG, self._stage, self._new(_NONE)),
-                             self._stage_step, grad_bad])
+    def _where(self, agreement: _Agreement) -> str:
+        """Gather every rank's notes of the agreed step (a host read: the run stops here); the same message on every
+        rank."""
+        step = agreement.step
+        bad = [kind for kind, value in agreement.notes if not math.isfinite(float(value))]
+        stages = sorted((kind[1], kind[2]) for kind in bad if kind[0] == _STAGE)
+        local = torch.tensor([min((kind[1] for kind in bad if kind[0] == _LOSS), default=_NONE),
+                              *(stages[0] if stages else (_NONE, _NONE)),
+                              int(any(kind[0] == _GRAD for kind in bad))], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             world = dist.get_world_size()
             table = torch.zeros(world * 4, dtype=torch.int64, device=self.device)
@@ -308,13 +327,11 @@ class StepGuard:
             rows = table.view(world, 4).tolist()
         else:
             rows = [local.tolist()]
-        # Notes made up to the agreed step only: the step after it (run before the agreement was read) may have
-        # spread the value to other ranks through the updated parameters.
-        stages = [r[1] for r in rows if r[1] >= 0 and r[2] <= step]
-        losses = [r[0] for r in rows if 0 <= r[0] <= step]
+        stages = [r[1] for r in rows if r[1] >= 0]  # this agreement's notes only: none of the step after it
+        losses = [r[0] for r in rows if r[0] >= 0]
         if stages:
             first = min(stages)
-            at = min(r[2] for r in rows if r[1] == first and r[2] <= step)
+            at = min(r[2] for r in rows if r[1] == first)
             ranks = [i for i, r in enumerate(rows) if r[1] == first and r[2] == at]
             what = f"the forward output of pipeline stage {first} was not finite first at step {at}, on {self._ranks(ranks)}"
         elif losses:

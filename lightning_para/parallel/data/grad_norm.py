@@ -134,14 +134,16 @@ def global_grad_norm(
 @torch.no_grad()
 def local_grad_square_sum(params: Iterable[Tensor], replication: Callable[[Tensor], int], device: torch.device) -> Tensor:
     """This rank's share of the squared global norm, ``sum(|g|^2 / replication)`` (fp32, on ``device``): summed over
-    the world it is the squared norm :func:`global_grad_norm` computes. One fused norm per replication factor."""
-    by_factor: dict[int, list[Tensor]] = {}
-    for p in params:
-        if p.grad is not None and p.grad.numel():
-            by_factor.setdefault(replication(p), []).append(local_tensor(p.grad).detach())
-    parts = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(device).square().sum() / factor
-             for factor, grads in by_factor.items()]
-    return torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+    the world it is the squared norm :func:`global_grad_norm` computes. One fused norm per (device, dtype) and one dot
+    product of the norms per replication factor."""
+    parts = []
+    for factor, grads in _local_grads(params, replication).items():
+        norms = torch.stack(foreach_norms(grads)).to(device)
+        part = torch.dot(norms, norms)
+        parts.append(part / factor if factor > 1 else part)
+    if not parts:
+        return torch.zeros((), device=device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 @torch.no_grad()
