@@ -1,31 +1,31 @@
-"""One command for the first GPU: the GPT recipe under ParaStrategy and under plain Lightning.
+"""One command for a lent GPU: GPT-2 124M at llm.c's settings and Llama-3-8B-width blocks, ParaStrategy vs Lightning.
 
-    python benchmarks/gpu.py                      # on 1 GPU: ~125M GPT, seq 1024
-    python benchmarks/gpu.py --preset tiny --seq 64 --batch 2 --steps 4 --rounds 1   # anywhere (CPU)
+    python benchmarks/gpu.py                          # one GPU: both workloads, compiled, fused AdamW
+    python benchmarks/gpu.py --tiny --no-compile      # anywhere (CPU, seconds): the same code at toy sizes
 
-For each configuration -- ``bf16-mixed`` and ``bf16-true``, each with and without full
-activation checkpointing -- it trains the same model on the same random tokens with
+Workloads (``--workloads``), each trained on random tokens under both sides on the same machine:
 
-* ``para``: ``ParaStrategy()`` at ``devices=1`` (its precision plugin: ``bf16-true`` keeps fp32
-  master weights for AdamW, ``bf16-mixed`` autocasts);
-* ``lightning``: Lightning's default strategy with ``Trainer(precision=...)`` (``bf16-true``
-  casts the model and steps AdamW on bf16 weights);
+* ``gpt2-124m``: GPT-2 small as llm.c and nanoGPT train it -- 12 layers, width 768, 12 heads, LayerNorm,
+  learned positions, GELU MLP, biases, tied embedding, vocabulary 50,304 (50,257 padded), sequence 1024,
+  ``--batch`` sequences per GPU (default 32; llm.c and nanoGPT use 16-64), ``bf16-mixed``;
+* ``llama3-8b-block``: ``--layers`` (default 4) Llama-3-8B blocks -- width 4096, 32 heads, 8 key/value heads,
+  SwiGLU 14,336, RMSNorm, RoPE -- at sequence 4096, batch 4, with a byte vocabulary so the blocks are the step
+  (MFU of the blocks, not of a 128K-vocabulary head), ``bf16-true`` (ParaStrategy: fp32 master weights, the
+  default; Lightning: all-bf16 weights and AdamW).
 
-in alternating rounds (order rotated each round, as in :mod:`benchmarks.common`), and
-reports per configuration and side the median over rounds of:
+Sides: ``para`` (``ParaStrategy(compile=...)``, which compiles each block) and ``lightning`` (Lightning's default
+strategy, each block compiled the same way in ``configure_model``); both step ``AdamW(fused=True)`` (llm.c and
+nanoGPT's). ``--sides para+fp8`` adds ParaStrategy with torchao's float8 linears. Alternating rounds, the order rotated each round (:mod:`benchmarks.common`); per workload and side the
+median over rounds of
 
-* **tokens/s** in steady state (steps after ``--warmup``, data loading included);
-* **MFU**: ``flops_per_token * tokens/s / peak``, with the recipe's ``flops_per_token``
-  (6N + 12 L d T; recomputation not counted as useful work) and the peak FLOP/s of the device
-  from Lightning's table (``lightning_para.observe.profiler.detect_peak_flops``; "n/a" on CPU);
-* **peak memory**: ``torch.cuda.max_memory_allocated`` over the run (n/a on CPU);
-* the ratio of ParaStrategy's step time to Lightning's in the same round.
+* **tokens/s** in steady state (steps after ``--warmup``; data loading included);
+* **MFU**: ``flops_per_token * tokens/s / peak`` with the recipe's ``6N + 12 L d T`` and the device's peak bf16
+  FLOP/s from Lightning's table ("n/a" on CPU);
+* **peak memory** (``torch.cuda.max_memory_allocated``; n/a on CPU);
+* the **ratio** of ParaStrategy's step time to Lightning's in the same round (below 1: ParaStrategy is faster).
 
-Activation checkpointing is applied the same way on both sides: ParaStrategy's
-``activation_checkpointing="full"``, and for Lightning the same helper
-(``apply_activation_checkpointing``) called in ``configure_model``.
-
-The Markdown table goes to ``--out`` (default ``benchmarks/results/gpu_<device>.md``).
+The reference points: llm.c trains GPT-2 124M at about 468K tokens/s per H100; nanochat reports 50% MFU on
+H100s. The Markdown goes to ``--out`` (default ``benchmarks/results/gpu_<device>.md``).
 """
 
 from __future__ import annotations
@@ -46,23 +46,53 @@ import torch  # noqa: E402
 from benchmarks.common import StepClock, TokenData, load_average, machine_header, quiet_trainer_kwargs  # noqa: E402
 from lightning_para import ParaStrategy  # noqa: E402
 from lightning_para.observe.profiler import detect_peak_flops  # noqa: E402
-from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from lightning_para.parallel.compile import apply_compile  # noqa: E402
 from lightning_para.recipes import GPT  # noqa: E402
 
-PRECISIONS = ("bf16-mixed", "bf16-true")
-CHECKPOINTING = (None, "full")
 SIDES = ("para", "lightning")
-# `--sides` may add ParaStrategy with issue 25's speed options: torch.compile per block, and compile plus
-# torchao float8 (tensorwise) linears. torchtitan's Llama 3.1 8B H100 figures are the reason to use them
-# (5,762 -> 6,667 -> 8,532 tokens/s/GPU, docs/performance.md).
-FAST_SIDES = {"para+compile": {"compile": True}, "para+compile+fp8": {"compile": True, "fp8": "tensorwise"}}
+EXTRA_SIDES = ("para+fp8",)  # ParaStrategy with torchao float8 linears (tensorwise) as well
 
 
-class CheckpointedGPT(GPT):
-    """The recipe with full activation checkpointing applied in ``configure_model`` (for plain Lightning)."""
+@dataclass(frozen=True)
+class Workload:
+    model: dict[str, Any]  # GPT recipe arguments
+    seq: int
+    batch: int
+    precision: str
+
+
+WORKLOADS = {
+    "gpt2-124m": Workload(dict(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, norm="layernorm", pos="learned",
+                               mlp="gelu", bias=True, tie_weights=True), seq=1024, batch=32, precision="bf16-mixed"),
+    "llama3-8b-block": Workload(dict(vocab_size=256, n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336),
+                                seq=4096, batch=4, precision="bf16-true"),
+}
+# `--tiny`: the same workloads at toy widths (the CPU path the tests run).
+TINY = {"gpt2-124m": dict(vocab_size=256, n_layer=2, n_head=2, n_embd=32),
+        "llama3-8b-block": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64)}
+
+
+class BenchGPT(GPT):
+    """The recipe stepped by a fused AdamW (the recipe's groups and schedule) and, for plain Lightning, compiled per
+    block in ``configure_model`` as ``ParaStrategy(compile=True)`` does."""
+
+    def __init__(self, *, compile_blocks: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.compile_blocks = compile_blocks
 
     def configure_model(self) -> None:
-        apply_activation_checkpointing(self, "full")
+        if self.compile_blocks:
+            apply_compile(self, options={})
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        adamw, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+        fused = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                  fused=torch.cuda.is_available())
+        config["optimizer"] = fused
+        config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(fused, schedule.lr_lambdas[0])
+        return config
 
 
 @dataclass
@@ -71,30 +101,33 @@ class Measurement:
     peak_bytes: list[Optional[int]] = field(default_factory=list)
 
 
-def config_name(precision: str, checkpointing: Optional[str]) -> str:
-    return f"{precision}, {'full AC' if checkpointing else 'no AC'}"
+def model_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = WORKLOADS[name]
+    kwargs = {**work.model, **(TINY[name] if args.tiny else {})}
+    if name == "llama3-8b-block" and args.layers is not None:
+        kwargs["n_layer"] = args.layers
+    return dict(kwargs, block_size=args.seq or work.seq, sample_tokens=0, warmup_steps=2)
 
 
-def run_one(side: str, precision: str, checkpointing: Optional[str], args: argparse.Namespace) -> tuple[float, Optional[int]]:
+def run_one(side: str, name: str, args: argparse.Namespace) -> tuple[float, Optional[int]]:
     """One fit; returns (seconds per step after warm-up, peak allocated bytes or None)."""
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     gc.collect()
     if accelerator == "gpu":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model_kwargs: dict[str, Any] = dict(preset=args.preset, block_size=args.seq, vocab_size=args.vocab,
-                                        tie_weights=not args.untied, sample_tokens=0, warmup_steps=2)
+    work, kwargs = WORKLOADS[name], model_kwargs(name, args)
     L.seed_everything(0, verbose=False)
     if side.startswith("para"):
-        model = GPT(**model_kwargs)
-        strategy: Any = ParaStrategy(activation_checkpointing=checkpointing, **FAST_SIDES.get(side, {}))
+        fp8 = {"fp8": "tensorwise"} if side == "para+fp8" else {}
+        model, strategy = BenchGPT(**kwargs), ParaStrategy(compile=args.compile, **fp8)
     else:
-        model = (CheckpointedGPT if checkpointing else GPT)(**model_kwargs)
-        strategy = "auto"
+        model, strategy = BenchGPT(compile_blocks=args.compile, **kwargs), "auto"
     clock = StepClock(args.warmup)
     trainer = L.Trainer(**quiet_trainer_kwargs(accelerator=accelerator), devices=1, strategy=strategy,
-                        precision=precision, max_steps=args.steps, callbacks=[clock])
-    data = TokenData(samples=args.batch * args.steps, batch_size=args.batch, seq_len=args.seq, vocab_size=args.vocab)
+                        precision=work.precision, max_steps=args.steps, callbacks=[clock])
+    batch, seq = args.batch or work.batch, kwargs["block_size"]
+    data = TokenData(samples=batch * args.steps, batch_size=batch, seq_len=seq, vocab_size=kwargs["vocab_size"])
     trainer.fit(model, datamodule=data)
     peak = torch.cuda.max_memory_allocated() if accelerator == "gpu" else None
     step = clock.step_time
@@ -104,44 +137,35 @@ def run_one(side: str, precision: str, checkpointing: Optional[str], args: argpa
 
 def main(argv: Optional[list[str]] = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt-125m", help="GPT preset (gpt-125m: 12 layers, 768 wide)")
-    parser.add_argument("--vocab", type=int, default=50304, help="vocabulary (GPT-2's, padded to 64)")
-    parser.add_argument("--untied", action="store_true", help="separate output head (default: tied, as GPT-2: 124M)")
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (1024-2048 on a GPU)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the workload's)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the workload's)")
+    parser.add_argument("--layers", type=int, default=None, help="llama3-8b-block: blocks (default 4)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager (default: compile blocks)")
+    parser.add_argument("--tiny", action="store_true", help="toy widths (the CPU path)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--configs", nargs="+", default=None,
-                        help="subset, e.g. bf16-mixed:none bf16-true:full (default: all four)")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=[*SIDES, *FAST_SIDES],
-                        help="what to run: para, lightning (the baseline of the ratio column), para+compile, para+compile+fp8")
+    parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation happens here)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=[*SIDES, *EXTRA_SIDES],
+                        help="para, lightning (the ratio's baseline), para+fp8 (not by default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
         raise ValueError(f"`--warmup={args.warmup}` must be smaller than `--steps={args.steps}`.")
-    configs = [(p, c) for p in PRECISIONS for c in CHECKPOINTING]
-    if args.configs:
-        wanted = {tuple(item.split(":")) for item in args.configs}
-        configs = [(p, c) for p, c in configs if (p, c or "none") in wanted]
-        if not configs:
-            known = [f"{p}:{c or 'none'}" for p in PRECISIONS for c in CHECKPOINTING]
-            raise ValueError(f"`--configs {' '.join(args.configs)}` matches none of {known}.")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     load_before = load_average()
-    results: dict[tuple[str, str, Optional[str]], Measurement] = {}
-    runs = [(side, p, c) for p, c in configs for side in args.sides]
+    results: dict[tuple[str, str], Measurement] = {}
+    runs = [(side, name) for name in args.workloads for side in args.sides]
     for r in range(args.rounds):
         shift = r % len(runs)
-        for side, precision, checkpointing in runs[shift:] + runs[:shift]:
-            step, peak = run_one(side, precision, checkpointing, args)
-            m = results.setdefault((side, precision, checkpointing), Measurement())
+        for side, name in runs[shift:] + runs[:shift]:
+            step, peak = run_one(side, name, args)
+            m = results.setdefault((side, name), Measurement())
             m.step_s.append(step)
             m.peak_bytes.append(peak)
-            print(f"round {r + 1}/{args.rounds} {side} {config_name(precision, checkpointing)}:"
-                  f" {1e3 * step:.1f} ms/step", flush=True)
-    text = render(results, configs, args, device, device_name, load_before)
+            print(f"round {r + 1}/{args.rounds} {side} {name}: {1e3 * step:.1f} ms/step", flush=True)
+    text = render(results, args, device, device_name, load_before)
     out = args.out or Path(__file__).resolve().parent / "results" / f"gpu_{device_name.replace(' ', '_').lower()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -149,37 +173,34 @@ def main(argv: Optional[list[str]] = None) -> Path:
     return out
 
 
-def render(results, configs, args, device: torch.device, device_name: str, load_before: str) -> str:
-    probe = GPT(preset=args.preset, block_size=args.seq, vocab_size=args.vocab, tie_weights=not args.untied,
-                sample_tokens=0)
-    params = sum(p.numel() for p in probe.parameters())
-    flops_per_token = probe.flops_per_token(args.seq)
-    tokens_per_step = args.batch * args.seq
-    lines = [
-        f"# GPT recipe on {device_name}: ParaStrategy vs Lightning's default strategy", "",
-        machine_header("python benchmarks/gpu.py " + " ".join(sys.argv[1:]), load_before,
-                       threads=f"device {device}"),
-        f"Model: preset `{args.preset}`, vocab {args.vocab}, {params / 1e6:.1f}M parameters, sequence {args.seq},"
-        f" batch {args.batch} ({tokens_per_step} tokens/step), {flops_per_token / 1e9:.2f} GFLOP/token (6N + 12LdT)."
-        f" {args.rounds} alternating rounds of {args.steps} steps ({args.warmup} warm-up). Baseline of the ratio:"
-        f" {'lightning' if 'lightning' in args.sides else args.sides[0]}.", "",
-        "| precision | activation ckpt | side | tokens/s | MFU | peak memory GiB | step time / baseline (paired) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def render(results: dict[tuple[str, str], Measurement], args: argparse.Namespace, device: torch.device,
+           device_name: str, load_before: str) -> str:
     peak_flops = detect_peak_flops(device, torch.bfloat16)
-    for precision, checkpointing in configs:
-        baseline = "lightning" if "lightning" in args.sides else args.sides[0]
-        base = results[(baseline, precision, checkpointing)].step_s
+    baseline = "lightning" if "lightning" in args.sides else args.sides[0]
+    lines = [
+        f"# ParaStrategy vs Lightning on {device_name}: GPT-2 124M and Llama-3-8B-width blocks", "",
+        machine_header("python benchmarks/gpu.py " + " ".join(sys.argv[1:]), load_before, threads=f"device {device}"),
+        f"{args.rounds} alternating rounds of {args.steps} steps ({args.warmup} warm-up, compilation included);"
+        f" blocks {'compiled' if args.compile else 'eager'}; AdamW fused on a GPU. Ratio: step time over"
+        f" {baseline}'s in the same round (median).", "",
+        "| workload | params | precision | tokens/step | side | tokens/s | MFU | peak memory GiB | step time / baseline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in args.workloads:
+        kwargs = model_kwargs(name, args)
+        probe = GPT(**kwargs)
+        params, flops_per_token = sum(p.numel() for p in probe.parameters()), probe.flops_per_token(kwargs["block_size"])
+        tokens = (args.batch or WORKLOADS[name].batch) * kwargs["block_size"]
+        base = results[(baseline, name)].step_s
         for side in args.sides:
-            m = results[(side, precision, checkpointing)]
-            step = statistics.median(m.step_s)
-            tokens_per_s = tokens_per_step / step
+            m = results[(side, name)]
+            tokens_per_s = tokens / statistics.median(m.step_s)
             mfu = f"{100 * flops_per_token * tokens_per_s / peak_flops:.1f}%" if peak_flops else "n/a"
             peaks = [b for b in m.peak_bytes if b is not None]
             memory = f"{max(peaks) / 2**30:.2f}" if peaks else "n/a"
             ratio = statistics.median(a / b for a, b in zip(m.step_s, base))
-            lines.append(f"| {precision} | {checkpointing or 'none'} | {side} | {tokens_per_s:,.0f} | {mfu} | {memory} |"
-                         f" {ratio:.3f} |")
+            lines.append(f"| {name} | {params / 1e6:.1f}M | {WORKLOADS[name].precision} | {tokens} | {side} |"
+                         f" {tokens_per_s:,.0f} | {mfu} | {memory} | {ratio:.3f} |")
     lines += ["", f"Peak FLOP/s ({device_name}, bf16, Lightning's table): "
               + (f"{peak_flops / 1e12:.0f} TFLOP/s." if peak_flops else "unknown (MFU not computed).")]
     return "\n".join(lines) + "\n"
