@@ -117,16 +117,19 @@ class _Agreement:
     non-finite values stop the run, and this rank's notes behind them (read only to name where a value was not finite)."""
 
     step: int
-    flags: Tensor
+    flags: Optional[Tensor]  # None: one rank with nothing on the device to read (``values`` holds the flags)
     checked: tuple[int, int]
     notes: list[tuple[tuple, Tensor]]
     riders: list[tuple[Any, int, int]]  # each rider's slice of the flags
     work: Any = None
     host: Optional[Tensor] = None
     event: Any = None
+    values: Optional[list[float]] = None
 
     def read(self) -> list[float]:
         """``[signal, background save failed, gradient norms..., notes..., riders...]``: waits only for this agreement."""
+        if self.values is not None:
+            return self.values
         if self.event is not None:
             self.event.synchronize()
             return self.host.tolist()  # host memory, written before the event: no device sync
@@ -230,22 +233,11 @@ class StepGuard:
             return
         notes, self._notes = self._notes, []
         several = dist.is_initialized() and dist.get_world_size() > 1
-        wants_norm = any(getattr(r, "wants_grad_norm", False) for r in self.riders)
-        grads: list[Tensor] = []
-        if params is not None and (self.check_finite or wants_norm):
-            if several or wants_norm:  # this rank's share of the squared global norm (riders read it; the SUM is it)
-                grads = [local_grad_square_sum(params, self.replication, self.device)]
-            else:  # one rank: the norms as they are (non-finite iff a gradient is, or the sum of squares overflows)
-                grads = foreach_norms(local_tensor(p.grad).detach() for p in params if p.grad is not None and p.grad.numel())
-        if several or wants_norm:  # the squared norm where riders read it (flags[2])
-            grads = grads or [self._zero]
-        if several:  # one size on every rank: the squared norm, and the sum of the notes
-            notes_part = [self._notes_sum(notes)]
-        else:
-            notes_part = [value for _, value in notes]
+        grads = self._gradient_notes(params, several)
+        notes_part = [self._notes_sum(notes)] if several else [value for _, value in notes]  # one size on every rank
+        signalled = self.signal_received is not None
         save_failed = self.background is not None and self.background.failed()  # a host future: no sync
-        parts = [self._one if self.signal_received is not None else self._zero,
-                 self._one if save_failed else self._zero,
+        parts = [self._one if signalled else self._zero, self._one if save_failed else self._zero,
                  *(t.reshape(1).to(self.device) for t in (*grads, *notes_part))]
         checked = (2, len(parts) if self.check_finite else 2)
         riders, start = [], len(parts)
@@ -255,10 +247,24 @@ class StepGuard:
                 parts.append(values)
                 riders.append((rider, start, start + values.numel()))
                 start += values.numel()
-        agreement = _Agreement(step, torch.cat(parts), checked, notes + [((_GRAD,), g) for g in grads], riders)
+        if several or len(parts) > 2:
+            agreement = _Agreement(step, torch.cat(parts), checked, notes + [((_GRAD,), g) for g in grads], riders)
+        else:  # one rank, nothing noted on the device: the host knows the flags
+            agreement = _Agreement(step, None, checked, [], [], values=[float(signalled), float(save_failed)])
         previous, self._in_flight = self._in_flight, self._launch(agreement, several)
         if previous is not None:
             self._act(previous)
+
+    def _gradient_notes(self, params: Optional[Iterable[Tensor]], several: bool) -> list[Tensor]:
+        """What the gradients add to the flags. With several ranks or a rider that reads it, this rank's share of the
+        squared global norm (``flags[2]``; the SUM over ranks is the squared norm); one rank alone: the norms as they
+        are. Non-finite iff a gradient is (or the sum of squares overflows fp32: also a stop)."""
+        wants_norm = any(getattr(r, "wants_grad_norm", False) for r in self.riders)
+        if params is None or not (self.check_finite or wants_norm):
+            return [self._zero] if several or wants_norm else []
+        if several or wants_norm:
+            return [local_grad_square_sum(params, self.replication, self.device)]
+        return foreach_norms(local_tensor(p.grad).detach() for p in params if p.grad is not None and p.grad.numel())
 
     def _notes_sum(self, notes: list[tuple[tuple, Tensor]]) -> Tensor:
         if not notes:
@@ -278,6 +284,8 @@ class StepGuard:
 
     def _launch(self, agreement: _Agreement, several: bool) -> _Agreement:
         flags = agreement.flags
+        if flags is None:
+            return agreement
         if several:
             agreement.work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
         if flags.device.type != "cpu":
