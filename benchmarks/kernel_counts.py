@@ -16,7 +16,7 @@ next: data, forward, backward, step guard, optimizer), on rank 0:
 
     python benchmarks/kernel_counts.py [--cases single-bf16-mixed dp2-zero1 ...] [--out FILE]
 
-``tests/unit/test_kernel_counts.py`` and ``tests/distributed/test_kernel_counts.py`` hold the ratios.
+``tests/distributed/test_kernel_counts.py`` holds the ratios.
 """
 
 from __future__ import annotations
