@@ -22,9 +22,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_para._dtensor import local_tensor
 from lightning_para.spec.options import PRECISIONS
-from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value
+from lightning_para.parallel.data.grad_norm import clip_grads_by_global_norm, clip_grads_by_value, grad_groups
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.scaler import ParaGradScaler
 
@@ -184,23 +183,24 @@ class PrecisionCore:
 
     @torch.no_grad()
     def unscale_and_check(self, optimizer: Optimizer) -> bool:
-        """Divide the optimizer's gradients by the scale; True if any rank found inf/NaN (all-reduced MAX)."""
-        inv_scale = 1.0 / self.scale
-        local_inf = torch.zeros((), dtype=torch.float32)
-        for p in self.main_params(optimizer):
-            if p.grad is None:
-                continue
-            g = local_tensor(p.grad)
-            g.mul_(inv_scale)
-            if g.numel() and not torch.isfinite(g).all():
-                local_inf.fill_(1.0)
-        if dist.is_initialized():
-            # Every rank holds different shards: all must agree to skip, or the replicas diverge.
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-            flag = local_inf.to(device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local_inf = flag.cpu()
+        """Divide the optimizer's gradients by the scale; True if any rank found inf/NaN (all-reduced MAX). One fused
+        unscale-and-check per (device, dtype), ``GradScaler``'s kernel, and one host read."""
+        found = []
+        for grads in grad_groups(self.main_params(optimizer)):
+            flag, inv_scale = (torch.full((1,), v, device=grads[0].device) for v in (0.0, 1.0 / self.scale))
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale)
+            found.append(flag.to(self._flag_device()))
+        local_inf = torch.cat(found).amax() if found else torch.zeros((), device=self._flag_device())
+        if dist.is_initialized():  # every rank holds different shards: all must agree to skip, or replicas diverge
+            dist.all_reduce(local_inf, op=dist.ReduceOp.MAX)
         return bool(local_inf.item() > 0)
+
+    @staticmethod
+    def _flag_device() -> torch.device:
+        """Where the skip flag is agreed: the process group's device (CPU without one)."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def growth_tracker(self) -> int:
         """Consecutive finite steps since the scale last changed."""

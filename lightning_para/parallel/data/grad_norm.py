@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,13 +77,22 @@ def count_grad_replication(
     return max((dims.dp * dims.cp * dims.tp) // distinct, 1)
 
 
-def foreach_norms(tensors: Iterable[Tensor], norm_type: float = 2.0) -> list[Tensor]:
-    """The ``norm_type``-norm of each tensor, in fp32: one ``torch._foreach_norm`` per (device, dtype), the
-    grouping its fused kernels need (a NaN or inf anywhere makes its tensor's norm non-finite)."""
+def grad_groups(params: Iterable[Tensor]) -> list[list[Tensor]]:
+    """The local gradients of ``params`` by (device, dtype), the grouping fused ``torch._foreach_*`` kernels need."""
+    return _by_device_and_dtype(local_tensor(p.grad) for p in params if p.grad is not None)
+
+
+def _by_device_and_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
-    return [n for group in groups.values() for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
+    return list(groups.values())
+
+
+def foreach_norms(tensors: Iterable[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """The ``norm_type``-norm of each tensor, in fp32: one ``torch._foreach_norm`` per (device, dtype) (a NaN or inf
+    anywhere makes its tensor's norm non-finite)."""
+    return [n for group in _by_device_and_dtype(tensors) for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
 
 
 def _local_grads(params: Iterable[Tensor], replication: Callable[[Tensor], int]) -> dict[int, list[Tensor]]:
@@ -163,26 +172,14 @@ def clip_grads_by_global_norm(
     params = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, norm_type, group, replication)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    _foreach_grouped(params, lambda grads: torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype)))
+    for grads in grad_groups(params):
+        torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype))
     return total
 
 
 @torch.no_grad()
 def clip_grads_by_value(params: Iterable[Tensor], clip_value: float) -> None:
     """Elementwise clipping: correct on shards as they are, no communication."""
-    def clamp(grads: list[Tensor]) -> None:
+    for grads in grad_groups(params):
         torch._foreach_clamp_max_(grads, clip_value)
         torch._foreach_clamp_min_(grads, -clip_value)
-
-    _foreach_grouped(params, clamp)
-
-
-def _foreach_grouped(params: Iterable[Tensor], op: Callable[[list[Tensor]], Any]) -> None:
-    """``op`` on the local gradients of ``params``, one call per (device, dtype)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            g = local_tensor(p.grad)
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    for grads in groups.values():
-        op(grads)
