@@ -198,21 +198,30 @@ def train(
     return losses
 
 
+def make_optimizer(params: Any, sgd: bool = False) -> torch.optim.Optimizer:
+    """LitGPT's AdamW; ``sgd``: the fp32 parity runs' SGD (tests/tp_models.make_optimizer), for float8 parity
+    (AdamW amplifies a float8 rounding flip: tests/parity.py, FP8_PARAM_MARGIN)."""
+    if sgd:
+        from tests.tp_models import SHARP_LR, make_optimizer as parity_optimizer
+
+        return parity_optimizer(params, "sgd", SHARP_LR)
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+
+
 def setup(
     fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0, per_process: bool = False,
-    joint: bool = False,
+    joint: bool = False, sgd: bool = False,
 ) -> tuple:
     """LitGPT's order (model, then its optimizer); ``joint``: ``fabric.setup(model, optimizer)`` with an optimizer
     made from the model before it was parallelized."""
     L.seed_everything(seed, verbose=False)
     model = build(fabric, model_name, empty_init, seed)
     if joint:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        optimizer = make_optimizer(model.parameters(), sgd)
         model, optimizer = fabric.setup(model, optimizer)
     else:
         model = fabric.setup(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-        optimizer = fabric.setup_optimizers(optimizer)
+        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), sgd))
     if per_process:
         from torch.utils.data import DistributedSampler
 
@@ -227,7 +236,7 @@ def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
     resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False, joint_setup: bool = False,
-    data_from_start: bool = False, planted_local_positions: bool = False,
+    data_from_start: bool = False, planted_local_positions: bool = False, sgd: bool = False,
 ) -> dict[str, Any]:
     """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate.
 
@@ -248,7 +257,7 @@ def fabric_job(
     pipeline = dims.pp > 1
     model, optimizer, loader = setup(
         fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed, planted_sampler_per_process,
-        joint=joint_setup,
+        joint=joint_setup, sgd=sgd,
     )
     first = 0
     if resume is not None:
@@ -261,6 +270,10 @@ def fabric_job(
         pipeline=pipeline, first_step=first, save_at=save_at, save_path=save_path, data_from_start=data_from_start,
     )
     result = {"losses": losses, "dp_rank": dims.local_rank("dp"), "dp": dims.dp, "rank": dist.get_rank()}
+    if sgd:  # a float8 parity run: its parameters too (tests.parity.assert_float8_close)
+        from tests.parity import full_parameters
+
+        result["params"] = full_parameters(model.module)
     if pipeline:  # the forward-only loss of the first batch, on every rank
         inputs, targets = next(iter(loader))
         result["eval_loss"] = float(fabric.strategy.pipeline_eval_step(model, (inputs, targets)))
@@ -283,9 +296,10 @@ def fabric_direct_call_job(strategy_kwargs: dict[str, Any]) -> None:
 
 
 def fabric_reference(
-    model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2, fp8: bool = False
-) -> list[float]:
-    """In the pytest process: the same loop on one device with the global batch (``fp8``: torchao's float8)."""
+    model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2, fp8: bool = False, sgd: bool = False,
+) -> Any:
+    """In the pytest process: the same loop on one device with the global batch (``fp8``: torchao's float8).
+    The per-micro-step losses; with ``sgd``, ``{"losses": ..., "params": ...}``."""
     assert "LOCAL_RANK" not in os.environ, "the reference must not run inside a worker"
     fabric = L.Fabric(accelerator="cpu", devices=1)
     L.seed_everything(0, verbose=False)
@@ -296,9 +310,14 @@ def fabric_reference(
 
     set_aux_loss_grad_scale(model, 1.0 / accumulate)  # MoE layers: their aux gradient scaled as the loss is
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
+    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), sgd))
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))
-    return train(fabric, model, optimizer, loader, steps=steps, accumulate=accumulate, pipeline=False)
+    losses = train(fabric, model, optimizer, loader, steps=steps, accumulate=accumulate, pipeline=False)
+    if not sgd:
+        return losses
+    from tests.parity import full_parameters
+
+    return {"losses": losses, "params": full_parameters(model.module)}
 
 
 def mean_over_dp(results: list[dict[str, Any]]) -> list[float]:

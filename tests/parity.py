@@ -176,6 +176,55 @@ def assert_losses_close(actual: list[float], expected: list[float], rtol: float 
     assert rel <= rtol, f"per-step loss differs by {rel:.3e} relative (tolerance {rtol:.0e})\n{actual}\n{expected}"
 
 
+# float8 (tensorwise) parity: what the format can promise. A value cast to float8 lands on a grid 2**-3 (e4m3:
+# activations, weights) or 2**-2 (e5m2: gradients) of itself apart. A parallel run computes the values before the
+# cast in another fp32 order (tensor-parallel partial sums), a few ulps (~2**-21 relative) from one device's, so a
+# value rounds the other way only when it lies within those ulps of a midpoint between two grid points: ~2**-21 /
+# 2**-3 = 4e-6 of the ~1e5 values cast per step, a flip every step or two, each moving one value by one grid step
+# (up to 1/8 of it). No fp32 tolerance (1e-5) survives that. torchao's one-device float8 run re-rounds *every*
+# cast value by up to half a step relative to the fp32 run, so the distance float8 itself puts between its run and
+# the fp32 run (same model, same data) is the yardstick:
+# - parameters (all the gradients' effect, summed over the run): within FP8_PARAM_MARGIN of that distance. A flip
+#   changes the gradients of one token's path, float8 every gradient. Measured (2026-11-29, SGD): tp2+SP without a
+#   flip 1e-5; dp2 x tp2 with one flip at step 0 (an attention input at -232.000000 here, -232.000076 on one
+#   device, on the midpoint of -224 and -240) 0.28; a planted per-rank amax (tests/distributed/test_fp8.py) 0.93.
+# - losses: each step within FP8_LOSS_BOUND times float8's largest per-step effect on the loss: a flip re-rounds
+#   one value by one step where float8 re-rounds all of them, but in a sharp model (init 0.3) one token's loss
+#   can move as much as the mean's (measured: the dp2 x tp2 flip, 0.9 of it at step 1). Only a bound, not the
+#   discriminating check: the parameters are.
+# AdamW amplifies a flip (its first updates are ~lr * sign(g) per component: 0.35 of the parameter distance in
+# the dp2 x tp2 case, and Fabric's tp2+SP losses drifted to 4e-3 three steps after a flip), so float8 parity
+# runs train with SGD, as the fp32 parity runs do (tests/tp_models.make_optimizer), for 2 optimizer steps.
+FP8_PARAM_MARGIN = 0.5
+FP8_LOSS_BOUND = 2.0
+
+
+def assert_float8_close(losses: list[float], params: dict[str, torch.Tensor], float8: dict[str, Any],
+                        fp32: dict[str, Any]) -> None:
+    """A float8 run's per-step ``losses`` and final ``params`` (under pp: one stage's) against torchao's one-device
+    float8 run and the fp32 run (``{"losses": ..., "params": ...}`` each), measured by float8's own distance from
+    fp32 (FP8_PARAM_MARGIN, FP8_LOSS_BOUND above)."""
+    assert len(losses) == len(float8["losses"]) == len(fp32["losses"]), (len(losses), len(float8["losses"]))
+    expected = torch.tensor(float8["losses"], dtype=torch.float64)
+
+    def loss_gap(values: list[float]) -> float:
+        return ((torch.tensor(values, dtype=torch.float64) - expected).abs() / expected.abs()).max().item()
+
+    names = sorted(params)
+    assert names and set(names) <= set(float8["params"]), sorted(set(names) - set(float8["params"]))
+
+    def param_gap(values: dict[str, torch.Tensor]) -> float:
+        return sum(float((values[n].double() - float8["params"][n].double()).pow(2).sum()) for n in names) ** 0.5
+
+    for what, gap, scale, margin in (("loss", loss_gap(losses), loss_gap(fp32["losses"]), FP8_LOSS_BOUND),
+                                     ("parameter", param_gap(params), param_gap(fp32["params"]), FP8_PARAM_MARGIN)):
+        assert scale > 1e-4, f"float8 moves the {what}s by only {scale:.1e} from fp32: this check would prove nothing"
+        assert gap <= margin * scale, (
+            f"{what}s {gap:.3e} from torchao's float8 run, float8 itself {scale:.3e} from fp32: more than "
+            f"{margin} times that\n{losses}\n{float8['losses']}"
+        )
+
+
 def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = FP32_RTOL, atol: float = 1e-6) -> None:
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for name in expected:
