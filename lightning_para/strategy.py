@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -32,7 +31,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 import lightning.pytorch as pl
-from lightning_para import checkpoint as ckpt
 from lightning_para.core.front_end import ParaFrontEnd
 from lightning_para.checkpoint.fabric_format import for_the_trainer
 from lightning_para.observe.panels import straggler_metrics
@@ -93,6 +91,11 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Lightning builds a plugin from `Trainer(precision=...)`; speak its mode in our terms.
         self._precision_plugin = as_para_precision(plugin)
+
+    @ParallelStrategy.checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+        self.core.checkpoints.use_checkpoint_io(io)  # saves go through DCP; Lightning's AsyncCheckpointIO: async_save
 
     @property
     def compile_watch(self) -> Optional[CompileWatch]:
@@ -337,13 +340,11 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             raise TypeError("ParaStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
         self.core.checkpoints.save(
             filepath, checkpoint, sharded=self.save_distributed_checkpoint, module=self.lightning_module,
-            broadcast=self.broadcast,
+            broadcast=self.broadcast, background=self.core.checkpoints.run.active,  # async_save: inside `fit` only
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        # Renamed away first, then deleted: a kill mid-delete never leaves a half checkpoint under its name.
-        if self.is_global_zero:
-            ckpt.remove_checkpoint(Path(filepath))
+        self.core.checkpoints.remove(filepath, rank0=self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer state in place (sharded DCP folder or one full file) and

@@ -1,9 +1,12 @@
 """``Checkpoints``: the engine's checkpoint IO, one object it holds: state dicts of any layout, atomic checksummed
-saves, loads in place, and this run's hold on its checkpoint folders (:class:`~lightning_para.checkpoint.CheckpointRun`).
+saves, loads in place, and this run's hold on its checkpoint folders (:class:`~lightning_para.checkpoint.CheckpointRun`);
+with ``async_save``, the one save in flight (:class:`~lightning_para.checkpoint.AsyncSaver`), settled before the next
+save, a load, the end of training, an exception and teardown.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,12 +25,18 @@ class Checkpoints:
         run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
         parallel: the engine's parallel model (raises until the model is set up).
         run_guard: told what this rank does (I/O is exempt from the watchdog); settled before a save.
+        async_save: sharded saves return once staged and are written in the background (``checkpoint/async_save.py``).
     """
 
-    def __init__(self, run_id: Optional[str], parallel: Callable[[], ParallelModel], run_guard: RunGuard) -> None:
+    def __init__(
+        self, run_id: Optional[str], parallel: Callable[[], ParallelModel], run_guard: RunGuard, async_save: bool = False,
+    ) -> None:
         self.run = ckpt.CheckpointRun(run_id)  # which run saves; rank 0's hold on its checkpoint folders
         self.parallel = parallel
         self.run_guard = run_guard
+        self.saver: Optional[ckpt.AsyncSaver] = None
+        if ckpt.check_async_save(async_save):
+            self.enable_async_save()
 
     def begin_run(self, trainer: Any) -> None:
         """Collective, when ``fit`` starts: rank 0 holds ``trainer``'s checkpoint folders and sweeps the leftovers
@@ -64,19 +73,54 @@ class Checkpoints:
 
     def save(
         self, path: Any, checkpoint: dict[str, Any], *, sharded: bool, module: Optional[nn.Module],
-        broadcast: Callable[[Any], Any],
+        broadcast: Callable[[Any], Any], background: bool = True,
     ) -> None:
         """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically, with
-        checksums, at rank 0's ``path`` (collective). The step guard's check in flight is read first: no
-        checkpoint holds a non-finite step."""
+        checksums, at rank 0's ``path`` (collective). The step guard's check in flight and the save in flight are
+        read first: no checkpoint holds a non-finite step. With ``async_save`` a sharded save in ``background``
+        returns once staged (a preemption's save waits for its write)."""
         target, token = broadcast((str(path), self.run.new_token()))  # the hidden sibling every rank writes into
         self.run_guard.settle()
+        self.settle_save()  # at most one save in flight
         if module is not None:
             # What integrations record about the model (transformers: each model's class and config).
             checkpoint.update(ckpt.model_info(module))
         self.run_guard.report(f"saving checkpoint {target}", exempt=True)  # I/O may outlast watchdog_timeout
-        ckpt.save_checkpoint(Path(target), checkpoint, sharded=sharded, token=token, run=self.run)
-        self.run_guard.report(f"checkpoint {target} saved (step {self.run_guard.step()})")
+        saver = self.saver if background and sharded and not self.run_guard.preempted else None
+        ckpt.save_checkpoint(Path(target), checkpoint, sharded=sharded, token=token, run=self.run, saver=saver)
+        done = "staged, written in the background" if saver is not None else "saved"
+        self.run_guard.report(f"checkpoint {target} {done} (step {self.run_guard.step()})")
+
+    def enable_async_save(self) -> None:
+        """``async_save=True`` (or Lightning's ``AsyncCheckpointIO``): a failed background write rides on the step
+        guard's agreement, raised on every rank at the next step boundary."""
+        if self.saver is None:
+            self.saver = ckpt.AsyncSaver()
+            self.run_guard.guard.background = self.saver  # the step guard's all-reduce carries its failure
+
+    def use_checkpoint_io(self, io: Any) -> None:
+        """Saves go through DCP, never a ``CheckpointIO`` plugin; Lightning's ``AsyncCheckpointIO`` means ``async_save``."""
+        if ckpt.is_async_checkpoint_io(io):
+            self.enable_async_save()
+
+    def settle_save(self, quiet: bool = False) -> None:
+        """Wait for the checkpoint written in the background: in place, or its error raised (the same on every rank:
+        agreed in the background). ``quiet``: the error is printed instead (another exception is on its way)."""
+        if self.saver is None or not self.saver.in_flight:
+            return
+        self.run_guard.report("waiting for the checkpoint written in the background", exempt=True)
+        try:
+            self.saver.settle()
+        except BaseException as error:
+            if not quiet:
+                raise
+            sys.stderr.write(f"lightning-para: the checkpoint written in the background failed too: {error}\n")
+
+    def remove(self, path: Any, rank0: bool) -> None:
+        """Delete a checkpoint (rank 0), renamed away first (a kill mid-delete leaves no half checkpoint under its
+        name); while a save is in flight, once that one is complete (top-k never deletes before the newer is in place)."""
+        if (self.saver is None or not self.saver.remove_after(Path(path))) and rank0:
+            ckpt.remove_checkpoint(Path(path))
 
     def load(
         self, path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: Optional[bool] = None,
@@ -85,6 +129,7 @@ class Checkpoints:
         """Load model and optimizer state in place (sharded DCP folder of any layout, or one full file) and
         return the rest of the checkpoint. ``strict`` (default ``module.strict_loading``): missing or unexpected
         model keys raise; ``convert``: a single file's layout into Lightning's (``checkpoint.load_checkpoint_in_place``)."""
+        self.settle_save()  # a load never races the save in flight
         self.run_guard.report(f"loading checkpoint {path}", exempt=True)
         self.reshard(module)
         parallel = self.parallel()
@@ -98,6 +143,9 @@ class Checkpoints:
             )
 
     def teardown(self) -> None:
+        if self.saver is not None:  # the save in flight ends, the staging copy and the save group are freed
+            self.settle_save(quiet=True)
+            self.saver.close()
         self.run.end()  # stops the lock's refresh thread: nothing of ours outlives `fit`
 
 

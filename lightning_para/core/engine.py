@@ -46,6 +46,7 @@ class ParaEngine:
         integrity_check_every_n_steps, integrity_action, watchdog_timeout, check_finite, on_sigterm, straggler,
             spike_guard: the reliability options of ``ParaStrategy`` (validated here, before any process group).
         run_id: this run's id across restarts, recorded in every checkpoint (``checkpoint/run.py``).
+        async_save: sharded saves return once staged and are written in the background (``checkpoint/async_save.py``).
         timeout: the process-group timeout (the watchdog's must be below it).
         front_end: ``"Trainer"`` or ``"Fabric"``, named in errors about the order of calls.
         step: the front end's step counter (the Trainer's global step, Fabric's optimizer steps).
@@ -55,7 +56,8 @@ class ParaEngine:
         self, config: ParallelConfig, *, integrity_check_every_n_steps: Optional[int] = None,
         integrity_action: str = "raise", watchdog_timeout: Optional[float] = 60.0, timeout: Optional[timedelta] = None,
         check_finite: bool = True, on_sigterm: Optional[str] = "checkpoint", run_id: Optional[str] = None,
-        front_end: str = "Trainer", step: Callable[[], int] = lambda: -1, straggler: Any = True, spike_guard: Any = None,
+        async_save: bool = False, front_end: str = "Trainer", step: Callable[[], int] = lambda: -1,
+        straggler: Any = True, spike_guard: Any = None,
     ) -> None:
         self.config = config
         self.front_end = front_end
@@ -64,7 +66,7 @@ class ParaEngine:
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=on_sigterm,
             straggler=straggler, spike_guard=spike_guard,
         )
-        self.checkpoints = Checkpoints(run_id, lambda: self.parallel_model, self.run_guard)
+        self.checkpoints = Checkpoints(run_id, lambda: self.parallel_model, self.run_guard, async_save=async_save)
         self.dims: Optional[ParallelDims] = None
         self.parallel: Optional[ParallelModel] = None
         self.module: Optional[nn.Module] = None  # the set-up model, and what it runs with
@@ -324,12 +326,19 @@ class ParaEngine:
     def end_step(self, save: Optional[Callable[[], Optional[str]]] = None) -> None:
         """The boundary after a step, on every rank: a loss noted since the last check is checked (micro-steps,
         manual optimization); after an agreed SIGTERM every rank stops here, ``save``-ing the preemption
-        checkpoint first (without ``save`` under ``on_sigterm="checkpoint"`` the loop saves: :attr:`preempted`)."""
-        self.run_guard.end_step(save)
+        checkpoint first (without ``save`` under ``on_sigterm="checkpoint"`` the loop saves: :attr:`preempted`).
+        A failed background write (``async_save``) is raised here, on every rank."""
+        try:
+            self.run_guard.end_step(save)
+        except BaseException:  # e.g. Preempted under Fabric (no on_exception): the save in flight ends first
+            self.checkpoints.settle_save(quiet=True)
+            raise
 
     def end_training(self) -> None:
-        """The last step's agreement is read (a step late); the integrity check runs unless it did at this step."""
+        """The last step's agreement is read (a step late), the save in flight is in place (or its error raised); the
+        integrity check runs unless it did at this step."""
         self.run_guard.settle()
+        self.checkpoints.settle_save()
         if self.run_guard.integrity_due(final=True):
             self.check_integrity()
 
@@ -339,6 +348,7 @@ class ParaEngine:
 
     # ------------------------------------------------------------------ the end
     def on_exception(self, exception: BaseException) -> None:
+        self.checkpoints.settle_save(quiet=True)  # the save in flight ends (in place, or removed) before the run
         self.run_guard.on_exception(exception)
 
     def teardown(self) -> None:

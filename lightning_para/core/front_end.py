@@ -63,6 +63,11 @@ FRONT_END_ARGUMENTS: dict[str, str] = {
     "run_id": "this run's id across restarts, recorded in every checkpoint; the Trainer's ``ckpt_path=\"hpc\"``/"
     "``\"last\"`` resume the newest complete checkpoint of this run (default: ``LIGHTNING_PARA_RUN_ID``, else the"
     " scheduler's job id, else the run a resume continues; ``docs/reliability.md``).",
+    "async_save": "sharded saves return once this rank's checkpoint tensors are copied to host memory (pinned on"
+    " accelerators: a copy of the state, kept until teardown); the write, checksums, completion marker and swap into"
+    " place run in the background (DCP's ``async_save``). At most one save is in flight; a failed write is raised on"
+    " every rank at the next step boundary. Lightning's ``AsyncCheckpointIO`` plugin means the same under the"
+    " Trainer (``docs/checkpointing.md``).",
     "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin": "set by the Trainer or"
     " Fabric, as for Lightning's own strategies.",
 }
@@ -128,6 +133,7 @@ class ParaFrontEnd:
         run_id: Optional[str] = None,
         straggler: Union[bool, Mapping[str, Any], StragglerDetector, None] = True,
         spike_guard: Union[bool, str, Mapping[str, Any], SpikeGuard, None] = None,
+        async_save: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -150,8 +156,10 @@ class ParaFrontEnd:
             config, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite,
             on_sigterm=self.auto_on_sigterm if on_sigterm == "auto" else on_sigterm, run_id=run_id,
-            front_end=self.front_end, step=self._step_number, straggler=straggler, spike_guard=spike_guard,
+            async_save=async_save, front_end=self.front_end, step=self._step_number, straggler=straggler,
+            spike_guard=spike_guard,
         )
+        self.core.checkpoints.use_checkpoint_io(checkpoint_io)
         if precision is not None and precision_plugin is not None:
             raise ValueError("Pass either `precision=` or `precision_plugin=` to ParaStrategy, not both.")
         self._init_strategy(
@@ -251,6 +259,11 @@ class ParaFrontEnd:
     def spike_guard(self) -> Optional[SpikeGuard]:
         """The spike guard (``None``: off): ``.events`` lists the spikes logged so far."""
         return self.core.spike_guard
+
+    def wait_for_checkpoint(self) -> None:
+        """``async_save=True``: wait until the checkpoint written in the background is in place, or raise its error
+        (the same on every rank). The Trainer waits at the end of ``fit``; a Fabric loop calls it before it ends."""
+        self.core.checkpoints.settle_save()
 
     def pipeline_stats(self) -> PipelineStats:
         """Per-step busy/idle time and action events of this rank's pipeline stages (``pp > 1`` only),

@@ -38,7 +38,8 @@ from lightning_para.parallel.data import MemoryBreakdown
 
 _NO_CHECKPOINT_IO = (
     "ParaStrategy does not support setting a `CheckpointIO` plugin: it writes sharded checkpoints with DCP,"
-    " atomically and with checksums (`save_distributed_checkpoint=False` for one file). Remove the plugin."
+    " atomically and with checksums (`save_distributed_checkpoint=False` for one file; `async_save=True` writes in the"
+    " background, what Lightning's `AsyncCheckpointIO` does under the Trainer). Remove the plugin."
 )
 
 

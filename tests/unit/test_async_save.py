@@ -1,5 +1,6 @@
-"""``async_save`` in one process (no process group): a save written in the background, settled, its deferred
-removals, and a failed background write raised at the step guard's next check. Real ranks, SIGTERM, SIGKILL and a real full disk: ``tests/distributed/test_async_checkpoint.py`` and
+"""``async_save`` in one process (no process group): the option, Lightning's ``AsyncCheckpointIO``, a save written
+in the background, settled, its deferred removals, and a failed background write raised at the step guard's next
+check. Real ranks, SIGTERM, SIGKILL and a real full disk: ``tests/distributed/test_async_checkpoint.py`` and
 ``tests/integration/test_async_kill.py``.
 """
 
@@ -21,6 +22,27 @@ from lightning_para.reliability.step_guard import StepGuard
 def checkpoint(step: int) -> dict:
     torch.manual_seed(step)
     return {"state_dict": {"w": torch.randn(1000), "b": torch.randn(10)}, "optimizer_states": [], "global_step": step}
+
+
+def test_the_option_and_lightnings_async_checkpoint_io():
+    import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_para import ParaStrategy
+    from lightning_para.fabric import ParaStrategy as FabricParaStrategy
+
+    with pytest.raises(ValueError, match=r"`async_save='yes'` must be True"):
+        ParaStrategy(async_save="yes")
+    assert ParaStrategy().core.checkpoints.saver is None
+    strategy = ParaStrategy(async_save=True, check_finite=False, on_sigterm=None)
+    assert isinstance(strategy.core.checkpoints.saver, AsyncSaver)
+    assert strategy.core.run_guard.guard.active  # the step guard's agreement carries a failed background write
+    # Lightning's plugin means the same (its wrapped CheckpointIO is unused: saves go through DCP).
+    assert isinstance(ParaStrategy(checkpoint_io=AsyncCheckpointIO()).core.checkpoints.saver, AsyncSaver)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParaStrategy(), plugins=[AsyncCheckpointIO()], logger=False)
+    assert isinstance(trainer.strategy.core.checkpoints.saver, AsyncSaver)
+    with pytest.raises(NotImplementedError, match="async_save=True"):
+        FabricParaStrategy(checkpoint_io=AsyncCheckpointIO())
 
 
 def test_a_background_save_is_the_synchronous_one_and_removals_wait_for_it(tmp_path):
