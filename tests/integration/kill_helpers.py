@@ -45,12 +45,13 @@ class Run:
 
     out: Path
     launcher: str
+    world: int = WORLD
     procs: list[subprocess.Popen] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def rank_pids(self) -> dict[int, int]:
         pids = {}
-        for r in range(WORLD):
+        for r in range(self.world):
             f = self.out / f"rank{r}.pid"
             if f.is_file() and f.read_text().strip():
                 pids[r] = int(f.read_text())
@@ -60,7 +61,7 @@ class Run:
         """All ranks are training (each wrote its pid file), or some process already ended."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            if len(self.rank_pids()) == WORLD:
+            if len(self.rank_pids()) == self.world:
                 return True
             if any(p.poll() is not None for p in self.procs):
                 return False
@@ -115,7 +116,7 @@ class Run:
             return {r: p.returncode for r, p in enumerate(self.procs)}
         codes[0] = self.procs[0].returncode
         text = self.output()
-        for r in range(1, WORLD):
+        for r in range(1, self.world):
             m = re.search(rf"\[rank {r}\] .*exiting with code (\d+)", text)
             codes[r] = int(m.group(1)) if m else None
         return codes
@@ -143,27 +144,30 @@ def slurm_env(job_id: str, rank: int) -> dict[str, str]:
                 SLURM_NODELIST="127.0.0.1")
 
 
-def launch(out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] = None, slurm: Optional[str] = None) -> Run:
-    """Start the script with ``args`` under ``launcher`` (see the module docstring); ``env``: added to
-    every process's environment (e.g. a scheduler's job id); ``slurm``: as ``srun`` would start job
-    ``slurm``'s tasks (``"external"`` only)."""
+def launch(
+    out: Path, launcher: str, *args: str, env: Optional[dict[str, str]] = None, slurm: Optional[str] = None,
+    script: Path = SCRIPT, world: int = WORLD,
+) -> Run:
+    """Start ``script`` (default: the training script) with ``args`` on ``world`` ranks under ``launcher`` (see the
+    module docstring); ``env``: added to every process's environment (e.g. a scheduler's job id); ``slurm``: as
+    ``srun`` would start job ``slurm``'s tasks (``"external"`` only)."""
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(out, launcher)
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    run = Run(out, launcher, world)
+    command = [sys.executable, str(script), "--out", str(out), *args]
     if launcher == "lightning":
         process_env = {**base_env(), **(env or {})}
         with open(out / "stdout0.txt", "w") as log:
-            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
+            run.procs.append(subprocess.Popen([*command, "--devices", str(world)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
         return run
     port = free_port()
-    for rank in range(WORLD):
+    for rank in range(world):
         process_env = {**base_env(), **(env or {})}
-        process_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
+        process_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
         if slurm is not None:
             process_env.update(slurm_env(slurm, rank))
         with open(out / f"stdout{rank}.txt", "w") as log:
-            run.procs.append(subprocess.Popen([*command, "--devices", str(WORLD)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
+            run.procs.append(subprocess.Popen([*command, "--devices", str(world)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
     return run
 
 
