@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from lightning_para.checkpoint import AsyncSaver, CheckpointDiskFullError, save
+from lightning_para.checkpoint import AsyncSaver, CheckpointDiskFullError, CheckpointSaveError, save
 from lightning_para.checkpoint.atomic import checkpoint_problems, read_marker, verify_checkpoint
 from lightning_para.checkpoint.checksums import ChecksummingWriter
 from lightning_para.reliability.step_guard import StepGuard
@@ -61,22 +61,26 @@ def test_a_background_save_is_the_synchronous_one_and_removals_wait_for_it(tmp_p
     saver.close()
 
 
-def test_a_failed_background_write_is_raised_at_the_next_step_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code, error, cause", [
+    (errno.ENOSPC, CheckpointDiskFullError, "failed: the disk is full"),  # a real full tmpfs: tests/distributed/
+    (errno.EACCES, CheckpointSaveError, r"failed on rank\(s\) \[0\]: .*Permission denied"),
+], ids=["full-disk", "permission"])
+def test_a_failed_background_write_is_raised_at_the_next_step_check(tmp_path, monkeypatch, code, error, cause):
     saver, guard = AsyncSaver(), StepGuard(on_sigterm=None)
     guard.background = saver
     save.save_checkpoint(tmp_path / "step=2.ckpt", checkpoint(2))
 
-    def full(self, plan, planner):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def fail(self, plan, planner):
+        raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(ChecksummingWriter, "write_data", full)
+    monkeypatch.setattr(ChecksummingWriter, "write_data", fail)
     save.save_checkpoint(tmp_path / "step=4.ckpt", checkpoint(4), saver=saver)  # returns once staged
     assert saver.remove_after(tmp_path / "step=2.ckpt")
     deadline = time.monotonic() + 60
     while not saver.failed() and time.monotonic() < deadline:
         time.sleep(0.01)
     guard.check(5)  # carries the failure; every rank reads it at the next check
-    with pytest.raises(CheckpointDiskFullError, match=r"step=4.ckpt' failed: the disk is full"):
+    with pytest.raises(error, match=rf"step=4.ckpt' {cause}"):
         guard.check(6)
     assert checkpoint_problems(tmp_path / "step=2.ckpt").complete  # kept: its removal waited for a complete step 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # the partial save removed
