@@ -11,9 +11,14 @@ downloaded. A text file is one document, a jsonl line or a parquet row is one do
 into one stream). One shard per input, in the format of :mod:`lightning_para.recipes.token_format`.
 
 Resumable: a shard's completion record is written last, atomically; a rerun with the same output skips
-every input whose record matches (same file size and modification time, same tokenizer) and redoes the
-rest, so an interrupted shard is never counted half. ``meta.json`` is rewritten at the end. One ``prepare``
-per output folder at a time: a run starts by removing the unfinished files an interrupted one left.
+every input whose record matches (same file size and modification time, same tokenizer, same ``--errors``)
+and redoes the rest, so an interrupted shard is never counted half. ``meta.json`` is rewritten at the end and
+lists every shard in the folder: this run's and those earlier runs with the same tokenizer wrote (named on
+stderr). One ``prepare`` per output folder at a time, held by a lock that names its holder.
+
+Input problems are never hidden: invalid UTF-8 is an error naming the file and byte offset (jsonl: and line)
+unless ``--errors replace`` (U+FFFD, counted) or ``--errors skip`` (the document dropped, counted); a null
+text is skipped and counted.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -44,6 +50,10 @@ PARQUET_SUFFIXES = (".parquet",)
 # Names EOS goes by in common tokenizers (GPT-2, Llama 2 / 3, Gemma, T5-style), tried when the folder does not say.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 ENCODE_BATCH = 1024
+LOCK_FILE = ".prepare.lock"
+LOCK_TRIES = 30  # 3 s
+ERRORS = ("strict", "replace", "skip")
+COUNTS = ("skipped_null", "skipped_invalid_utf8", "replaced_invalid_utf8")  # per shard and in meta.json
 
 
 class TokenizerText:
@@ -57,7 +67,7 @@ class TokenizerText:
 
             self._fast = Tokenizer.from_file(str(file))
             self._hf = None
-            self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
+            ids = self._fast.get_vocab(with_added_tokens=True).values()
             self.fingerprint = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
             token_to_id = self._fast.token_to_id
         else:
@@ -70,9 +80,14 @@ class TokenizerText:
             except (OSError, ValueError) as err:
                 raise ValueError(f"`--tokenizer {folder}` is not a local Hugging Face tokenizer folder: {err}") from None
             self._fast = None
-            self.vocab_size = len(self._hf)
+            ids = [*self._hf.get_vocab().values(), len(self._hf) - 1]
             self.fingerprint = hashlib.sha256(json.dumps(sorted(self._hf.get_vocab().items())).encode()).hexdigest()[:16]
             token_to_id = self._hf.convert_tokens_to_ids
+        # The id space, not the entry count: a tokenizer may leave gaps (ids past its count).
+        self.vocab_size = max(ids, default=-1) + 1
+        if self.vocab_size > 2**32:
+            raise ValueError(f"`--tokenizer {folder}` can emit id {self.vocab_size - 1}, beyond uint32 (token shards hold"
+                             " uint16 or uint32 ids); use a tokenizer whose ids stay below 2**32.")
         self.eos_token = eos_token or _configured_eos(folder) or next(
             (t for t in EOS_CANDIDATES if _known(token_to_id(t), self._hf)), None
         )
@@ -126,12 +141,35 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return [f.resolve() for f in files]
 
 
-def documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one input: the whole text file, each jsonl line's or parquet row's ``text_field``."""
+def _decode(data: bytes, errors: str, where: Callable[[int], str], counts: dict[str, int]) -> Optional[str]:
+    """``data`` as UTF-8 under ``--errors``; None when the document is skipped. Counts what it changed."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if errors == "strict":
+            raise ValueError(f"{where(err.start)} is not valid UTF-8 ({err.reason}); fix it, or pass `--errors replace`"
+                             " (U+FFFD for each invalid sequence) or `--errors skip` (drop the document).") from None
+        if errors == "skip":
+            counts["skipped_invalid_utf8"] += 1
+            return None
+        text = data.decode("utf-8", errors="replace")
+        counts["replaced_invalid_utf8"] += len(text) - len(data.decode("utf-8", errors="ignore"))
+        return text
+
+
+def documents(path: Path, text_field: str, errors: str = "strict",
+              counts: Optional[dict[str, int]] = None) -> Iterator[str]:
+    """The documents of one input: the whole text file, each jsonl line's or parquet row's ``text_field``.
+    Null texts are skipped; ``counts`` (``COUNTS``) records what was skipped or replaced."""
+    counts = counts if counts is not None else dict.fromkeys(COUNTS, 0)
     if path.suffix in JSONL_SUFFIXES:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:
+            offset = 0
+            for line_no, raw in enumerate(f, 1):
+                where = lambda at, n=line_no, o=offset: f"`{path}` line {n} (byte {o + at})"  # noqa: E731
+                offset += len(raw)
+                line = _decode(raw, errors, where, counts)
+                if line is None or not line.strip():
                     continue
                 try:
                     record = json.loads(line)
@@ -140,6 +178,9 @@ def documents(path: Path, text_field: str) -> Iterator[str]:
                 if not isinstance(record, dict) or text_field not in record:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise ValueError(f"`{path}` line {line_no} has no `{text_field}` field (it has {keys}); set `--text-field`.")
+                if record[text_field] is None:
+                    counts["skipped_null"] += 1
+                    continue
                 yield str(record[text_field])
     elif path.suffix in PARQUET_SUFFIXES:
         try:
@@ -150,9 +191,13 @@ def documents(path: Path, text_field: str) -> Iterator[str]:
         if text_field not in table.schema_arrow.names:
             raise ValueError(f"`{path}` has no column `{text_field}` (it has {table.schema_arrow.names}); set `--text-field`.")
         for batch in table.iter_batches(columns=[text_field], batch_size=ENCODE_BATCH):
-            yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+            column = batch.column(0)
+            counts["skipped_null"] += column.null_count
+            yield from (str(t) for t in column.to_pylist() if t is not None)
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        text = _decode(path.read_bytes(), errors, lambda at: f"`{path}` at byte {at}", counts)
+        if text is not None:
+            yield text
 
 
 def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -184,7 +229,7 @@ def _init_worker(folder: str, eos_token: Optional[str]) -> None:
     _WORKER_TOKENIZER = TokenizerText(Path(folder), eos_token)
 
 
-def tokenize_file(path: Path, out_dir: Path, text_field: str) -> dict[str, Any]:
+def tokenize_file(path: Path, out_dir: Path, text_field: str, errors: str = "strict") -> dict[str, Any]:
     """Tokenize one input into its shard: tokens to a hidden file, renamed into place, then the record."""
     tokenizer = _WORKER_TOKENIZER
     assert tokenizer is not None
@@ -193,8 +238,9 @@ def tokenize_file(path: Path, out_dir: Path, text_field: str) -> dict[str, Any]:
     tmp = shard_dir / f".{name}.{os.getpid()}.bin.tmp"  # per process: never two writers on one file
     dtype = token_dtype(tokenizer.vocab_size)
     tokens = docs = 0
+    counts = dict.fromkeys(COUNTS, 0)
     with open(tmp, "wb") as f:
-        for batch in _batches(documents(path, text_field), ENCODE_BATCH):
+        for batch in _batches(documents(path, text_field, errors, counts), ENCODE_BATCH):
             for ids in tokenizer.encode_batch(batch):
                 ids.append(tokenizer.eos_id)  # one separator after each document
                 np.asarray(ids, dtype=dtype).tofile(f)
@@ -204,12 +250,12 @@ def tokenize_file(path: Path, out_dir: Path, text_field: str) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(tmp, shard_dir / f"{name}.bin")
     record = {"file": f"{SHARD_DIR}/{name}.bin", "input": str(path), **_input_stamp(path), "tokens": tokens,
-              "documents": docs, "tokenizer": tokenizer.fingerprint}
+              "documents": docs, "tokenizer": tokenizer.fingerprint, "errors": errors, **counts}
     write_json_atomic(shard_dir / f"{name}.json", record)
     return record
 
 
-def _finished(path: Path, out_dir: Path, fingerprint: str, dtype: np.dtype) -> Optional[dict[str, Any]]:
+def _finished(path: Path, out_dir: Path, fingerprint: str, dtype: np.dtype, errors: str) -> Optional[dict[str, Any]]:
     """The completion record of ``path``'s shard if it is whole and current, else None (the shard is redone)."""
     name = shard_name(path)
     record_path, shard = out_dir / SHARD_DIR / f"{name}.json", out_dir / SHARD_DIR / f"{name}.bin"
@@ -217,17 +263,73 @@ def _finished(path: Path, out_dir: Path, fingerprint: str, dtype: np.dtype) -> O
         return None
     record = json.loads(record_path.read_text())
     current = record.get("tokenizer") == fingerprint and all(record.get(k) == v for k, v in _input_stamp(path).items())
+    current = current and record.get("errors", "replace") == errors
     whole = shard.stat().st_size == record.get("tokens", -1) * dtype.itemsize
     return record if current and whole else None
 
 
+@contextmanager
+def _output_lock(out_dir: Path) -> Iterator[None]:
+    """One ``prepare`` per output folder: an exclusive ``flock`` on ``LOCK_FILE``, which names its holder. The
+    kernel drops the lock when its holder dies, so a killed run's lock is taken over (its file only names it)."""
+    import fcntl
+    import socket
+    import time
+
+    with open(out_dir / LOCK_FILE, "a+") as f:
+        for attempt in range(LOCK_TRIES):  # a killed run's workers may take a moment to exit and let go
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.1)
+        else:
+            f.seek(0)
+            raise ValueError(f"`--output {out_dir}` is in use by another `lightning-para prepare` ({f.read().strip()});"
+                             " wait for it to finish, or choose another `--output`.")
+        f.seek(0)
+        if previous := f.read().strip():
+            print(f"prepare: taking over the lock of a run that ended without releasing it ({previous})", file=sys.stderr)
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on host {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+
+
+def _earlier_shards(out_dir: Path, files: list[Path], fingerprint: str, dtype: np.dtype) -> list[dict[str, Any]]:
+    """The finished shards earlier runs left in ``out_dir`` for inputs this run does not list: kept in meta.json
+    when whole and of this tokenizer; any other is a ValueError (meta.json would not describe the folder)."""
+    mine = {f"{SHARD_DIR}/{shard_name(p)}.bin" for p in files}
+    kept: list[dict[str, Any]] = []
+    for path in sorted((out_dir / SHARD_DIR).glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("file") in mine:
+            continue
+        shard = out_dir / record.get("file", "")
+        if record.get("tokenizer") != fingerprint or not shard.is_file() or \
+                shard.stat().st_size != record.get("tokens", -1) * dtype.itemsize:
+            raise ValueError(f"`--output {out_dir}` holds a shard of `{record.get('input')}` made with another tokenizer"
+                             f" or cut short ({shard}); choose another `--output`, or delete it and its record ({path}).")
+        kept.append(record)
+    kept.sort(key=lambda r: r.get("input", ""))
+    if kept:
+        print(f"prepare: meta.json also lists {len(kept)} shard(s) an earlier run wrote to {out_dir}: "
+              f"{', '.join(r['input'] for r in kept)}", file=sys.stderr)
+    return kept
+
+
 def prepare(
     tokenizer_dir: str, output: str, inputs: list[str], *, text_field: str = "text", workers: int = 1,
-    eos_token: Optional[str] = None, progress: bool = True,
+    eos_token: Optional[str] = None, progress: bool = True, errors: str = "strict",
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into ``output`` (see the module docstring); returns the written ``meta.json`` record."""
     if workers < 1:
         raise ValueError(f"`--workers {workers}` must be at least 1.")
+    if errors not in ERRORS:
+        raise ValueError(f"`--errors {errors}` is not one of {list(ERRORS)}.")
     folder = Path(tokenizer_dir).expanduser()
     if not folder.exists():
         raise ValueError(f"`--tokenizer {tokenizer_dir}` does not exist; pass a local folder holding tokenizer.json.")
@@ -237,12 +339,31 @@ def prepare(
         raise ValueError("An input is listed twice (directly or inside a folder); list each file once.")
     out_dir = Path(output).expanduser()
     (out_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    for partial in (out_dir / SHARD_DIR).glob(".*.tmp"):  # an interrupted run's unfinished files
-        partial.unlink(missing_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
+    with _output_lock(out_dir):
+        for partial in (out_dir / SHARD_DIR).glob(".*.tmp"):  # an interrupted run's unfinished files
+            partial.unlink(missing_ok=True)
+        dtype = token_dtype(tokenizer.vocab_size)
+        earlier = _earlier_shards(out_dir, files, tokenizer.fingerprint, dtype)
+        records = _tokenize_all(files, out_dir, tokenizer, dtype, text_field, workers, eos_token, progress, errors)
+        shards = [records[p] for p in files] + earlier
+        meta = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": dtype.name,
+            "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+            **{k: sum(s.get(k, 0) for s in shards) for k in COUNTS},
+            "tokenizer": {"name": tokenizer.name, "path": str(folder.resolve()), "vocab_size": tokenizer.vocab_size,
+                          "eos_token": tokenizer.eos_token, "eos_id": tokenizer.eos_id, "fingerprint": tokenizer.fingerprint},
+            "text_field": text_field, "shards": shards,
+        }
+        write_json_atomic(out_dir / META_FILE, meta)
+    return meta
+
+
+def _tokenize_all(files: list[Path], out_dir: Path, tokenizer: TokenizerText, dtype: np.dtype, text_field: str,
+                  workers: int, eos_token: Optional[str], progress: bool, errors: str) -> dict[Path, dict[str, Any]]:
+    """Every input's completion record: the finished ones read back, the others tokenized in ``workers`` processes."""
     records: dict[Path, dict[str, Any]] = {}
     for path in files:
-        done = _finished(path, out_dir, tokenizer.fingerprint, dtype)
+        done = _finished(path, out_dir, tokenizer.fingerprint, dtype, errors)
         if done is not None:
             records[path] = done
     pending = [p for p in files if p not in records]
@@ -255,22 +376,13 @@ def prepare(
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress, file=sys.stderr) as bar:
         with ProcessPoolExecutor(
             max_workers=min(workers, max(len(pending), 1)), initializer=_init_worker,
-            initargs=(str(folder.resolve()), eos_token),
+            initargs=(str(tokenizer.folder.resolve()), eos_token),
         ) as pool:
-            futures = {pool.submit(tokenize_file, p, out_dir, text_field): p for p in pending}
+            futures = {pool.submit(tokenize_file, p, out_dir, text_field, errors): p for p in pending}
             for future in as_completed(futures):
                 records[futures[future]] = future.result()
                 bar.update(futures[future].stat().st_size)
-    shards = [records[p] for p in files]
-    meta = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": dtype.name,
-        "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
-        "tokenizer": {"name": tokenizer.name, "path": str(folder.resolve()), "vocab_size": tokenizer.vocab_size,
-                      "eos_token": tokenizer.eos_token, "eos_id": tokenizer.eos_id, "fingerprint": tokenizer.fingerprint},
-        "text_field": text_field, "shards": shards,
-    }
-    write_json_atomic(out_dir / META_FILE, meta)
-    return meta
+    return records
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -281,16 +393,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
     parser.add_argument("--workers", type=int, default=1, help="processes tokenizing files in parallel")
     parser.add_argument("--eos-token", default=None, help="the token that ends each document (default: the tokenizer's)")
+    parser.add_argument("--errors", choices=ERRORS, default="strict",
+                        help="invalid UTF-8: stop naming the file and byte (strict), U+FFFD (replace), drop the document (skip)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         meta = prepare(args.tokenizer, args.output, args.inputs, text_field=args.text_field, workers=args.workers,
-                       eos_token=args.eos_token, progress=not args.no_progress)
+                       eos_token=args.eos_token, progress=not args.no_progress, errors=args.errors)
     except ValueError as err:
         print(f"lightning-para prepare: error: {err}", file=sys.stderr)
         return 2
     print(f"{meta['tokens']} tokens ({meta['dtype']}) in {meta['documents']} documents from {len(meta['shards'])} files"
           f" -> {Path(args.output) / META_FILE}")
+    changed = {k: meta[k] for k in COUNTS if meta[k]}
+    if changed:
+        print("not tokenized as read: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in changed.items()))
     return 0
 
 

@@ -217,3 +217,77 @@ def test_prepare_killed_midway_then_rerun_counts_every_document_once(corpus, tmp
     expected = 2 * sum(len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in texts)
     assert meta["documents"] == len(texts) * 2 and meta["tokens"] == expected
     assert not list((out / "shards").glob(".*"))  # no partial files left behind
+
+
+def test_prepare_locks_its_output_and_takes_over_a_dead_runs_lock(corpus, tmp_path, capsys):
+    """A second run into a folder in use is refused, naming the first (a real flock held by this process); a lock
+    file a killed run left (no flock) is taken over."""
+    import os
+    import socket
+
+    from lightning_para.cli.prepare import LOCK_FILE, _output_lock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with _output_lock(out):
+        holder = f"pid {os.getpid()} on host {socket.gethostname()}"
+        with pytest.raises(ValueError, match=f"in use by another `lightning-para prepare` \\({holder}, started"):
+            prepare(str(corpus.tokenizer), str(out), [str(corpus.inputs)], progress=False)
+    (out / LOCK_FILE).write_text("pid 999999 on host elsewhere, started 2026-01-01 00:00:00")
+    (out / "shards" / ".abc.999999.bin.tmp").write_bytes(b"half")  # what the dead run left
+    meta = prepare(str(corpus.tokenizer), str(out), [str(corpus.inputs)], progress=False)
+    assert "taking over the lock of a run that ended without releasing it (pid 999999" in capsys.readouterr().err
+    assert meta["tokens"] == corpus.meta["tokens"] and not list((out / "shards").glob(".*"))
+    assert (out / LOCK_FILE).read_text() == ""  # released
+
+
+def test_prepare_meta_lists_every_shard_in_the_folder(corpus, tmp_path, capsys):
+    """A second run with other inputs keeps the first run's shards in meta.json and says so; a shard of another
+    tokenizer left in the folder is an error naming it."""
+    out = tmp_path / "out"
+    files = sorted(corpus.inputs.iterdir())
+    first = prepare(str(corpus.tokenizer), str(out), [str(f) for f in files[:3]], progress=False)
+    second = prepare(str(corpus.tokenizer), str(out), [str(f) for f in files[3:5]], progress=False)
+    assert "meta.json also lists 3 shard(s) an earlier run wrote" in capsys.readouterr().err
+    assert {s["input"] for s in second["shards"]} == {str(f) for f in files[:5]}
+    assert second["tokens"] == first["tokens"] + sum(s["tokens"] for s in second["shards"][:2])
+    record = out / second["shards"][0]["file"].replace(".bin", ".json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "tokenizer": "another"}))
+    with pytest.raises(ValueError, match="holds a shard of .* made with another tokenizer"):
+        prepare(str(corpus.tokenizer), str(out), [str(files[6])], progress=False)
+
+
+def test_prepare_invalid_utf8_and_null_texts_are_named_or_counted(corpus, tmp_path):
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"good text \xff\xfe and more \xc3")
+    lines = tmp_path / "bad.jsonl"
+    lines.write_bytes(b'{"text": "fine"}\n{"text": null}\n{"text": "caf\xe9"}\n{"text": "ok"}\n')
+    tok = str(corpus.tokenizer)
+    with pytest.raises(ValueError, match=r"`.*bad\.txt` at byte 10 is not valid UTF-8 .*--errors replace"):
+        prepare(tok, str(tmp_path / "a"), [str(text)], progress=False)
+    with pytest.raises(ValueError, match=r"`.*bad\.jsonl` line 3 \(byte 45\) is not valid UTF-8"):
+        prepare(tok, str(tmp_path / "b"), [str(lines)], progress=False)
+    replaced = prepare(tok, str(tmp_path / "c"), [str(text), str(lines)], progress=False, errors="replace")
+    # \xff, \xfe and the cut-off \xc3 in the text file, \xe9 in the jsonl: 4 sequences, each one U+FFFD
+    assert (replaced["replaced_invalid_utf8"], replaced["skipped_null"], replaced["documents"]) == (4, 1, 4)
+    skipped = prepare(tok, str(tmp_path / "d"), [str(text), str(lines)], progress=False, errors="skip")
+    assert (skipped["skipped_invalid_utf8"], skipped["skipped_null"], skipped["documents"]) == (2, 1, 2)
+    tokenizer = _tokenizer(corpus.tokenizer)
+    assert skipped["tokens"] == sum(len(tokenizer.encode(t, add_special_tokens=False).ids) + 1 for t in ("fine", "ok"))
+
+
+def test_prepare_token_dtype_follows_the_largest_id(corpus, tmp_path):
+    """A tokenizer with 513 entries, one of them id 70000: uint32 and an id space of 70001, not uint16 and an
+    overflow."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    spec = json.loads((corpus.tokenizer / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<far>"] = 70000
+    spec["added_tokens"].append({"id": 70000, "content": "<far>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<far>"}))
+    meta = prepare(str(folder), str(tmp_path / "out"), [str(sorted(corpus.inputs.iterdir())[0])], progress=False)
+    assert (meta["dtype"], meta["tokenizer"]["vocab_size"], meta["tokenizer"]["eos_id"]) == ("uint32", 70001, 70000)
+    stream = np.fromfile(tmp_path / "out" / meta["shards"][0]["file"], dtype=np.uint32)
+    assert stream[-1] == 70000 and len(stream) == meta["tokens"]
