@@ -166,7 +166,7 @@ def documents(path: Path, text_field: str, errors: str = "strict",
         with open(path, "rb") as f:
             offset = 0
             for line_no, raw in enumerate(f, 1):
-                where = lambda at, n=line_no, o=offset: f"`{path}` line {n} (byte {o + at})"  # noqa: E731
+                where = lambda at, n=line_no, o=offset: f"`{path}` line {n} (byte {o + at})"
                 offset += len(raw)
                 line = _decode(raw, errors, where, counts)
                 if line is None or not line.strip():
