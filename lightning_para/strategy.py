@@ -350,6 +350,10 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         """Load model and optimizer state in place (sharded DCP folder or one full file) and
         return the rest of Lightning's checkpoint (loops, callbacks, schedulers)."""
         # "hpc"/"last" (Lightning's lookups) become this run's newest complete checkpoint, agreed from rank 0.
-        path = self.core.checkpoints.resume_path(checkpoint_path, getattr(self.lightning_module, "_trainer", None))
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        path = self.core.checkpoints.resume_path(checkpoint_path, trainer)
+        if trainer is not None and str(path) != str(checkpoint_path):  # `trainer.ckpt_path`, "Restored all states from"
+            connector = trainer._checkpoint_connector  # private: see docs/architecture.md
+            connector._ckpt_path = str(path)
         # A Fabric checkpoint (lightning_para.fabric) loads too: its model and optimizers, the loops start afresh.
         return for_the_trainer(self.core.checkpoints.load(path, self.lightning_module, self.core.optimizers))

@@ -439,6 +439,48 @@ def fabric_reliability_job(part: str) -> dict[str, Any]:
     return result
 
 
+def fabric_idle_rank_job(timeout: float) -> dict[str, Any]:
+    """Inside a worker (dp2, ``watchdog_timeout=timeout``): one rank spends 2x the timeout in the loop's own code
+    twice, first while the other waits in ``fabric.barrier()``, then while the other is blocked in its next step's
+    gradient all-reduce: neither is a hang. A second Fabric marked launched without ``launch()`` (as one of
+    Lightning's tests does) sets up and steps. Returns the names of our threads before and after the teardown."""
+    import threading
+    import time
+
+    from lightning_para.fabric import ParaStrategy
+
+    def ours() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("lightning-para") and t.is_alive()]
+
+    def step(fabric: L.Fabric, model: nn.Module, optimizer: Any, batch: tuple) -> None:
+        fabric.backward(loss_fn(model(batch[0]), batch[1]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    strategy = ParaStrategy(dp=2, zero=0, watchdog_timeout=timeout)
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    model, optimizer, loader = setup(fabric, "recipe", 4, empty_init=True)
+    batch = next(iter(loader))
+    for idle_rank in (1, 0):
+        step(fabric, model, optimizer, batch)
+        if fabric.global_rank == idle_rank:
+            time.sleep(2 * timeout)  # evaluating, generating, writing files ...
+        if idle_rank == 1:
+            fabric.barrier()
+    step(fabric, model, optimizer, batch)
+    threads = {"during": [(t.name, t.daemon, callable(getattr(t, "stop", None))) for t in ours()]}
+    second = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ParaStrategy(dp=2, zero=0))
+    second._launched = True
+    model2 = second.setup(build(second, "recipe", empty_init=False))
+    optimizer2 = second.setup_optimizers(torch.optim.SGD(model2.parameters(), lr=0.1))
+    step(second, model2, optimizer2, batch)
+    strategy.teardown()
+    second.strategy.teardown()
+    threads["after"] = [t.name for t in ours()]
+    return threads
+
+
 def fabric_preemption_job(
     path: str, on_sigterm: str, *, steps: int, signal_after: Optional[int] = None, resume: bool = False
 ) -> dict[str, Any]:

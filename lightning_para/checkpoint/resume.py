@@ -10,7 +10,8 @@ preemption checkpoint) or a name that does not exist (a hidden leftover's digits
 So the strategy's load recognises a path that came out of those lookups (:func:`lookup_request`) and
 replaces it by :func:`choose`'s answer over every checkpoint folder of the trainer: the newest complete
 checkpoint of this run (:mod:`.run`), by the global step recorded inside it, never by mtime or name.
-A path the user names explicitly is loaded as it is. Refused, with a :class:`ResumeCheckpointError`
+A path the user names explicitly (:func:`named_path`; ``last.ckpt`` too, which Lightning's ``"last"``
+would also answer) is loaded as it is, whichever run wrote it. Refused, with a :class:`ResumeCheckpointError`
 naming the runs and how to choose:
 
 * the folders hold checkpoints, but none of this run (they were written by other runs);
@@ -22,6 +23,7 @@ recorded) count as this run's only where no checkpoint in the folders records a 
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Iterable
@@ -30,7 +32,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_para.checkpoint import atomic
 from lightning_para.checkpoint.lock import CheckpointDirectoryLockedError
@@ -88,6 +90,19 @@ def lookup_request(path: Any, trainer: Any, run: Optional[CheckpointRun] = None)
             if any(_same(path, last) for last in lasts):
                 return "last"
     return None
+
+
+def named_path(trainer: Any) -> bool:
+    """Whether the user named a path as ``ckpt_path`` of the ``Trainer`` method running now (read from that call's
+    frame: Lightning has turned ``"last"``/``"hpc"`` into a path before the strategy sees it)."""
+    entries = {getattr(type(trainer), name).__code__ for name in ("fit", "validate", "test", "predict")
+               if hasattr(getattr(type(trainer), name, None), "__code__")}
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code in entries and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("ckpt_path") not in (None, "last", "hpc")
+        frame = frame.f_back
+    return False
 
 
 def checkpoint_folders(trainer: Any) -> tuple[list[Path], Optional[Path]]:
@@ -171,7 +186,7 @@ def choose(records: list[atomic.Recorded], run: CheckpointRun, request: str = "h
 def _resolve_on_rank0(requested: str, trainer: Any, run: CheckpointRun) -> tuple[str, Optional[str], Optional[str]]:
     """(the path to load, its run, an error message)."""
     try:
-        request = lookup_request(requested, trainer, run)
+        request = None if named_path(trainer) else lookup_request(requested, trainer, run)
     except ResumeCheckpointError as error:  # ParaModelCheckpoint's own "last" refused
         return requested, None, str(error)
     if request is None:  # named explicitly: loaded as named (the load verifies it)
@@ -218,6 +233,8 @@ def resume_path(requested: Any, trainer: Any, run: CheckpointRun) -> Path:
             f"lightning-para: resuming {path!r}, this run's newest complete checkpoint (run {run.id}), in place of"
             f" {str(requested)!r}, which Lightning's lookup named."
         )
+    elif chosen_run and chosen_run != run.id:
+        rank_zero_warn(f"lightning-para: loading {path!r} as named; run {chosen_run} wrote it, this run is {run.id}.")
     return Path(path)
 
 
@@ -249,5 +266,5 @@ def begin_run(run: CheckpointRun, trainer: Any) -> None:
 
 __all__ = [
     "HPC_NAME", "ResumeCheckpointError", "begin_run", "candidates", "checkpoint_folders", "choose",
-    "lightning_hpc_path", "lookup_request", "resume_path",
+    "lightning_hpc_path", "lookup_request", "named_path", "resume_path",
 ]

@@ -65,6 +65,7 @@ class ParaEngine:
             step, integrity_check_every_n_steps=integrity_check_every_n_steps, integrity_action=integrity_action,
             watchdog_timeout=watchdog_timeout, timeout=timeout, check_finite=check_finite, on_sigterm=on_sigterm,
             straggler=straggler, spike_guard=spike_guard,
+            front_end=front_end,
         )
         self.checkpoints = Checkpoints(run_id, lambda: self.parallel_model, self.run_guard, async_save=async_save)
         self.dims: Optional[ParallelDims] = None
@@ -146,6 +147,12 @@ class ParaEngine:
     def progress(self, phase: str) -> None:
         """Tell the watchdog this rank is in ``phase`` of the current step (a compiling one is exempt)."""
         self.run_guard.progress(phase)
+
+    def returned(self, call: str) -> None:
+        """Fabric: ``call`` returned to the loop's own code, which may take any time (evaluating, writing files,
+        waiting in ``fabric.barrier()`` for a rank doing either): alive, not stuck, and peers stalled in a call
+        meanwhile wait for it (``docs/reliability.md``, "The watchdog under Fabric")."""
+        self.run_guard.report(f"the loop's own code after {call} (step {self.run_guard.step()})", in_user_code=True)
 
     # ------------------------------------------------------------------ setup
     def setup_module(

@@ -29,18 +29,21 @@ class RunGuard:
     """The run guard of one run. ``step()`` reads the front end's step counter (for reports and the checks).
 
     Args: the reliability options of ``ParaStrategy`` (validated here, before any process group exists);
-    ``timeout`` is the process group's (the watchdog's must be below it).
+    ``timeout`` is the process group's (the watchdog's must be below it); ``front_end``: ``"Trainer"`` or
+    ``"Fabric"``, whose words a watchdog verdict uses to say how to resume.
     """
 
     def __init__(
         self, step: Callable[[], int], *, integrity_check_every_n_steps: Optional[int], integrity_action: str,
         watchdog_timeout: Optional[float], timeout: Optional[timedelta], check_finite: bool, on_sigterm: Optional[str],
-        straggler: Any = True, spike_guard: Any = None,
+        straggler: Any = True, spike_guard: Any = None, front_end: str = "Trainer",
     ) -> None:
         check_integrity_options(integrity_check_every_n_steps, integrity_action)
         check_watchdog_timeout(watchdog_timeout, timeout)
         self.step = step
         self.watchdog_timeout = watchdog_timeout
+        fabric = front_end == "Fabric"
+        self.resume = "fabric.load(path, state) from the last fabric.save" if fabric else "trainer.fit(..., ckpt_path='last')"
         self.watchdog: Optional[Watchdog] = None
         every = integrity_check_every_n_steps
         self.integrity = IntegrityChecker(every, integrity_action) if every else None
@@ -56,13 +59,13 @@ class RunGuard:
         if self.watchdog_timeout is None or world_size < 2 or self.watchdog is not None:
             return
         token = broadcast(ckpt.new_token())  # the heartbeats' key namespace for this run, agreed at setup
-        self.watchdog = start_watchdog(self.watchdog_timeout, token)
+        self.watchdog = start_watchdog(self.watchdog_timeout, token, self.resume)
         self.report("setup", exempt=True)
 
-    def report(self, what: str, exempt: bool = False) -> None:
+    def report(self, what: str, exempt: bool = False, in_user_code: bool = False) -> None:
         """Tell the watchdog what this rank does now (two attribute writes: nothing waits)."""
         if self.watchdog is not None:
-            self.watchdog.progress(what, exempt)
+            self.watchdog.progress(what, exempt, in_user_code)
 
     def progress(self, phase: str, what: Optional[str] = None) -> None:
         """Report ``phase`` (in words: ``what``) of the current step; a compiling one is exempt (:meth:`compiling`)."""

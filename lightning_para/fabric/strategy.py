@@ -146,13 +146,17 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         pass  # `setup_module` materialises and places each rank's shards
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.core.dims is None or self.core.dims.mesh is None:  # a Fabric marked launched without `launch()`
+            self.setup_environment()
         self.core.setup_module(module, self.root_device, self.precision)
         if self.core.has_pipeline:
             module.register_forward_pre_hook(pipeline_forward_error)
         else:  # the watchdog hears of each forward (compiling ones exempt: the first of each kind may take minutes)
             module.register_forward_pre_hook(self._report_forward)
+            module.register_forward_hook(lambda *_: self.core.returned("forward"))
         self.core.start_training()  # on_sigterm: the signal is only recorded, agreed at a step
         self.barrier()
+        self.core.returned("fabric.setup")
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -182,6 +186,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self.core.before_backward(accumulate)
         # The loss is noted on the device (a non-finite local loss; no sync).
         self.core.backward(tensor, lambda loss: self.precision.backward(loss, module, *args, **kwargs), observe=True)
+        self.core.returned("fabric.backward")
 
     def pipeline_step(self, module: nn.Module, batch: Any, accumulate: int = 1) -> Tensor:
         """Run the pipeline schedule (``pp > 1``) over ``batch``: forward and backward of every microbatch of
@@ -200,10 +205,12 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
 
     def _schedule(self, name: str, module: nn.Module, batch: Any, accumulate: Optional[int]) -> Any:
         # Through the core's step routing, so that under cp each stage sees this rank's sequence chunks.
-        return self.core.step(
+        output = self.core.step(
             name, unwrap(module), (self.batch_to_device(batch),), {}, self.precision.forward_context(),
             call=schedule_only, accumulate=accumulate,
         )
+        self.core.returned("the pipeline schedule")
+        return output
 
     def run_step(self, module: nn.Module, step: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
         """``step(module, local_batch)`` on this rank's share of ``batch``; returns what it returns.
@@ -225,6 +232,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
             )
         finally:
             self._in_step = False
+            self.core.returned("run_step")
 
     @contextlib.contextmanager
     def loss_parallel(self) -> Any:
@@ -238,6 +246,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         self._step += 1
         self.core.end_step()  # on_sigterm="exit": every rank stops here; "checkpoint": `preempted` turns true
         self.core.begin_step()  # `integrity_check_every_n_steps`, after the step's ZeRO gather
+        self.core.returned("optimizer.step()")
         return output
 
     @property
@@ -302,6 +311,7 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         if full:  # rank 0 holds the full states: Fabric's single-file layout
             checkpoint = to_fabric_file(checkpoint) if self.is_global_zero else {}
         checkpoints.save(path, checkpoint, sharded=not full, module=parts.module, broadcast=self.broadcast)
+        self.core.returned("fabric.save")
 
     def load_checkpoint(
         self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None, strict: bool = True,
@@ -314,10 +324,11 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
         path = Path(self.broadcast(str(path)))
         if isinstance(state, nn.Module):
             self._load_raw(path, state, strict)
+            self.core.returned("fabric.load_raw")
             return {}
         parts = split_state(state, unwrap, "load_checkpoint")
-        loaded = self.core.checkpoints.load(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts))
-        loaded = dict(loaded)
+        loaded = dict(self.core.checkpoints.load(path, parts.module, parts.optimizers, strict=strict, convert=from_full_file(parts)))
+        self.core.returned("fabric.load")
         loaded.pop(RUN_KEY, None)  # which run saved it (checkpoint/run.py): the checkpoint's record, not the user's state
         return restore_other(state, parts, loaded, strict)
 

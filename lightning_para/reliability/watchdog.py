@@ -11,7 +11,9 @@ explains each step): every ``interval`` (``T/10``, clamped to 0.5-5 s) the threa
 record to the process group's TCPStore through its own client; the training loop only assigns two
 attributes per hook. Each rank watches its next two ranks' beats (**dead peers**: a beat unchanged for
 ``T``), its local peers' pids every 0.25 s, and its own progress (**stuck**: no report for ``T`` outside
-setup and checkpoint I/O, then every record is read once to name the culprit). The first rank to decide
+setup and checkpoint I/O, then every record is read once to name the culprit). Under Fabric a rank back in its
+loop's own code (``in_user_code``: evaluating, writing files, waiting in ``fabric.barrier()``) is alive, not stuck,
+and a rank stalled in a call waits while any peer is there (one counter in the store). The first rank to decide
 writes **one verdict** (compare-and-set) that every rank polls. A rank whose main thread **raised** an
 error that is not a lost peer posts a failure notice; its peers, blocked in their next collective, turn it
 into the verdict after :data:`FAILURE_GRACE` intervals.
@@ -25,6 +27,7 @@ process lives (and which peers share this node), and :mod:`.verdict` writes the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -90,6 +93,7 @@ class _Report:
     since: float = field(default_factory=time.monotonic)
     exempt: bool = True
     seq: int = 0
+    in_user_code: bool = False  # Fabric: between calls, in the loop's own code (exempt; peers wait for it too)
 
 
 class Watchdog:
@@ -102,6 +106,7 @@ class Watchdog:
         token: the same on every rank for one run (a fresh namespace each ``fit``).
         exit_fn: called with :data:`WATCHDOG_EXIT_CODE` after the verdict is printed (``os._exit``).
         stream: where the verdict goes (stderr).
+        resume: how the verdict says to resume, in the front end's words.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Watchdog:
         interval: Optional[float] = None,
         exit_fn: Callable[[int], Any] = os._exit,
         stream: Any = None,
+        resume: str = "trainer.fit(..., ckpt_path='last')",
     ) -> None:
         check_watchdog_timeout(timeout)
         self.timeout = float(timeout)
@@ -122,7 +128,7 @@ class Watchdog:
         self.rank, self.world_size = rank, world_size
         self.store = dist.PrefixStore(f"lightning_para/watchdog/{token}/", store)
         self.exit_fn = exit_fn
-        self.stream = stream
+        self.stream, self.resume = stream, resume
         self.verdict: Optional[str] = None
         self._report = _Report()
         self._armed = False
@@ -138,20 +144,30 @@ class Watchdog:
         self._last_store_error = ""
         self._store_down_since: Optional[float] = None
         self._failure_seen_at: Optional[float] = None
+        self._counted = False  # this rank is counted in the store's "in_user_code"
+        self._group = dist.is_initialized()  # started with a process group: stop when it is destroyed
 
     # ---------------------------------------------------------------- main thread: cheap reports
-    def progress(self, what: str, exempt: bool = False) -> None:
+    def progress(self, what: str, exempt: bool = False, in_user_code: bool = False) -> None:
         """The main thread is now doing ``what`` (two attribute writes; no lock, no I/O).
-        ``exempt`` phases (setup, checkpoint I/O) may take longer than the timeout without counting as stuck."""
-        self._report = _Report(what, time.monotonic(), exempt, self._report.seq + 1)
-        if not exempt:
+        ``exempt`` phases (setup, checkpoint I/O) may take longer than the timeout without counting as stuck;
+        ``in_user_code`` (Fabric, between calls) too, and peers stalled meanwhile wait for this rank."""
+        self._report = _Report(what, time.monotonic(), exempt or in_user_code, self._report.seq + 1, in_user_code)
+        if not exempt and not in_user_code:
             self._armed = True
 
     def start(self) -> "Watchdog":
         self._publish()
         self._thread = threading.Thread(target=self._run, name="lightning-para-watchdog", daemon=True)
+        self._thread.stop = self.stop  # type: ignore[attr-defined]  # Lightning's test teardown stops threads by it
         self._thread.start()
+        atexit.register(self._at_exit)  # a Fabric script has no teardown: the process's end is the run's
         return self
+
+    def _at_exit(self) -> None:
+        """The interpreter ends: finished (peers then ignore this rank), or failed with the error that ends it."""
+        error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        self.failed(error) if isinstance(error, BaseException) else self.stop()
 
     def stop(self, state: str = "done", error: str = "") -> None:
         """Stop the thread; peers ignore a rank that stopped with ``state="done"`` (a finished fit)."""
@@ -159,6 +175,7 @@ class Watchdog:
             state, error = self._state, self._error
         self._state, self._error = state, error
         self._stop.set()
+        atexit.unregister(self._at_exit)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(2 * self.interval, 5.0))
         try:
@@ -223,6 +240,9 @@ class Watchdog:
     def _run(self) -> None:
         next_beat = 0.0
         while not self._stop.wait(min(LOCAL_CHECK_SECONDS, self.interval)):
+            if self._group and not dist.is_initialized():  # the process group was destroyed: the run is over
+                self._stop.set()
+                return
             try:
                 if self._local.check_pids():  # no store operation: works while the store is down
                     # A local peer just died: decide now (two store operations), before anything else --
@@ -260,6 +280,10 @@ class Watchdog:
             "exempt": report.exempt, "armed": self._armed, "seq": report.seq, "state": self._state, "error": self._error,
         }
         self.store.set(f"rank{self.rank}", json.dumps(record))
+        counted = report.in_user_code and self._state == "running"
+        if counted != self._counted:
+            self.store.add("in_user_code", 1 if counted else -1)
+            self._counted = counted
 
     def _get(self, rank: int) -> Optional[dict[str, Any]]:
         key = f"rank{rank}"
@@ -308,6 +332,8 @@ class Watchdog:
         report = self._report
         if not self._armed or report.exempt or now - report.since < self.timeout:
             return
+        if int(self.store.add("in_user_code", 0)) > 0:  # a peer is in its loop's own code: this call waits for it
+            return
         idle = now - report.since
         records = {r: self._get(r) for r in range(self.world_size) if r != self.rank}
         me = {"rank": self.rank, "what": report.what, "idle": idle, "seq": report.seq, "armed": True, "exempt": False}
@@ -322,6 +348,8 @@ class Watchdog:
             self._last_store_error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         if self._store_down_since is None:
             self._store_down_since = now
+        if self._report.in_user_code:  # Fabric: its host may have ended its script first; decide at the next call
+            return
         down = now - self._store_down_since
         self._local.check_pids()
         dead = self._local.first_dead()
@@ -354,7 +382,7 @@ class Watchdog:
             f"[rank {self.rank}] lightning-para watchdog: {verdict}.",
             f"[rank {self.rank}] This rank was in {report.what!r} for {time.monotonic() - report.since:.1f} s;"
             f" exiting with code {WATCHDOG_EXIT_CODE} (watchdog_timeout={self.timeout:g} s). Resume from the last"
-            " checkpoint, e.g. trainer.fit(..., ckpt_path='last').",
+            f" checkpoint, e.g. {self.resume}.",
         ]
         frame = sys._current_frames().get(self._main_ident)
         if frame is not None:
@@ -374,10 +402,16 @@ class _Exit(Exception):
     """Ends the watchdog thread after ``exit_fn`` returned (only in tests: ``os._exit`` does not return)."""
 
 
-def start_watchdog(timeout: float, token: str) -> Watchdog:
-    """A started watchdog for this rank of the default process group."""
+_running: list[Watchdog] = []  # this process's, at most one: a new run's replaces an earlier run's never torn down
+
+
+def start_watchdog(timeout: float, token: str, resume: str) -> Watchdog:
+    """A started watchdog for this rank of the default process group (``resume``: as :class:`Watchdog`'s)."""
+    while _running:
+        _running.pop().stop()
     store = store_client(timeout=min(max(timeout / 4, 1.0), 5.0))
-    return Watchdog(timeout, rank=dist.get_rank(), world_size=dist.get_world_size(), store=store, token=token).start()
+    _running.append(Watchdog(timeout, rank=dist.get_rank(), world_size=dist.get_world_size(), store=store, token=token, resume=resume))
+    return _running[0].start()
 
 
 __all__ = [

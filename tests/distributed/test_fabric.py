@@ -21,6 +21,7 @@ import torch
 
 from tests.fabric_loop import (
     fabric_direct_call_job,
+    fabric_idle_rank_job,
     fabric_job,
     fabric_load_params_job,
     fabric_reference,
@@ -292,3 +293,13 @@ def test_sigterm_with_on_sigterm_exit_raises_exit_code_143_on_every_rank_at_the_
     results = pools.get(2).run(fabric_preemption_job, str(tmp_path / "unused"), "exit", steps=7, signal_after=1)
     # Raised inside the fourth optimizer.step() (where the checkpoint run sees `preempted`), before the loop counts it.
     assert [(r["exit_code"], r["stopped_after"]) for r in results] == [(143, 3), (143, 3)]
+
+
+def test_a_rank_in_its_own_code_is_no_hang_and_no_thread_of_ours_outlives_the_teardown(pools):
+    """The watchdog under Fabric (``docs/reliability.md``): a rank idle for 2x ``watchdog_timeout`` between calls,
+    while its peer waits in ``fabric.barrier()`` or in a gradient all-reduce, is alive (before, every rank exited with
+    code 75). Its thread stops through ``stop()`` (Lightning's test teardown) and on the strategy's teardown. A second
+    Fabric marked launched without ``launch()`` works."""
+    for rank, threads in enumerate(pools.get(2).run(fabric_idle_rank_job, 3.0)):
+        assert threads["during"] == [("lightning-para-watchdog", True, True)], (rank, threads)
+        assert threads["after"] == [], (rank, threads)

@@ -65,11 +65,11 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _watchdog(store, token: str, world_size: int = 3) -> tuple[Watchdog, list[int], io.StringIO]:
+def _watchdog(store, token: str, world_size: int = 3, **kwargs) -> tuple[Watchdog, list[int], io.StringIO]:
     exits: list[int] = []
     out = io.StringIO()
     dog = Watchdog(TIMEOUT, rank=0, world_size=world_size, store=store, token=token, interval=0.1,
-                   exit_fn=exits.append, stream=out)
+                   exit_fn=exits.append, stream=out, **kwargs)
     return dog, exits, out
 
 
@@ -154,6 +154,44 @@ def test_exempt_phases_may_outlast_the_timeout(store):
         time.sleep(2.5 * TIMEOUT)
         dog.stop()
     assert exits == []
+
+
+def test_under_fabric_a_rank_stalled_in_a_call_waits_while_a_peer_is_in_its_own_code(store):
+    from lightning_para.core.run_guard import RunGuard
+
+    resume = RunGuard(lambda: 0, integrity_check_every_n_steps=None, integrity_action="raise", watchdog_timeout=1.0,
+                      timeout=None, check_finite=False, on_sigterm=None, front_end="Fabric").resume
+    with Peers(store, "u") as peers:
+        peers.add(1, exempt=True, in_user_code=True)  # rank 1 evaluates in its loop, between calls
+        peers.add(2)
+        counter = dist.PrefixStore("lightning_para/watchdog/u/", store)
+        counter.add("in_user_code", 1)
+        dog, exits, out = _watchdog(store, "u", resume=resume)
+        dog.start().progress("backward and gradient sync (step 3)")  # blocked on rank 1 in the all-reduce
+        time.sleep(2.5 * TIMEOUT)
+        assert exits == []
+        dog.progress("the loop's own code after fabric.backward (step 3)", in_user_code=True)
+        assert int(counter.add("in_user_code", 0)) in (1, 2)  # this rank too, once its next beat is out
+        counter.add("in_user_code", -1)  # rank 1 calls in again; a real hang now is still caught
+        dog.progress("optimizer step (step 3)")
+        took = _wait_for(exits, 5 * TIMEOUT)
+    assert exits == [WATCHDOG_EXIT_CODE] and took < TIMEOUT + 1.0
+    assert "e.g. fabric.load(path, state) from the last fabric.save." in out.getvalue() and "trainer" not in out.getvalue()
+
+
+def test_the_thread_ends_when_the_process_group_is_destroyed_or_its_stop_is_called(store):
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=1)
+    with Peers(store, "g") as peers:
+        peers.add(1)
+        dog, exits, _ = _watchdog(store, "g", world_size=2)
+        dog.start()
+        dist.destroy_process_group()
+        dog._thread.join(timeout=2.0)
+        assert not dog._thread.is_alive() and exits == []
+        again, _, _ = _watchdog(store, "g", world_size=2)
+        thread = again.start()._thread
+        thread.stop()  # what Lightning's test teardown calls on a leftover daemon thread
+        assert thread.daemon and not thread.is_alive()
 
 
 def test_a_verdict_posted_by_another_rank_ends_this_one_and_a_missing_peer_is_named(store):
