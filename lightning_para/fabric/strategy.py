@@ -58,8 +58,9 @@ class ParaStrategy(ParaFrontEnd, ParallelStrategy):
     * ``on_sigterm``: ``"auto"`` is ``None``. The loop owns its state, so with ``"checkpoint"`` every rank
       sees :attr:`ParaStrategy.preempted` turn true after the same ``optimizer.step()``, for the loop to
       ``fabric.save`` and exit; ``"exit"`` raises ``Preempted`` (exit code 143) there. ``check_finite`` (every loss passed to
-      ``fabric.backward``, every gradient before the step), ``watchdog_timeout`` and
-      ``integrity_check_every_n_steps`` (after every N-th ``optimizer.step()``) work as there. ``run_id`` is
+      ``fabric.backward``, every gradient before the step), ``watchdog_timeout`` (time in the loop's own code
+      between calls is alive, not stuck) and ``integrity_check_every_n_steps`` (after every N-th ``optimizer.step()``)
+      work as there. ``run_id`` is
       recorded in every checkpoint as there; Fabric loads the path it is given (no ``"hpc"``/``"last"`` lookup).
     """
 

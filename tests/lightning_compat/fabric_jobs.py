@@ -33,9 +33,9 @@ FSDP = {"dp": 2, "zero": 3}  # _parallelize_feed_forward_fsdp2 / FSDPStrategy
 def _fabric(strategy_kwargs: dict[str, Any], **fabric_kwargs: Any) -> L.Fabric:
     from lightning_para.fabric import ParaStrategy
 
-    # No watchdog: Fabric never tears its strategy down, so one would outlive the job in the package's pool
-    # worker and stop it a watchdog_timeout later, in whatever test runs then (these jobs test Lightning's API).
-    strategy = ParaStrategy(**{"watchdog_timeout": None, **strategy_kwargs})
+    # With the default watchdog: Fabric never tears its strategy down, and the time between these jobs is the
+    # loop's own code (never a stall); the next job's strategy stops this one's watchdog.
+    strategy = ParaStrategy(**strategy_kwargs)
     fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, **fabric_kwargs)
     fabric.launch()
     return fabric
