@@ -253,6 +253,8 @@ class Watchdog:
                     continue
                 next_beat = now + self.interval
                 if self._store_down_since is not None:
+                    if self._report.in_user_code:  # Fabric: no probe (each one logs) until this rank calls in again
+                        continue
                     self._store_unreachable(None)  # may decide (grace over), then probes the store once
                 self._publish()
                 self._store_down_since = None
