@@ -67,6 +67,8 @@ class GPT(L.LightningModule):
             0.02 a tiny model attends almost uniformly, so a wrong position or mask barely
             moves the loss (docs/planner.md, "What makes a parity check able to fail").
         lr, weight_decay, betas: AdamW (no decay on norms, biases and embeddings).
+        optimizer, muon_lr: ``"muon"``: :class:`lightning_para.optim.Muon` at ``muon_lr`` for the hidden
+            matrices, AdamW at ``lr`` for embeddings, head, norms and biases (``docs/optimizers.md``).
         warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``
             at ``trainer.max_steps``.
         prompt, sample_tokens, temperature: after each validation, generate ``sample_tokens``
@@ -99,6 +101,8 @@ class GPT(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: str = "adamw",
+        muon_lr: float = 0.02,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         prompt: str = "def ",
@@ -107,6 +111,8 @@ class GPT(L.LightningModule):
         loss_fp32: bool = False,
     ) -> None:
         super().__init__()
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"`optimizer={optimizer!r}`: choose 'adamw' or 'muon'.")
         self.save_hyperparameters()
         self.config = GPTConfig.from_preset(
             preset, vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,

@@ -28,9 +28,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_para.parallel.data.layout import (
     Bucket,
+    ParamSlot,
     all_gather_single,
     rows_of,
     unpack_rank_major,
@@ -68,11 +70,37 @@ class OptimizerSharding:
                 own.add(slot.bucket)
             group["params"] = new_params
         self._buckets_of_optimizer[optimizer] = sorted(own)
+        self._describe_whole_matrices(optimizer, [s for i in sorted(own) for s in self.buckets[i].slots])
         # No step *pre*-hook: torch runs pre-hooks before calling the closure (i.e. before
         # backward), so a flush there would synchronise stale gradients. Whoever reads the
         # gradients calls `flush()` after backward (ParaPrecision does, before clipping).
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step(opt))
         self._hook_zero_grad(optimizer)
+
+    def _describe_whole_matrices(self, optimizer: torch.optim.Optimizer, slots: Sequence[ParamSlot]) -> None:
+        """An optimizer that routes shards to whole matrices (``set_shard_view``, ``lightning_para.optim.Muon``)
+        learns what each master is a piece of; another one that needs whole matrices is refused under ZeRO-1/2,
+        whose row shards would silently make it a different optimizer."""
+        pieces = [s for s in slots if s.master is not None and s.param.dim() >= 2
+                  and (s.sharded or isinstance(s.param, DTensor))]
+        set_view = getattr(optimizer, "set_shard_view", None)
+        if set_view is None:
+            if any(s.sharded for s in pieces) and _needs_whole_matrices(optimizer):
+                raise ValueError(
+                    f"`ParaStrategy(zero={self.stage})` hands the optimizer row shards of each matrix, and"
+                    f" {type(optimizer).__name__} needs whole matrices (it would see row blocks: a different"
+                    " optimizer). Use `lightning_para.optim.Muon`, or `zero=0` or `zero=3`.")
+            return
+        for slot in pieces:
+            if slot.sharded and not slot.describable:
+                raise ValueError(
+                    f"`ParaStrategy(zero={self.stage})` with {type(optimizer).__name__}: {slot.name} is a fused"
+                    " (strided) tensor-parallel shard that ZeRO-1/2 split by rows, which no placement describes."
+                    " Use `zero=0` or `zero=3` with this model.")
+            mesh_of = self._mesh_of or (lambda *names, s=slot: s.mesh)
+            set_view(slot.master, slot.shard_as_dtensor(slot.master, mesh_of) if slot.sharded else DTensor.from_local(
+                slot.master.view(slot.local.shape), slot.param.device_mesh, slot.param.placements, run_check=False,
+                shape=slot.param.shape, stride=slot.param.stride()))
 
     def _hook_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` also drop the gradients shown in the model's ``p.grad``.
@@ -164,6 +192,13 @@ def _copy_in(send: Tensor, buckets: Sequence[Bucket]) -> tuple[list[Tensor], lis
                 src.append(slot.master.view(-1))
         base += bucket.segment_numel
     return dest, src
+
+
+def _needs_whole_matrices(optimizer: torch.optim.Optimizer) -> bool:
+    """Optimizers whose update of a matrix depends on the whole matrix (orthogonalized or factored)."""
+    name = type(optimizer).__name__.lower()
+    return isinstance(optimizer, (torch.optim.Muon, torch.optim.Adafactor)) or any(
+        k in name for k in ("muon", "shampoo", "soap", "adafactor"))
 
 
 def _coalescable(buckets: Sequence[Bucket]) -> list[list[Bucket]]:
