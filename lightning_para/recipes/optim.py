@@ -10,6 +10,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from lightning_para.optim import Muon, split_param_groups
+
 
 def adamw_warmup_cosine(module: L.LightningModule, decays: Callable[[str, Tensor], bool]) -> dict[str, Any]:
     """``configure_optimizers()`` of the recipes: AdamW (``hparams.lr``, ``betas``, ``weight_decay`` on the
@@ -24,8 +26,6 @@ def adamw_warmup_cosine(module: L.LightningModule, decays: Callable[[str, Tensor
     no_decay = [p for p in module.parameters() if id(p) not in decay_ids]
     groups = [{"params": decay, "weight_decay": hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if hparams.get("optimizer", "adamw") == "muon":
-        from lightning_para.optim import Muon, split_param_groups
-
         muon = {id(p) for p in split_param_groups(module)[0]["params"]}
         groups = [{**g, "params": [p for p in g["params"] if id(p) not in muon], "use_muon": False} for g in groups]
         optimizer = Muon([{"params": [p for p in module.parameters() if id(p) in muon], "use_muon": True}] + groups,

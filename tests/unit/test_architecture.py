@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("spec", ("spec",)),
     ("leaves", ("_dtensor", "threads", "memory")),
     ("mesh", ("mesh",)),
-    ("models", ("moe",)),
+    ("models", ("moe", "optim")),
     ("parallel", ("parallel",)),
     ("config", ("config", "compat")),
     ("composition", ("parallelize", "scaler", "checkpoint", "reliability")),

@@ -1,0 +1,72 @@
+"""lightning_para.optim.Muon on one device: torch.optim.Muon's update plus AdamW's, the default split, overrides."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_para.optim import Muon, split_param_groups
+from lightning_para.optim.routing import _owners
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.up = nn.Linear(16, 48)
+        self.down = nn.Linear(48, 16)
+        self.norm = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 50, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.down(torch.relu(self.up(self.embed(x))))))
+
+
+@pytest.mark.parametrize("nesterov, adjust", [(True, None), (False, "match_rms_adamw")])
+def test_matches_torch_muon_and_adamw_per_step(nesterov, adjust):
+    torch.manual_seed(0)
+    ours, theirs = Tiny(), None
+    theirs = copy.deepcopy(ours)
+    opt = Muon(ours, lr=0.02, nesterov=nesterov, adjust_lr_fn=adjust, adamw_lr=3e-3, adamw_weight_decay=0.05)
+    matrices = [theirs.up.weight, theirs.down.weight]
+    rest = [p for p in theirs.parameters() if all(p is not m for m in matrices)]
+    reference = [torch.optim.Muon(matrices, lr=0.02, nesterov=nesterov, adjust_lr_fn=adjust),
+                 torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.05)]
+    x = torch.randint(0, 50, (4, 9))
+    for _ in range(4):
+        for model, optimizers in ((ours, [opt]), (theirs, reference)):
+            for o in optimizers:
+                o.zero_grad()
+            model(x).logsumexp(-1).mean().backward()
+            for o in optimizers:
+                o.step()
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert set(opt.state[ours.up.weight]) == {"momentum_buffer"}
+    assert set(opt.state[ours.embed.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_default_split_and_overrides():
+    model = Tiny()
+    muon, other = split_param_groups(model)
+    assert [p.shape for p in muon["params"]] == [model.up.weight.shape, model.down.weight.shape]
+    assert any(p is model.lm_head.weight for p in other["params"]) and any(p is model.embed.weight for p in other["params"])
+    # Explicit groups win; a group without "use_muon" is split by shape.
+    opt = Muon([{"params": [model.up.weight], "use_muon": False, "lr": 0.5}, {"params": [model.down.weight, model.down.bias]}])
+    assert [(g["use_muon"], len(g["params"])) for g in opt.param_groups] == [(False, 1), (True, 1), (False, 1)]
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="momentum"):
+        Muon(model, momentum=-1.0)
+    bad = Muon([{"params": [nn.Parameter(torch.ones(2, 2, 2, 2))], "use_muon": True}])
+    bad.param_groups[0]["params"][0].grad = torch.ones(2, 2, 2, 2)
+    with pytest.raises(ValueError, match="use_muon=False"):
+        bad.step()
+
+
+def test_owners_balance_by_size():
+    # Largest first, to the least-loaded rank: 2 x 2 ranks, coordinates per sharded dimension.
+    owners = _owners([100, 10, 60, 50, 40], [2, 2])
+    assert owners == [(0, 0), (1, 1), (0, 1), (1, 0), (1, 1)]
