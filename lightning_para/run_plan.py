@@ -116,7 +116,8 @@ def strategy_overrides(arguments: dict[str, Any]) -> list[str]:
 
 def optimizer_kind(optimizer: Any) -> Optional[str]:
     """The planner's optimizer name for a torch optimizer: ``"adam"`` (Adam family: two fp32
-    moments), ``"sgd"`` (SGD with momentum), or ``None`` for anything it does not model."""
+    moments), ``"sgd"`` (SGD with momentum), ``"muon"`` (``lightning_para.optim.Muon``), or ``None`` for
+    anything it does not model."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
     name = type(optimizer).__name__
     group = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
@@ -124,6 +125,8 @@ def optimizer_kind(optimizer: Any) -> Optional[str]:
         return "adam"
     if name == "SGD" and group.get("momentum", 0):
         return "sgd"
+    if hasattr(optimizer, "set_shard_view"):  # lightning_para.optim.Muon
+        return "muon"
     return None
 
 

@@ -208,20 +208,27 @@ def make_optimizer(params: Any, sgd: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
 
 
+def muon_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """lightning_para.optim.Muon (hidden matrices) and AdamW (the rest), both at lr 1e-3."""
+    from lightning_para.optim import Muon
+
+    return Muon(model, lr=1e-3, adamw_lr=1e-3)
+
+
 def setup(
     fabric: L.Fabric, model_name: str, micro_batch: int, empty_init: bool, seed: int = 0, per_process: bool = False,
-    joint: bool = False, sgd: bool = False,
+    joint: bool = False, sgd: bool = False, muon: bool = False,
 ) -> tuple:
     """LitGPT's order (model, then its optimizer); ``joint``: ``fabric.setup(model, optimizer)`` with an optimizer
     made from the model before it was parallelized."""
     L.seed_everything(seed, verbose=False)
     model = build(fabric, model_name, empty_init, seed)
     if joint:
-        optimizer = make_optimizer(model.parameters(), sgd)
+        optimizer = muon_optimizer(model) if muon else make_optimizer(model.parameters(), sgd)
         model, optimizer = fabric.setup(model, optimizer)
     else:
         model = fabric.setup(model)
-        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), sgd))
+        optimizer = fabric.setup_optimizers(muon_optimizer(model) if muon else make_optimizer(model.parameters(), sgd))
     if per_process:
         from torch.utils.data import DistributedSampler
 
@@ -236,7 +243,7 @@ def fabric_job(
     model_name: str, strategy_kwargs: dict[str, Any], global_batch: int, *, steps: int = 4, accumulate: int = 2,
     empty_init: bool = True, save_at: Optional[int] = None, save_path: Optional[str] = None,
     resume: Optional[str] = None, resume_step: int = 0, seed: int = 0, planted_sampler_per_process: bool = False, joint_setup: bool = False,
-    data_from_start: bool = False, planted_local_positions: bool = False, sgd: bool = False,
+    data_from_start: bool = False, planted_local_positions: bool = False, sgd: bool = False, muon: bool = False,
 ) -> dict[str, Any]:
     """Inside a worker: the loop under ``lightning_para.fabric.ParaStrategy``; losses and this rank's dp coordinate.
 
@@ -257,7 +264,7 @@ def fabric_job(
     pipeline = dims.pp > 1
     model, optimizer, loader = setup(
         fabric, model_name, global_batch // dims.dp, empty_init and not pipeline, seed, planted_sampler_per_process,
-        joint=joint_setup, sgd=sgd,
+        joint=joint_setup, sgd=sgd, muon=muon,
     )
     first = 0
     if resume is not None:
@@ -297,6 +304,7 @@ def fabric_direct_call_job(strategy_kwargs: dict[str, Any]) -> None:
 
 def fabric_reference(
     model_name: str, global_batch: int, *, steps: int = 4, accumulate: int = 2, fp8: bool = False, sgd: bool = False,
+    muon: bool = False,
 ) -> Any:
     """In the pytest process: the same loop on one device with the global batch (``fp8``: torchao's float8).
     The per-micro-step losses; with ``sgd``, ``{"losses": ..., "params": ...}``."""
@@ -310,7 +318,7 @@ def fabric_reference(
 
     set_aux_loss_grad_scale(model, 1.0 / accumulate)  # MoE layers: their aux gradient scaled as the loss is
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), sgd))
+    optimizer = fabric.setup_optimizers(muon_optimizer(model) if muon else make_optimizer(model.parameters(), sgd))
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))
     losses = train(fabric, model, optimizer, loader, steps=steps, accumulate=accumulate, pipeline=False)
     if not sgd:

@@ -72,13 +72,14 @@ class _Hop:
         if self.received is None:  # first use: learn the piece sizes once
             self.sent = [t.numel() for t in held]
             counts = [sum(1 for o in self.owner if o == j) for j in range(self.world)]
+            device = held[0].device  # the group's backend may need device tensors (NCCL)
             sizes = torch.tensor([self.sent[m] for j in range(self.world) for m, o in enumerate(self.owner) if o == j],
-                                 dtype=torch.int64)
-            out = torch.empty(self.world * len(mine), dtype=torch.int64)
+                                 dtype=torch.int64, device=device)
+            out = torch.empty(self.world * len(mine), dtype=torch.int64, device=device)
             _all_to_all(out, sizes, [len(mine)] * self.world, counts, self.group)
-            self.received = out.view(self.world, len(mine))
+            self.received = out.view(self.world, len(mine)).cpu()  # once, at the first step
         order = sorted(range(len(held)), key=lambda m: self.owner[m])
-        send = torch.cat([held[m].reshape(-1) for m in order]) if held else torch.empty(0)
+        send = torch.cat([held[m].reshape(-1) for m in order])
         in_splits = [sum(self.sent[m] for m in order if self.owner[m] == j) for j in range(self.world)]
         out = send.new_empty(int(self.received.sum()))
         _all_to_all(out, send, self.received.sum(1).tolist(), in_splits, self.group)

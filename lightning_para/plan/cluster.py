@@ -26,8 +26,9 @@ from typing import Any, Optional
 from lightning_para.spec.options import PRECISIONS, choices_text
 from lightning_para.plan.gemm import MEASURED_GEMMS, MEASURED_PEAK_FLOPS, Gemm, GemmModel, gpu_gemm_model
 
-OPTIMIZERS = ("adam", "sgd")
-OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
+OPTIMIZERS = ("adam", "sgd", "muon")
+# fp32 state bytes per parameter; Muon's 4 are its matrices' momentum (AdamW's 8 for the rest: plan/shape.py).
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
 
 
 # Whose saved tensors the activation model counts (see `Training.activation_profile`).
@@ -259,7 +260,8 @@ class Training:
         accumulation: batches per optimizer step (Lightning's ``accumulate_grad_batches``);
             used with ``micro_batch=None``.
         precision: one of :data:`~lightning_para.spec.options.PRECISIONS` (ParaStrategy's).
-        optimizer: ``"adam"`` or ``"sgd"`` (with momentum).
+        optimizer: ``"adam"``, ``"sgd"`` (with momentum) or ``"muon"`` (``lightning_para.optim.Muon``: one
+            momentum for the hidden matrices, AdamW's two moments for the rest; its routing all-to-alls).
         flash_attention: attention does not store its ``a s^2`` scores (FlashAttention or
             PyTorch SDPA); ``False`` is Megatron-LM's 2022 baseline.
         activation_profile: whose code's saved tensors the activations count (measured

@@ -25,7 +25,7 @@ from lightning_para.plan.overhead import (
 )
 from lightning_para.plan.rank_memory import head_bytes, peak_memory
 from lightning_para.plan.shape import RankShape, activation_kwargs, bucket_bytes, resident_states, zero3_ends
-from lightning_para.plan.tensors import layer_tensors, shard_numel, total_numel
+from lightning_para.plan.tensors import layer_tensors, muon_steps, shard_numel, total_numel
 from lightning_para.spec.memory import PredictedMemory
 
 
@@ -243,7 +243,7 @@ def _dp_collectives(
         expert_params = total_numel(t for t in tensors if t.expert)
         shard = (dense / shape.shards[0] + expert_params / max(1, shape.shards[1])) * g
         grad_sync.append(collective(shape.groups["dp_replicate"], cluster, "dp_replicate", "all_reduce", "gradient shards", shard, reductions))
-    exposed: list[Collective] = []
+    exposed: list[Collective] = _muon_routes(shape, cluster) if training.optimizer == "muon" else []
     if grad_sync:
         total = sum(c.seconds for c in grad_sync) / reductions
         last_bucket = max(per_call_seconds(c) for c in grad_sync)
@@ -269,6 +269,18 @@ def _dp_collectives(
         total = (gathers + scatters) * reductions
         exposed += [c.exposed(exposed_total * c.seconds / total) for c in zero3]
     return exposed, sum(c.exposed_seconds for c in exposed)
+
+
+def _muon_routes(shape: RankShape, cluster: Cluster) -> list[Collective]:
+    """Muon's owner routing (``lightning_para.optim.routing``), on the optimizer step's critical path: per mesh
+    dimension that shards its matrices (dp under ZeRO >= 1, tp), an all-to-all of this rank's pieces in bfloat16 to
+    the owners and one back. Expert matrices are whole on their rank: none."""
+    layout = shape.layout
+    matrices = [t for t in shape.tensors if not t.expert and muon_steps(t)]
+    n = shape.shards[0] if layout.zero >= 1 else 1
+    held = 2 * (shard_numel(matrices, n) if n > 1 else total_numel(matrices))
+    return [collective(shape.groups[dim], cluster, dim, "all_to_all", "Muon pieces to owners and back", held, 2)
+            for dim, size in (("dp", n), ("tp", layout.tp)) if size > 1 and held]
 
 
 def _zero3_gathers(shape: RankShape, expert: bool, n: int) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from lightning_para.plan.cluster import Training
 from lightning_para.plan.layout import Layout
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers
-from lightning_para.plan.tensors import ParamTensor, layer_tensors, part_tensors, shard_numel, total_numel
+from lightning_para.plan.tensors import ParamTensor, layer_tensors, muon_steps, part_tensors, shard_numel, total_numel
 from lightning_para.spec.dims import PRICED
 from lightning_para.spec.memory import PredictedMemory
 
@@ -115,7 +115,8 @@ def resident_states(shape: RankShape) -> PredictedMemory:
     precision = training.bytes
     separate_master = precision.master > 0 and layout.zero < 3
     fp32, state = 4, training.optimizer_state_bytes
-    counters = 4 * len(tensors) if training.optimizer == "adam" else 0
+    muon = training.optimizer == "muon"  # AdamW's moments and step counter for what Muon does not step
+    counters = 4 * sum(1 for t in tensors if training.optimizer == "adam" or (muon and not muon_steps(t)))
     params = grads = optimizer = 0.0
     for expert, shards in zip((False, True), shape.shards):
         group = [t for t in tensors if t.expert == expert]
@@ -133,6 +134,9 @@ def resident_states(shape: RankShape) -> PredictedMemory:
             else:
                 grads += (fp32 if layout.zero >= 1 else precision.grad) * held
         optimizer += state * held + (precision.master * held if separate_master else 0)
+        if muon:
+            adamw = [t for t in group if not muon_steps(t)]
+            optimizer += 4 * (shard_numel(adamw, shards) if layout.zero >= 1 else total_numel(adamw))
     return PredictedMemory(params, grads, optimizer + counters)
 
 

@@ -53,6 +53,11 @@ class ParamTensor:
         return chunk_rows(self.rows, shards) * (self.numel // self.rows if self.rows else 0)
 
 
+def muon_steps(t: ParamTensor) -> bool:
+    """Whether ``lightning_para.optim.Muon`` steps ``t`` (a hidden matrix: not an embedding, the head or 1-D)."""
+    return len(t.shape) >= 2 and not t.name.startswith(("embedding", "head"))
+
+
 def _split(size: int, parts: int) -> int:
     return math.ceil(size / parts)
 

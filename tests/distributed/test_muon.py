@@ -135,3 +135,12 @@ def test_muon_matches_one_device_under_every_layout_and_resumes_across_layouts(p
     assert not failures, "\n".join(failures)
     assert_losses_close(first, reference(muon_gpt)[:STEPS])
     assert_losses_close(resumed, reference(muon_gpt)[STEPS:])
+
+
+def test_fabric_muon_matches_one_device_under_tp_and_zero1(pools):
+    """The Fabric front end: Muon built after `fabric.setup`, tp2 x dp2 ZeRO-1 (row shards of tp shards)."""
+    from tests.fabric_loop import fabric_job, fabric_reference
+    from tests.fabric_loop import mean_over_dp as fabric_mean
+
+    results = pools.get(4).run(fabric_job, "recipe", {"tp": 2, "zero": 1}, 8, muon=True)
+    assert_losses_close(fabric_mean(results), fabric_reference("recipe", 8, muon=True))

@@ -13,6 +13,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # file -> (devices, (pp, dp, tp, ep), model class name, preset)
 EXPECTED = {
     "gpt-cpu-demo.yaml": (4, (2, 1, 2, 1), "GPT", "tiny"),
+    "gpt-muon-cpu-demo.yaml": (4, (1, 2, 2, 1), "GPT", "tiny"),  # Muon (optimizer: muon) under tp=2 x ZeRO-1 dp=2
     "gpt-long-context-cpu.yaml": (4, (1, 1, 2, 1), "GPT", "tiny"),  # and cp=2 (issue 16)
     "moe-cpu-demo.yaml": (4, (1, 4, 1, 2), "MoEGPT", "tiny"),
     "gpt-125m-8gpu.yaml": (8, (1, 8, 1, 1), "GPT", "gpt-125m"),
