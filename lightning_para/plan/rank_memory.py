@@ -14,6 +14,7 @@ from lightning_para.plan.memory import embedding_activation_bytes, head_activati
 from lightning_para.plan.model import ModelDesc
 from lightning_para.plan.pipeline import RankLayers, held_activations_peak, lazy_gradient_peak
 from lightning_para.plan.shape import RankShape, activation_kwargs, bucket_bytes, zero3_kept_ends
+from lightning_para.plan.tensors import muon_steps, total_numel
 from lightning_para.spec.memory import PredictedMemory
 from lightning_para.spec.schedules import compute_order
 from lightning_para.spec.tiles import score_tile_rows
@@ -158,10 +159,14 @@ def _states(shape: RankShape) -> tuple[list[float], bool]:
     full_grads = layout.zero >= 2 and ((layout.pp > 1 and not layout.reduces_each_microbatch)
                                        or (layout.zero_accumulation == "no_sync" and shape.per_step > 1))
     states = [0.0, 0.0, 0.0]
-    for params, n in zip((shape.dense, shape.expert), shape.shards):
+    for expert, params, n in zip((False, True), (shape.dense, shape.expert), shape.shards):
+        state = training.optimizer_state_bytes
+        if training.optimizer == "muon":  # AdamW's second moment for what Muon does not step
+            group = [t for t in shape.tensors if t.expert == expert]
+            state += 4 * total_numel([t for t in group if not muon_steps(t)]) / max(1, total_numel(group))
         parts = zero_state_bytes(
             params, zero=layout.zero, shards=n, weight_bytes=training.bytes.weight, grad_bytes=training.grad_bytes,
-            optimizer_bytes=training.bytes.master + training.optimizer_state_bytes, full_grads=full_grads,
+            optimizer_bytes=training.bytes.master + state, full_grads=full_grads,
         )
         states = [a + b for a, b in zip(states, parts, strict=True)]
     return states, full_grads
