@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz  # private
+# private: see docs/architecture.md
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.adam import adam
 
 from lightning_para._dtensor import local_tensor
