@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # p
 
 from lightning_para.checkpoint.atomic import fsync_file, new_token, partial_path, verify_checkpoint
 from lightning_para.checkpoint.swap import commit, remove_partial
-from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, is_sharded_checkpoint
+from lightning_para.checkpoint.format import MASTER_KEY, METADATA_FILENAME, ROW_ORDER_KEY, is_sharded_checkpoint
+from lightning_para.parallel.tensor.columns import RowOrder, reorder_named, reorder_rows
 
 
 def consolidate_checkpoint(path: Union[str, Path], output: Optional[Union[str, Path]] = None) -> dict[str, Any]:
@@ -69,19 +70,22 @@ def trainer_format(loaded: Mapping[str, Any]) -> dict[str, Any]:
     under ``optimizer_<i>``, plus Lightning's metadata: what a sharded directory holds, and what
     Lightning's own ``python -m lightning.fabric.utilities.consolidate_checkpoint DIR`` writes.
     The result has ``optimizer_states`` numbered as PyTorch numbers them, with fp32 master
-    weights (``bf16-true``) as the model weights.
+    weights (``bf16-true``) as the model weights, and every tensor in the model's own row order (the
+    parameters recorded under :data:`~.format.ROW_ORDER_KEY` are put back in it).
     """
-    checkpoint = {k: v for k, v in loaded.items() if k != "state_dict" and not _is_optimizer_key(k)}
+    skip = ("state_dict", ROW_ORDER_KEY)
+    checkpoint = {k: v for k, v in loaded.items() if k not in skip and not _is_optimizer_key(k)}
     model_state = dict(loaded.get("state_dict", {}))
+    rows = loaded.get(ROW_ORDER_KEY) or {}
     shapes = {fqn: t.shape for fqn, t in model_state.items() if isinstance(t, Tensor)}
     optimizer_states = []
     index = 0
     while f"optimizer_{index}" in loaded:
         masters: dict[str, Tensor] = {}
-        optimizer_states.append(number_optimizer_state(loaded[f"optimizer_{index}"], shapes, masters))
+        optimizer_states.append(number_optimizer_state(loaded[f"optimizer_{index}"], shapes, masters, rows))
         model_state.update({fqn: m.reshape(shapes[fqn]) for fqn, m in masters.items() if fqn in shapes})
         index += 1
-    checkpoint["state_dict"] = model_state
+    checkpoint["state_dict"] = reorder_named(model_state, rows, to_model=True)
     checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
 
@@ -91,13 +95,14 @@ def _is_optimizer_key(key: str) -> bool:
 
 
 def number_optimizer_state(
-    osd: Mapping[str, Any], shapes: Mapping[str, torch.Size], masters: Optional[dict[str, Tensor]] = None
+    osd: Mapping[str, Any], shapes: Mapping[str, torch.Size], masters: Optional[dict[str, Tensor]] = None,
+    rows: Optional[Mapping[str, RowOrder]] = None,
 ) -> dict[str, Any]:
     """An optimizer state keyed by parameter name (full tensors) in PyTorch's own format.
 
     Parameters are numbered in param-group order; parameter-sized tensors take their
-    parameter's shape from ``shapes``; per-rank (``@rank``) entries are dropped; fp32 master
-    weights (``_master``) go to ``masters`` by name (dropped when ``masters`` is ``None``).
+    parameter's shape from ``shapes`` (and the model's row order, for those in ``rows``); per-rank (``@rank``)
+    entries are dropped; fp32 master weights (``_master``) go to ``masters`` by name (dropped when ``masters`` is ``None``).
     """
     state, groups, numbered = {}, [], 0
     for group in osd["param_groups"]:
@@ -113,6 +118,8 @@ def number_optimizer_state(
                 for k, v in entry.items()
                 if "@rank" not in k
             }
+            if rows and fqn in rows:
+                entry = reorder_rows(entry, rows[fqn], to_model=True, name=f"the optimizer state of {fqn!r}")
             if entry:
                 state[numbered] = entry
             ids.append(numbered)

@@ -24,6 +24,9 @@ from lightning_para.parallel.tensor.checkpoint import StridedBoxes, for_dcp
 
 METADATA_FILENAME = "meta.pt"
 MASTER_KEY = "_master"
+# In ``meta.pt``: {parameter name: (blocks, tp)} of the parameters whose shards hold their rows in tp's rank-major
+# order (a grouped-query fused q|k|v, ``parallel/tensor/columns.py``); consolidation and other layouts reorder them.
+ROW_ORDER_KEY = "tensor_parallel_rows"
 
 
 def save_sharded(path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any]) -> dict[str, str]:
@@ -91,6 +94,6 @@ def load_sharded_into(path: Union[str, Path], template: dict[str, Any]) -> dict[
 
 
 __all__ = [
-    "MASTER_KEY", "METADATA_FILENAME", "checkpoint_keys", "flat_keys", "is_sharded_checkpoint", "load_sharded_into",
+    "MASTER_KEY", "METADATA_FILENAME", "ROW_ORDER_KEY", "checkpoint_keys", "flat_keys", "is_sharded_checkpoint", "load_sharded_into",
     "metadata_bytes", "save_sharded", "write_metadata",
 ]

@@ -10,6 +10,9 @@ then writes that one dict from rank 0. This module does the same for every layou
   ``full_tensor()``, a collective over its own mesh, in the same order on every rank;
 * under pipeline parallelism each stage's first rank (dp and tp coordinate 0) sends its
   stage's part to rank 0 (``gather_object`` over the ``pp`` group that holds rank 0);
+* a fused projection stored in tp's rank-major row order
+  (:class:`~lightning_para.parallel.tensor.columns.FusedBlocksColwise`) is written in the model's own order, so
+  one-device loaders get the model that was trained;
 * the optimizer state comes out in PyTorch's own format (parameters numbered in param-group
   order, as :func:`~lightning_para.checkpoint.consolidate.number_optimizer_state` numbers them),
   so ``torch.optim.Optimizer.load_state_dict`` and Lightning's DDP strategy read it.
@@ -34,6 +37,7 @@ from lightning_para.checkpoint.format import MASTER_KEY
 from lightning_para.checkpoint.optimizer import slot_to_global
 from lightning_para.mesh import ParallelDims
 from lightning_para.parallel.data.interface import DataParallel
+from lightning_para.parallel.tensor.columns import rank_major_rows, reorder_named
 
 
 def _rank() -> int:
@@ -70,6 +74,7 @@ def full_model_state(module: nn.Module, data_parallel: DataParallel, dims: Paral
         if slot is not None:  # the optimizer's fp32 weights, not their bf16 copy
             value = _plain(slot_to_global(slot, slot.master.detach(), dims)).reshape(value.shape)
         part[key] = _plain(value)
+    part = reorder_named(part, rank_major_rows(module), to_model=True)  # one file holds the model's own rows
     stages = _to_rank_zero(part, dims)
     if stages is None:
         return {}
@@ -86,12 +91,12 @@ def full_optimizer_state(named: Mapping[str, Any], module: nn.Module, dims: Para
         for fqn, entry in named["state"].items()
     }
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    stages = _to_rank_zero({"state": state, "shapes": shapes}, dims)
+    stages = _to_rank_zero({"state": state, "shapes": shapes, "rows": rank_major_rows(module)}, dims)
     if stages is None:
         return {}
     merged = {"state": {k: v for stage in stages for k, v in stage["state"].items()}, "param_groups": named["param_groups"]}
     all_shapes = {k: torch.Size(v) for stage in stages for k, v in stage["shapes"].items()}
-    return number_optimizer_state(merged, all_shapes)
+    return number_optimizer_state(merged, all_shapes, rows={k: v for stage in stages for k, v in stage["rows"].items()})
 
 
 __all__ = ["full_model_state", "full_optimizer_state"]

@@ -20,14 +20,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_para._dtensor import local_tensor
 from lightning_para.checkpoint import atomic
-from lightning_para.checkpoint.consolidate import trainer_format
-from lightning_para.checkpoint.format import METADATA_FILENAME, checkpoint_keys, flat_keys, load_sharded_into
+from lightning_para.checkpoint.consolidate import consolidate_checkpoint, trainer_format
+from lightning_para.checkpoint.format import (
+    METADATA_FILENAME, ROW_ORDER_KEY, checkpoint_keys, flat_keys, load_sharded_into,
+)
 from lightning_para.checkpoint.last import warn_if_newer
-from lightning_para.checkpoint.model_info import check_model_info
 from lightning_para.checkpoint.optimizer import OptimParam, init_optimizer_state, load_optimizer_state
 from lightning_para.checkpoint.save import from_rank0, gather, is_rank0, rank
 from lightning_para.parallel.data.interface import DataParallel
 from lightning_para.parallel.pipeline.runner import PipelineRunner
+from lightning_para.parallel.tensor.columns import rank_major_rows, reorder_named, reorder_rows
 
 
 @torch.no_grad()
@@ -40,8 +42,10 @@ def load_full_checkpoint_into(
     strict: bool = True,
     path: Any = "<checkpoint>",
 ) -> None:
-    """Load an ordinary (consolidated or single-device) Lightning checkpoint into the sharded model."""
-    state = checkpoint["state_dict"]
+    """Load an ordinary (consolidated or single-device) Lightning checkpoint into the sharded model; its
+    tensors are in the model's own row order, put in tp's rank-major order where this layout stores them so."""
+    rows = rank_major_rows(module)
+    state = reorder_named(checkpoint["state_dict"], rows, to_model=False)
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -59,8 +63,10 @@ def load_full_checkpoint_into(
                 if key != "params":
                     group[key] = value
             for q, pid in zip(group["params"], saved_group["params"]):
-                saved = osd["state"].get(pid, {})
                 view = views[id(q)]
+                saved = osd["state"].get(pid, {})
+                if view.fqn in rows:
+                    saved = reorder_rows(saved, rows[view.fqn], to_model=False, name=f"the optimizer state of {view.fqn!r}")
                 for key, value in saved.items():
                     current = optimizer.state[q].get(key)
                     if isinstance(value, Tensor) and isinstance(current, Tensor) and current.dim() > 0:
@@ -151,13 +157,40 @@ def _unreadable(path: Path, what: str, error: BaseException) -> atomic.Incomplet
     return atomic.IncompleteCheckpointError(atomic.describe_problems(status))
 
 
-def _model_keys_everywhere(wanted: set[str], pipeline: Optional[PipelineRunner]) -> set[str]:
-    """The model's keys on every pipeline stage (each rank holds only its stages'): collective over pp."""
-    if pipeline is None or not dist.is_initialized():
-        return wanted
-    gathered: list[Any] = [None] * dist.get_world_size(pipeline.group)
-    dist.all_gather_object(gathered, sorted(wanted), group=pipeline.group)
-    return {k for keys in gathered for k in keys}
+def _over_stages(value: Any, pipeline: Optional[PipelineRunner]) -> list[Any]:
+    """Every pipeline stage's ``value`` (each rank holds only its stages'): collective over pp."""
+    return [value] if pipeline is None else gather(value, pipeline.group)
+
+
+def stored_row_orders(module: nn.Module, pipeline: Optional[PipelineRunner] = None) -> dict[str, Any]:
+    """What a sharded save records under :data:`~.format.ROW_ORDER_KEY`: every stage's parameters whose shards
+    hold tp's rank-major rows (collective over pp)."""
+    return {k: v for part in _over_stages(rank_major_rows(module), pipeline) for k, v in part.items()}
+
+
+def _rows_moved(meta: Mapping[str, Any], module: nn.Module, own: Mapping[str, Any]) -> bool:
+    """Whether a sharded checkpoint's rows are in another order than this layout's (every rank agrees).
+    Written before the order was recorded (no key): assumed this layout's, as such checkpoints were loaded."""
+    saved, now = meta.get(ROW_ORDER_KEY), rank_major_rows(module)
+    return any(gather(saved is not None and any(saved.get(k) != now.get(k) for k in own)))
+
+
+def _load_sharded(
+    path: Path, module: nn.Module, own: dict[str, Any], optimizers: list[torch.optim.Optimizer],
+    views: Mapping[int, OptimParam], data_parallel: DataParallel, pipeline: Optional[PipelineRunner], strict: bool,
+) -> None:
+    """A sharded DCP folder into ``own`` (``module.state_dict()``) and ``optimizers``, resharded by DCP."""
+    available = {k for k in checkpoint_keys(path) if k.startswith("state_dict.")}
+    wanted = flat_keys({"state_dict": own})
+    prefix = len("state_dict.")
+    missing = sorted(k[prefix:] for k in wanted - available)
+    unexpected = sorted(k[prefix:] for k in available - {k for part in _over_stages(wanted, pipeline) for k in part})
+    check_keys(path, module, missing, unexpected, strict)
+    load_sharded_into(path, {"state_dict": own})
+    if not optimizers:
+        data_parallel.reset_masters_from_params()
+    for i, optimizer in enumerate(optimizers):
+        load_optimizer_state(optimizer, views, path, f"optimizer_{i}", data_parallel)
 
 
 def load_checkpoint_in_place(
@@ -186,6 +219,8 @@ def load_checkpoint_in_place(
     Missing and unexpected model keys raise unless ``strict`` (default: ``module.strict_loading``) is ``False``.
     ``convert`` turns a single file written in another front end's layout (Fabric's ``{"model": ...,
     "optimizer": ...}``) into Lightning's (``state_dict``, ``optimizer_states``) before it is loaded.
+    Rows of a fused projection this layout stores rank-major (:func:`~.columns.rank_major_rows`) are put in its
+    order: a single file holds the model's own order; a sharded folder saved under another tp is read whole.
     """
     path = Path(path)
     problem = from_rank0(lambda: _problem(path))
@@ -204,34 +239,32 @@ def load_checkpoint_in_place(
             meta = torch.load(path / METADATA_FILENAME, weights_only=False)
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
             raise _unreadable(path, f"`{METADATA_FILENAME}`", error) from error
-        check_model_info(module, meta)  # before any tensor is loaded: what integrations recorded fits this layout
         own = module.state_dict()
-        available = {k for k in checkpoint_keys(path) if k.startswith("state_dict.")}
-        wanted = flat_keys({"state_dict": own})
-        prefix = len("state_dict.")
-        missing = sorted(k[prefix:] for k in wanted - available)
-        unexpected = sorted(k[prefix:] for k in available - _model_keys_everywhere(wanted, pipeline))
-        check_keys(path, module, missing, unexpected, strict)
-        load_sharded_into(path, {"state_dict": own})
-        if not optimizers:
-            data_parallel.reset_masters_from_params()
-        for i, optimizer in enumerate(optimizers):
-            load_optimizer_state(optimizer, views, path, f"optimizer_{i}", data_parallel)
-        return meta
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
-        raise _unreadable(path, "the file", error) from error
-    if convert is not None:
-        checkpoint = convert(checkpoint)
-    if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
-        # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
-        checkpoint = trainer_format(checkpoint)
-    check_model_info(module, checkpoint)
+        if not _rows_moved(meta, module, own):
+            _load_sharded(path, module, own, optimizers, views, data_parallel, pipeline, strict)
+            return meta
+        if pipeline is not None and optimizers:  # a whole file's optimizer state has no pipeline stage to go to
+            saved = sorted({tp for _, tp in (meta.get(ROW_ORDER_KEY) or {}).values()}) or [1]
+            raise ValueError(
+                f"`{path}` holds fused projections' rows in tp={saved[0]}'s order, not this layout's; a pipeline-parallel"
+                f" run resumes optimizer state from a sharded checkpoint of its own tp only. Resume with tp={saved[0]}."
+            )
+        # Saved under another tp's rank-major rows: read whole (every rank), in the model's order, then this layout's.
+        checkpoint = consolidate_checkpoint(path)
+    else:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+            raise _unreadable(path, "the file", error) from error
+        if convert is not None:
+            checkpoint = convert(checkpoint)
+        if "optimizer_states" not in checkpoint and "optimizer_0" in checkpoint:
+            # Written by Lightning's `python -m lightning.fabric.utilities.consolidate_checkpoint` from a sharded directory.
+            checkpoint = trainer_format(checkpoint)
     if pipeline is not None:
         pipeline.check_full_checkpoint(checkpoint, bool(optimizers))
     load_full_checkpoint_into(checkpoint, module, optimizers, views, data_parallel, strict=strict, path=path)
     return checkpoint
 
 
-__all__ = ["check_keys", "load_checkpoint_in_place", "load_full_checkpoint_into"]
+__all__ = ["check_keys", "load_checkpoint_in_place", "load_full_checkpoint_into", "stored_row_orders"]

@@ -9,37 +9,20 @@ the strategy and checkpoint/ never import an integration (``docs/architecture.md
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch import nn
 
 from lightning_para.spec.plugins import load_plugins
 
 _DESCRIBERS: dict[str, Callable[[nn.Module], Any]] = {}
-_CHECKERS: dict[str, Callable[[nn.Module, Any], None]] = {}
 
 
-def register_model_info(
-    key: str, describe: Callable[[nn.Module], Any], check: Optional[Callable[[nn.Module, Any], None]] = None
-) -> None:
-    """Record ``describe(lightning_module)`` under ``checkpoint[key]`` in every checkpoint ParaStrategy saves.
-
-    ``check(lightning_module, recorded)``: called before a checkpoint's tensors are loaded into the module
-    (``recorded``: what the checkpoint holds under ``key``, ``None`` if nothing); raises ``ValueError`` when
-    they cannot be loaded into this layout as they are."""
+def register_model_info(key: str, describe: Callable[[nn.Module], Any]) -> None:
+    """Record ``describe(lightning_module)`` under ``checkpoint[key]`` in every checkpoint ParaStrategy saves."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"`key` must be a non-empty string, got {key!r}.")
     _DESCRIBERS[key] = describe
-    if check is not None:
-        _CHECKERS[key] = check
-
-
-def check_model_info(module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
-    """Run every registered ``check`` against what ``checkpoint`` recorded (same answer on every rank)."""
-    load_plugins()
-    for key, check in _CHECKERS.items():
-        check(module, checkpoint.get(key))
 
 
 def model_info(module: nn.Module) -> dict[str, Any]:
@@ -49,4 +32,4 @@ def model_info(module: nn.Module) -> dict[str, Any]:
     return {key: value for key, value in found.items() if value}
 
 
-__all__ = ["check_model_info", "model_info", "register_model_info"]
+__all__ = ["model_info", "register_model_info"]

@@ -85,6 +85,8 @@ class Checkpoints:
         if module is not None:
             # What integrations record about the model (transformers: each model's class and config).
             checkpoint.update(ckpt.model_info(module))
+            if sharded:  # shards holding tp's rank-major rows: consolidation and other layouts reorder them
+                checkpoint[ckpt.ROW_ORDER_KEY] = ckpt.stored_row_orders(module, self.parallel().pipeline)
         self.run_guard.report(f"saving checkpoint {target}", exempt=True)  # I/O may outlast watchdog_timeout
         saver = self.saver if background and sharded and not self.run_guard.preempted else None
         ckpt.save_checkpoint(Path(target), checkpoint, sharded=sharded, token=token, run=self.run, saver=saver)

@@ -421,21 +421,147 @@ def test_litgpt_fp8_tp2_sp_matches_torchao_one_device(pools):
     assert_float8_close(losses_over_dp(results), params, float8, fp32)
 
 
-def _resume_job(folder: str, ckpt: str, kwargs: dict) -> dict:
-    """Resume from a ParaStrategy checkpoint under another layout."""
-    import functools
+# ============================================================================ the grouped-query qkv rows in checkpoints
+# Under tp a grouped-query qkv is stored rank-major (rank 0's q, k, v slices, then rank 1's); every whole-tensor
+# form -- one file, consolidation -- holds LitGPT's own rows, and one-device weights load into tp2.
+def _whole(t):
+    from torch.distributed.tensor import DTensor
 
-    return fit_job(functools.partial(litgpt_models.LitGPTFromFolder, folder), kwargs, token_dataset, GLOBAL_BATCH,
-                   STEPS + 1, collect=("losses",), resume=ckpt)
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
 
-def test_resuming_rank_major_qkv_under_another_tp_is_refused(pools, tmp_path):
-    """A tp=2 checkpoint of a grouped-query qkv holds tp=2's rank-major rows: resuming it under tp=1 (dp=2)
-    raises before anything is loaded, naming the fix; under tp=2 it resumes."""
-    folder = tmp_path / "original"
-    litgpt_models.write_litgpt_folder(str(folder))
-    saved = pools.get(2).run(_folder_job, str(folder), str(tmp_path), {"tp": 2})[0]["saved"][-1]
-    with pytest.raises(WorkerError, match="rank-major order"):
-        pools.get(2).run(_resume_job, str(folder), saved, {"dp": 2})
-    resumed = pools.get(2).run(_resume_job, str(folder), saved, {"tp": 2})
-    assert len(resumed[0]["losses"]) == 1
+def _gap(actual, expected) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def _one_device_logits(state: dict, config=None) -> torch.Tensor:
+    from litgpt.model import GPT
+
+    model = GPT(config if config is not None else litgpt_models.litgpt_config())
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(token_dataset().x[:2])
+
+
+def _rows_trainer_job(kwargs: dict, steps: int, resume: str, out: str, save_full: bool) -> dict:
+    """Resume a Trainer run from ``resume`` under ``kwargs`` (a ModelCheckpoint saves sharded at epoch ends);
+    ``save_full``: also save one file (``save_distributed_checkpoint=False``) and report the in-layout logits."""
+    modules: list = []
+
+    def remember():
+        modules.append(litgpt_models.gqa())
+        return modules[-1]
+
+    result = fit_job(remember, kwargs, token_dataset, GLOBAL_BATCH, steps, collect=("losses", "saved"),
+                     ckpt_dir=f"{out}/ckpt", resume=resume)
+    if save_full:
+        module = modules[0]
+        module.trainer.strategy.save_distributed_checkpoint = False
+        module.trainer.save_checkpoint(f"{out}/full.ckpt")
+        with torch.no_grad():
+            result["logits"] = _whole(module.model(token_dataset().x[:2].to(module.device)))
+    return result
+
+
+def _one_device_resume(ckpt, steps: int) -> list[float]:
+    """Lightning's own one-device resume from ``ckpt`` to ``steps``: its losses."""
+    from torch.utils.data import DataLoader
+
+    from tests.parity import LossRecorder, trainer_kwargs
+
+    L.seed_everything(0, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[recorder], **trainer_kwargs())
+    trainer.fit(litgpt_models.gqa(), DataLoader(token_dataset(), batch_size=GLOBAL_BATCH, shuffle=False), ckpt_path=ckpt)
+    return recorder.losses
+
+
+def test_litgpt_gqa_tp2_trainer_checkpoints_hold_litgpt_rows(pools, tmp_path):
+    """One device -> tp2 -> dp2: a one-device checkpoint resumes at tp2 (weights and momentum put in tp2's rows) with
+    one device's losses; tp2's one file and its consolidated sharded checkpoint load on one device with the tp2
+    model's logits (1e-5 of the largest); that sharded checkpoint resumes at dp2 (tp1) as its consolidated file
+    resumes on one device."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_para import consolidate_checkpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "one", filename="{epoch}-{step}", save_top_k=-1)
+    fit_reference(litgpt_models.gqa, token_dataset, GLOBAL_BATCH, 5, {"enable_checkpointing": True}, callbacks=(saver,))
+    one = tmp_path / "one" / "epoch=0-step=5.ckpt"
+    tp2 = pools.get(2).run(_rows_trainer_job, {"tp": 2}, 10, str(one), str(tmp_path / "tp2"), True)
+    assert_losses_close(tp2[0]["losses"], _one_device_resume(one, 10), rtol=FP32_RTOL)
+    sharded, consolidated = tp2[0]["saved"][-1], tmp_path / "consolidated.ckpt"
+    consolidate_checkpoint(sharded, consolidated)
+    for where in (tmp_path / "tp2" / "full.ckpt", consolidated):
+        state = torch.load(where, weights_only=False)["state_dict"]
+        gap = _gap(_one_device_logits({k[len("model."):]: v for k, v in state.items()}), tp2[0]["logits"])
+        assert gap <= 1e-5, (where, gap)
+    dp2 = pools.get(2).run(_rows_trainer_job, {"dp": 2}, 11, sharded, str(tmp_path / "dp2"), False)
+    assert_losses_close([sum(r["losses"][0] for r in dp2) / 2], _one_device_resume(consolidated, 11), rtol=FP32_RTOL)
+
+
+def _one_step(model, optimizer, x, y, fabric=None) -> None:
+    loss = F.cross_entropy(model(x).reshape(-1, litgpt_models.VOCAB), y.reshape(-1))
+    fabric.backward(loss) if fabric is not None else loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _rows_fabric_job(config: dict, folder: str, one_device: str, out: str) -> dict:
+    """LitGPT's loading flow at tp2 under Fabric: ``fabric.load_raw("lit_model.pth", model)`` after ``setup``
+    (meta init), then (``one_device``) ``fabric.load`` of a one-device checkpoint and one SGD step; one file saved.
+    Reports the in-layout logits after each."""
+    from litgpt.model import GPT
+
+    from lightning_para.fabric import ParaStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ParaStrategy(tp=2, save_distributed_checkpoint=False))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = GPT(litgpt_models.litgpt_config(**config))
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), "sgd", litgpt_models.SHARP_LR))
+    data = token_dataset()
+    fabric.load_raw(f"{folder}/lit_model.pth", model)
+    result = {"raw": _whole(model(data.x[:2]))}
+    if one_device:
+        fabric.load(one_device, {"model": model, "optimizer": optimizer})
+        _one_step(model, optimizer, data.x[:8], data.y[:8], fabric)
+        result["stepped"] = _whole(model(data.x[:2]))
+    fabric.save(f"{out}/full.ckpt", {"model": model})
+    result["saved"] = _whole(model(data.x[:2]))
+    return result
+
+
+@pytest.mark.parametrize("groups", [2, 4], ids=["gqa", "mha"])
+def test_litgpt_tp2_fabric_loads_litgpt_rows_and_saves_them(pools, tmp_path, groups):
+    """``fabric.load_raw`` of a ``lit_model.pth`` and ``fabric.load`` of a one-device checkpoint (model and momentum,
+    then one step) at tp2 give one device's logits; tp2's one file loads on one device with the tp2 model's
+    (1e-5 of the largest). Grouped-query (rank-major qkv rows) and multi-head (strided) alike."""
+    from litgpt.model import GPT
+
+    config = litgpt_models.litgpt_config(n_query_groups=groups)
+    litgpt_models.write_litgpt_folder(str(tmp_path / "lit"), config)
+    one_device = ""
+    if groups == 2:  # a one-device Fabric checkpoint after one step (momentum), and that run's next step
+        fabric = L.Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(1)
+        gpt = GPT(config)
+        litgpt_models.sharpen(gpt)
+        model = fabric.setup(gpt)
+        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), "sgd", litgpt_models.SHARP_LR))
+        data = token_dataset()
+        _one_step(model, optimizer, data.x[8:16], data.y[8:16])
+        one_device = str(tmp_path / "one.ckpt")
+        fabric.save(one_device, {"model": model, "optimizer": optimizer})
+        _one_step(model, optimizer, data.x[:8], data.y[:8])
+        with torch.no_grad():
+            stepped = model(data.x[:2])
+    result = pools.get(2).run(_rows_fabric_job, {"n_query_groups": groups}, str(tmp_path / "lit"), one_device,
+                              str(tmp_path))[0]
+    lit = torch.load(tmp_path / "lit" / "lit_model.pth", weights_only=True)
+    assert _gap(result["raw"], _one_device_logits(lit, config)) <= 1e-5
+    if one_device:
+        assert _gap(result["stepped"], stepped) <= 1e-5
+    saved = torch.load(tmp_path / "full.ckpt", weights_only=False)["model"]
+    assert _gap(_one_device_logits(saved, config), result["saved"]) <= 1e-5

@@ -53,16 +53,33 @@ def test_fused_blocks_check_names_the_problem():
         FusedBlocksColwise((1, 1), layout="strided")
 
 
-def test_export_restores_litgpt_row_order_and_unstacks_experts():
-    config = {"n_head": 4, "n_query_groups": 2, "head_size": 2}  # blocks (8, 4, 4)
+def test_the_row_permutation_pair_and_consolidation_give_the_models_row_order():
+    """Rank-major rows (rank 0's q, k, v slices, then rank 1's) and back; consolidation puts a sharded
+    checkpoint's recorded parameters -- weights, fp32 masters, optimizer state -- in the model's order."""
+    from lightning_para.checkpoint.consolidate import trainer_format
+    from lightning_para.checkpoint.format import MASTER_KEY, ROW_ORDER_KEY
+    from lightning_para.parallel.tensor.columns import reorder_rows
+
+    order = ((8, 4, 4), 2)
     original = torch.arange(16.0).unsqueeze(1).repeat(1, 3)
-    stored = original[BlockRows((8, 4, 4)).rank_major_order(2)]
+    stored = reorder_rows(original, order, to_model=False)
+    assert stored[:, 0].tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(reorder_rows(stored, order, to_model=True), original)
+    entry = {"exp_avg": stored.reshape(-1), "step": torch.tensor(3.0), MASTER_KEY: 2 * stored.reshape(-1)}
+    out = trainer_format({
+        "state_dict": {"qkv.weight": stored, "proj.weight": stored}, ROW_ORDER_KEY: {"qkv.weight": order},
+        "optimizer_0": {"state": {"qkv.weight": entry}, "param_groups": [{"lr": 1.0, "params": ["qkv.weight"]}]},
+    })
+    assert torch.equal(out["state_dict"]["qkv.weight"], 2 * original)  # the fp32 master, in the model's order
+    assert torch.equal(out["state_dict"]["proj.weight"], stored)  # not recorded: left as it is
+    assert torch.equal(out["optimizer_states"][0]["state"][0]["exp_avg"], original) and ROW_ORDER_KEY not in out
+    with pytest.raises(ValueError, match="cannot be put back in the model's order"):
+        reorder_rows(torch.zeros(12, 3), order, to_model=True)
+
+
+def test_export_unstacks_experts():
     stack = torch.randn(4, 5, 3)
-    out = to_litgpt_state(
-        {"transformer.h.0.attn.qkv.weight": stored, "transformer.h.0.mlp.experts.fc_1": stack},
-        {"config": config, "qkv_rank_major_tp": 2},
-    )
-    assert torch.equal(out["transformer.h.0.attn.qkv.weight"], original)
+    out = to_litgpt_state({"transformer.h.0.mlp.experts.fc_1": stack})
     assert torch.equal(out["transformer.h.0.mlp.experts.2.fc_1.weight"], stack[2])
     assert "transformer.h.0.mlp.experts.fc_1" not in out
 

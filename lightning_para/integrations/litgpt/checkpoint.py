@@ -8,16 +8,13 @@
   layout (collective: every rank calls it; the whole model is gathered to rank 0, which writes) or
   from a **checkpoint** ``ParaStrategy`` saved (a sharded directory or one file; no process group).
 
-What differs between a layout's parameters and LitGPT's names is recorded in every checkpoint
-(:func:`litgpt_models`, key :data:`CHECKPOINT_KEY`) and undone on export:
-
-* a grouped-query ``qkv`` under tp is stored rank-major (:class:`~lightning_para.parallel.tensor.columns.FusedBlocksColwise`):
-  its rows are put back in LitGPT's ``[q | k | v]`` order;
-* ``LLaMAMoE`` experts under ep are stacked (:mod:`.experts`): unstacked into ``experts.{i}.fc_1.weight``, ...
-
-Caveat: a checkpoint of a grouped-query ``qkv`` saved under ``tp = t`` holds its rows in ``t``'s rank-major
-order: resume it with the same tp (:func:`check_layout` refuses another, before anything is loaded), or export
-it, then load the folder.
+What differs between a layout's parameters and LitGPT's names is undone on export: ``LLaMAMoE`` experts
+under ep are stacked (:mod:`.experts`) and unstacked into ``experts.{i}.fc_1.weight``, ... A grouped-query
+``qkv`` under tp, stored in tp's rank-major row order
+(:class:`~lightning_para.parallel.tensor.columns.FusedBlocksColwise`), is in LitGPT's ``[q | k | v]`` order in
+every whole-tensor form: one-file saves, consolidated checkpoints, exports; and one-file LitGPT or one-device
+weights (``fabric.load_raw("lit_model.pth", model)``, a one-device checkpoint) load into any tp. Each checkpoint
+records the model's config (:func:`litgpt_models`, key :data:`CHECKPOINT_KEY`) so that export needs nothing else.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from lightning_para.checkpoint.format import is_sharded_checkpoint
 from lightning_para.checkpoint.model_info import register_model_info
 from lightning_para.integrations.litgpt.experts import STACKED
 from lightning_para.integrations.litgpt.tensor import is_litgpt_module
-from lightning_para.parallel.tensor.columns import ROWS_ATTRIBUTE, BlockRows
+from lightning_para.parallel.tensor.columns import rank_major_rows, reorder_named
 
 CHECKPOINT_KEY = "litgpt_models"
 WEIGHTS, CONFIG = "lit_model.pth", "model_config.yaml"
@@ -59,30 +56,18 @@ def load_checkpoint(folder: Union[str, Path], **config_overrides: Any) -> nn.Mod
 
 
 def litgpt_models(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """``{prefix: {"config", "qkv_rank_major_tp"}}`` for each outermost LitGPT ``GPT`` in ``module`` (``prefix``
-    ends with ``"."``, or is ``""``): what :func:`export` needs to undo. ``qkv_rank_major_tp``: the tp
-    degree whose rank-major order the grouped-query ``qkv`` rows are stored in (0: LitGPT's order)."""
+    """``{prefix: {"config": ...}}`` for each outermost LitGPT ``GPT`` in ``module`` (``prefix`` ends with ``"."``,
+    or is ``""``): what :func:`export` needs to write a folder from a checkpoint."""
     found: dict[str, dict[str, Any]] = {}
     for name, sub in module.named_modules():
-        if not is_litgpt_module(sub, "GPT") or any(name.startswith(p) for p in found if p):
-            continue
-        tps = {getattr(m, ROWS_ATTRIBUTE)[1] for m in sub.modules() if getattr(m, ROWS_ATTRIBUTE, None) is not None}
-        found[f"{name}." if name else ""] = {"config": asdict(sub.config), "qkv_rank_major_tp": max(tps, default=0)}
+        if is_litgpt_module(sub, "GPT") and not any(name.startswith(p) for p in found if p):
+            found[f"{name}." if name else ""] = {"config": asdict(sub.config)}
     return found
 
 
-def to_litgpt_state(state: dict[str, torch.Tensor], entry: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A ``GPT``'s whole state dict as a layout left it -> LitGPT's names and row order (see module docstring)."""
+def to_litgpt_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``GPT``'s whole state dict in the model's row order -> LitGPT's names (experts unstacked)."""
     out = dict(state)
-    config, tp = entry["config"], int(entry.get("qkv_rank_major_tp", 0))
-    if tp > 1:
-        head_size = config["head_size"]
-        blocks = (config["n_head"] * head_size, config["n_query_groups"] * head_size, config["n_query_groups"] * head_size)
-        order = BlockRows(blocks).rank_major_order(tp)
-        for key in [k for k in out if k.endswith((".attn.qkv.weight", ".attn.qkv.bias"))]:
-            restored = torch.empty_like(out[key])
-            restored[order] = out[key]  # row i of the stored tensor is global row order[i]
-            out[key] = restored
     for key in [k for k in out if k.endswith(".experts.fc_1")]:  # stacked LLaMAMoE experts (ep)
         fqn = key[: -len(".fc_1")]
         for part in STACKED:
@@ -131,7 +116,7 @@ def export(
         prefix = _choose(models, prefix)
         gpt = source.get_submodule(prefix[:-1]) if prefix else source
         # Each rank converts what it holds (a pipeline stage: its own layers and their layout).
-        state = to_litgpt_state(_whole_state(gpt), models[prefix])
+        state = to_litgpt_state(reorder_named(_whole_state(gpt), rank_major_rows(gpt), to_model=True))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Pipeline stages hold different layers: gather every rank's share on rank 0.
             gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # type: ignore[assignment]
@@ -149,7 +134,7 @@ def export(
         )
     prefix = _choose(models, prefix)
     state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    return _write(folder, to_litgpt_state(state, models[prefix]), models[prefix]["config"])
+    return _write(folder, to_litgpt_state(state), models[prefix]["config"])
 
 
 def _choose(models: dict[str, Any], prefix: Optional[str]) -> str:
@@ -175,23 +160,6 @@ def _load(checkpoint: Union[str, Path, dict[str, Any]]) -> dict[str, Any]:
     raise ValueError(f"`{path}` is neither a checkpoint file nor a sharded lightning-para checkpoint directory.")
 
 
-def check_layout(module: nn.Module, recorded: Optional[dict[str, dict[str, Any]]]) -> None:
-    """Refuse a checkpoint whose grouped-query ``qkv`` rows are in another tp's rank-major order than this run's
-    (loading it would put q, k and v rows in the wrong places silently)."""
-    for prefix, entry in litgpt_models(module).items():
-        saved = int((recorded or {}).get(prefix, {}).get("qkv_rank_major_tp", 0))
-        now = int(entry["qkv_rank_major_tp"])
-        if saved != now:
-            stored = f"tp={saved}'s rank-major order" if saved else "LitGPT's order"
-            wanted = f"tp={now}'s rank-major order" if now else "LitGPT's order"
-            raise ValueError(
-                f"This checkpoint stores the grouped-query `qkv` rows of the LitGPT model at {prefix or 'the root'!r}"
-                f" in {stored}; this run needs {wanted}. Resume with the tp the checkpoint was saved with, or export it"
-                " to a LitGPT folder (lightning_para.integrations.litgpt.export(checkpoint, folder)) and start from"
-                " load_checkpoint(folder)."
-            )
-
-
-register_model_info(CHECKPOINT_KEY, litgpt_models, check=check_layout)
+register_model_info(CHECKPOINT_KEY, litgpt_models)
 
 __all__ = ["CHECKPOINT_KEY", "export", "litgpt_models", "load_checkpoint", "to_litgpt_state"]

@@ -19,9 +19,10 @@ equal blocks) and the layout; :class:`FusedColwiseParallel` is its equal-blocks,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,8 +160,8 @@ class FusedBlocksColwise(Colwise):
       ``r``-th slice of each block" for blocks of different sizes, so the parameter is a ``Shard(0)``
       DTensor of the *rank-major* row order (rank 0's q, k, v slices, then rank 1's). ZeRO, clipping
       and the optimizer see an ordinary sharded parameter; the module gets a ``tensor_parallel_rows``
-      attribute (``(BlockRows, tp)``) so that code reading whole tensors (LitGPT export) restores the
-      global order with :meth:`BlockRows.rank_major_order`.
+      attribute (``(BlockRows, tp)``) so that code reading or writing whole tensors (full saves, consolidation,
+      loads of one-device checkpoints, LitGPT export) moves rows with :func:`reorder_rows`.
     """
 
     def __init__(self, blocks: Sequence[int], layout: str = "contiguous", groups: int = 1, unit: int = 1) -> None:
@@ -240,14 +241,49 @@ class FusedBlocksColwise(Colwise):
         return f"FusedBlocksColwise(blocks={rows.blocks}, layout={rows.layout!r}{extra}, unit={self.unit})"
 
 
-def global_row_order(module: nn.Module) -> "torch.Tensor | None":
-    """For a projection stored rank-major by :class:`FusedBlocksColwise`: the global row of each row of its
-    whole (``full_tensor()``) weight; ``None`` for every other module (its whole weight is in global order)."""
-    stored = getattr(module, ROWS_ATTRIBUTE, None)
-    if stored is None:
-        return None
-    rows, tp = stored
-    return rows.rank_major_order(tp)
+RowOrder = tuple[tuple[int, ...], int]  # (blocks, tp): a whole tensor's rows in tp's rank-major order
 
 
-__all__ = ["BLOCK_LAYOUTS", "BlockRows", "Colwise", "FusedBlocksColwise", "FusedColwiseParallel", "global_row_order"]
+def rank_major_rows(module: nn.Module) -> dict[str, RowOrder]:
+    """``{parameter name: (blocks, tp)}`` of every parameter in ``module`` that :class:`FusedBlocksColwise` stores
+    rank-major: its whole (``full_tensor()``) value is not in the model's row order until :func:`reorder_rows`."""
+    found = {}
+    for name, sub in module.named_modules():
+        stored = getattr(sub, ROWS_ATTRIBUTE, None)
+        for pname, _ in sub.named_parameters(recurse=False) if stored is not None else ():
+            found[f"{name}.{pname}" if name else pname] = (stored[0].blocks, stored[1])
+    return found
+
+
+def reorder_rows(value: Any, order: RowOrder, *, to_model: bool, name: str = "tensor") -> Any:
+    """The one permutation pair between a whole tensor's rank-major rows (``order``) and the model's own rows:
+    ``to_model=True`` undoes the rank-major order (saves, consolidation, export), ``False`` applies it (loads).
+    A mapping (a parameter's optimizer state) has each of its tensors moved; scalars stay. ``ValueError`` for a
+    tensor whose rows are not the parameter's: it cannot be put in order."""
+    if isinstance(value, Mapping):
+        return {k: reorder_rows(v, order, to_model=to_model, name=f"{name}[{k!r}]") for k, v in value.items()}
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    blocks, tp = order
+    if value.shape[0] != sum(blocks):
+        raise ValueError(
+            f"{name} of shape {tuple(value.shape)} is stored in tp={tp}'s rank-major row order of blocks {list(blocks)},"
+            f" but its rows are not the {sum(blocks)} rows of the parameter: it cannot be put back in the model's order."
+        )
+    index = BlockRows(tuple(blocks)).rank_major_order(tp).to(value.device)  # row i of the stored tensor is index[i]
+    if not to_model:
+        return value[index]
+    out = torch.empty_like(value)
+    out[index] = value
+    return out
+
+
+def reorder_named(state: Mapping[str, Any], orders: Mapping[str, RowOrder], *, to_model: bool) -> dict[str, Any]:
+    """``state`` with each entry named in ``orders`` (:func:`rank_major_rows`) moved by :func:`reorder_rows`."""
+    return {k: reorder_rows(v, orders[k], to_model=to_model, name=repr(k)) if k in orders else v for k, v in state.items()}
+
+
+__all__ = [
+    "BLOCK_LAYOUTS", "BlockRows", "Colwise", "FusedBlocksColwise", "FusedColwiseParallel", "RowOrder", "rank_major_rows",
+    "reorder_named", "reorder_rows",
+]
