@@ -172,7 +172,25 @@ def _rows_moved(meta: Mapping[str, Any], module: nn.Module, own: Mapping[str, An
     """Whether a sharded checkpoint's rows are in another order than this layout's (every rank agrees).
     Written before the order was recorded (no key): assumed this layout's, as such checkpoints were loaded."""
     saved, now = meta.get(ROW_ORDER_KEY), rank_major_rows(module)
+    if saved is None:
+        _check_unrecorded_rows(meta, now)
     return any(gather(saved is not None and any(saved.get(k) != now.get(k) for k in own)))
+
+
+def _check_unrecorded_rows(meta: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Before the row order was recorded, LitGPT models kept their grouped-query tp in their model record
+    (``litgpt_models``: ``qkv_rank_major_tp``, 0 for the model's own order); at another tp the rows would land
+    in the wrong places silently, so such a checkpoint loads at the tp it was saved with only."""
+    legacy = {int(entry.get("qkv_rank_major_tp", 0)) for entry in (meta.get("litgpt_models") or {}).values()}
+    running = {tp for _, tp in now.values()} or {0}
+    if legacy and legacy != running:
+        saved = max(legacy)
+        raise ValueError(
+            f"This checkpoint was written before lightning-para recorded fused projections' row order; its LitGPT"
+            f" grouped-query `qkv` rows are in {f'tp={saved}' if saved else 'one device'}'s order, this run's in"
+            f" {f'tp={max(running)}' if max(running) else 'one device'}'s. Resume with tp={max(saved, 1)}, then save"
+            " again (new checkpoints load at any tp)."
+        )
 
 
 def _load_sharded(

@@ -95,3 +95,17 @@ def test_the_shared_config_is_never_divided():
     assert (attention.config.n_head, attention.config.n_query_groups) == (2, 1)
     assert (model.config.n_head, model.config.n_query_groups) == (4, 2)
     assert model.transformer.h[1].attn.config is model.config and isinstance(attention, nn.Module)
+
+
+def test_a_checkpoint_from_before_the_row_record_loads_at_its_own_tp_only():
+    """Old sharded checkpoints kept LitGPT's grouped-query tp in ``litgpt_models``: at another tp their rows would
+    land in the wrong places, so they are refused naming the tp to resume with; at their own tp they load."""
+    from lightning_para.checkpoint.io import _check_unrecorded_rows
+
+    legacy = {"litgpt_models": {"": {"config": {}, "qkv_rank_major_tp": 2}}}
+    _check_unrecorded_rows(legacy, {"model.attn.qkv.weight": ((64, 16, 16), 2)})  # the same tp: as stored
+    with pytest.raises(ValueError, match=r"Resume with tp=2"):
+        _check_unrecorded_rows(legacy, {})  # one device
+    with pytest.raises(ValueError, match=r"Resume with tp=1"):
+        _check_unrecorded_rows({"litgpt_models": {"": {"qkv_rank_major_tp": 0}}}, {"w": ((64, 16, 16), 2)})
+    _check_unrecorded_rows({}, {"w": ((64, 16, 16), 2)})  # no LitGPT record: nothing to say
