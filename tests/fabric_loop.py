@@ -74,15 +74,17 @@ class PipelinedLitGPT(nn.Module):
         return pipeline_spec(self.model)
 
 
-def recipe_moe() -> nn.Module:
+def recipe_moe(bias_update_rate: float = 0.0) -> nn.Module:
     """This repo's MoE recipe (4 experts, top-2, no capacity limit: no token is dropped)."""
     from lightning_para.recipes.moe import MoEGPT
 
-    return MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD)
+    return MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=EMBD, init_std=SHARP_STD,
+                  bias_update_rate=bias_update_rate)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "recipe": recipe_gpt, "litgpt": litgpt_gpt, "litgpt_pp": PipelinedLitGPT, "moe": recipe_moe,
+    "moe_biased": partial(recipe_moe, bias_update_rate=0.05),  # rate far above DeepSeek-V3's: routing moves in 4 steps
 }
 
 
@@ -314,11 +316,13 @@ def fabric_reference(
     model = build(None, model_name, empty_init=False)
     if fp8:
         model = to_float8_reference(model)
-    from lightning_para.moe import set_aux_loss_grad_scale
+    from lightning_para.moe import set_aux_loss_grad_scale, update_expert_bias
 
     set_aux_loss_grad_scale(model, 1.0 / accumulate)  # MoE layers: their aux gradient scaled as the loss is
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(muon_optimizer(model) if muon else make_optimizer(model.parameters(), sgd))
+    optimizer = muon_optimizer(model) if muon else make_optimizer(model.parameters(), sgd)
+    optimizer.register_step_post_hook(lambda *_: update_expert_bias([model]))  # what ParaStrategy does (no-op without)
+    optimizer = fabric.setup_optimizers(optimizer)
     loader = fabric.setup_dataloaders(DataLoader(token_dataset(), batch_size=global_batch, shuffle=False))
     losses = train(fabric, model, optimizer, loader, steps=steps, accumulate=accumulate, pipeline=False)
     if not sgd:

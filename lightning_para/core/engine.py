@@ -27,7 +27,7 @@ from lightning_para.core.model_setup import parallel_model_of
 from lightning_para.core.precision import PrecisionCore
 from lightning_para.core.run_guard import RunGuard
 from lightning_para.mesh import ParallelDims
-from lightning_para.moe import aux_loss_grad_scale, set_aux_loss_grad_scale
+from lightning_para.moe import aux_loss_grad_scale, biased_routers, set_aux_loss_grad_scale, update_expert_bias
 from lightning_para.parallel.compile import CompileWatch
 from lightning_para.parallel.data import MemoryBreakdown
 from lightning_para.parallel.fp8 import precompute_float8_scales
@@ -181,8 +181,8 @@ class ParaEngine:
         return parallel
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer], append: bool = False) -> None:
-        """Hand each optimizer to data parallelism (ZeRO edits its param groups in place), and keep torchao's
-        float8 weight scales current under ZeRO-3's float8 all-gather. ``append``: beside those set up before
+        """Hand each optimizer to data parallelism (ZeRO edits its param groups in place), keep torchao's
+        float8 weight scales current under ZeRO-3's float8 all-gather, and update MoE selection biases after steps. ``append``: beside those set up before
         (Fabric's one at a time), else in their place (the Trainer's, made again for every ``fit``)."""
         parallel = self.parallel_model
         is_expert = parallel.expert_predicate()
@@ -199,6 +199,11 @@ class ParaEngine:
             if float8 is not None and float8.fsdp_float8_all_gather:
                 # ZeRO-3 float8 all-gather: all weight scales in one all-reduce after each step (torchtitan's order).
                 optimizer.register_step_post_hook(lambda *_: [precompute_float8_scales(part) for part in parts])
+        if optimizers and not (append and self.optimizers) and biased_routers(*parts):
+            # The MoE selection biases, after the first optimizer's steps, from the load of the ranks with other tokens.
+            dims = self.parallel_dims
+            groups = [dims.group("dp")] + ([dims.group("cp")] if dims.size("cp") > 1 else [])
+            optimizers[0].register_step_post_hook(lambda *_: update_expert_bias(parts, groups))
         self.optimizers = [*self.optimizers, *optimizers] if append else list(optimizers)
 
     def start_training(self) -> None:

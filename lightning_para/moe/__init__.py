@@ -21,13 +21,16 @@ Auxiliary losses (their gradients are applied automatically; see :func:`aux_loss
   eq. 4-6), ``f_i`` = fraction of the k*T assignments routed to expert i, ``P_i`` = mean
   router probability of expert i. Uniform routing gives exactly ``alpha``.
 * router z-loss ``beta * mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022, eq. 5).
+
+Auxiliary-loss-free balancing (DeepSeek-V3), beside them or instead: ``bias_update_rate`` (see
+:func:`update_expert_bias`).
 """
 
 from lightning_para.spec.lazy import lazy_face
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, {
-    ".helpers": ("MoEAuxLossScale", "MoEMetrics", "aux_loss", "balanced_routing", "moe_layers", "aux_loss_grad_scale",
-        "moe_stats_paused", "set_aux_loss_grad_scale"),
+    ".helpers": ("MoEAuxLossScale", "MoEBiasUpdate", "MoEMetrics", "aux_loss", "balanced_routing", "biased_routers",
+        "moe_layers", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "update_expert_bias"),
     ".layer": ("MoE", "FeedForward", "GroupedExperts", "MoEStats", "TopKRouter"),
     ".routing": ("balanced_assignment", "capacity_keep_mask", "expert_capacity", "load_balancing_loss",
         "router_z_loss"),

@@ -1,13 +1,14 @@
 """What a LightningModule (or a training loop) uses around MoE layers: the aux-loss value, the
-aux-gradient scale, pausing statistics, and the Lightning callbacks."""
+aux-gradient scale, the selection-bias update, pausing statistics, and the Lightning callbacks."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
@@ -104,6 +105,43 @@ def set_aux_loss_grad_scale(module: nn.Module, scale: float) -> None:
         layer.aux_loss_grad_scale = float(scale)
 
 
+def biased_routers(*modules: nn.Module) -> list[nn.Module]:
+    """The modules inside ``modules`` that balance by a selection bias (:func:`~lightning_para.moe.routing.add_expert_bias`)."""
+    return list({id(m): m for module in modules for m in module.modules() if getattr(m, "bias_update_rate", 0.0)}.values())
+
+
+@torch.no_grad()
+def update_expert_bias(modules: Sequence[nn.Module], groups: Sequence[Any] = ()) -> None:
+    """After an optimizer step: ``expert_bias += rate * sign(mean load - load)`` in every biased router of
+    ``modules`` (DeepSeek-V3's auxiliary-loss-free balancing), then the load counts restart.
+
+    The load is the assignments per expert since the last update, summed over ``groups`` (the ranks that
+    route different tokens: data parallel, with ep inside it, and cp) in one all-reduce for all layers, so
+    every rank applies the same update. ``ParaStrategy`` calls this after each optimizer step.
+    """
+    routers = biased_routers(*modules)
+    if not routers:
+        return
+    load = torch.cat([r.expert_load for r in routers])
+    for group in groups:
+        dist.all_reduce(load, group=group)
+    for router, counts in zip(routers, load.float().split([r.expert_load.numel() for r in routers])):
+        router.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=router.bias_update_rate)
+        router.expert_load.zero_()
+
+
+class MoEBiasUpdate(Callback):
+    """For strategies other than ``ParaStrategy`` (which does this itself): :func:`update_expert_bias` after each
+    step of the first optimizer, with the loads summed over the default process group (if any)."""
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        groups = [dist.group.WORLD] if dist.is_initialized() else []
+        self._hook = trainer.optimizers[0].register_step_post_hook(lambda *_: update_expert_bias([pl_module], groups))
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._hook.remove()
+
+
 class MoEAuxLossScale(Callback):
     """For strategies other than ``ParaStrategy`` (which does this itself): before each backward, set the
     MoE aux-gradient scale the way Lightning scales the loss (``/ accumulate_grad_batches``, times the
@@ -141,4 +179,4 @@ class MoEMetrics(Callback):
             pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
 
 
-__all__ = ["moe_layers", "aux_loss", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]
+__all__ = ["biased_routers", "update_expert_bias", "MoEBiasUpdate", "moe_layers", "aux_loss", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]

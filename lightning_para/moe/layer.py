@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from lightning_para._dtensor import scale_grad
 from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
 from lightning_para.moe.routing import (
-    balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss, rows_per_expert,
+    add_expert_bias, balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss,
+    rows_per_expert, select_experts,
 )
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -179,6 +180,10 @@ class MoE(nn.Module):
             depends on the per-rank batch size).
         normalize_top_k: rescale the k gates to sum to 1 (default: ``top_k > 1``, as Mixtral;
             Switch's k=1 gate is the raw probability).
+        bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias (buffer
+            ``expert_bias``) added to the probabilities for the top-k *selection* only, moved by this
+            much towards the mean load after each optimizer step (:func:`~lightning_para.moe.update_expert_bias`);
+            0 (default) disables it. Beside the auxiliary losses or instead of them (``balance_loss_weight=0``).
     """
 
     def __init__(
@@ -195,9 +200,11 @@ class MoE(nn.Module):
         z_loss_weight: float = 0.0,
         balance_scope: str = "sequence",
         normalize_top_k: Optional[bool] = None,
+        bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         _validate(num_experts, top_k, activation, capacity_factor, balance_loss_weight, z_loss_weight, balance_scope)
+        add_expert_bias(self, num_experts, bias_update_rate)
         self.dim, self.num_experts, self.top_k = dim, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.balance_loss_weight, self.z_loss_weight = float(balance_loss_weight), float(z_loss_weight)
@@ -213,6 +220,11 @@ class MoE(nn.Module):
         self.balanced_routing = False
         self._recording = True  # see `moe_stats_paused`
         self._reset_stats()
+
+    def reset_parameters(self) -> None:
+        """Zero the balancing bias and load (an ``empty_init`` model's materialisation); submodules reset their weights."""
+        for buffer in self.buffers(recurse=False):
+            buffer.zero_()
 
     def set_recording(self, recording: bool) -> bool:
         """Whether training forwards count towards :meth:`pop_stats` and :meth:`pop_aux_loss`; returns the
@@ -238,7 +250,7 @@ class MoE(nn.Module):
             indices, balanced_counts = balanced_assignment(num_tokens, k, self.num_experts, tokens.device)
             top_probs = probs.gather(-1, indices)
         else:
-            top_probs, indices = probs.topk(k, dim=-1)
+            top_probs, indices = select_experts(probs, getattr(self, "expert_bias", None), k)
         gates = top_probs / top_probs.sum(-1, keepdim=True) if self.normalize_top_k else top_probs
 
         keep = None
@@ -328,6 +340,8 @@ class MoE(nn.Module):
             "tokens_per_expert": torch.bincount(indices.reshape(-1), minlength=self.num_experts),
         }
         self._stats = {k: v + self._stats[k] if k in self._stats else v for k, v in new.items()}
+        if self.bias_update_rate:
+            self.expert_load += new["tokens_per_expert"]
         self._stat_forwards += 1
         self._aux_value = balance + z if self._aux_value is None else self._aux_value + balance + z
         self._aux_forwards += 1

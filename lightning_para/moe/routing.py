@@ -1,12 +1,14 @@
-"""Routing math of the MoE layer (no modules, no communication): capacity, auxiliary losses, the dry run's balanced assignment."""
+"""Routing math of the MoE layer (no communication): expert selection and its bias, capacity, auxiliary losses, the dry
+run's balanced assignment."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, top_k: int) -> int:
@@ -58,10 +60,34 @@ def rows_per_expert(expert_of: Tensor, num_experts: int) -> Tensor:
     )
 
 
+def select_experts(probs: Tensor, expert_bias: Optional[Tensor], top_k: int) -> tuple[Tensor, Tensor]:
+    """``(gates, experts)``, each ``[T, k]``: the top-k of ``probs + expert_bias``; the bias steers the selection
+    only, the gates stay the chosen experts' unbiased ``probs``."""
+    if expert_bias is None:
+        return probs.topk(top_k, dim=-1)
+    indices = (probs + expert_bias).topk(top_k, dim=-1).indices
+    return probs.gather(-1, indices), indices
+
+
+def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float) -> None:
+    """Give ``router`` auxiliary-loss-free balancing: ``bias_update_rate`` and, when it is > 0, the buffers
+    ``expert_bias`` (fp32, in checkpoints) and ``expert_load`` (the assignments per expert since the last
+    update; its owner adds to it in training forwards)."""
+    if isinstance(bias_update_rate, bool) or not isinstance(bias_update_rate, (int, float)) or bias_update_rate < 0:
+        raise ValueError(
+            f"`bias_update_rate={bias_update_rate!r}` must be a number >= 0 (DeepSeek-V3 uses 0.001; 0 disables the bias)."
+        )
+    router.bias_update_rate = float(bias_update_rate)
+    if bias_update_rate:
+        device = next(iter(router.parameters()), torch.empty(0)).device
+        router.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
+        router.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
+
+
 def router_z_loss(logits: Tensor) -> Tensor:
     """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-__all__ = ["balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss",
-           "rows_per_expert"]
+__all__ = ["add_expert_bias", "balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss",
+           "rows_per_expert", "select_experts"]

@@ -37,6 +37,7 @@ class MoEOptions:
     shared_expert_hidden: Optional[int] = None
     balance_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or self.moe_every < 1:
@@ -56,6 +57,7 @@ class MoEGPT(GPT):
         expert_hidden: hidden width of each expert (default: the dense MLP's).
         shared_expert_hidden: width of an always-on shared expert (``None``: none).
         balance_loss_weight, z_loss_weight: auxiliary loss weights (Switch 0.01; ST-MoE 0.001).
+        bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3: 0.001; 0: off), beside or instead of them.
         **kwargs: everything :class:`~lightning_para.recipes.gpt.GPT` takes (``preset``, ``n_layer``, ``lr``, ...).
     """
 
@@ -70,13 +72,14 @@ class MoEGPT(GPT):
         balance_loss_weight: float = 0.01,
         z_loss_weight: float = 0.001,
         first_k_dense: int = 0,
+        bias_update_rate: float = 0.0,
         **kwargs: Any,
     ) -> None:
         # Read by `make_mlp`, which GPT.__init__ calls while building the blocks.
         self.moe_options = MoEOptions(
             num_experts=num_experts, top_k=top_k, capacity_factor=capacity_factor, moe_every=moe_every,
             first_k_dense=first_k_dense, expert_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden,
-            balance_loss_weight=balance_loss_weight, z_loss_weight=z_loss_weight,
+            balance_loss_weight=balance_loss_weight, z_loss_weight=z_loss_weight, bias_update_rate=bias_update_rate,
         )
         super().__init__(**kwargs)
 
@@ -91,7 +94,7 @@ class MoEGPT(GPT):
         return MoE(
             config.n_embd, o.expert_hidden or config.mlp_hidden, o.num_experts, o.top_k,
             activation=config.mlp, shared_hidden_dim=o.shared_expert_hidden, capacity_factor=o.capacity_factor,
-            balance_loss_weight=o.balance_loss_weight, z_loss_weight=o.z_loss_weight,
+            balance_loss_weight=o.balance_loss_weight, z_loss_weight=o.z_loss_weight, bias_update_rate=o.bias_update_rate,
         )
 
     def num_params(self, matmul_only: bool = False, active: bool = False) -> int:

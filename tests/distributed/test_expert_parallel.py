@@ -23,9 +23,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_para.moe import MoE, MoEAuxLossScale, MoEMetrics, aux_loss
+from lightning_para.moe import MoE, MoEAuxLossScale, MoEBiasUpdate, MoEMetrics, aux_loss
 from tests.comm_counter import CollectiveCounter, nccl_reduce_scatter_path
 from tests.parity import (
+    FP32_RTOL,
     LossRecorder,
     ShardedData,
     assert_losses_close,
@@ -252,6 +253,7 @@ def moe_fit_job(
         "groups": {name: dims.group(name).group_name for name in ("dp", "edp", "ep")},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")},
         "ep_rank": dims.local_rank("ep"),
+        "biases": expert_biases(module),
         "edp_peers": dist.get_process_group_ranks(dims.group("edp")),
         "expert_meshes": sorted({
             tuple(p.device_mesh.mesh_dim_names) for p in module.parameters()
@@ -262,6 +264,10 @@ def moe_fit_job(
         out["forward_calls"] = counter.forward.calls
         out["backward_calls"] = counter.backward.calls
     return out
+
+
+def expert_biases(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
 
 
 def mean_loss(results: list[dict[str, Any]]) -> list[float]:
@@ -576,3 +582,70 @@ def test_ep2_with_tp2(pools, sequence_parallel, zero):
         bwd = [c for c in r["backward_calls"] if c[0] == "all_to_all"]
         assert len(fwd) == 3 * 2 and len(bwd) == 2 * 2
         assert all(c[2] == r["groups"]["ep"] for c in fwd + bwd)
+
+
+# ----------------------------------------------------------------------------- auxiliary-loss-free balancing
+# A rate far above DeepSeek-V3's 1e-3, so that the bias changes the routing within a few steps.
+BIASED = functools.partial(TinyMoETransformer, depth=1, top_k=1, bias_update_rate=0.1)
+BIAS_STEPS = 5  # odd: each bias entry sums 5 steps of +-rate, so it is not back at 0
+
+
+class KeepBiases(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.biases = expert_biases(pl_module)
+
+
+def bias_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    keep = KeepBiases()
+    ref = fit_reference(BIASED, token_dataset, GLOBAL_BATCH, BIAS_STEPS, callbacks=(MoEBiasUpdate(), keep))
+    return ref["losses"], keep.biases
+
+
+def planted_bias_job(plant: Optional[str], strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``moe_fit_job`` of the biased model, with one bug planted in this rank's library code."""
+    import lightning_para.core.engine as engine
+    import lightning_para.moe.layer as layer
+    from lightning_para.moe.routing import select_experts
+
+    original = engine.update_expert_bias
+    plants = {  # the bias from this rank's load only; the bias also in the combine weights
+        "local_load": (engine, "update_expert_bias", lambda modules, groups: original(modules, ())),
+        "biased_gates": (layer, "select_experts", lambda probs, bias, k: (
+            (probs + bias).gather(-1, select_experts(probs, bias, k)[1]), select_experts(probs, bias, k)[1])),
+    }
+    owner, name, replacement = plants[plant] if plant else (None, None, None)
+    kept = getattr(owner, name) if owner else None
+    if owner:
+        setattr(owner, name, replacement)
+    try:
+        return moe_fit_job(BIASED, strategy_kwargs, max_steps=BIAS_STEPS)
+    finally:
+        if owner:
+            setattr(owner, name, kept)
+
+
+def check_bias_parity(results: list[dict[str, Any]], losses: list[float], biases: dict[str, torch.Tensor]) -> None:
+    assert_losses_close(mean_loss(results), losses)
+    assert any(b.abs().sum() > 0 for b in biases.values())
+    for r in results:  # the same update on every rank, equal to one device's (exactly: counts are integers)
+        assert r["biases"].keys() == biases.keys()
+        for name, bias in biases.items():
+            assert torch.equal(r["biases"][name], bias), (name, r["biases"][name], bias)
+
+
+def test_ep2_expert_bias_parity_and_planted_bugs(pools):
+    """ep=2 with the selection bias on: per-step losses match one device and the bias is identical on every
+    rank and to one device's; planting either bug moves some step's loss by far more than the tolerance."""
+    losses, biases = bias_reference()
+    pool = pools.get(2)
+    check_bias_parity(pool.run(planted_bias_job, None, {"ep": 2}), losses, biases)
+    for plant in ("local_load", "biased_gates"):
+        planted = mean_loss(pool.run(planted_bias_job, plant, {"ep": 2}))
+        worst = max(abs(a - e) / abs(e) for a, e in zip(planted, losses))
+        assert worst > 10 * FP32_RTOL, (plant, worst)
+
+
+def test_dp4_ep2_expert_bias_parity(pools):
+    """dp=4 x ep=2 (edp=2) with ZeRO-1: the load is summed over all four ranks, not one ep group."""
+    losses, biases = bias_reference()
+    check_bias_parity(pools.get(4).run(planted_bias_job, None, {"dp": 4, "ep": 2, "zero": 1}), losses, biases)

@@ -82,9 +82,10 @@ def test_compile_tp2(pools):
 
 
 def test_expert_parallel_ep2(pools):
-    """The MoE recipe under dp2 x ep2 (experts sharded over ep, their data parallelism over edp)."""
-    results = pools.get(2).run(fabric_job, "moe", {"dp": 2, "ep": 2}, GLOBAL_BATCH)
-    assert_losses_close(mean_over_dp(results), reference("moe"), rtol=FP32_RTOL)
+    """The MoE recipe under dp2 x ep2 (experts sharded over ep, their data parallelism over edp), with the
+    auxiliary-loss-free selection bias on: ParaStrategy updates it from the global load after each step."""
+    results = pools.get(2).run(fabric_job, "moe_biased", {"dp": 2, "ep": 2}, GLOBAL_BATCH)
+    assert_losses_close(mean_over_dp(results), reference("moe_biased"), rtol=FP32_RTOL)
 
 
 def test_fp8_tp2_sp_matches_torchao_one_device(pools):
