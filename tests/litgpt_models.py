@@ -70,6 +70,15 @@ def moe():
     ))
 
 
+def moe_biased():
+    """``moe`` with auxiliary-loss-free balancing (a rate far above DeepSeek-V3's, so the routing moves in 5 steps)."""
+    from lightning_para.parallel.expert import balance_experts
+
+    module = moe()
+    balance_experts(module, 0.05)
+    return module
+
+
 class LitGPTFromFolder(LitGPTModule):
     """A LitGPT checkpoint folder loaded in ``__init__`` (``load_checkpoint``), as a fine-tuning user would;
     ``export_on_start``: export the model, as the strategy laid it out, before the first step."""

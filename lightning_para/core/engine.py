@@ -181,9 +181,10 @@ class ParaEngine:
         return parallel
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer], append: bool = False) -> None:
-        """Hand each optimizer to data parallelism (ZeRO edits its param groups in place), keep torchao's
-        float8 weight scales current under ZeRO-3's float8 all-gather, and update MoE selection biases after steps. ``append``: beside those set up before
-        (Fabric's one at a time), else in their place (the Trainer's, made again for every ``fit``)."""
+        """Hand each optimizer to data parallelism (ZeRO edits its param groups in place), keep torchao's float8
+        weight scales current under ZeRO-3's float8 all-gather, and update MoE selection biases after each step.
+        ``append``: beside those set up before (Fabric's one at a time), else in their place (the Trainer's, made
+        again for every ``fit``)."""
         parallel = self.parallel_model
         is_expert = parallel.expert_predicate()
         float8, parts = parallel.float8, parallel.parts

@@ -179,4 +179,5 @@ class MoEMetrics(Callback):
             pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=self.sync_dist, batch_size=1)
 
 
-__all__ = ["biased_routers", "update_expert_bias", "MoEBiasUpdate", "moe_layers", "aux_loss", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale", "MoEMetrics"]
+__all__ = ["moe_layers", "aux_loss", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "MoEAuxLossScale",
+           "MoEMetrics", "biased_routers", "update_expert_bias", "MoEBiasUpdate"]

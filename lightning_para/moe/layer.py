@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from lightning_para._dtensor import scale_grad
 from lightning_para.moe.grouped import IMPLEMENTATIONS, grouped_linear
 from lightning_para.moe.routing import (
-    add_expert_bias, balanced_assignment, capacity_keep_mask, expert_capacity, load_balancing_loss, router_z_loss,
-    rows_per_expert, select_experts,
+    add_expert_bias, balanced_assignment, capacity_keep_mask, expert_capacity, in_backward, load_balancing_loss,
+    router_z_loss, rows_per_expert, select_experts,
 )
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -329,7 +329,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, aux: tuple[Tensor, Tensor], indices: Tensor, keep: Optional[Tensor]) -> None:
-        if _in_backward() or not self._recording:
+        if in_backward() or not self._recording:
             return  # activation-checkpoint recomputation (already counted), or a forward that is not a step
         balance, z = aux[0].detach().float(), aux[1].detach().float()
         new = {
@@ -397,11 +397,6 @@ def _validate(num_experts, top_k, activation, capacity_factor, balance_loss_weig
             raise ValueError(f"`{name}={value!r}` must be a number >= 0 (0 disables that loss).")
     if balance_scope not in BALANCE_SCOPES:
         raise ValueError(f"`balance_scope={balance_scope!r}` is unknown. Choose one of {BALANCE_SCOPES}.")
-
-
-def _in_backward() -> bool:
-    current = getattr(torch._C, "_current_graph_task_id", None)  # private: see docs/architecture.md
-    return current is not None and current() != -1
 
 
 __all__ = ["ExpertDispatcher", "MoE", "MoEStats", "TopKRouter", "GroupedExperts", "FeedForward", "ACTIVATIONS", "BALANCE_SCOPES"]

@@ -84,10 +84,23 @@ def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float
         router.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
 
 
+def record_load(router: nn.Module, indices: Tensor) -> None:
+    """Add the assignments ``indices`` (``[T, k]``) to ``router.expert_load`` in a training forward (not in eval,
+    not in an activation-checkpoint recomputation, which would count them twice)."""
+    if router.training and not in_backward():
+        router.expert_load += rows_per_expert(indices.reshape(-1).detach(), router.expert_load.numel())
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (activation checkpointing recomputes forwards there)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)  # private: see docs/architecture.md
+    return current is not None and current() != -1
+
+
 def router_z_loss(logits: Tensor) -> Tensor:
     """``mean_t logsumexp(logits_t)^2``: keeps router logits small (ST-MoE eq. 5, unweighted)."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-__all__ = ["add_expert_bias", "balanced_assignment", "expert_capacity", "capacity_keep_mask", "load_balancing_loss", "router_z_loss",
-           "rows_per_expert", "select_experts"]
+__all__ = ["add_expert_bias", "balanced_assignment", "expert_capacity", "capacity_keep_mask", "in_backward",
+           "load_balancing_loss", "record_load", "router_z_loss", "rows_per_expert", "select_experts"]

@@ -24,6 +24,7 @@ import lightning as L  # noqa: E402
 from tests import litgpt_models  # noqa: E402
 from tests.harness import WorkerError  # noqa: E402
 from tests.parity import FP32_RTOL, assert_float8_close, assert_losses_close, fit_job, fit_reference  # noqa: E402
+from lightning_para.moe import MoEBiasUpdate  # noqa: E402
 from tests.tp_models import make_optimizer, token_dataset  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,8 @@ _references: dict = {}
 
 def reference(factory) -> list[float]:
     if factory not in _references:
-        _references[factory] = fit_reference(factory, token_dataset, GLOBAL_BATCH, STEPS)["losses"]
+        # MoEBiasUpdate: the selection biases of a balanced MoE model (`moe_biased`) as ParaStrategy updates them.
+        _references[factory] = fit_reference(factory, token_dataset, GLOBAL_BATCH, STEPS, callbacks=(MoEBiasUpdate(),))["losses"]
     return _references[factory]
 
 
@@ -299,8 +301,9 @@ def test_litgpt_gqa_four_ranks(pools, name):
 
 # ============================================================================ LLaMAMoE under expert parallelism
 def test_litgpt_moe_ep2(pools):
-    """ep=2 (= dp=2): each rank keeps 2 of the 4 experts of every LLaMAMoE (stacked fc_1, fc_2, proj)."""
-    results = run_and_compare(pools, 2, litgpt_models.moe, {"ep": 2})
+    """ep=2 (= dp=2): each rank keeps 2 of the 4 experts of every LLaMAMoE (stacked fc_1, fc_2, proj); with the
+    auxiliary-loss-free selection bias (`balance_experts`), updated from both ranks' load after each step."""
+    results = run_and_compare(pools, 2, litgpt_models.moe_biased, {"ep": 2})
     assert all(r["expert_shares"] and all(s == 0.5 for s in r["expert_shares"]) for r in results)
 
 

@@ -408,3 +408,32 @@ def test_balanced_routing_is_a_scoped_switch():
         for t in range(5)
     ])
     torch.testing.assert_close(out.reshape(5, 8), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_balance_experts_on_litgpt_llama_moe():
+    """LitGPT's ``LLaMAMoE`` with a zero bias routes exactly as LitGPT's own forward; a bias that forces expert 0
+    in changes the selection only (its gate is the softmax over the chosen experts' unbiased logits)."""
+    litgpt = pytest.importorskip("litgpt")
+    from lightning_para.parallel.expert import balance_experts
+
+    torch.manual_seed(0)
+    config = litgpt.Config(n_embd=16, n_expert=4, n_expert_per_token=2, moe_intermediate_size=24, bias=False,
+                           mlp_class_name="LLaMAMoE", intermediate_size=24, padded_vocab_size=32, n_layer=1, n_head=2)
+    block = litgpt.model.LLaMAMoE(config)
+    x = torch.randn(2, 5, 16)
+    expected = block(x)
+    assert balance_experts(block, 0.01) == 1
+    torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.tensor([100.0, 0.0, 0.0, 0.0]))
+    block.expert_load.zero_()
+    out = block(x)
+    assert block.expert_load[0] == 10 and block.expert_load.sum() == 20
+    logits = block.gate(x.reshape(-1, 16))
+    chosen = torch.cat([torch.zeros(10, 1, dtype=torch.long), (logits[:, 1:]).topk(1).indices + 1], 1)
+    gates = logits.gather(1, chosen).softmax(1)
+    manual = sum(gates[:, j:j + 1] * torch.stack([block.experts[e](r) for e, r in zip(chosen[:, j], x.reshape(-1, 16))])
+                 for j in range(2))
+    torch.testing.assert_close(out.reshape(-1, 16), manual, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="balance_experts"):
+        balance_experts(nn.Linear(2, 2), 0.01)

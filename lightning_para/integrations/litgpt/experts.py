@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
 from lightning_para.integrations.litgpt.tensor import is_litgpt_module
-from lightning_para.moe.routing import rows_per_expert
+from lightning_para.moe.routing import add_expert_bias, record_load, rows_per_expert, select_experts
 from lightning_para.parallel.expert.adapters import ExpertAdapter, register_expert_adapter
 
 INTERFACE = "LitGPT's LLaMAMoE (a Linear `gate` and an nn.ModuleList of LLaMAMLP `experts`)"
@@ -118,7 +118,10 @@ def _expert_parallel_forward(block: nn.Module, dispatcher: Any, x: Tensor) -> Te
     B, T, C = x.size()
     flat = x.reshape(-1, C)
     k = int(config.n_expert_per_token)
-    probs, indices = torch.topk(block.gate(flat), k)
+    bias = getattr(block, "expert_bias", None)  # `add_litgpt_bias`: on the gate's logits, for the selection only
+    probs, indices = select_experts(block.gate(flat), bias, k)
+    if bias is not None:
+        record_load(block, indices)
     probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=flat.dtype)
     if config.routed_scaling_factor != 1.0:
         probs = probs * config.routed_scaling_factor
@@ -132,6 +135,22 @@ def _expert_parallel_forward(block: nn.Module, dispatcher: Any, x: Tensor) -> Te
     if config.n_shared_expert:
         y = y + block.shared_experts(x)
     return y
+
+
+def add_litgpt_bias(module: nn.Module, bias_update_rate: float) -> int:
+    """Auxiliary-loss-free balancing for every ``LLaMAMoE`` in ``module`` (a bias on its gate's logits, which it
+    selects by): the block routes as under expert parallelism, running its own experts at ep=1."""
+    blocks = [block for _, block in module.named_modules() if is_llama_moe(block)]
+    for block in blocks:
+        add_expert_bias(block, int(block.config.n_expert), bias_update_rate)
+        block.forward = partial(_expert_parallel_forward, block, partial(_run_unstacked, block))
+    return len(blocks)
+
+
+def _run_unstacked(block: nn.Module, run: Any, routed: Tensor, counts: Tensor) -> Tensor:
+    """ep=1: the routed rows through the block's own ``LLaMAMLP`` experts (the host reads the counts, as
+    ``LLaMAMoE``'s ``torch.where`` does)."""
+    return torch.cat([mlp(rows) for mlp, rows in zip(block.experts, routed.split(counts.tolist()))])
 
 
 def shard_litgpt_experts(experts: nn.Module, dispatcher: Any, shard: Callable[[nn.Module], None]) -> None:
@@ -148,8 +167,8 @@ def expert_count_field(experts: nn.Module) -> str:
 
 ADAPTER = ExpertAdapter(
     name="litgpt", interface=INTERFACE, find=litgpt_experts, shard=shard_litgpt_experts,
-    count_field=expert_count_field, unsupported=unsupported_blocks,
+    count_field=expert_count_field, unsupported=unsupported_blocks, add_bias=add_litgpt_bias,
 )
 register_expert_adapter(ADAPTER)
 
-__all__ = ["ADAPTER", "StackedExperts", "is_llama_moe", "litgpt_experts", "run_local_experts", "shard_litgpt_experts", "stack_experts"]
+__all__ = ["ADAPTER", "StackedExperts", "add_litgpt_bias", "is_llama_moe", "litgpt_experts", "run_local_experts", "shard_litgpt_experts", "stack_experts"]

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from lightning_para.moe import MoE
+from lightning_para.moe.routing import add_expert_bias
 from lightning_para.parallel.expert.dispatch import AllToAllDispatcher
 from lightning_para.spec.plugins import load_plugins
 
@@ -35,6 +37,8 @@ class ExpertAdapter:
             (``known`` marks supported blocks); sharding some experts and not others is refused.
         attach_global_loss: ``(module, dp_group, dp_size)``: make the family's auxiliary loss the
             one-device value over data-parallel ranks, or ``None``.
+        add_bias: ``(module, bias_update_rate) -> blocks``: give the family's routers in ``module``
+            auxiliary-loss-free balancing (:func:`balance_experts`), or ``None``.
     """
 
     name: str
@@ -44,6 +48,7 @@ class ExpertAdapter:
     count_field: Callable[[nn.Module], str]
     unsupported: Callable[[nn.Module, Callable[[nn.Module], bool]], list[str]]
     attach_global_loss: Optional[Callable[[nn.Module, Any, int], Any]] = None
+    add_bias: Optional[Callable[[nn.Module, float], int]] = None
 
 
 _ADAPTERS: dict[str, ExpertAdapter] = {}
@@ -62,4 +67,22 @@ def expert_adapters() -> tuple[ExpertAdapter, ...]:
     return tuple(_ADAPTERS.values())
 
 
-__all__ = ["ExpertAdapter", "expert_adapters", "register_expert_adapter"]
+def balance_experts(module: nn.Module, bias_update_rate: float = 0.001) -> int:
+    """Auxiliary-loss-free balancing (DeepSeek-V3's selection bias, see ``lightning_para.moe.MoE``'s
+    ``bias_update_rate``) for every MoE block of ``module``: ``lightning_para.moe.MoE`` layers and those of the
+    registered families that support it (LitGPT's ``LLaMAMoE``). Call it before training; ``ParaStrategy``
+    then updates the biases after each optimizer step. Returns how many blocks it gave a bias."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        add_expert_bias(layer, layer.num_experts, bias_update_rate)
+    count = len(layers) + sum(a.add_bias(module, bias_update_rate) for a in expert_adapters() if a.add_bias)
+    if not count:
+        raise ValueError(
+            f"`balance_experts(bias_update_rate={bias_update_rate})` found no MoE block it can balance in"
+            f" {type(module).__name__}: it supports `lightning_para.moe.MoE`"
+            + "".join(f", {a.interface}" for a in expert_adapters() if a.add_bias) + "."
+        )
+    return count
+
+
+__all__ = ["ExpertAdapter", "balance_experts", "expert_adapters", "register_expert_adapter"]
