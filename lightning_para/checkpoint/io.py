@@ -260,6 +260,7 @@ def load_checkpoint_in_place(
         own = module.state_dict()
         if not _rows_moved(meta, module, own):
             _load_sharded(path, module, own, optimizers, views, data_parallel, pipeline, strict)
+            meta.pop(ROW_ORDER_KEY, None)  # the checkpoint's own record, not the user's state (fabric.load returns the rest)
             return meta
         if pipeline is not None and optimizers:  # a whole file's optimizer state has no pipeline stage to go to
             saved = sorted({tp for _, tp in (meta.get(ROW_ORDER_KEY) or {}).values()}) or [1]
