@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # private: see docs/architecture.md
+from torch.distributed.tensor.placement_types import Placement, _StridedShard  # private: see docs/architecture.md
 
 
 def local_tensor(t: Tensor, *, allow_partial: bool = False) -> Tensor:
@@ -57,6 +59,28 @@ def plain_step_output(output: Any, gather: bool = False) -> Any:
 def is_sharded_placement(placement: Any) -> bool:
     """``Shard`` or ``_StridedShard`` (whose ``is_shard()`` answers False)."""
     return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+class DTensorViews:
+    """DTensors of one fixed global description over local tensors, made at the cost of a constructor.
+
+    ``DTensor.from_local`` is an autograd op that builds its spec on every call (tens to hundreds of
+    microseconds); what is shown once per parameter and step (ZeRO's ``.grad`` shards) needs neither, so the
+    spec is built once per dtype and the DTensor constructed directly. ``local`` must be this rank's piece of
+    that description; nothing checks it (as ``from_local(run_check=False)``).
+    """
+
+    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...],
+                 stride: tuple[int, ...]) -> None:
+        self.mesh, self.placements, self.shape, self.stride = mesh, tuple(placements), torch.Size(shape), tuple(stride)
+        self._specs: dict[torch.dtype, DTensorSpec] = {}
+
+    def __call__(self, local: Tensor) -> DTensor:
+        spec = self._specs.get(local.dtype)
+        if spec is None:
+            spec = self._specs[local.dtype] = DTensorSpec(
+                self.mesh, self.placements, tensor_meta=TensorMeta(self.shape, self.stride, local.dtype))
+        return DTensor(local.view_as(local), spec, requires_grad=False)  # private constructor: see docs/architecture.md
 
 
 def is_strided(param: Tensor) -> bool:
@@ -110,6 +134,7 @@ def scale_grad(x: Tensor, scale: float) -> Tensor:
 
 
 __all__ = [
+    "DTensorViews",
     "full_tensor",
     "is_sharded_placement",
     "is_strided",

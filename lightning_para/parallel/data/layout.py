@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # private: see docs/architecture.md
 
-from lightning_para._dtensor import local_tensor
+from lightning_para._dtensor import DTensorViews, local_tensor
 from lightning_para.spec.zero import chunk_rows, row_range
 
 
@@ -40,6 +40,7 @@ class ParamSlot:
     # The gradient ZeRO put into ``param.grad`` for users to read: kept after the optimizer step, as DDP
     # keeps ``.grad`` until ``zero_grad``; dropped when the next backward starts.
     exposed_grad: Optional[Tensor] = None
+    views: dict = field(default_factory=dict, repr=False)  # DTensor descriptions, built once (`_dtensor_views`)
 
     def __post_init__(self) -> None:
         self.group = self.mesh.get_group()
@@ -105,6 +106,14 @@ class ParamSlot:
         the dp rows are ``_StridedShard`` of them (the layout FSDP2 uses). A parameter with a
         strided (fused q|k|v) tp shard has no such description (see :attr:`describable`).
         """
+        views = self._dtensor_views(("shard",), lambda: self._shard_description(mesh_of))
+        local = local.view(self.shard_shape)
+        if not local.requires_grad:
+            return views(local)
+        return DTensor.from_local(local, views.mesh, views.placements, run_check=False, shape=views.shape,
+                                  stride=views.stride)
+
+    def _shard_description(self, mesh_of: Callable[..., DeviceMesh]) -> DTensorViews:
         param = self.param
         global_shape = tuple(param.shape) or (1,)
         if isinstance(param, DTensor):
@@ -114,10 +123,14 @@ class ParamSlot:
             placements = (_StridedShard(0, split_factor=rows_split) if rows_split > 1 else Shard(0), *param.placements)
         else:
             mesh, placements = self.mesh, (Shard(0),)
-        return DTensor.from_local(
-            local.view(self.shard_shape), mesh, placements, run_check=False,
-            shape=global_shape, stride=contiguous_stride(global_shape),
-        )
+        return DTensorViews(mesh, placements, global_shape, contiguous_stride(global_shape))
+
+    def _dtensor_views(self, key: tuple, describe: Callable[[], DTensorViews]) -> DTensorViews:
+        """One :class:`DTensorViews` per kind of DTensor this slot makes (the description never changes)."""
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = describe()
+        return views
 
     @property
     def describable(self) -> bool:
@@ -137,11 +150,11 @@ class ParamSlot:
         if not self.sharded:
             view: Tensor = grad
             if isinstance(param, DTensor):
-                view = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
-                                          shape=param.shape, stride=param.stride())
+                view = self._dtensor_views(("param",), lambda: DTensorViews(
+                    param.device_mesh, param.placements, tuple(param.shape), param.stride()))(grad)
         elif param.dim() == 0:
             local = grad.reshape(()) if grad.numel() else grad.new_zeros(())
-            view = DTensor.from_local(local, self.mesh, (Partial(),), run_check=False, shape=(), stride=())
+            view = self._dtensor_views(("partial",), lambda: DTensorViews(self.mesh, (Partial(),), (), ()))(local)
         elif self.describable and not isinstance(param, DTensor):
             view = self.shard_as_dtensor(grad, lambda *names: self.mesh)
         elif self.describable and mesh_of is not None:
