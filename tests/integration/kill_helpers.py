@@ -3,7 +3,9 @@
 Shared by ``tests/integration/test_watchdog.py`` (a representative case) and
 ``scripts/kill_campaign.py`` (the full campaign). Two launchers: ``"external"`` starts every rank
 itself (``RANK``/``WORLD_SIZE``/``MASTER_*``, as torchrun or a scheduler would), ``"lightning"``
-starts one process with ``--devices 4`` and Lightning's launcher spawns the other three.
+starts one process with ``--devices 4`` and Lightning's launcher spawns the other three. Under
+``"external"`` each rank is forked from the tests' fork server (``tests.harness.start_script``: torch and
+Lightning imported once per session, not ~5 s per rank), still a process of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_para.reliability.processes import process_alive
+from tests.harness import ScriptProcess, start_script
 
 SCRIPT = Path(__file__).with_name("reliability_train.py")
 REPO = SCRIPT.parents[2]
@@ -46,7 +49,7 @@ class Run:
     out: Path
     launcher: str
     world: int = WORLD
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | ScriptProcess] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def rank_pids(self) -> dict[int, int]:
@@ -166,8 +169,10 @@ def launch(
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
         if slurm is not None:
             process_env.update(slurm_env(slurm, rank))
-        with open(out / f"stdout{rank}.txt", "w") as log:
-            run.procs.append(subprocess.Popen([*command, "--devices", str(world)], env=process_env, stdout=log, stderr=subprocess.STDOUT))
+        # Forked from the tests' fork server (torch and Lightning imported once, not in every rank): each rank is
+        # still a process of its own, with its own pid, signals and exit code.
+        run.procs.append(start_script(str(script), [*command[2:], "--devices", str(world)], process_env,
+                                      str(out / f"stdout{rank}.txt")))
     return run
 
 

@@ -14,8 +14,6 @@ Adapted from Lightning's ``test_strategy_state_dict``, ``test_load_full_state_ch
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_para.cli.consolidate import main as consolidate_main
+from tests.harness import run_code
 from tests.lightning_compat.common import FeedForwardModule, dp_mean_losses, fit_job, max_rel_diff, vector_dataset
 from tests.parity import FP32_RTOL, fit_reference, trainer_kwargs
 
@@ -106,10 +105,11 @@ def test_sharded_checkpoint_through_lightning_consolidation_tool(pools, tmp_path
     saved = pool.run(fit_job, "para", {"zero": 2}, FeedForwardModule, STEPS, GLOBAL_BATCH, None, (),
                      partial(_save_sharded, path=str(tmp_path / "sharded.ckpt")), dataset=one_epoch)
     folder = Path(saved[0]["extra"]["path"])
-    # Lightning's own tool, as a user runs it.
+    # Lightning's own tool, as a user runs it (`python -m`, in a process of its own forked with torch imported).
     fabric_file = tmp_path / "fabric.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(folder),
-                    "--output_file", str(fabric_file)], check=True, capture_output=True)
+    tool = run_code("import runpy; runpy.run_module('lightning.fabric.utilities.consolidate_checkpoint', "
+                    "run_name='__main__', alter_sys=True)", str(folder), "--output_file", str(fabric_file))
+    assert tool.returncode == 0, tool.stderr[-3000:]
     converted = torch.load(fabric_file, weights_only=False)
     for key, value in saved[0]["extra"]["params"].items():
         torch.testing.assert_close(converted["state_dict"][key], value, rtol=0, atol=0)
