@@ -69,18 +69,20 @@ def select_experts(probs: Tensor, expert_bias: Optional[Tensor], top_k: int) -> 
     return probs.gather(-1, indices), indices
 
 
-def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float) -> None:
+def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float, bias_buffer: str = "expert_bias") -> None:
     """Give ``router`` auxiliary-loss-free balancing: ``bias_update_rate`` and, when it is > 0, the buffers
     ``expert_bias`` (fp32, in checkpoints) and ``expert_load`` (the assignments per expert since the last
-    update; its owner adds to it in training forwards)."""
+    update; its owner adds to it in training forwards). ``bias_buffer``: the name of the bias; another name
+    than ``expert_bias`` is a buffer the router already has (a model's own correction bias), updated in place."""
     if isinstance(bias_update_rate, bool) or not isinstance(bias_update_rate, (int, float)) or bias_update_rate < 0:
         raise ValueError(
             f"`bias_update_rate={bias_update_rate!r}` must be a number >= 0 (DeepSeek-V3 uses 0.001; 0 disables the bias)."
         )
-    router.bias_update_rate = float(bias_update_rate)
+    router.bias_update_rate, router.bias_buffer = float(bias_update_rate), bias_buffer
     if bias_update_rate:
         device = next(iter(router.parameters()), torch.empty(0)).device
-        router.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
+        if bias_buffer == "expert_bias":
+            router.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
         router.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
 
 

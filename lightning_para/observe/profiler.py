@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_para.moe import MoEStats, moe_layers
+from lightning_para.moe import MoE, MoEStats, biased_routers, moe_layers
 from lightning_para.instrument.collectives import CollectiveCounter, group_labels
 from lightning_para.observe.panels import comm_metrics, memory_panel, moe_metrics, prediction_metrics
 from lightning_para.observe.traces import start_trace
@@ -162,7 +162,7 @@ class ParaProfiler(Callback):
         # Counted before the strategy shards anything: the whole model, for the 6N fallback.
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         # Decided before the pipeline split, so every rank agrees even if its stage has no MoE layer.
-        self._has_moe = bool(list(moe_layers(pl_module)))
+        self._has_moe = bool(list(moe_layers(pl_module)) or biased_routers(pl_module))
         if self.check_predictions:  # described while whole: the strategy splits and shards it next
             self._model_desc, self._no_prediction = describe_for_prediction(pl_module)
         # rank 0's directory on every rank (Lightning broadcasts it); no logger, no files
@@ -381,14 +381,20 @@ class ParaProfiler(Callback):
             log_image(trainer, "pipeline/timeline", draw_timeline(events, title=title))
 
     def _log_moe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks."""
+        """Routing statistics of every MoE layer (each pipeline stage holds its own), averaged over ranks, and the
+        global max/mean load of the other blocks that a selection bias balances (LitGPT's, transformers')."""
         mine: dict[str, MoEStats] = {}
         for name, layer in list(moe_layers(pl_module)):
             stats = layer.pop_stats()
             if stats is not None:
                 mine[name] = stats
-        per_rank = gather_objects(mine)
-        log_scalars(trainer, moe_metrics(per_rank))  # rank 0 writes
+        biased = {f"moe/{name}/global_load_imbalance": float(m.load_imbalance) for name, m in pl_module.named_modules()
+                  if not isinstance(m, MoE) and getattr(m, "load_imbalance", None) is not None}  # already global
+        per_rank = gather_objects((mine, biased))
+        metrics = moe_metrics([stats for stats, _ in per_rank])
+        for _, loads in per_rank:
+            metrics.update(loads)
+        log_scalars(trainer, metrics)  # rank 0 writes
 
     # ------------------------------------------------------------------ torch.profiler
     def _start_torch_profiler(self, trainer: L.Trainer) -> None:

@@ -36,6 +36,7 @@ from lightning_para.integrations.transformers.weights import (
     load_config,
     pretrained_weights,
 )
+from lightning_para.parallel.expert import balance_experts
 from lightning_para.recipes.data import check_positions, check_vocab
 from lightning_para.recipes.optim import adamw_warmup_cosine
 
@@ -85,6 +86,8 @@ class HFCausalLM(L.LightningModule):
             built inside ``trainer.init_module(empty_init=True)``, else ``from_pretrained`` in every process.
         lr, weight_decay, betas: AdamW (no decay on norms and biases).
         warmup_steps, min_lr_ratio: linear warmup, then cosine decay to ``lr * min_lr_ratio``.
+        bias_update_rate: auxiliary-loss-free balancing of an MoE model's routers (DeepSeek-V3: 0.001; 0: off),
+            beside or instead of its router loss (``lightning_para.parallel.expert.balance_experts``).
     """
 
     # TokenDataModule(document_mask=True) checks that the model takes the document ids it adds to batches.
@@ -101,6 +104,7 @@ class HFCausalLM(L.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         sharded_load: Optional[bool] = None,
+        bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -126,6 +130,8 @@ class HFCausalLM(L.LightningModule):
             except ValueError as err:
                 raise ValueError(f"`model.model_type={model_type!r}`: {err}") from None
             self.model = AutoModelForCausalLM.from_config(hf_config)
+        if bias_update_rate:
+            balance_experts(self.model, bias_update_rate)
         # Counted now, on the whole model: after a pipeline split a rank holds only its stages.
         self.flops_params = self._active_params()
 

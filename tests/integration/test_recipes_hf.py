@@ -52,7 +52,8 @@ def _run(pools, config: Path, root: Path, world: int, *degrees_to_one: str) -> d
 
 
 def test_demos_train_under_their_layouts(pools, tmp_path_factory):
-    """tp=2 x pp=2 + SP (Llama) and tp=2 x ep=2 (Mixtral, router loss on): losses fall, TensorBoard has them."""
+    """tp=2 x pp=2 + SP (Llama) and tp=2 x ep=2 (Mixtral, router loss and selection bias on): losses fall,
+    TensorBoard has them."""
     for config in (LLAMA_DEMO, MIXTRAL_DEMO):
         run = _run(pools, config, tmp_path_factory.mktemp(config.stem), 4)
         summary = run["result"]["summary"]
@@ -62,7 +63,10 @@ def test_demos_train_under_their_layouts(pools, tmp_path_factory):
         assert {"train_loss", "val_loss", "perf/tokens_per_s"} <= scalars
     assert {"pipeline/expected_idle_fraction", "comm/pp/send_MB"} <= set(_events(_runs[(LLAMA_DEMO.name, 4)]["root"])[1].Tags()["scalars"])
     mixtral = _runs[(MIXTRAL_DEMO.name, 4)]
-    assert "comm/ep/all_to_all_MB" in set(_events(mixtral["root"])[1].Tags()["scalars"])
+    scalars = set(_events(mixtral["root"])[1].Tags()["scalars"])
+    assert "comm/ep/all_to_all_MB" in scalars
+    # the selection bias's global load per layer, through ParaProfiler (bias_update_rate in the demo)
+    assert {f"moe/model.model.layers.{i}.mlp.gate/global_load_imbalance" for i in range(4)} <= scalars
     assert len(mixtral["result"]["aux"]) == STEPS and all(v > 0 for v in mixtral["result"]["aux"])
 
 

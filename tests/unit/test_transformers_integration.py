@@ -253,3 +253,65 @@ def test_recipe_builds_a_random_config_model_and_names_an_unknown_type():
     assert type(module.model).__name__ == "Qwen3ForCausalLM" and module.config.vocab_size == 96
     with pytest.raises(ValueError, match="`model.model_type='nope'`"):
         HFCausalLM(model_type="nope")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe_unnormalized", "deepseek_v3"])
+def test_balance_experts_biases_the_selection_only(family):
+    """``balance_experts`` on a transformers MoE block: a zero bias routes as the router does; a bias that forces
+    expert 0 in changes the selection only (the weights stay the chosen experts' unbiased, renormalised or not
+    probabilities); DeepSeek-V3's own ``e_score_correction_bias`` is the bias that the update moves."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeConfig, Qwen3MoeSparseMoeBlock
+
+    from lightning_para.moe import update_expert_bias
+    from lightning_para.parallel.expert import balance_experts
+
+    small = dict(hidden_size=16, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=8)
+    block = {
+        "mixtral": lambda: MixtralSparseMoeBlock(MixtralConfig(**small, num_local_experts=4)),
+        "qwen3_moe_unnormalized": lambda: Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small, num_experts=4, norm_topk_prob=False)),
+        "deepseek_v3": lambda: DeepseekV3MoE(DeepseekV3Config(**small, n_routed_experts=4, n_group=2, topk_group=1)),
+    }[family]()
+    torch.manual_seed(0)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 16)
+    expected = block(x)
+    assert balance_experts(block, 0.01) == 1
+    torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=1e-6)
+    router = block.gate
+    if family == "deepseek_v3":  # its own bias, selecting as it always did; the update moves it
+        assert not hasattr(router, "expert_bias") and router.expert_load.sum() == 20
+        update_expert_bias([block])
+        assert router.e_score_correction_bias.abs().sum() > 0 and router.expert_load.sum() == 0
+        return
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([100.0, 0.0, 0.0, 0.0]))
+    router.expert_load.zero_()
+    out = block(x)
+    assert router.expert_load[0] == 10 and router.expert_load.sum() == 20
+    probs = torch.softmax(router.unbiased_forward(x)[0], dim=-1)
+    chosen = torch.cat([torch.zeros(10, 1, dtype=torch.long), probs[:, 1:].topk(1).indices + 1], 1)
+    weights = probs.gather(1, chosen)
+    if family == "mixtral":
+        weights = weights / weights.sum(1, keepdim=True)
+    torch.testing.assert_close(out.reshape(10, 16), block.experts(x.reshape(10, 16), chosen, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_balance_experts_refuses_routers_it_cannot_bias():
+    """A router that is not softmax top-k (Phi-MoE's sparse mixer) and a correction bias the router does not own
+    (MiniMax-M2 keeps it on the block) are refused, naming them."""
+    from transformers import MiniMaxM2Config, PhimoeConfig
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+    from transformers.models.phimoe.modeling_phimoe import PhimoeSparseMoeBlock
+
+    from lightning_para.parallel.expert import balance_experts
+
+    small = dict(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    phimoe = PhimoeSparseMoeBlock(PhimoeConfig(**small))
+    nn.init.normal_(phimoe.router.weight, std=0.3)
+    with pytest.raises(ValueError, match=r"router `router` \(PhimoeTopKRouter\) does not route as softmax top-k"):
+        balance_experts(phimoe, 0.01)
+    with pytest.raises(ValueError, match=r"`e_score_correction_bias` is a correction bias that is not a buffer of the block's router"):
+        balance_experts(MiniMaxM2SparseMoeBlock(MiniMaxM2Config(**small)), 0.01)

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_para._dtensor import scale_grad
+from lightning_para.integrations.transformers.balance import add_transformers_bias
 from lightning_para.moe.routing import balanced_assignment, rows_per_expert
 from lightning_para.parallel.expert.adapters import ExpertAdapter, register_expert_adapter
 
@@ -304,6 +305,12 @@ def attach_global_router_loss(module: nn.Module, group: Any, group_size: int) ->
     return models
 
 
+def add_router_bias(module: nn.Module, bias_update_rate: float) -> int:
+    """``balance_experts`` for transformers models: a selection bias on the routers of the blocks whose experts
+    expert parallelism shards (:mod:`~lightning_para.integrations.transformers.balance`)."""
+    return add_transformers_bias(module, bias_update_rate, transformers_experts(module))
+
+
 # What `apply_expert_parallel` / `check_expert_layout` use for transformers models; registered on import.
 ADAPTER = ExpertAdapter(
     name="transformers",
@@ -313,12 +320,13 @@ ADAPTER = ExpertAdapter(
     count_field=expert_count_field,
     unsupported=unsupported_moe_blocks,
     attach_global_loss=attach_global_router_loss,
+    add_bias=add_router_bias,
 )
 register_expert_adapter(ADAPTER)
 
 
 __all__ = [
-    "ADAPTER", "EXPERT_COUNT_FIELDS", "INTERFACE", "attach_global_router_loss", "balancing_loss", "expert_count_field",
+    "ADAPTER", "EXPERT_COUNT_FIELDS", "INTERFACE", "add_router_bias", "attach_global_router_loss", "balancing_loss", "expert_count_field",
     "global_balancing_loss", "is_transformers_experts", "is_transformers_moe_lm",
     "router_statistics", "run_local_experts", "shard_transformers_experts", "transformers_experts",
     "unsupported_moe_blocks",

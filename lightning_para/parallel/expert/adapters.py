@@ -70,7 +70,8 @@ def expert_adapters() -> tuple[ExpertAdapter, ...]:
 def balance_experts(module: nn.Module, bias_update_rate: float = 0.001) -> int:
     """Auxiliary-loss-free balancing (DeepSeek-V3's selection bias, see ``lightning_para.moe.MoE``'s
     ``bias_update_rate``) for every MoE block of ``module``: ``lightning_para.moe.MoE`` layers and those of the
-    registered families that support it (LitGPT's ``LLaMAMoE``). Call it before training; ``ParaStrategy``
+    registered families that support it (LitGPT's ``LLaMAMoE``, transformers' softmax top-k routers and those with
+    an ``e_score_correction_bias``). Call it before training; ``ParaStrategy``
     then updates the biases after each optimizer step. Returns how many blocks it gave a bias."""
     layers = [m for m in module.modules() if isinstance(m, MoE)]
     for layer in layers:
