@@ -99,6 +99,16 @@ def mixtral():
     return HFCausalLM(mixtral_config())
 
 
+def mixtral_biased():
+    """``mixtral`` with the auxiliary-loss-free selection bias beside its router loss (a rate far above DeepSeek-V3's
+    0.001, so that the routing moves within the test's steps)."""
+    from lightning_para.parallel.expert import balance_experts
+
+    module = mixtral()
+    balance_experts(module, 0.05)
+    return module
+
+
 def mixtral_without_router_loss():
     return HFCausalLM(mixtral_config(output_router_logits=False))
 

@@ -490,6 +490,8 @@ def test_forced_router_with_capacity_drops_and_reports(pools):
 
 # ----------------------------------------------------------------------------- checkpoints
 CKPT_DATA = functools.partial(token_dataset, GLOBAL_BATCH * 5)  # 5 steps per epoch: the resume crosses an epoch
+# With the selection bias on: it is state (a buffer), so a resume that lost it would route differently.
+CKPT_MODEL = functools.partial(TinyMoETransformer, bias_update_rate=0.1)
 
 
 def checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from: Optional[str]) -> dict[str, Any]:
@@ -500,7 +502,7 @@ def checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from:
 
     strategy = ParaStrategy(**strategy_kwargs)
     L.seed_everything(0, verbose=False)
-    module = MODEL()
+    module = CKPT_MODEL()
     recorder = LossRecorder()
     callbacks: list[Callback] = [recorder]
     if resume_from is None:
@@ -517,12 +519,14 @@ def checkpoint_job(strategy_kwargs: dict[str, Any], directory: str, resume_from:
         "losses": recorder.losses,
         "dp_rank": strategy.parallel_dims.local_rank("dp"),
         "params": params if dist.get_rank() == 0 else None,
+        "biases": expert_biases(module),
     }
 
 
 def test_checkpoint_save_resume_and_consolidate_experts(pools, tmp_path):
-    """ep=2 ZeRO-1 saves expert shards at step 5; resuming (same layout, and ep=1 ZeRO-3) continues the
-    run exactly; consolidation gives the full [E, ...] expert stacks and their optimizer state."""
+    """ep=2 ZeRO-1 saves expert shards and the selection biases at step 5; resuming (same layout, and ep=1 ZeRO-3)
+    continues the run exactly, biases included; consolidation gives the full [E, ...] expert stacks and their
+    optimizer state."""
     from lightning_para import consolidate_checkpoint
 
     pool = pools.get(2)
@@ -530,19 +534,22 @@ def test_checkpoint_save_resume_and_consolidate_experts(pools, tmp_path):
     path = str(tmp_path / "epoch=0-step=5.ckpt")
     resumed = pool.run(checkpoint_job, {"ep": 2, "zero": 1}, str(tmp_path), path)
     resharded = pool.run(checkpoint_job, {"ep": 1, "zero": 3}, str(tmp_path), path)
-    ref = fit_reference(MODEL, CKPT_DATA, GLOBAL_BATCH, 10)
+    keep, keep5 = KeepBiases(), KeepBiases()
+    ref = fit_reference(CKPT_MODEL, CKPT_DATA, GLOBAL_BATCH, 10, callbacks=(MoEBiasUpdate(), keep))
     assert_losses_close(mean_loss(saved), ref["losses"])
     for run in (resumed, resharded):
         assert_losses_close(mean_loss(run), ref["losses"][5:])
         assert_params_close(run[0]["params"], ref["params"])
+        assert all(torch.equal(r["biases"][n], b) for r in run for n, b in keep.biases.items())
 
     # Consolidation: full expert stacks equal to a run stopped at step 5 (the reference's first 5 steps).
-    at_step5 = fit_reference(MODEL, CKPT_DATA, GLOBAL_BATCH, 5)["params"]
+    at_step5 = fit_reference(CKPT_MODEL, CKPT_DATA, GLOBAL_BATCH, 5, callbacks=(MoEBiasUpdate(), keep5))["params"]
     full = consolidate_checkpoint(path)
+    assert all(b.abs().sum() > 0 and torch.equal(full["state_dict"][n], b) for n, b in keep5.biases.items())
     for name in ("blocks.0.moe.experts.w1", "blocks.1.moe.experts.w2"):
         assert full["state_dict"][name].shape[0] == 4  # all experts, from both ep ranks' shards
         torch.testing.assert_close(full["state_dict"][name], at_step5[name], rtol=1e-5, atol=1e-6)
-    names = [n for n, _ in MODEL().named_parameters()]
+    names = [n for n, _ in CKPT_MODEL().named_parameters()]
     exp_avg = full["optimizer_states"][0]["state"][names.index("blocks.0.moe.experts.w1")]["exp_avg"]
     assert tuple(exp_avg.shape) == tuple(at_step5["blocks.0.moe.experts.w1"].shape)
     assert exp_avg[:2].abs().sum() > 0 and exp_avg[2:].abs().sum() > 0  # both ep ranks' halves written

@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from lightning_para.moe import MoEBiasUpdate  # noqa: E402
 from tests.comm_counter import CollectiveCounter  # noqa: E402
 from tests.harness import WorkerError  # noqa: E402
 from tests.hf_models import (  # noqa: E402
@@ -33,6 +36,7 @@ from tests.hf_models import (  # noqa: E402
     llama,
     llama_config,
     mixtral,
+    mixtral_biased,
     mixtral_config,
     mixtral_without_router_loss,
 )
@@ -45,9 +49,20 @@ _references: dict[Any, dict] = {}
 _created: list = []  # the module built in this worker by the last job
 
 
+def expert_biases(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
+
+
+class KeepBiases(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.biases = expert_biases(pl_module)
+
+
 def reference(factory) -> dict:
     if factory not in _references:
-        _references[factory] = fit_reference(factory, hf_tokens, GLOBAL_BATCH, STEPS)
+        keep = KeepBiases()  # MoEBiasUpdate: the selection biases (`mixtral_biased`) as ParaStrategy updates them
+        ref = fit_reference(factory, hf_tokens, GLOBAL_BATCH, STEPS, callbacks=(MoEBiasUpdate(), keep))
+        _references[factory] = {**ref, "biases": keep.biases}
     return _references[factory]
 
 
@@ -79,7 +94,21 @@ def hf_job(factory, strategy_kwargs: dict, ckpt_dir: str | None = None) -> dict:
         full = sum(p.numel() for p in experts.parameters(recurse=False))  # a DTensor's numel is the global one
         shares.append(local / full)
     result["expert_shares"] = shares
+    result["biases"] = expert_biases(module)
     return result
+
+
+def biased_gates_job(factory, strategy_kwargs: dict) -> dict:
+    """``hf_job`` with a bug planted in this rank's library code: the bias also in the combine weights."""
+    import lightning_para.integrations.transformers.balance as balance
+
+    original = balance.select_experts
+    balance.select_experts = lambda probs, bias, k: original(probs, bias, k) if bias is None else (
+        (probs + bias).gather(-1, original(probs, bias, k)[1]), original(probs, bias, k)[1])
+    try:
+        return hf_job(factory, strategy_kwargs)
+    finally:
+        balance.select_experts = original
 
 
 def losses_over_dp(results: list[dict]) -> list[float]:
@@ -111,11 +140,22 @@ def test_llama_two_ranks(pools, kwargs):
 
 
 @pytest.mark.parametrize("zero", [0, 3])
-def test_mixtral_ep2_with_router_loss(pools, zero):
-    """ep=2 (= dp=2): experts sharded, tokens by all-to-all, and the router aux loss over the whole batch;
-    with ZeRO-3 the experts are FSDP2 units of their own."""
-    results = run_and_compare(pools, 2, mixtral, {"ep": 2, "zero": zero})
+def test_mixtral_ep2_with_router_loss_and_expert_bias(pools, zero):
+    """ep=2 (= dp=2): experts sharded, tokens by all-to-all, the router aux loss over the whole batch and the
+    auxiliary-loss-free selection bias (`balance_experts`) updated from both ranks' load: the bias is identical on
+    both ranks and to one device's (exactly: integer counts); with ZeRO-3 the experts are FSDP2 units of their own.
+    The bias planted in the combine weights moves the loss far beyond the tolerance."""
+    results = run_and_compare(pools, 2, mixtral_biased, {"ep": 2, "zero": zero})
     assert all(share == 0.5 for r in results for share in r["expert_shares"]) and results[0]["expert_shares"]
+    ref = reference(mixtral_biased)
+    assert len(ref["biases"]) == 2 and all(b.abs().sum() > 0 for b in ref["biases"].values())
+    for r in results:
+        assert r["biases"].keys() == ref["biases"].keys()
+        assert all(torch.equal(r["biases"][n], b) for n, b in ref["biases"].items()), (r["biases"], ref["biases"])
+    if zero == 0:
+        planted = losses_over_dp(pools.get(2).run(biased_gates_job, mixtral_biased, {"ep": 2}))
+        worst = max(abs(a - e) / abs(e) for a, e in zip(planted, ref["losses"]))
+        assert worst > 10 * FP32_RTOL, worst
 
 
 @pytest.mark.parametrize("zero3_units", ["blocks", "blocks_and_ends"])
