@@ -5,7 +5,8 @@ shape-dependent learning rate: torch's own functions), and the AdamW update is `
 (torch's functional ``adam``). What this adds is the layout: a matrix the optimizer steps may be a shard (a
 ZeRO-1/2 row shard, a ZeRO-3 or tensor-parallel DTensor shard); the momentum stays elementwise on the shard
 (so its state saves and reshards as AdamW's), and each matrix is orthogonalized whole on one owner rank
-(:mod:`lightning_para.optim.routing`). ``docs/optimizers.md`` has the split, the costs and the limits.
+(:mod:`lightning_para.optim.routing`). ``ns_dtype`` runs the same Newton-Schulz in another dtype than bfloat16.
+``docs/optimizers.md`` has the split, the costs and the limits.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Muon(torch.optim.Optimizer):
             values override the defaults below; a group without ``"use_muon"`` is split by shape: Muon for >= 2-D).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon's, as in
             ``torch.optim.Muon``.
+        ns_dtype: the dtype Newton-Schulz runs in (and its pieces travel in): torch's bfloat16 by default;
+            ``torch.float32`` where bfloat16 matmuls are slow (CPUs without bfloat16 instructions: about 100x).
         adamw_lr: AdamW's learning rate (default: ``lr``); adamw_betas, adamw_eps, adamw_weight_decay: AdamW's.
 
     Every matrix is orthogonalized whole, whatever the layout (ZeRO 0-3, HSDP, tensor, pipeline, expert and
@@ -74,6 +77,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: Optional[str] = None,
         *,
+        ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: Optional[float] = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -83,8 +87,11 @@ class Muon(torch.optim.Optimizer):
                          adjust_lr_fn=adjust_lr_fn)  # torch's own checks of Muon's arguments
         torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr if adamw_lr is None else adamw_lr,
                           betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+            raise ValueError(f"`ns_dtype={ns_dtype!r}`: pass a floating-point torch.dtype (torch.float32, ...).")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        ns_dtype=ns_dtype)
         adamw = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                      weight_decay=adamw_weight_decay, amsgrad=False, maximize=False, foreach=None, capturable=False,
                      differentiable=False, fused=None, decoupled_weight_decay=True)
@@ -145,11 +152,14 @@ class Muon(torch.optim.Optimizer):
                                 alpha=-scaled)
 
     def _orthogonalize(self, group: dict[str, Any], views: list[Tensor], updates: list[Tensor]) -> list[Tensor]:
-        """Newton-Schulz of each whole matrix; this rank's pieces of the results (bfloat16, as torch's)."""
+        """Newton-Schulz of each whole matrix; this rank's pieces of the results (in ``ns_dtype``)."""
+        dtype = group.get("ns_dtype", torch.bfloat16)
+
         def newton_schulz(_: int, matrix: Tensor) -> Tensor:
             if matrix.dim() == 2:
-                return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            return torch.stack([newton_schulz(0, m) for m in matrix]) if len(matrix) else matrix.bfloat16()
+                args = (matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                return _zeropower_via_newtonschulz(*args) if dtype == torch.bfloat16 else _newton_schulz(*args, dtype)
+            return torch.stack([newton_schulz(0, m) for m in matrix]) if len(matrix) else matrix.to(dtype)
 
         out: list[Optional[Tensor]] = [None] * len(views)
         routed: dict[tuple, list[int]] = {}
@@ -167,10 +177,23 @@ class Muon(torch.optim.Optimizer):
             route = self._routes.get(key)
             if route is None:
                 route = self._routes[key] = MatrixRoute([views[i] for i in index])
-            pieces = route.apply([updates[i].bfloat16() for i in index], newton_schulz)
+            pieces = route.apply([updates[i].to(dtype) for i in index], newton_schulz)
             for i, piece in zip(index, pieces):
                 out[i] = piece
         return out  # type: ignore[return-value]
+
+
+def _newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                   dtype: torch.dtype) -> Tensor:
+    """torch's ``_zeropower_via_newtonschulz`` (Muon's quintic iteration) in ``dtype`` instead of bfloat16."""
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.to(dtype).T if tall else matrix.to(dtype)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 def _groups_of(params: Iterable[Any]) -> list[dict[str, Any]]:
