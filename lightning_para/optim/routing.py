@@ -108,6 +108,19 @@ def _all_to_all(out: Tensor, send: Tensor, out_splits: list[int], in_splits: lis
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
 
 
+def _check_same_matrices(views: Sequence[DTensor], groups: list[dist.ProcessGroup]) -> None:
+    """Raise on every rank, rather than hang, where the ranks that route together step different matrices."""
+    mine = torch.tensor([len(views), sum((i + 1) * v.numel() for i, v in enumerate(views))], device=views[0].device)
+    for group in groups:  # once per route: routes are cached
+        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(seen, mine, group=group)
+        if any(not torch.equal(s, mine) for s in seen):
+            raise ValueError(f"Muon: the ranks of one sharded matrix group step different matrices (matrices with a "
+                             f"gradient, count and size per rank: {[s.tolist() for s in seen]}). Every rank must "
+                             "have a gradient for the same parameters: give unused ones zero gradients, or freeze them "
+                             "(`requires_grad=False`) on every rank.")
+
+
 class MatrixRoute:
     """The matrices of one mesh and one set of sharding dimensions, routed whole to their owners."""
 
@@ -117,6 +130,7 @@ class MatrixRoute:
         dims = sharded_mesh_dims(first)
         sizes = [mesh.size(d) for d in dims]
         owners = _owners([v.numel() for v in views], sizes)
+        _check_same_matrices(views, [mesh.get_group(d) for d in dims])
         self.views = list(views)
         self.hops = [_Hop(mesh.get_group(d), mesh.size(d), mesh.get_local_rank(d), [o[i] for o in owners])
                      for i, d in enumerate(dims)]
