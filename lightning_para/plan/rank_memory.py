@@ -173,8 +173,13 @@ def _states(shape: RankShape) -> tuple[list[float], bool]:
 
 
 def _buffers(shape: RankShape, full_grads: bool) -> float:
-    """ZeRO-3's gathered weights and autocast's 16-bit weight copies."""
+    """ZeRO-3's gathered weights, autocast's 16-bit weight copies and Muon's routing index."""
     training, layout, precision = shape.training, shape.layout, shape.training.bytes
+    # Muon's owners keep an int64 index per element of the matrices they own where pieces arrive out of row-major
+    # order (`optim/routing.py`: tp's row-parallel and strided shards), priced as all of them; a rank owns about
+    # its share of the matrices it holds.
+    muon = [t for t in shape.tensors if not t.expert and muon_steps(t)] if training.optimizer == "muon" else []
+    index = 8.0 * total_numel(muon) / (shape.shards[0] if layout.zero >= 1 else 1) if layout.tp > 1 else 0.0
     # Autocast's 16-bit copy of a weight, which its matmul saves for backward. Inside a block that recomputes
     # (any `activation_checkpointing`) the copy is not kept: backward casts again. Then only the output
     # projection's copy is (docs/planner.md, "Memory terms").
@@ -185,13 +190,14 @@ def _buffers(shape: RankShape, full_grads: bool) -> float:
     else:
         autocast_copies = 2.0 * (shape.dense + shape.expert)
     if layout.zero != 3:
-        return autocast_copies
+        return autocast_copies + index
     # Gathered weights, in the parameters' dtype (fp32 under autocast: FSDP2 gathers what it holds): all of them
     # while "no_sync" keeps them, else the current and the prefetched layer and the units kept gathered for backward
     # (the head, or the grouped embedding, norm and head), plus one layer's unsharded gradients before its
     # reduce-scatter.
     gathered = (shape.dense + shape.expert) if full_grads else 2 * shape.largest + zero3_kept_ends(shape)
-    return gathered * precision.weight + (0 if full_grads else shape.largest * training.grad_bytes) + autocast_copies
+    return gathered * precision.weight + (0 if full_grads else shape.largest * training.grad_bytes) + autocast_copies \
+        + index
 
 
 def _step_terms(shape: RankShape, resident: PredictedMemory, states: list[float]) -> tuple[float, float, float]:

@@ -60,7 +60,7 @@ class PredictedMemory(_ModelStates):
     grads: float
     optimizer: float  # fp32 masters and optimizer state
     activations: float = 0.0
-    buffers: float = 0.0  # ZeRO-3 gathered weights, autocast's 16-bit weight copies
+    buffers: float = 0.0  # ZeRO-3 gathered weights, autocast's 16-bit weight copies, Muon's routing index
     # Of `activations`: the larger of two transients (`transient`), what recomputing one layer in backward brings
     # back ("full", "selective_op"; else 0) and the logits the training step holds while the loss runs (the last
     # stage, eager torch code); the rest is what the in-flight microbatches hold when their forwards are done
