@@ -85,3 +85,36 @@ def test_planner_prices_one_state_for_matrices_and_the_routing():
     routes = [c for c in muon.collectives if c.what.startswith("Muon")]
     assert sorted(c.dim for c in routes) == ["dp", "tp"] and all(c.op == "all_to_all" and c.calls == 2 for c in routes)
     assert not [c for c in adam.collectives if c.what.startswith("Muon")]
+    # Under tp the owners keep an int64 index per element they own, about as many as a rank sends: 8 bytes against
+    # the route's 4 (bfloat16, there and back); without tp, none.
+    assert muon.memory.buffers - adam.memory.buffers == pytest.approx(2 * routes[0].bytes, rel=1e-3)
+    dp_only = [estimate(model, cluster, Training(seq_len=1024, global_batch=32, optimizer=kind), Layout(dp=8, zero=1))
+               for kind in ("adam", "muon")]
+    assert dp_only[0].memory.buffers == dp_only[1].memory.buffers
+
+
+def test_ns_dtype_runs_torchs_iteration_in_another_dtype():
+    """``ns_dtype``: torch's Newton-Schulz (bit-equal in bfloat16, tall and wide), in float32 close to float64."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from lightning_para.optim.muon import _newton_schulz
+
+    torch.manual_seed(0)
+    args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+    for shape in ((24, 40), (40, 24)):
+        g = torch.randn(shape)
+        assert torch.equal(_newton_schulz(g, *args, torch.bfloat16), _zeropower_via_newtonschulz(g, *args))
+        torch.testing.assert_close(_newton_schulz(g, *args, torch.float32),
+                                   _newton_schulz(g.double(), *args, torch.float64).float(), rtol=0, atol=1e-5)
+    models = [Tiny() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [Muon(m, lr=0.02, ns_dtype=d) for m, d in zip(models, (torch.float32, torch.float64))]
+    x = torch.randint(0, 50, (4, 9))
+    for _ in range(3):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(x).logsumexp(-1).mean().backward()
+            opt.step()
+    torch.testing.assert_close(models[0].up.weight, models[1].up.weight, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon(models[0], ns_dtype=torch.int32)
