@@ -1,6 +1,7 @@
 """Muon (lightning_para.optim.Muon) under every layout: per-step losses of the recipe GPT and a transformers
 Llama within 1e-5 of one device (fp32, sharp init 0.3, lr 1e-3), each matrix orthogonalized whole; a planted
-bug (orthogonalizing ZeRO's row shards) fails; a checkpoint resumes into another layout."""
+bug (orthogonalizing ZeRO's row shards) fails; a checkpoint resumes into another layout; ranks that step
+different matrices get an error, not a hang."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def muon_gpt():
     from lightning_para.recipes import GPT
 
     return GPT(**GPT_KWARGS)
+
+
+def muon_gpt_float32_newton_schulz():
+    """The recipe GPT with Newton-Schulz in float32 (``ns_dtype``: the routed pieces travel in float32 too)."""
+    from lightning_para.recipes import GPT
+
+    class GPT32(GPT):
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            for group in config["optimizer"].param_groups:
+                group["ns_dtype"] = torch.float32
+            return config
+
+    return GPT32(**GPT_KWARGS)
 
 
 def muon_moe():
@@ -59,9 +74,10 @@ _references: dict = {}
 
 
 def reference(factory) -> list[float]:
-    """One device, two epochs (the resume test continues into the second)."""
+    """One device: the GPT for two epochs (the resume test continues into the second), the others for one."""
     if factory not in _references:
-        _references[factory] = fit_reference(factory, token_dataset, BATCH, 2 * STEPS)["losses"]
+        steps = 2 * STEPS if factory is muon_gpt else STEPS
+        _references[factory] = fit_reference(factory, token_dataset, BATCH, steps)["losses"]
     return _references[factory]
 
 
@@ -102,18 +118,41 @@ def _fit_layouts(layouts, checkpoints: str):
     resumed, _ = _fit(muon_gpt, {"tp": 2, "zero": 3}, 2 * STEPS, resume=saved[0], model_seed=7)
     with pytest.raises(ValueError, match=r"`ParaStrategy\(zero=2\)` hands the optimizer row shards[\s\S]*Muon needs"):
         _fit(torch_muon_gpt, {"zero": 2})
+    _ranks_disagree_on_gradients()
     return runs, first, resumed
 
 
-LAYOUTS = [  # (model, ParaStrategy arguments, planted bug)
-    (muon_gpt, {"tp": 2, "zero": 1, "sequence_parallel": True}, False),
-    (muon_gpt, {"tp": 2, "zero": 3}, False),
+def _ranks_disagree_on_gradients():
+    """Inside a worker: rank 0 has a gradient for a sharded matrix the others have none for: a ValueError on every
+    rank when the route is built (routes are cached per set of matrices), not a hang in mismatched all-to-alls."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_para.optim import Muon
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [torch.nn.Parameter(DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])) for _ in range(2)]
+    for i, p in enumerate(params):
+        if i == 0 or dist.get_rank() == 0:
+            p.grad = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="step different matrices"):
+        Muon([{"params": params, "use_muon": True}]).step()
+
+
+# (model, ParaStrategy arguments, planted bug). Each acceptance layout once per model (world 4): the GPT's
+# zero=1 dp4 and tp2 x dp2 zero=3 run in the resume test (its two halves), so not here.
+LAYOUTS = [
+    (muon_gpt_float32_newton_schulz, {"tp": 2, "zero": 1, "sequence_parallel": True}, False),
     (muon_gpt, {"pp": 2, "zero": 2}, False),
     (muon_gpt, {"cp": 2, "zero": 3}, False),
     (muon_gpt, {"dp_replicate": 2, "zero": 3}, False),
     (muon_moe, {"ep": 2, "zero": 1}, False),
-    (muon_llama, {"zero": 2}, False),
+    (muon_moe, {"ep": 2, "zero": 3}, False),
     (muon_llama, {"tp": 2, "zero": 3}, False),
+    (muon_llama, {"tp": 2, "zero": 1, "sequence_parallel": True}, False),
+    (muon_llama, {"pp": 2, "zero": 2}, False),
+    (muon_llama, {"cp": 2, "zero": 3}, False),
     (muon_gpt, {"zero": 1}, True),
 ]
 
