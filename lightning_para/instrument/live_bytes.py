@@ -46,6 +46,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
+        self._total = 0  # sum(self.live.values()), kept as they change: read after every operator
         self.peak = 0
         self.exclude: set[int] = set()  # storages that existed before (weights, states): not activations
         self.forward_peak = 0  # the peak when the forwards are done (set by the dry run's step)
@@ -58,6 +59,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
+        self._total -= nbytes
         if self.trace is not None and nbytes:
             self.trace.free(key, nbytes)
 
@@ -74,6 +76,7 @@ class LiveBytes(TorchDispatchMode):
                 # FSDP2 gathers and reduce-scatters on streams of its own, whose cached blocks a GPU keeps apart;
                 # on meta the device module's streams are CPU's, which still say which one is current.
                 self.trace.alloc(key, nbytes, id(torch.cpu.current_stream()))
+        self._total += nbytes - self.live.get(key, 0)
         self.live[key] = nbytes
 
     def track(self, t: Tensor) -> None:
@@ -99,7 +102,7 @@ class LiveBytes(TorchDispatchMode):
 
     @property
     def current(self) -> int:
-        return sum(self.live.values())
+        return self._total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))

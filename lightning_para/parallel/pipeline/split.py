@@ -137,9 +137,8 @@ def apply_pipeline_parallel(
     placement = stage_to_rank(schedule, pp, virtual_stages)
     pp_rank = pp_mesh.get_local_rank()
     own = [s for s in range(num_stages) if placement[s] == pp_rank]
-    for (name, _), stage in zip(named, stage_of_layer):
-        if stage not in own:
-            _drop_layer(module, name, stage)
+    _drop_layers(module, {id(layer): _DroppedLayer(name, stage)
+                          for (name, layer), stage in zip(named, stage_of_layer) if stage not in own})
     _materialize_distributed_module(module, device)  # only this rank's layers are left to build
     module.to(device)
     if getattr(module, "example_input_array", None) is not None:
@@ -173,15 +172,14 @@ def _reject_tied_across_stages(module: nn.Module, named: list[tuple[str, nn.Modu
                 )
 
 
-def _drop_layer(module: nn.Module, name: str, stage: int) -> None:
-    """Replace every reference to the layer ``name`` inside ``module`` by a :class:`_DroppedLayer`."""
-    layer = module.get_submodule(name)
-    placeholder = _DroppedLayer(name, stage)
-    for parent in module.modules():
+def _drop_layers(module: nn.Module, placeholders: dict[int, "_DroppedLayer"]) -> None:
+    """Replace every reference inside ``module`` to each layer (by ``id``) in ``placeholders`` by its
+    :class:`_DroppedLayer`, in one walk (a walk per layer is quadratic in depth)."""
+    for parent in module.modules():  # a parent's children are replaced before the walk would enter them
         # private: see docs/architecture.md
         for child_name, child in list(parent._modules.items()):  # every name, duplicates included
-            if child is layer:
-                setattr(parent, child_name, placeholder)
+            if id(child) in placeholders:
+                setattr(parent, child_name, placeholders[id(child)])
 
 
 __all__ = ["apply_pipeline_parallel", "balanced_split", "explicit_split", "measure_layer_times"]

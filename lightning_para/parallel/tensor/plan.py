@@ -79,13 +79,16 @@ def match(pattern: str, fqn: str) -> bool:
     return rec(pattern.split(".") if pattern else [], fqn.split(".") if fqn else [])
 
 
-def expand(root: nn.Module, plan: Mapping[str, Style], prefix: str = "", source: str = "plan") -> dict[str, Style]:
+def expand(
+    root: nn.Module, plan: Mapping[str, Style], prefix: str = "", source: str = "plan", names: Optional[list[str]] = None,
+) -> dict[str, Style]:
     """Module FQNs (relative to the model root) -> style, for every pattern of ``plan``.
 
-    ``prefix`` is the FQN of the module that declared the plan. Raises ``ValueError`` for a
-    pattern that matches nothing (a typo) or for two styles on one module.
+    ``prefix`` is the FQN of the module that declared the plan; ``names``: the root's module names a pattern may
+    match (default: all). Raises ``ValueError`` for a pattern that matches nothing (a typo) or for two styles on
+    one module.
     """
-    names = [n for n, _ in root.named_modules() if n]
+    names = [n for n, _ in root.named_modules() if n] if names is None else names
     out: dict[str, Style] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not isinstance(style, (str, ParallelStyle)):
@@ -107,12 +110,16 @@ def expand(root: nn.Module, plan: Mapping[str, Style], prefix: str = "", source:
 def declared_plan(root: nn.Module) -> dict[str, Style]:
     """Merge ``tensor_parallel_plan()`` of the root and every submodule (each relative to itself)."""
     out: dict[str, Style] = {}
+    names = [n for n, _ in root.named_modules() if n]
     for name, module in root.named_modules():
         hook = getattr(type(module), PLAN_HOOK, None)
         if hook is None:
             continue
         plan = module.tensor_parallel_plan()
-        for fqn, style in expand(root, plan or {}, name, f"tensor_parallel_plan() of {name or 'the root module'}").items():
+        # Its patterns are relative to it: only its own modules can match (one plan per block stays linear in depth).
+        under = [n for n in names if n == name or n.startswith(name + ".")] if name else names
+        source = f"tensor_parallel_plan() of {name or 'the root module'}"
+        for fqn, style in expand(root, plan or {}, name, source, under).items():
             if fqn in out and out[fqn] != style:
                 raise ValueError(f"Module {fqn!r} gets two styles from declared plans: {out[fqn]!r} and {style!r}.")
             out[fqn] = style
