@@ -161,6 +161,22 @@ def run_sharded(folder: Path, layout: dict, *, world: int, **kwargs) -> list:
         pool.close()
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(name, factory, **config)``: the folder ``write_llama`` writes and its one-device reference losses,
+    made once per module for every test that loads the same model (both deterministic: seeded weights, one CPU
+    process, the same batches); the tests only read the folder."""
+    cache: dict[str, tuple[Path, list[float]]] = {}
+
+    def get(name: str, factory=llama_config, **config: Any) -> tuple[Path, list[float]]:
+        if name not in cache:
+            folder = write_llama(tmp_path_factory.mktemp(name) / name, factory, **config)
+            cache[name] = (folder, reference(folder))
+        return cache[name]
+
+    return get
+
+
 def _sizes(folder: Path) -> tuple[int, int]:
     from lightning_para.checkpoint import stored_tensors
 
@@ -169,9 +185,8 @@ def _sizes(folder: Path) -> tuple[int, int]:
     return 4 * sum(numels), 4 * max(numels)
 
 
-def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(tmp_path):
-    folder = write_llama(tmp_path / "llama")
-    expected = reference(folder)
+def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(saved):
+    folder, expected = saved("llama")
     results = run_sharded(folder, {"zero": 3}, world=2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
@@ -181,9 +196,8 @@ def test_small_llama_dp2_zero3_loads_sharded_inside_init_module(tmp_path):
     "layout", [{"zero": 1, "tp": 2}, {"zero": 1}, {"zero": 2}, {"zero": 0, "tp": 2}, {"pp": 2, "zero": 1}, {"cp": 2, "zero": 3}, {"tp": 2, "pp": 2}],
     ids=["tp2-zero1", "dp2-zero1", "dp2-zero2", "tp2-zero0", "pp2-zero1", "cp2-zero3", "tp2-pp2"],
 )
-def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
-    folder = write_llama(tmp_path / "llama")
-    expected = reference(folder)
+def test_small_llama_loads_sharded_under_other_layouts(saved, layout):
+    folder, expected = saved("llama")
     world = 4 if layout.get("tp", 1) * layout.get("pp", 1) == 4 else 2
     results = run_sharded(folder, layout, world=world)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
@@ -191,10 +205,9 @@ def test_small_llama_loads_sharded_under_other_layouts(tmp_path, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"zero": 3}, {"zero": 1}, {"zero": 3, "tp": 2}], ids=["dp2-zero3", "dp2-zero1", "dp2-tp2-zero3"])
-def test_tied_embeddings_stay_tied(tmp_path, layout):
+def test_tied_embeddings_stay_tied(saved, layout):
     """Llama 3.2's head is its embedding: the files hold it once; every layout keeps one parameter for both."""
-    folder = write_llama(tmp_path / "llama", tie_word_embeddings=True)
-    expected = reference(folder)
+    folder, expected = saved("llama-tied", tie_word_embeddings=True)
     results = run_sharded(folder, layout, world=4 if "tp" in layout else 2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
@@ -202,18 +215,16 @@ def test_tied_embeddings_stay_tied(tmp_path, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"ep": 2, "zero": 3}, {"ep": 2, "zero": 1}],
                          ids=["ep2", "ep2-zero3", "dp4-ep2-zero1"])
-def test_mixtral_per_expert_files_load_into_stacked_experts_under_ep(tmp_path, layout):
+def test_mixtral_per_expert_files_load_into_stacked_experts_under_ep(saved, layout):
     """transformers writes Mixtral one tensor per expert; each ep rank reads only its experts' pieces."""
-    folder = write_llama(tmp_path / "mixtral", factory=mixtral_config)
-    expected = reference(folder)
+    folder, expected = saved("mixtral", mixtral_config)
     results = run_sharded(folder, layout, world=4 if layout.get("zero") == 1 else 2)
     assert_losses_close(_mean_loss(results), expected, FP32_RTOL)
 
 
 @pytest.mark.slow
-def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(tmp_path):
-    folder = write_llama(tmp_path / "llama")
-    expected = reference(folder)
+def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(saved):
+    folder, expected = saved("llama")
     # Its own processes: the planted reader must not outlive this test.
     results = run_sharded(folder, {"zero": 3}, planted=True, world=2)
     with pytest.raises(AssertionError, match="per-step loss differs"):
@@ -222,11 +233,10 @@ def test_planted_bug_reading_rank0s_slice_everywhere_fails_parity(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"zero": 3}, {"zero": 3, "tp": 2}], ids=["dp4-zero3", "dp2-tp2-zero3"])
-def test_llama_76m_loads_sharded_within_half_the_model_per_rank(tmp_path, layout):
-    folder = write_llama(tmp_path / "llama", **LLAMA_76M)
+def test_llama_76m_loads_sharded_within_half_the_model_per_rank(saved, layout):
+    folder, expected = saved("llama-76m", **LLAMA_76M)
     model_bytes, largest = _sizes(folder)
     assert 75e6 <= model_bytes / 4 <= 77e6
-    expected = reference(folder)
     # Fresh processes: no freed memory of an earlier job to reuse.
     results = run_sharded(folder, layout, timeout=500, world=4)
     print({"layout": layout, "model_MB": model_bytes / 2**20,
