@@ -39,11 +39,12 @@ class ParamTensor:
     shape: tuple[int, ...]
     expert: bool = False  # a routed expert: sharded by ep, replicated over edp
 
-    @property
+    # Cached on the (frozen, itself cached) tensor: a search reads them millions of times.
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
