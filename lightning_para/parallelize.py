@@ -24,7 +24,7 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.compat import UserParallelism, detect_user_parallelism
 from lightning_para.config import ParallelConfig
 from lightning_para.mesh import ParallelDims
-from lightning_para.moe import MoE
+from lightning_para.moe import MoE, biased_routers, keep_expert_biases_fp32
 from lightning_para.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_para.parallel.compile import CompileInfo, apply_compile, check_blocks
 from lightning_para.parallel.fp8 import (
@@ -306,15 +306,19 @@ def _keep_user_fully_sharded(
     )
     if param_dtype is not None:
         module.to(dtype=param_dtype)
+        keep_expert_biases_fp32(module)
     return result
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """``module.to(dtype)``, skipped where every floating-point tensor already has it (a no-op ``.to``
-    would still swap DTensor parameters, dropping hooks the user's ``configure_model`` put on them)."""
+    would still swap DTensor parameters, dropping hooks the user's ``configure_model`` put on them); MoE
+    selection biases stay fp32."""
     tensors = [*module.parameters(), *module.buffers()]
-    if any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+    fp32_biases = {id(getattr(router, router.bias_buffer)) for router in biased_routers(module)}
+    if any(t.is_floating_point() and t.dtype != dtype and id(t) not in fp32_biases for t in tensors):
         module.to(dtype=dtype)
+    keep_expert_biases_fp32(module)
 
 
 def _count_params(module: nn.Module, is_expert: Callable[[Tensor], bool]) -> tuple[int, int]:

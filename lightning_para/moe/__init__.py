@@ -30,6 +30,7 @@ from lightning_para.spec.lazy import lazy_face
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, {
     ".helpers": ("MoEAuxLossScale", "MoEBiasUpdate", "MoEMetrics", "aux_loss", "balanced_routing", "biased_routers",
+        "keep_expert_biases_fp32",
         "moe_layers", "aux_loss_grad_scale", "moe_stats_paused", "set_aux_loss_grad_scale", "update_expert_bias"),
     ".layer": ("MoE", "FeedForward", "GroupedExperts", "MoEStats", "TopKRouter"),
     ".routing": ("balanced_assignment", "capacity_keep_mask", "expert_capacity", "load_balancing_loss",

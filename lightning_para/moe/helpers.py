@@ -110,6 +110,16 @@ def biased_routers(*modules: nn.Module) -> list[nn.Module]:
     return list({id(m): m for module in modules for m in module.modules() if getattr(m, "bias_update_rate", 0.0)}.values())
 
 
+def keep_expert_biases_fp32(module: nn.Module) -> None:
+    """Every selection bias in ``module`` back in float32 after a half-precision cast (``module.to(bf16)`` casts
+    buffers too; torchtitan keeps its expert bias in fp32 as well): bf16 holds 8 significant bits, so from about
+    0.25 on DeepSeek-V3's 0.001 steps are rounded to nothing or to a whole bf16 step."""
+    for router in biased_routers(module):
+        bias = getattr(router, router.bias_buffer)
+        if bias.is_floating_point() and bias.dtype != torch.float32:
+            setattr(router, router.bias_buffer, bias.float())
+
+
 @torch.no_grad()
 def update_expert_bias(modules: Sequence[nn.Module], groups: Sequence[Any] = ()) -> None:
     """After an optimizer step: ``expert_bias += rate * sign(mean load - load)`` in every biased router of

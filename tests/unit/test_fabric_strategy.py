@@ -128,3 +128,37 @@ def test_save_filter_applies_to_every_entry():
     keep = {"model": lambda k, v: "bias" in k, "optimizer": lambda k, v: k == "param_groups", "extra": lambda k, v: k == "a"}
     out = to_fabric_file(to_trainer_format(parts, model.state_dict(), [optimizer.state_dict()], keep))
     assert set(out["model"]) == {"bias"} and set(out["optimizer"]) == {"param_groups"} and out["extra"] == {"a": 1}
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_expert_bias_stays_fp32_under_bf16_true(planted, monkeypatch):
+    """`bf16-true` casts the model, buffers included; the MoE selection bias stays fp32, so a 0.001 update from
+    0.3 is exactly 0.001 (bf16's spacing there is 2**-9: a bf16 bias moves by 0 or ~0.002). Planted: the
+    bias cast like every buffer."""
+    import importlib
+
+    from lightning_para.moe import MoE
+
+    parallelize_module = importlib.import_module("lightning_para.parallelize")
+
+    if planted:
+        monkeypatch.setattr(parallelize_module, "keep_expert_biases_fp32", lambda module: None)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ParaStrategy(), precision="bf16-true")
+    fabric.launch()
+    try:
+        torch.manual_seed(0)
+        model = fabric.setup(MoE(8, 16, 4, top_k=2, bias_update_rate=0.001))
+        layer = model.module
+        with torch.no_grad():
+            layer.expert_bias.fill_(0.3)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
+        fabric.backward(model(torch.randn(2, 6, 8)).float().pow(2).mean())
+        optimizer.step()
+    finally:
+        if torch.distributed.is_initialized():  # ParaStrategy's one-process group: the next test starts its own
+            torch.distributed.destroy_process_group()
+    assert layer.router.weight.dtype == torch.bfloat16
+    # Each expert's bias moves by the rate, or not at all where its load was exactly the mean (sign 0).
+    step = (layer.expert_bias.double() - torch.tensor(0.3, dtype=layer.expert_bias.dtype).double()).abs()
+    exact = bool((((step - 0.001).abs() < 1e-7) | (step < 1e-7)).all() and (step > 1e-7).any())
+    assert exact is not planted and (layer.expert_bias.dtype == torch.float32) is not planted, (step, layer.expert_bias)
