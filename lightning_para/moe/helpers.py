@@ -137,7 +137,7 @@ def update_expert_bias(modules: Sequence[nn.Module], groups: Sequence[Any] = ())
         dist.all_reduce(load, group=group)
     for router, counts in zip(routers, load.float().split([r.expert_load.numel() for r in routers])):
         getattr(router, router.bias_buffer).add_(torch.sign(counts.mean() - counts), alpha=router.bias_update_rate)
-        router.load_imbalance = counts.max() / counts.mean().clamp_min(1)  # the global max/mean, for the profiler
+        router.global_load = counts  # summed over the ranks already, for the profiler (no kernel of its own)
         router.expert_load.zero_()
 
 

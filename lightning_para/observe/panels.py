@@ -74,18 +74,21 @@ def prediction_metrics(check: PredictionCheck) -> dict[str, float]:
     return metrics
 
 
-def moe_metrics(per_rank: list[dict[str, MoEStats]]) -> dict[str, float]:
-    """Routing statistics of every MoE layer averaged over ranks, and each layer's global load imbalance."""
+def moe_metrics(per_rank: list[dict[str, MoEStats]], global_loads: Optional[dict[str, list[float]]] = None) -> dict[str, float]:
+    """Routing statistics of every MoE layer averaged over ranks, and each layer's global load imbalance;
+    ``global_loads``: the assignments per expert of other blocks (a selection bias's count), already summed over
+    ranks."""
     merged: dict[str, list[MoEStats]] = {}
     for r in per_rank:
         for name, stats in r.items():
             merged.setdefault(name, []).append(stats)
     metrics: dict[str, float] = {}
-    imbalance = []
+    imbalance, loads = [], dict(global_loads or {})
     for name, entries in sorted(merged.items()):
         for key in ("balance_loss", "z_loss", "dropped_fraction", "load_imbalance"):
             metrics[f"moe/{name}/{key}"] = sum(getattr(e, key) for e in entries) / len(entries)
-        counts = [sum(c) for c in zip(*(e.tokens_per_expert for e in entries))]
+        loads[name] = [sum(c) for c in zip(*(e.tokens_per_expert for e in entries))]
+    for name, counts in sorted(loads.items()):
         mean = sum(counts) / max(len(counts), 1)
         # Global balance: max/mean of the tokens each expert got from all ranks together.
         metrics[f"moe/{name}/global_load_imbalance"] = max(counts) / mean if mean else 0.0

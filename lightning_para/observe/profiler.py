@@ -388,13 +388,11 @@ class ParaProfiler(Callback):
             stats = layer.pop_stats()
             if stats is not None:
                 mine[name] = stats
-        biased = {f"moe/{name}/global_load_imbalance": float(m.load_imbalance) for name, m in pl_module.named_modules()
-                  if not isinstance(m, MoE) and getattr(m, "load_imbalance", None) is not None}  # already global
+        biased = {name: m.global_load.tolist() for name, m in pl_module.named_modules()
+                  if not isinstance(m, MoE) and getattr(m, "global_load", None) is not None}
         per_rank = gather_objects((mine, biased))
-        metrics = moe_metrics([stats for stats, _ in per_rank])
-        for _, loads in per_rank:
-            metrics.update(loads)
-        log_scalars(trainer, metrics)  # rank 0 writes
+        loads = {name: counts for _, theirs in per_rank for name, counts in theirs.items()}
+        log_scalars(trainer, moe_metrics([stats for stats, _ in per_rank], loads))  # rank 0 writes
 
     # ------------------------------------------------------------------ torch.profiler
     def _start_torch_profiler(self, trainer: L.Trainer) -> None:
