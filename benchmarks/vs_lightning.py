@@ -181,11 +181,11 @@ def run_side(side: str, steps: int, batch: int, warmup: int) -> float:
     if side.endswith("-native-rs"):  # ZeRO-1/2 with torch's gloo reduce-scatter (the path NCCL takes)
         from lightning_para.parallel.data import layout
 
-        layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = False
+        layout.GLOO_SHORTCUTS = False
         try:
             return run_side(side[: -len("-native-rs")], steps, batch, warmup)
         finally:
-            layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = True
+            layout.GLOO_SHORTCUTS = True
     world = dist.get_world_size()
     L.seed_everything(0, verbose=False)
     module = bench_gpt()

@@ -98,20 +98,21 @@ def rank() -> int:
 
 
 def nccl_reduce_scatter_path(job: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``job`` (in a worker) with ZeRO-1/2 taking torch's real reduce-scatter, the path NCCL takes.
+    """Run ``job`` (in a worker) with ZeRO-1/2 taking torch's real reduce-scatter and all-gather, the path NCCL takes.
 
     On gloo, ZeRO-1/2 all-reduce their buckets in place instead (gloo's reduce-scatter is an
-    all-reduce inside, plus a clone), which counts as an ``all_reduce`` of 2x the bytes here.
+    all-reduce inside, plus a clone), which counts as an ``all_reduce`` of 2x the bytes here, and
+    gather the updated weights by one broadcast per rank (``layout.GLOO_SHORTCUTS``).
     Tests that check the ZeRO paper's accounting (reduce-scatter psi + all-gather psi, and the
     planner's model of it) run their job through this.
     """
     from lightning_para.parallel.data import layout
 
-    layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = False
+    layout.GLOO_SHORTCUTS = False
     try:
         return job(*args, **kwargs)
     finally:
-        layout.GLOO_REDUCE_SCATTER_AS_ALL_REDUCE = True
+        layout.GLOO_SHORTCUTS = True
 
 
 def batches_counter(first: int, last: Optional[int] = None) -> Any:

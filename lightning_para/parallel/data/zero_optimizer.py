@@ -2,7 +2,8 @@
 parameters after its step (the gradient side is :mod:`lightning_para.parallel.data.zero`).
 
 * After the optimizer step the updated shards of all buckets that share a group and dtype
-  are all-gathered in **one** collective (not one per bucket).
+  are all-gathered in **one** collective (not one per bucket; on gloo one broadcast per rank), in place:
+  each rank writes its shards into its own row of the output.
 * Sharding is by rows (dim 0) and follows ``torch.chunk``, the same layout FSDP2 uses, so a
   shard is a contiguous slice of the flat parameter and the optimizer state of ZeRO-1/2 can
   be saved as a DTensor that any other layout (ZeRO-0, ZeRO-3, another dp) loads.
@@ -33,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
-    all_gather_single,
+    all_gather_rows,
     rows_of,
     unpack_rank_major,
 )
@@ -154,19 +155,16 @@ class OptimizerSharding:
             return
         pending = []
         for group_buckets in _coalescable(buckets):
-            first = group_buckets[0]
-            device, world = first.slots[0].local.device, first.world
+            first = group_buckets[0].slots[0]
+            world = group_buckets[0].world
             # Padding after each shard is never read back (unpacking reads only real rows): `empty`.
-            send = torch.empty(sum(b.segment_numel for b in group_buckets), dtype=first.dtype, device=device)
-            torch._foreach_copy_(*_copy_in(send, group_buckets))
-            if world == 1:
-                pending.append((group_buckets, send.view(1, -1), None))
-                continue
-            out = torch.empty(world, send.numel(), dtype=first.dtype, device=device)
-            work = all_gather_single(out.view(-1), send, group=first.slots[0].group, async_op=True)
-            pending.append((group_buckets, out, work))
-        for group_buckets, out, work in pending:
-            if work is not None:
+            out = torch.empty(world, sum(b.segment_numel for b in group_buckets), dtype=group_buckets[0].dtype,
+                              device=first.local.device)
+            torch._foreach_copy_(*_copy_in(out[first.rank], group_buckets))
+            works = all_gather_rows(out, first.rank, first.group) if world > 1 else []
+            pending.append((group_buckets, out, works))
+        for group_buckets, out, works in pending:
+            for work in works:
                 work.wait()
             unpack_rank_major(out, [rows_of(slot.local, slot) for bucket in group_buckets for slot in bucket.slots])
 
