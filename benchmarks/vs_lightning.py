@@ -58,13 +58,12 @@ SUITES = {
     "fsdp": (2, "lightning-fsdp2", ["lightning-fsdp2", "para-zero3", "para-zero3-blocks_and_ends"]),
     "tp": (2, "lightning-tp", ["lightning-tp", "para-tp2"]),
 }
-TARGETS = {
-    "single": {"lightning-default": "para <= 1.02x this", "para": "<= 1.05x raw loop"},
-    "ddp": {"para-zero0": "<= 1.05", "para-zero1": "<= 1.15", "para-zero2": "<= 1.15"},
-    "fsdp": {"para-zero3": "<= 1.05"},
+TARGETS = {  # the performance issue's acceptance: ratios to Lightning's strategy for the same semantics
+    "single": {"lightning-default": "para <= 1.00x this"},
+    "ddp": {"para-zero0": "<= 1.00", "para-zero1": "<= 1.05", "para-zero2": "<= 1.05"},
+    "fsdp": {"para-zero3": "<= 1.00"},
     "tp": {"para-tp2": "<= 1.00"},
 }
-
 
 # ---------------------------------------------------------------------- Lightning's recipes
 def _fsdp2_gpt(**kwargs):
