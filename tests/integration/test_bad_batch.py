@@ -14,6 +14,7 @@ from lightning_para.reliability.watchdog import WATCHDOG_EXIT_CODE
 from tests.integration.kill_helpers import launch
 
 TIMEOUT = 60.0  # interval 5 s: released 15-20 s after the error, well before the timeout
+RELEASED_WITHIN = 35.0
 
 
 @pytest.mark.slow
@@ -26,4 +27,6 @@ def test_out_of_range_ids_on_stage0_raise_there_and_release_stage1(tmp_path):
     assert output.count("IndexError: Token ids must lie in [0, 256)") >= 2
     for rank in (2, 3):
         assert "IndexError: Token ids must lie in [0, 256)" in verdicts[rank], verdicts  # the root cause, named
-        assert ended[rank] - max(ended[0], ended[1]) < TIMEOUT - 10, ended
+        # 3 intervals (15 s) after the notice; released at the timeout instead (60 s after the hang began, at
+        # least ~50 s after stage 0's end) would fail this bound, which leaves 20 s for a loaded machine.
+        assert ended[rank] - max(ended[0], ended[1]) < RELEASED_WITHIN, ended
