@@ -46,14 +46,21 @@ def aux_loss(module: nn.Module) -> Tensor:
 
 @contextlib.contextmanager
 def moe_stats_paused(module: nn.Module) -> Iterator[None]:
-    """Forwards inside do not count towards :func:`aux_loss` and the metrics (e.g. a pipeline's shape inference)."""
+    """Forwards inside do not count towards :func:`aux_loss`, the metrics and the selection biases' load (e.g. a
+    pipeline's shape inference), in MoE layers and in the routers of LitGPT and transformers models alike."""
     layers = [layer for _, layer in moe_layers(module)]
+    routers = [router for router in biased_routers(module) if not isinstance(router, MoE)]
     previous = [layer.set_recording(False) for layer in layers]
+    counting = [router.counting_load for router in routers]
+    for router in routers:
+        router.counting_load = False
     try:
         yield
     finally:
         for layer, value in zip(layers, previous):
             layer.set_recording(value)
+        for router, value in zip(routers, counting):
+            router.counting_load = value
 
 
 @contextlib.contextmanager

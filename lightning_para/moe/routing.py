@@ -79,6 +79,7 @@ def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float
             f"`bias_update_rate={bias_update_rate!r}` must be a number >= 0 (DeepSeek-V3 uses 0.001; 0 disables the bias)."
         )
     router.bias_update_rate, router.bias_buffer = float(bias_update_rate), bias_buffer
+    router.counting_load = True  # off inside `moe_stats_paused`
     if bias_update_rate:
         device = next(iter(router.parameters()), torch.empty(0)).device
         if bias_buffer == "expert_bias":
@@ -88,8 +89,8 @@ def add_expert_bias(router: nn.Module, num_experts: int, bias_update_rate: float
 
 def record_load(router: nn.Module, indices: Tensor) -> None:
     """Add the assignments ``indices`` (``[T, k]``) to ``router.expert_load`` in a training forward (not in eval,
-    not in an activation-checkpoint recomputation, which would count them twice)."""
-    if router.training and not in_backward():
+    not in an activation-checkpoint recomputation, which would count them twice, nor inside ``moe_stats_paused``)."""
+    if router.training and router.counting_load and not in_backward():
         router.expert_load += rows_per_expert(indices.reshape(-1).detach(), router.expert_load.numel())
 
 
