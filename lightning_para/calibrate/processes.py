@@ -7,17 +7,17 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 
-def measurement_context() -> Any:
-    """Where measurement processes come from: a fork server that imports torch and this module once, so each
-    process starts in about a second instead of a new interpreter's ~10 s on two busy cores (torch and Lightning
-    imported again each time); spawn where the platform has no fork server. Each process is still fresh: its
-    threads, its (fake) process group and its measurements are its own."""
+def measurement_context(preload: Sequence[str] = ("torch", "lightning_para.calibrate.measure")) -> Any:
+    """Where measurement processes (and the dry run's ranks) come from: a fork server that imports ``preload``
+    once, so each process starts in about a second instead of a new interpreter's ~10 s on two busy cores (torch
+    and Lightning imported again each time); spawn where the platform has no fork server. Each process is still
+    fresh: its threads, its (fake) process group and its measurements are its own."""
     import torch.multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "lightning_para.calibrate.measure"])  # no effect once the server runs (e.g. the test harness's)
+    context.set_forkserver_preload(list(preload))  # no effect once the server runs (e.g. the test harness's)
     return context
 
 

@@ -49,15 +49,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torch import nn
 
+from lightning_para.calibrate.processes import measurement_context
 from lightning_para.config import ParallelConfig
 from lightning_para.spec.options import PRECISIONS, WORLD_SIZED
 from lightning_para.plan.cluster import Training
@@ -105,7 +107,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="bf16-true (default: bf16 weights, fp32 masters, as Llama trains), 16-true or 32-true"
                    " (with --config: the config's, if it is one of these)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--worker-rank", type=int, help=argparse.SUPPRESS)  # one simulated rank (a child process)
     return p
 
 
@@ -275,15 +276,23 @@ def _config_setup(args: argparse.Namespace) -> DryRunJob:
     return DryRunJob(describe_config_model(module), config, training, gpus, lambda: model_from_config(cfg))
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _rank_process(args: argparse.Namespace, rank: int, env: dict[str, str], cwd: str, log: str) -> None:
+    """One simulated rank in a process of its own (the fake process group is process-wide), in the command's
+    environment and directory; ``log`` gets all it prints: its result's line, or its traceback."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # noqa: SIM115 - the process's streams until it exits
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     job = _setup(args)
     training = job.training
     result = dry_run_rank(
-        job.build, job.config, job.gpus, args.worker_rank, seq_len=training.seq_len,
+        job.build, job.config, job.gpus, rank, seq_len=training.seq_len,
         micro_batch=training.micro_batch, hidden=job.model.hidden, model=job.model, training=training,
     )
     print("DRYRUN-RESULT " + json.dumps(result.to_dict()), flush=True)
-    return 0
 
 
 def _pct(measured: float, predicted: float) -> str:
@@ -330,29 +339,31 @@ def render(results: list[RankDryRun]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.worker_rank is not None:
-            return _worker(args)
         job = _setup(args)  # bad arguments (and a bad config) fail here, before any process starts
         ranks = _ranks(args.ranks, job.gpus)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    argv_child = [sys.executable, "-m", "lightning_para.cli", "dryrun", *(argv if argv is not None else sys.argv[2:])]
+    # Fresh processes from a fork server that imported torch, Lightning and this command once (not once per rank).
+    context = measurement_context(["torch", "lightning_para.cli.dryrun"])
 
-    def run_rank(rank: int) -> tuple[int, subprocess.CompletedProcess, float]:
-        start = time.perf_counter()
-        proc = subprocess.run([*argv_child, "--worker-rank", str(rank)], capture_output=True, text=True,
-                              env=os.environ.copy())
-        return rank, proc, time.perf_counter() - start
+    def run_rank(rank: int) -> tuple[int, Optional[int], str, float]:
+        start, log = time.perf_counter(), Path(logs, f"rank{rank}.log")
+        log.touch()  # read even if the process dies before it starts
+        process = context.Process(target=_rank_process, args=(args, rank, dict(os.environ), os.getcwd(), str(log)), daemon=True)
+        process.start()
+        process.join()
+        return rank, process.exitcode, log.read_text(), time.perf_counter() - start
 
     # One process per rank (the fake process group is process-wide), as many at once as there are cores.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(ranks), os.cpu_count() or 1))) as pool:
+    with tempfile.TemporaryDirectory(prefix="lightning-para-dryrun-") as logs, \
+            ThreadPoolExecutor(max_workers=max(1, min(len(ranks), os.cpu_count() or 1))) as pool:
         done = list(pool.map(run_rank, ranks))
     results = []
-    for rank, proc, seconds in done:
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("DRYRUN-RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(f"{PROG}: rank {rank} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
+    for rank, exitcode, out, seconds in done:
+        line = next((l for l in out.splitlines() if l.startswith("DRYRUN-RESULT ")), None)
+        if exitcode != 0 or line is None:
+            print(f"{PROG}: rank {rank} failed:\n{out[-4000:]}", file=sys.stderr)
             return 1
         result = RankDryRun.from_dict(json.loads(line[len("DRYRUN-RESULT "):]))
         result.seconds["process"] = seconds

@@ -5,10 +5,9 @@ process-wide). Its states must equal the bytes computed by hand and the planner'
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from lightning_para import cli
 from tests.harness import run_code
 
 
@@ -270,24 +269,25 @@ def test_dry_run_runs_zero3_on_fsdp2():
         assert comm[("dp", "reduce_scatter")][1] == pytest.approx(2 * elements / layout.get("tp", 1), rel=0.01)
 
 
-def _dry_run_405b(accumulation: str) -> dict[int, dict]:
+def _dry_run_405b(capsys: pytest.CaptureFixture, accumulation: str) -> dict[int, dict]:
     """The CLI's dry run of Llama 3 405B's first and last ranks at 8,192 GPUs (TP8 PP16 DP64, SP, 1F1B, ZeRO-2,
-    bf16-true, 8K tokens, 32 microbatches per step), by pipeline rank."""
+    bf16-true, 8K tokens, 32 microbatches per step), by pipeline rank. The command runs here: its rank processes
+    come from the tests' fork server (tests/harness.py), not from two new interpreters."""
     layout = f"tp=8,pp=16,zero=2,sp=true,schedule=1f1b,zero_accumulation={accumulation}"
-    argv = [sys.executable, "-m", "lightning_para.cli", "dryrun", "--model", "llama3-405b", "--gpus", "8192", "--layout", layout,
+    argv = ["dryrun", "--model", "llama3-405b", "--gpus", "8192", "--layout", layout,
             "--seq-len", "8192", "--global-batch", "2048", "--ranks", "first,last", "--json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["pipeline_rank"]: r for r in json.loads(proc.stdout)}
+    status, out = cli.main(argv), capsys.readouterr()
+    assert status == 0, out.err[-3000:]
+    return {r["pipeline_rank"]: r for r in json.loads(out.out)}
 
 
 @pytest.mark.slow  # ~50 s: four ranks of a 405B job on the meta device
-def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_prices():
+def test_dry_run_reduce_each_microbatch_frees_whole_gradients_as_the_planner_prices(capsys):
     """ZeRO-2's "reduce_each_microbatch" (issue 23: the Llama 3 paper's gradients, sharded under pipelining), run by
     the real engine in the dry run: the first and the last pipeline rank of the 8,192-GPU job peak lower than with
     "no_sync" by most of their whole gradients (bf16: as many bytes as the weights), the planner's peak for it is
     within 5%, and the dp reductions carry one microbatch's gradients per microbatch the dry run ran."""
-    once, each = _dry_run_405b("no_sync"), _dry_run_405b("reduce_each_microbatch")
+    once, each = _dry_run_405b(capsys, "no_sync"), _dry_run_405b(capsys, "reduce_each_microbatch")
     assert sorted(each) == [0, 15]
     for pipeline_rank in (0, 15):
         a, b = once[pipeline_rank], each[pipeline_rank]
