@@ -1,4 +1,4 @@
-"""Count bytes passed to torch.distributed collectives, independently of the library.
+"""Count bytes passed to torch.distributed collectives, apart from the library's own counter.
 
 A ``TorchDispatchMode`` sees every c10d op (``dist.all_reduce`` ... and the ones FSDP2 and
 our ZeRO issue) and every functional collective (DTensor / tensor parallel), including those
@@ -9,7 +9,9 @@ criteria use:
 * reduce-scatter counts its *input*, all-gather its *output* (psi each);
 * all-to-all, broadcast, send and recv count the bytes sent.
 
-This file is test-only on purpose: the library's own profiler must not be what checks it.
+This file is test-only on purpose: the library's own profiler must not be what checks it. Only the op
+table is shared: each op's kind and bytes come from the library's ``classify`` (pinned op by op in
+``tests/unit/test_profiling.py``); intercepting, grouping and summing are this file's own.
 """
 
 from __future__ import annotations
@@ -21,13 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def _nbytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
+from lightning_para.instrument.collectives import classify
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -47,35 +43,10 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, op: str, args: tuple, kwargs: dict) -> None:
-        op = op.rstrip("_")
-        kind, volume = None, 0
-        if op in ("allreduce", "all_reduce", "allreduce_coalesced", "all_reduce_coalesced"):
-            kind, volume = "all_reduce", 2 * _nbytes(args[0])
-        elif op in ("_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-            kind, volume = "reduce_scatter", _nbytes(args[1] if op == "_reduce_scatter_base" else args[0])
-        elif op == "reduce_scatter":
-            kind, volume = "reduce_scatter", _nbytes(args[1])
-        elif op in ("_allgather_base", "all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
-            if op == "_allgather_base":
-                volume = _nbytes(args[0])
-            else:  # functional: input and group size
-                group_size = args[1] if isinstance(args[1], int) else 1
-                volume = _nbytes(args[0]) * group_size
-            kind = "all_gather"
-        elif op in ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced"):
-            kind, volume = "all_gather", _nbytes(args[0])
-        elif op in ("alltoall_base", "all_to_all_single", "alltoall"):
-            kind, volume = "all_to_all", _nbytes(args[1] if op == "alltoall_base" else args[0])
-        elif op in ("broadcast",):
-            kind, volume = "broadcast", _nbytes(args[0])
-        elif op in ("send",):
-            kind, volume = "send", _nbytes(args[0])
-        elif op in ("recv", "recv_any_source"):
-            kind, volume = "recv", _nbytes(args[0])
-        elif op in ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"):
+        counted = classify(op, args)
+        if counted is None:
             return
-        else:
-            kind, volume = op, _nbytes(args[0]) if args else 0
+        kind, volume = counted
         group = None
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, str):

@@ -11,7 +11,7 @@ to the name of the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``,
 ``dp_shard_cp``; or ``world`` for the default group), so the counts read "tp all_reduce:
 1.2 MB, 3.4 ms" and the bytes that cross nodes (``dp_replicate``, ``pp``) stand apart.
 
-Two byte conventions, both counted for every call:
+Two byte conventions, both counted for every call and both read from one table of ops (``_OPS``):
 
 * **bus bytes** (``bytes``, :meth:`CollectiveCounter.summary`) follow the ZeRO paper's accounting
   (Rajbhandari et al. 2020, Sec. 7), which the docs' formulas use: an all-reduce of psi bytes counts
@@ -52,8 +52,31 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # private
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see docs/architecture.md
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-_IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"}
-_P2P = {"send", "recv", "recv_any_source"}
+_P2P = {"send", "recv"}
+
+# The one table of collective ops, by schema name: ``(kind, the argument whose bytes the bus convention counts, the
+# tensor the payload convention counts: an index into the call's tensors in order, None where it counts none)``, or
+# ``None`` for bookkeeping. Bus bytes: an all-reduce counts its argument twice, an all-gather given a group size (the
+# functional ones) its input times that. Payload kind: the bus kind, but a send is a ``send_recv`` (a receive carries
+# the sender's bytes: counted once, sent).
+_OPS: dict[str, Optional[tuple[str, int, Optional[int]]]] = {
+    # c10d: what torch.distributed's calls reach through the dispatcher
+    "allreduce_": ("all_reduce", 0, 0), "allreduce_coalesced_": ("all_reduce", 0, None),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, -1), "reduce_scatter_": ("reduce_scatter", 1, -1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 0, -1), "_allgather_base_": ("all_gather", 0, 0),
+    "allgather_": ("all_gather", 0, 0), "allgather_coalesced_": ("all_gather", 0, None),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 0), "alltoall_base_": ("all_to_all", 1, 1),
+    "alltoall_": ("all_to_all", 0, None), "broadcast_": ("broadcast", 0, 0), "send": ("send", 0, 0),
+    "recv_": ("recv", 0, None), "recv_any_source_": ("recv", 0, None), "reduce_": ("reduce", 0, None),
+    "scatter_": ("scatter", 0, None), "gather_": ("gather", 0, None), "barrier": None, "monitored_barrier_": None,
+    # functional collectives (DTensor's)
+    "all_reduce": ("all_reduce", 0, 0), "all_reduce_": ("all_reduce", 0, None),
+    "all_reduce_coalesced": ("all_reduce", 0, None), "all_reduce_coalesced_": ("all_reduce", 0, None),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, None),
+    "all_gather_into_tensor": ("all_gather", 0, 0), "all_gather_into_tensor_coalesced": ("all_gather", 0, None),
+    "all_to_all_single": ("all_to_all", 0, 0), "broadcast": ("broadcast", 0, 0), "wait_tensor": None,
+    "_wrap_tensor_autograd": None,
+}
 
 
 def _nbytes(value: Any) -> int:
@@ -91,57 +114,27 @@ def group_labels(mesh: Any, planner: bool = False) -> dict[str, str]:
 
 
 def classify(op: str, args: tuple) -> Optional[tuple[str, int]]:
-    """``(kind, bytes)`` of one collective op, or ``None`` for bookkeeping ops."""
-    op = op.rstrip("_")
-    if op in _IGNORED:
+    """``(kind, bus bytes)`` of collective ``op`` (its schema name, e.g. ``allreduce_``) called with ``args``, or
+    ``None`` for bookkeeping; an op the table does not know counts its first argument, under its own name."""
+    if op not in _OPS:
+        return op.rstrip("_"), _nbytes(args[0]) if args else 0
+    entry = _OPS[op]
+    if entry is None:
         return None
-    if op in ("allreduce", "all_reduce", "allreduce_coalesced", "all_reduce_coalesced"):
-        return "all_reduce", 2 * _nbytes(args[0])
-    if op == "_reduce_scatter_base":
-        return "reduce_scatter", _nbytes(args[1])
-    if op in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-        return "reduce_scatter", _nbytes(args[1] if op == "reduce_scatter" else args[0])
-    if op == "_allgather_base":
-        return "all_gather", _nbytes(args[0])
-    if op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
-        group_size = args[1] if len(args) > 1 and isinstance(args[1], int) else 1
-        return "all_gather", _nbytes(args[0]) * group_size
-    if op in ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced"):
-        return "all_gather", _nbytes(args[0])
-    if op == "alltoall_base":
-        return "all_to_all", _nbytes(args[1])
-    if op in ("all_to_all_single", "alltoall"):
-        return "all_to_all", _nbytes(args[0])
-    if op in ("broadcast", "send", "recv", "recv_any_source", "reduce", "scatter", "gather"):
-        return ("recv" if op.startswith("recv") else op), _nbytes(args[0])
-    return op, _nbytes(args[0]) if args else 0
+    kind, arg, _ = entry
+    group_size = args[1] if kind == "all_gather" and len(args) > 1 and isinstance(args[1], int) else 1
+    return kind, (2 if kind == "all_reduce" else group_size) * _nbytes(args[arg])
 
 
-# c10d ops (what torch.distributed's calls reach through the dispatcher) and functional collectives (DTensor)
-# the payload convention counts, by their schema names.
-_PAYLOAD_KINDS = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
-    "broadcast": "broadcast", "send": "send_recv",  # a receive carries the sender's bytes: counted once, sent
-}
-
-
-def payload(namespace: str, op: str, args: tuple, kwargs: dict) -> Optional[tuple[str, int]]:
-    """``(kind, bytes)`` of the local tensor a rank hands collective ``op``, or ``None`` if the payload
-    convention does not count it (see the module docstring)."""
-    kind = _PAYLOAD_KINDS.get(op)
-    if kind is None:
+def payload(op: str, args: tuple, kwargs: dict) -> Optional[tuple[str, int]]:
+    """``(kind, bytes)`` of the local tensor a rank hands collective ``op`` (its schema name), or ``None`` if the
+    payload convention does not count it (see the module docstring)."""
+    entry = _OPS.get(op)
+    if entry is None or entry[2] is None:
         return None
+    kind, _, index = entry
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if namespace != "c10d":
-        tensors = tensors[:1]
-    else:
-        # reduce-scatter's input is its last tensor argument, alltoall_base_'s its second (after the output).
-        tensors = tensors[-1:] if kind == "reduce_scatter" else tensors[1:2] if kind == "all_to_all" else tensors[:1]
-    return kind, sum(t.numel() * t.element_size() for t in tensors)
+    return ("send_recv" if kind == "send" else kind), _nbytes(tensors[index:index + 1 or None])
 
 
 @dataclass
@@ -217,7 +210,7 @@ class CollectiveCounter(TorchDispatchMode):
         stat = self.stats[(label, kind)]
         stat.calls += 1
         stat.bytes += volume
-        sent = payload(namespace, op, args, kwargs)
+        sent = payload(op, args, kwargs)
         if sent is not None:
             entry = self.payload[(label, sent[0])]
             entry.calls += 1

@@ -1,8 +1,9 @@
 """ParaProfiler's communication numbers against the independent test counter, per layout.
 
-On the step the profiler traces, a second dispatch mode (``tests/comm_counter.py``, which
-shares no code with the library) counts the same collectives; the bytes per collective kind
-must agree exactly, and every op must be attributed to a mesh dimension of the layout.
+On the step the profiler traces, a second dispatch mode (``tests/comm_counter.py``: its own
+interception, group names and sums; only the op table, ``classify``, is the library's, pinned op
+by op in ``tests/unit/test_profiling.py``) counts the same collectives; the bytes per collective
+kind must agree exactly, and every op must be attributed to a mesh dimension of the layout.
 """
 
 from __future__ import annotations

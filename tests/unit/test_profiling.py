@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_para.instrument.collectives import classify
+from lightning_para.instrument.collectives import classify, payload
 from lightning_para.recipes.data import TextDataModule
 from lightning_para.observe.profiler import ParaProfiler, detect_peak_flops
 from lightning_para.observe.timeline import (
@@ -90,6 +90,45 @@ def test_collective_byte_accounting_follows_the_zero_paper():
     assert classify("send", ([t], None, 1, 0)) == ("send", 40)
     assert classify("recv_", ([t], None, 1, 0)) == ("recv", 40)
     assert classify("wait_tensor", (t,)) is None
+
+
+def test_every_collective_op_counts_by_the_one_table_in_both_conventions():
+    """Every op of the table, by schema name and with its real argument layout: ``classify``'s bus bytes (the ZeRO
+    paper's accounting) and ``payload``'s local tensor (what the planner's ``Collective.payload`` prices)."""
+    a, b, c = (torch.empty(n, dtype=torch.float32) for n in (10, 20, 40))  # 40, 80, 160 bytes
+    pg, name = None, "0"  # a c10d op's process group, a functional op's group name (neither is read)
+    cases = {  # op: (args, bus, payload)
+        "allreduce_": (([a, b], pg, None, None), ("all_reduce", 240), ("all_reduce", 40)),
+        "allreduce_coalesced_": (([a, b], pg, None), ("all_reduce", 240), None),
+        "all_reduce": ((a, "sum", name), ("all_reduce", 80), ("all_reduce", 40)),
+        "all_reduce_": ((a, "sum", name), ("all_reduce", 80), None),
+        "all_reduce_coalesced": (([a, b], "sum", name), ("all_reduce", 240), None),
+        "_reduce_scatter_base_": ((a, c, pg, None), ("reduce_scatter", 160), ("reduce_scatter", 160)),
+        "reduce_scatter_": (([a], [[a, b]], pg, None), ("reduce_scatter", 120), ("reduce_scatter", 80)),
+        "reduce_scatter_tensor": ((c, "sum", 4, name), ("reduce_scatter", 160), ("reduce_scatter", 160)),
+        "reduce_scatter_tensor_coalesced": (([c, b], "sum", 4, name), ("reduce_scatter", 240), None),
+        "_allgather_base_": ((c, a, pg), ("all_gather", 160), ("all_gather", 160)),
+        "allgather_": (([[a, b]], [a], pg), ("all_gather", 120), ("all_gather", 40)),
+        "allgather_into_tensor_coalesced_": (([c], [a], pg), ("all_gather", 160), ("all_gather", 160)),
+        "all_gather_into_tensor": ((a, 4, name), ("all_gather", 160), ("all_gather", 40)),
+        "all_gather_into_tensor_coalesced": (([a, b], 2, name), ("all_gather", 240), None),
+        "alltoall_base_": ((b, c, pg, [], []), ("all_to_all", 160), ("all_to_all", 160)),
+        "alltoall_": (([a, b], [b, a], pg), ("all_to_all", 120), None),
+        "all_to_all_single": ((c, [], [], name), ("all_to_all", 160), ("all_to_all", 160)),
+        "broadcast_": (([a], pg, 0, 0), ("broadcast", 40), ("broadcast", 40)),
+        "broadcast": ((a, 0, name), ("broadcast", 40), ("broadcast", 40)),
+        "send": (([a], pg, 1, 0), ("send", 40), ("send_recv", 40)),
+        "recv_": (([a], pg, 1, 0), ("recv", 40), None),  # the sender's send counts the exchange once
+        "recv_any_source_": (([a], pg, 0), ("recv", 40), None),
+        "reduce_": (([a], pg, None, 0, 0), ("reduce", 40), None),
+        "scatter_": (([a], [[a, b]], pg, 0), ("scatter", 40), None),
+        "gather_": (([[a, b]], [a], pg, 0), ("gather", 120), None),
+        "isend": ((a, 1, 0, name), ("isend", 40), None),  # not in the table: its first argument, its own name
+    }
+    for op, (args, bus, local) in cases.items():
+        assert (classify(op, args), payload(op, args, {})) == (bus, local), op
+    for op in ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_"):  # bookkeeping
+        assert classify(op, (a,)) is None and payload(op, (a,), {}) is None, op
 
 
 def test_profiler_arguments_and_peak_detection():
