@@ -63,7 +63,7 @@ _OPS: dict[str, Optional[tuple[str, int, Optional[int]]]] = {
     # c10d: what torch.distributed's calls reach through the dispatcher
     "allreduce_": ("all_reduce", 0, 0), "allreduce_coalesced_": ("all_reduce", 0, None),
     "_reduce_scatter_base_": ("reduce_scatter", 1, -1), "reduce_scatter_": ("reduce_scatter", 1, -1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 0, -1), "_allgather_base_": ("all_gather", 0, 0),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, -1), "_allgather_base_": ("all_gather", 0, 0),
     "allgather_": ("all_gather", 0, 0), "allgather_coalesced_": ("all_gather", 0, None),
     "allgather_into_tensor_coalesced_": ("all_gather", 0, 0), "alltoall_base_": ("all_to_all", 1, 1),
     "alltoall_": ("all_to_all", 0, None), "broadcast_": ("broadcast", 0, 0), "send": ("send", 0, 0),

@@ -105,6 +105,7 @@ def test_every_collective_op_counts_by_the_one_table_in_both_conventions():
         "all_reduce_coalesced": (([a, b], "sum", name), ("all_reduce", 240), None),
         "_reduce_scatter_base_": ((a, c, pg, None), ("reduce_scatter", 160), ("reduce_scatter", 160)),
         "reduce_scatter_": (([a], [[a, b]], pg, None), ("reduce_scatter", 120), ("reduce_scatter", 80)),
+        "reduce_scatter_tensor_coalesced_": (([a], [c], pg, None), ("reduce_scatter", 160), ("reduce_scatter", 160)),
         "reduce_scatter_tensor": ((c, "sum", 4, name), ("reduce_scatter", 160), ("reduce_scatter", 160)),
         "reduce_scatter_tensor_coalesced": (([c, b], "sum", 4, name), ("reduce_scatter", 240), None),
         "_allgather_base_": ((c, a, pg), ("all_gather", 160), ("all_gather", 160)),
