@@ -30,6 +30,7 @@ import socket
 import subprocess
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -169,6 +170,13 @@ def run_code(code: str, *argv: str, timeout: float = 600.0) -> subprocess.Comple
         return subprocess.CompletedProcess(["-c", *argv], -9, "", f"timed out after {timeout} s")
     process.join(30)
     return subprocess.CompletedProcess(["-c", *argv], returncode, stdout, stderr)
+
+
+def run_codes(jobs: list[tuple[str, ...]], timeout: float = 600.0) -> list[subprocess.CompletedProcess]:
+    """:func:`run_code` of each ``(code, *argv)`` job, as many at once as there are cores, in job order: the suite runs
+    one test at a time, so a test's sequence of one-process dry runs leaves the other cores idle."""
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda job: run_code(*job, timeout=timeout), jobs))
 
 
 def _script_main(script: str, argv: list, env: dict, log: str) -> None:

@@ -18,7 +18,7 @@ from lightning_para.simulate.allocator import (
     segment_size,
     steady_state_peaks,
 )
-from tests.harness import run_code
+from tests.harness import run_codes
 
 MiB = 1 << 20
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -154,19 +154,34 @@ print("RESULT " + json.dumps(result.to_dict()))
 """
 
 
-@functools.lru_cache(maxsize=None)
-def _dry_run_rank0(*args: str) -> dict:
-    """Rank 0's measured record of the job ``args`` name (deterministic; the ``_exp`` records share their job's)."""
-    proc = run_code(DRY_RUN, *args, timeout=900)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])["measured"]
+GPU_RECORDS = ["h100_w128_l8_true_phases", "h100_w128_l32_true", "h200_titan_w8", "h200_titan_w128", "h200_z1_w8_l8",
+               "h200_z2_w8_l8", "h200_z1_tp2_w8_l8", "h200_titan_w8_exp", "h200_titan_w128_exp"]
+
+
+def _job(run: dict) -> tuple[str, ...]:
+    return (str(run["world"]), str(run["layers"]), "1" if run.get("loss_upcast") else "0", str(run.get("zero", 3)),
+            str(run.get("tp", 1)))
+
+
+_MEASURED: dict[tuple[str, ...], dict] = {}
+
+
+def _dry_run_rank0(*job: str) -> dict:
+    """Rank 0's measured record of ``job`` (deterministic: shared by the ``_exp`` records, and by
+    tests/unit/test_published_runs.py). The first ask dry-runs it with every GPU record's job, as many at once as
+    there are cores."""
+    if job not in _MEASURED:
+        records = (json.loads((RESULTS / f"gpu_fake_world_{r}.json").read_text()) for r in GPU_RECORDS)
+        jobs = sorted({job, *map(_job, records)} - set(_MEASURED))
+        for each, proc in zip(jobs, run_codes([(DRY_RUN, *each) for each in jobs], timeout=900)):
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+            assert proc.returncode == 0 and line, (each, proc.stderr[-3000:])
+            _MEASURED[each] = json.loads(line[len("RESULT "):])["measured"]
+    return _MEASURED[job]
 
 
 @pytest.mark.slow  # ~10 s each: a dry run of Llama 3 8B's widths on the meta device
-@pytest.mark.parametrize("record", ["h100_w128_l8_true_phases", "h100_w128_l32_true", "h200_titan_w8",
-                                    "h200_titan_w128", "h200_z1_w8_l8", "h200_z2_w8_l8", "h200_z1_tp2_w8_l8",
-                                    "h200_titan_w8_exp", "h200_titan_w128_exp"])
+@pytest.mark.parametrize("record", GPU_RECORDS)
 def test_the_dry_run_reserves_what_the_gpu_reserved(record: str):
     """Rank 0 of the jobs the lent GPUs ran (``benchmarks/gpu_fake_world.py``: real kernels, the real allocator,
     the fake process group) in bf16-true, dry-run on meta: ZeRO-3 over 8 and 128 ranks, and (predicted before they
@@ -176,8 +191,7 @@ def test_the_dry_run_reserves_what_the_gpu_reserved(record: str):
     within 0.2%. The allocated peak alone is 4-18% under it."""
     run = json.loads((RESULTS / f"gpu_fake_world_{record}.json").read_text())
     measured = run["steps"][-1]
-    dry = _dry_run_rank0(str(run["world"]), str(run["layers"]), "1" if run.get("loss_upcast") else "0",
-                         str(run.get("zero", 3)), str(run.get("tp", 1)))
+    dry = _dry_run_rank0(*_job(run))
     gib = 2**30
     assert dry["peak"] / gib == pytest.approx(measured["max_allocated_gib"], rel=0.015)
     expandable = "expandable_segments:True" in run.get("alloc_conf", "")
@@ -204,16 +218,26 @@ print("RESULT " + json.dumps({"peak": r.measured.peak, "reserved": r.measured.re
 """
 
 
-@pytest.mark.parametrize("layout, rank", [("zero=1", "0"), ("pp=2,zero=1", "0"), ("pp=2,schedule=gpipe", "3"),
-                                          ("tp=2,sp=true,zero=2", "1"), ("zero=3", "2")])
+CONSISTENCY_JOBS = [("zero=1", "0"), ("pp=2,zero=1", "0"), ("pp=2,schedule=gpipe", "3"), ("tp=2,sp=true,zero=2", "1"),
+                    ("zero=3", "2")]
+
+
+@functools.lru_cache(maxsize=None)
+def _consistency_runs() -> dict[tuple[str, str], object]:
+    """Every ``(layout, rank)`` job's process, run as many at once as there are cores when the first job asks."""
+    argv = ["--model", "llama3-8b", "--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn",
+            "512", "--vocab", "1024", "--gpus", "4", "--seq-len", "256", "--global-batch", "8"]
+    procs = run_codes([(CONSISTENCY, *argv, "--layout", layout, "--ranks", rank) for layout, rank in CONSISTENCY_JOBS])
+    return dict(zip(CONSISTENCY_JOBS, procs))
+
+
+@pytest.mark.parametrize("layout, rank", CONSISTENCY_JOBS)
 def test_the_replayed_trace_holds_what_the_dry_run_counted(layout: str, rank: str):
     """The trace the dry run records, replayed as steady-state steps (optimizer state made once, last step's
     gradients freed at ``zero_grad``: after the forward, or after a pipeline's schedule), peaks where the dry run's
     own steady-state peak is (within the allocator's 512-byte rounding): the events and marks are the step's.
     The reserved peak is at least that."""
-    proc = run_code(CONSISTENCY, "--model", "llama3-8b", "--layers", "4", "--hidden", "256", "--heads", "4",
-                    "--kv-heads", "2", "--ffn", "512", "--vocab", "1024", "--gpus", "4", "--layout", layout,
-                    "--seq-len", "256", "--global-batch", "8", "--ranks", rank)
+    proc = _consistency_runs()[(layout, rank)]
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     got = json.loads(line[len("RESULT "):])

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from lightning_para import cli
-from tests.harness import run_code
+from tests.harness import run_code, run_codes
 
 
 CHILD = r"""
@@ -215,8 +215,7 @@ def test_moe_dry_run_runs_the_step_with_balanced_routing():
 
 
 ZERO3_CHILD = r"""
-import json
-import torch.distributed as dist
+import json, sys
 from lightning_para.config import ParallelConfig
 from lightning_para.plan.cluster import Training
 from lightning_para.simulate.rank import dry_run_rank
@@ -224,18 +223,18 @@ from lightning_para.plan.model import ModelDesc
 from lightning_para.recipes.gpt import GPT
 
 desc = ModelDesc(layers=4, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256, name="tiny")
-for layout in ({}, {"tp": 2}, {"activation_checkpointing": "selective_op"}):
-    result = dry_run_rank(
-        lambda: GPT(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, vocab_size=256, block_size=32, mlp_hidden=176),
-        ParallelConfig(zero=3, **layout), 8, 1, seq_len=32, micro_batch=2, hidden=64, model=desc,
-        training=Training(seq_len=32, global_batch=16 // layout.get("tp", 1), micro_batch=2, precision="bf16-true"),
-    )
-    dist.destroy_process_group()
-    print("RESULT " + json.dumps({"layout": layout, **result.to_dict()}))
+layout = json.loads(sys.argv[1])
+result = dry_run_rank(
+    lambda: GPT(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, vocab_size=256, block_size=32, mlp_hidden=176),
+    ParallelConfig(zero=3, **layout), 8, 1, seq_len=32, micro_batch=2, hidden=64, model=desc,
+    training=Training(seq_len=32, global_batch=16 // layout.get("tp", 1), micro_batch=2, precision="bf16-true"),
+)
+print("RESULT " + json.dumps({"layout": layout, **result.to_dict()}))
 """
+ZERO3_LAYOUTS = ({}, {"tp": 2}, {"activation_checkpointing": "selective_op"})
 
 
-@pytest.mark.slow  # ~17 s: three dry runs in one child process
+@pytest.mark.slow  # ~17 s: three dry runs, one process each, as many at once as there are cores
 def test_dry_run_runs_zero3_on_fsdp2():
     """Issue 23: ZeRO-3 (FSDP2) runs in the dry run: on the meta device, with the meta parameters FSDP2 would refuse
     and its gathered weights counted while they are held (FSDP2 resizes their storages in place). Rank 1 of 8, a
@@ -246,9 +245,9 @@ def test_dry_run_runs_zero3_on_fsdp2():
     The planner's peak adds the prefetched block, one block's unsharded gradients and the gradient shards to
     every activation held; the real peak comes at the loss, before them: the planner is over by ~10% on this
     model, whose gathered weights weigh as much as its activations (-1% on Llama 3 8B: docs/planner.md)."""
-    proc = run_code(ZERO3_CHILD, timeout=600)
-    results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(results) == 3, proc.stderr[-3000:]
+    procs = run_codes([(ZERO3_CHILD, json.dumps(layout)) for layout in ZERO3_LAYOUTS], timeout=600)
+    results = [json.loads(l[len("RESULT "):]) for p in procs for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert all(p.returncode == 0 for p in procs) and len(results) == 3, [p.stderr[-3000:] for p in procs]
     elements = 2 * 256 * 64 + 64 + 4 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176)
     for r in results:
         measured, predicted, layout = r["measured"], r["predicted"], r["layout"]
@@ -311,8 +310,7 @@ def test_dry_run_walks_the_interleaved_schedule():
     (`spec.schedules.compute_order`, every chunk of every microbatch): its tensor-parallel collectives are the step's
     (the planner's to the call), and its held activations and peak agree with the planner's schedule walk."""
     code = CHILD.replace("microbatches=8)", "microbatches=8, schedule='interleaved', virtual_stages=2)")
-    for rank in (0, 63):
-        proc = run_code(code, str(rank), "bf16-true")
+    for rank, proc in zip((0, 63), run_codes([(code, "0", "bf16-true"), (code, "63", "bf16-true")])):
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
         r = json.loads(line[len("RESULT "):])
