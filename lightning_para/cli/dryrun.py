@@ -287,11 +287,8 @@ def _rank_process(args: argparse.Namespace, rank: int, env: dict[str, str], cwd:
     os.environ.update(env)
     os.chdir(cwd)
     job = _setup(args)
-    training = job.training
-    result = dry_run_rank(
-        job.build, job.config, job.gpus, rank, seq_len=training.seq_len,
-        micro_batch=training.micro_batch, hidden=job.model.hidden, model=job.model, training=training,
-    )
+    result = dry_run_rank(job.build, job.config, job.gpus, rank, seq_len=job.training.seq_len, hidden=job.model.hidden,
+                          micro_batch=job.training.micro_batch, model=job.model, training=job.training)
     print("DRYRUN-RESULT " + json.dumps(result.to_dict()), flush=True)
 
 
