@@ -4,6 +4,7 @@ operator counts match the GPT recipe, and the cost model's arithmetic (no timing
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -78,18 +79,24 @@ def test_overhead_is_ops_times_op_seconds_and_zero_on_gpu_presets():
         dataclasses.replace(gpu, op_seconds=-1.0)
 
 
+@functools.lru_cache(maxsize=None)
+def _tensor_parallel_counts() -> dict[bool, dict]:
+    """Both cases' counts, each in a fresh process of its own (the fake process group is process-wide) from the tests'
+    fork server, at once when the first case asks (the suite runs one test at a time: the other core is idle)."""
+    from tests.harness import _worker_context
+    from tests.unit.tp_op_counts import count_gpt_tensor_parallel
+
+    with _worker_context().Pool(2, maxtasksperchild=1) as pool:
+        return dict(zip((False, True), pool.map(count_gpt_tensor_parallel, (False, True), chunksize=1)))
+
+
 @pytest.mark.slow  # a process of its own per case (the fake process group is process-wide)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_operator_counts_match_the_gpt_recipe(sequence_parallel):
     """The TP tables of plan/overhead.py, recounted on GPT(tiny) at tp=2 (fake process group, own process)."""
-    import multiprocessing as mp
-
     from lightning_para.plan import overhead
 
-    from tests.unit.tp_op_counts import count_gpt_tensor_parallel
-
-    with mp.get_context("spawn").Pool(1) as pool:
-        counts = pool.apply(count_gpt_tensor_parallel, (sequence_parallel,))
+    counts = _tensor_parallel_counts()[sequence_parallel]
     sp = sequence_parallel
     assert counts["layer_forward"] == overhead.TP_LAYER_FORWARD[sp]
     assert counts["layer_backward"] == overhead.TP_LAYER_BACKWARD[sp]
