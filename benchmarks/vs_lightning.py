@@ -235,6 +235,8 @@ def main() -> None:
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     parser.add_argument("--extra-sides", nargs="*", default=[],
                         help="more sides for the suites that run them, e.g. para-zero2-native-rs (ddp suite)")
+    parser.add_argument("--sides", nargs="*", default=None,
+                        help="only these sides of each suite (with its baseline): fewer sides, pairs closer in time")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
@@ -263,6 +265,8 @@ def main() -> None:
     for suite in args.suites:
         world, baseline, sides = SUITES[suite]
         sides = sides + [x for x in args.extra_sides if x.removesuffix("-native-rs") in sides]
+        if args.sides:
+            sides = [side for side in sides if side == baseline or side in args.sides]
         print(f"suite {suite}: {world} process(es), sides {sides}", flush=True)
         comparison = Comparison(f"{suite}: {world} process(es)", baseline)
         pool = WorkerPool(world)
