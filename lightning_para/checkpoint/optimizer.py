@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_para.checkpoint.format import MASTER_KEY, load_sharded_into
 from lightning_para.mesh import ParallelDims
-from lightning_para.parallel.data.layout import ParamSlot, all_gather_single, contiguous_stride
+from lightning_para.parallel.data.layout import ParamSlot, all_gather_rows, contiguous_stride
 from lightning_para.parallel.data.interface import DataParallel
 
 
@@ -59,12 +59,11 @@ class OptimParam:
 
 def gather_rows(slot: ParamSlot, local: Tensor) -> Tensor:
     """All-gather the dp row shards (``torch.chunk`` layout) of ``slot`` into its whole local tensor."""
-    chunk = slot.chunk_rows * slot.row_numel
-    send = torch.zeros(chunk, dtype=local.dtype, device=local.device)
-    send[: local.numel()].copy_(local.reshape(-1))
-    out = torch.empty(slot.world * chunk, dtype=local.dtype, device=local.device)
-    all_gather_single(out, send, group=slot.group)
-    return out[: slot.numel].view(slot.local.shape)  # padding only follows the last non-empty shard
+    out = torch.zeros(slot.world, slot.chunk_rows * slot.row_numel, dtype=local.dtype, device=local.device)
+    out[slot.rank, : local.numel()].copy_(local.reshape(-1))
+    for work in all_gather_rows(out, slot.rank, slot.group):
+        work.wait()
+    return out.view(-1)[: slot.numel].view(slot.local.shape)  # padding only follows the last non-empty shard
 
 
 def slot_to_global(slot: ParamSlot, local: Tensor, dims: ParallelDims) -> Any:

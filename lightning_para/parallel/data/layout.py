@@ -265,7 +265,7 @@ def all_gather_rows(out: Tensor, rank: int, group: dist.ProcessGroup) -> list[di
 
     Every backend but gloo: one all-gather whose input is this rank's row of the output (in place, as FSDP2
     gathers). gloo's all-gather copies the input into, and the output out of, temporary flat tensors; one in-place
-    broadcast from each rank into its row sends the same bytes without those two passes (about 2x faster on CPU).
+    broadcast from each rank into its row sends the same bytes without those two passes.
     """
     if not _on_gloo(group, out.device):
         return [all_gather_single(out.view(-1), out[rank], group=group, async_op=True)]
