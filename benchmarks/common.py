@@ -22,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     extra_columns: dict[str, dict[str, str]] = field(default_factory=dict)  # column -> side -> text
     what: str = "step"  # what one timed unit is, for the column header
+    paired: str = "alternating rounds"  # what the entries of a side are, paired by index with the baseline's
 
     def add(self, side: str, seconds: float) -> None:
         self.times.setdefault(side, []).append(seconds)
@@ -135,7 +137,7 @@ class Comparison:
         extra = list(self.extra_columns)
         head = f"| side | median {self.what} ms | ratio of medians | median paired ratio |"
         head += "".join(f" {c} |" for c in extra) + (" target |" if target else "")
-        lines = [f"### {self.title}", "", f"{rounds} alternating rounds; baseline `{self.baseline}`.", "", head,
+        lines = [f"### {self.title}", "", f"{rounds} {self.paired}; baseline `{self.baseline}`.", "", head,
                  "|" + "---|" * (4 + len(extra) + (1 if target else 0))]
         base = self.median(self.baseline)
         for side in self.times:
@@ -161,6 +163,93 @@ def alternate(
             comparison.add(side, seconds)
             log(f"  round {r + 1}/{rounds} {side}: {1e3 * seconds:.1f} ms/step")
     return comparison
+
+
+class Interleaved:
+    """Several sides' training loops in one process, one running at a time, taking turns every ``block`` steps.
+
+    Fits that alternate (:func:`alternate`) are seconds apart, and on a shared virtual machine the same code's
+    step time drifts by tens of percent over seconds; here each side's block of steps is a fraction of a
+    second from the other sides' blocks of the same turn. Each side runs in its own thread and calls
+    :meth:`step_end` after every step (a Lightning side through :meth:`callback`); the turn passes in a fixed
+    order, so every rank of a process group issues the same collectives in the same order. A block's figure
+    is the mean of its steps after the first (the first one after a turn starts on caches the other side
+    filled), wall time from one step's end to the next's; the first ``warmup`` steps of each side are not timed.
+    """
+
+    def __init__(self, sides: Sequence[str], block: int, warmup: int) -> None:
+        if block < 2:
+            raise ValueError(f"`block={block}` must be at least 2: a block's first step is not timed.")
+        self.sides, self.block, self.warmup = list(sides), block, warmup
+        self.blocks: dict[str, list[float]] = {side: [] for side in sides}
+        self._turn = 0
+        self._done: set[int] = set()
+        self._changed = threading.Condition()
+        self._steps = dict.fromkeys(sides, 0)
+        self._last: dict[str, float] = {}
+        self._current: dict[str, list[float]] = {side: [] for side in sides}
+
+    def callback(self, side: str) -> Callback:
+        """A Lightning callback that ends ``side``'s steps here."""
+        interleaved = self
+
+        class _StepEnd(Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                interleaved.step_end(side)
+
+        return _StepEnd()
+
+    def step_end(self, side: str) -> None:
+        now = time.perf_counter()
+        self._steps[side] += 1
+        step, position = self._steps[side], self._steps[side] % self.block
+        if step > self.warmup and position != 1:
+            self._current[side].append(now - self._last[side])
+        self._last[side] = now
+        if position == 0:
+            if self._current[side]:
+                self.blocks[side].append(statistics.fmean(self._current[side]))
+            self._current[side] = []
+            self._pass_turn(self.sides.index(side))
+            self._last[side] = time.perf_counter()
+
+    def run(self, loops: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
+        """Run ``loops`` (side -> a function training that side to its end) taking turns; each side's block means."""
+        errors: list[BaseException] = []
+
+        def main(index: int, loop: Callable[[], Any]) -> None:
+            try:
+                self._wait_for_turn(index)
+                loop()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(error)
+            finally:
+                with self._changed:
+                    self._done.add(index)
+                self._pass_turn(index, wait=False)
+
+        threads = [threading.Thread(target=main, args=(self.sides.index(side), loops[side]), name=f"side-{side}")
+                   for side in self.sides]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return self.blocks
+
+    def _wait_for_turn(self, index: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._turn == index)
+
+    def _pass_turn(self, index: int, wait: bool = True) -> None:
+        with self._changed:
+            n = len(self.sides)
+            following = [(index + k) % n for k in range(1, n + 1)]
+            self._turn = next((i for i in following if i not in self._done), index)
+            self._changed.notify_all()
+        if wait:
+            self._wait_for_turn(index)
 
 
 def load_average() -> str:

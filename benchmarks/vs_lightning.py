@@ -32,14 +32,17 @@ import cProfile
 import io
 import math
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     Comparison,
+    Interleaved,
     StepClock,
     TokenData,
     TokenDataset,
@@ -127,8 +130,8 @@ def _gpt_kwargs() -> dict:
 
 
 # ---------------------------------------------------------------------- one side, on every rank
-def _raw_loop(steps: int, batch: int, warmup: int) -> float:
-    """Plain PyTorch: the same model, optimizer groups, schedule and data, no Lightning."""
+def _raw_loop(steps: int, batch: int, warmup: int, on_step_end: Optional[Callable[[], None]] = None) -> float:
+    """Plain PyTorch: the same model, optimizer groups, schedule and data, no Lightning (``on_step_end`` after each step)."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
@@ -162,19 +165,14 @@ def _raw_loop(steps: int, batch: int, warmup: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         ends.append(time.perf_counter())
+        if on_step_end is not None:
+            on_step_end()
     timed = ends[warmup - 1:]
     return (timed[-1] - timed[0]) / (len(timed) - 1)
 
 
 def run_side(side: str, steps: int, batch: int, warmup: int) -> float:
     """Train ``side`` for ``steps`` steps of ``batch`` samples per data-parallel rank; mean step seconds."""
-    import torch.distributed as dist
-
-    import lightning as L
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from lightning_para import ParaStrategy
-
     if side == "raw-loop":
         return _raw_loop(steps, batch, warmup)
     if side.endswith("-native-rs"):  # ZeRO-1/2 with torch's gloo reduce-scatter (the path NCCL takes)
@@ -185,6 +183,35 @@ def run_side(side: str, steps: int, batch: int, warmup: int) -> float:
             return run_side(side[: -len("-native-rs")], steps, batch, warmup)
         finally:
             layout.GLOO_SHORTCUTS = True
+    clock = StepClock(warmup)
+    _fit(side, steps, batch, clock)
+    return clock.step_time
+
+
+def run_interleaved(sides: list[str], steps: int, batch: int, warmup: int, block: int) -> dict[str, list[float]]:
+    """Train every side for ``steps`` steps in this process, taking turns every ``block`` steps
+    (:class:`benchmarks.common.Interleaved`); each side's mean step seconds per timed block."""
+    if any(side.endswith("-native-rs") for side in sides):
+        raise ValueError("`-native-rs` sides switch a module-wide flag: run them with --block 0.")
+    interleaved = Interleaved(sides, block, warmup)
+
+    def loop(side: str) -> Callable[[], Any]:
+        if side == "raw-loop":
+            return lambda: _raw_loop(steps, batch, warmup, on_step_end=lambda: interleaved.step_end(side))
+        return lambda: _fit(side, steps, batch, interleaved.callback(side))
+
+    return interleaved.run({side: loop(side) for side in sides})
+
+
+def _fit(side: str, steps: int, batch: int, callback: Any) -> None:
+    """One ``Trainer.fit`` of ``side`` for ``steps`` steps of ``batch`` samples per data-parallel rank."""
+    import torch.distributed as dist
+
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_para import ParaStrategy
+
     world = dist.get_world_size()
     L.seed_everything(0, verbose=False)
     module = bench_gpt()
@@ -209,11 +236,9 @@ def run_side(side: str, steps: int, batch: int, warmup: int) -> float:
     else:
         raise ValueError(f"unknown side {side!r}")
     dp = 1 if side.endswith("tp") or side.endswith("tp2") else world
-    clock = StepClock(warmup)
-    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[clock],
+    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[callback],
                         **quiet_trainer_kwargs())
     trainer.fit(module, datamodule=TokenData(samples=batch * steps * dp, batch_size=batch))
-    return clock.step_time
 
 
 def profile_side(side: str, steps: int, batch: int, warmup: int, top: int, callers: str = "") -> str:
@@ -230,6 +255,19 @@ def profile_side(side: str, steps: int, batch: int, warmup: int, top: int, calle
 
 
 # ---------------------------------------------------------------------- driver
+def _take_turns(pool: Any, sides: list[str], args: argparse.Namespace, comparison: Comparison) -> None:
+    """``--block``: each round trains every side in one process per rank, taking turns; the starting side rotates."""
+    comparison.paired = f"paired blocks ({args.rounds} rounds)"
+    for r in range(args.rounds):
+        order = sides[r % len(sides):] + sides[: r % len(sides)]
+        blocks = pool.run(run_interleaved, order, args.steps, args.batch, args.warmup, args.block, timeout=3600)[0]
+        for side in sides:
+            for seconds in blocks[side]:
+                comparison.add(side, seconds)
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{side} {1e3 * statistics.median(blocks[side]):.1f}" for side in sides) + " ms/step (median block)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
@@ -238,6 +276,8 @@ def main() -> None:
     parser.add_argument("--sides", nargs="*", default=None,
                         help="only these sides of each suite (with its baseline): fewer sides, pairs closer in time")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=0,
+                        help="sides take turns inside one fit each, this many steps per turn (0: one fit per side per round)")
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="samples per data-parallel rank and step")
@@ -271,15 +311,23 @@ def main() -> None:
         comparison = Comparison(f"{suite}: {world} process(es)", baseline)
         pool = WorkerPool(world)
         try:
-            alternate(sides, args.rounds,
-                      lambda side: pool.run(run_side, side, args.steps, args.batch, args.warmup, timeout=1800)[0],
-                      comparison, log=lambda line: print(line, flush=True))
+            if args.block:
+                _take_turns(pool, sides, args, comparison)
+            else:
+                alternate(sides, args.rounds,
+                          lambda side: pool.run(run_side, side, args.steps, args.batch, args.warmup, timeout=1800)[0],
+                          comparison, log=lambda line: print(line, flush=True))
         finally:
             pool.close()
         comparison.notes.append(
             f"{args.steps} steps per fit, the first {args.warmup} not timed; {args.batch} sequences of 64 tokens per"
             " data-parallel rank and step."
         )
+        if args.block:
+            comparison.notes.append(
+                f"Sides take turns in one process per rank, {args.block} steps each (`--block`); a row's figures are"
+                " per block, paired with the baseline's block of the same turn; a block's first step is not timed."
+            )
         sections.append(comparison.markdown(TARGETS.get(suite)))
         print(sections[-1], flush=True)
     text = "# ParaStrategy vs Lightning's strategies and a raw loop\n\n" + machine_header(command, load_before)
