@@ -87,8 +87,8 @@ def local_cluster(
         figures["dtensor_op_seconds"] /= share
         figures["dtensor_optimizer_op_seconds"] /= share  # 0 (not timed apart): dtensor_op_seconds is used
         figures["step_overhead_seconds"] /= share
-        # CPU processes talk over gloo: ZeRO-1/2 all-reduce their buckets (see `data_layout`).
-        figures["reduce_scatter_is_all_reduce"] = data_layout.GLOO_SHORTCUTS
+        # CPU processes talk over gloo: ZeRO-1/2 reduce-scatter by send and receive (see `data_layout`).
+        figures["reduce_scatter_by_send_recv"] = data_layout.GLOO_SHORTCUTS
     else:
         name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
         gpu = next((key for key in GPU_SPECS if key.split("-")[0] in name), None)

@@ -129,9 +129,9 @@ class Cluster:
         intra_node_latency, inter_node_latency: seconds per message hop (alpha of the
             alpha-beta model, Hockney 1994), paid ``n - 1`` times by ring collectives.
         reserved_bytes: memory the framework keeps per GPU (CUDA context, allocator slack).
-        reduce_scatter_is_all_reduce: the processes talk over gloo, which has no reduce-scatter:
-            ZeRO-1/2 then all-reduce each gradient bucket in place (``parallel/data/layout.py``),
-            2x the bytes of NCCL's reduce-scatter. ``local_cluster`` sets it for CPU runs.
+        reduce_scatter_by_send_recv: the processes talk over gloo, which has no reduce-scatter: ZeRO-1/2
+            reduce-scatter each gradient bucket by one send and one receive per peer (a ring's bytes,
+            ``parallel/data/layout.py``). ``local_cluster`` sets it for CPU runs.
         op_seconds: fixed seconds per eager aten operator (dispatcher, autograd, launch), added
             to the step per operator (:mod:`lightning_para.plan.overhead`). 0 for the GPU presets
             (launches overlap the device's queue); ``local_cluster`` sets it on CPU from the
@@ -167,7 +167,7 @@ class Cluster:
     intra_node_latency: float = 2e-6
     inter_node_latency: float = 8e-6
     reserved_bytes: float = 0.0
-    reduce_scatter_is_all_reduce: bool = False
+    reduce_scatter_by_send_recv: bool = False
     op_seconds: float = 0.0
     dtensor_op_seconds: float = 0.0
     step_overhead_seconds: float = 0.0

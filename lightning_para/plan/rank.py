@@ -227,9 +227,12 @@ def _dp_collectives(
         if layout.zero == 0:
             grad_sync.append(collective(shape.groups[dim], cluster, dim, "all_reduce", "gradients", params * g / buckets, buckets))
         elif layout.zero < 3:
-            # gloo: the bucket is all-reduced in place (its reduce-scatter would send as much, plus a copy).
-            op = "all_reduce" if cluster.reduce_scatter_is_all_reduce else "reduce_scatter"
-            grad_sync.append(collective(shape.groups[dim], cluster, dim, op, "gradients", padded * g / buckets, buckets * reductions))
+            if cluster.reduce_scatter_by_send_recv:  # gloo: each rank sends every peer the rows it owes it
+                grad_sync.append(collective(shape.groups[dim], cluster, dim, "send_recv", "gradients",
+                                            padded * g / (n * buckets), buckets * reductions * (n - 1)))
+            else:
+                grad_sync.append(collective(shape.groups[dim], cluster, dim, "reduce_scatter", "gradients",
+                                            padded * g / buckets, buckets * reductions))
             after_step.append(collective(shape.groups[dim], cluster, dim, "all_gather", "updated weights", padded * w / buckets,
                                          buckets))
         else:

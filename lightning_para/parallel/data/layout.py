@@ -195,9 +195,8 @@ class Bucket:
     slots: list[ParamSlot]
     segment_numel: int
     ready: int = 0
-    work: Optional[dist.Work] = None
+    work: Optional[RowReduction] = None  # the gradient reduction in flight
     buffer: Optional[Tensor] = None
-    output: Optional[Tensor] = None
     launched: bool = False
     # The pipeline stage (this rank's part) whose backward fills this bucket; None: no one part (pp=1, or
     # a parameter in several). ``zero_accumulation="reduce_each_microbatch"`` reduces a part's buckets
@@ -236,9 +235,10 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 # collective starts while backward is still producing most gradients.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
-# gloo only: what gloo lacks, or runs through temporary copies, takes a path with the same bytes and no copies: a
-# bucket's reduce-scatter is one in-place all-reduce (`reduce_scatter_is_all_reduce`), an all-gather one in-place
-# broadcast per rank (`all_gather_rows`). Tests switch it off to run the path every other backend (NCCL) takes on gloo.
+# gloo only: what gloo lacks, or runs through temporary copies, takes a path with the same bytes and fewer copies: a
+# bucket's reduce-scatter is one exchange of rows between every pair of ranks (`reduce_scatter_rows`), an all-gather
+# one in-place broadcast per rank (`all_gather_rows`). Tests switch it off to run the path every other backend (NCCL)
+# takes on gloo.
 GLOO_SHORTCUTS = True
 
 
@@ -247,16 +247,49 @@ def _on_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
     return GLOO_SHORTCUTS and (backend == "gloo" or (device.type == "cpu" and "cpu:gloo" in backend))
 
 
-def reduce_scatter_is_all_reduce(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether a reduce-scatter of a ``device`` tensor over ``group`` would run on gloo.
+class RowReduction:
+    """A reduction in flight (:func:`reduce_scatter_rows`): ``wait()`` waits for its works and returns the result."""
 
-    gloo has no reduce-scatter: torch's gloo ``reduce_scatter_tensor`` clones the whole input,
-    all-reduces it and copies this rank's chunk out when waited on, so it sends what an
-    all-reduce sends. ZeRO then all-reduces its (own, disposable) bucket in place and reads its
-    segment: the same traffic without the clone and the copy. Every other backend keeps the
-    real reduce-scatter (half the bytes of an all-reduce on NCCL).
+    def __init__(self, works: Sequence[dist.Work], result: Callable[[], Tensor]) -> None:
+        self.works, self._result = list(works), result
+        self._value: Optional[Tensor] = None
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> Tensor:
+        if self._value is None:
+            for work in self.works:
+                work.wait()
+            self._value = self._result()
+        return self._value
+
+
+def reduce_scatter_rows(rows: Tensor, rank: int, group: dist.ProcessGroup) -> RowReduction:
+    """Start the reduce-scatter of ``rows`` (``world x n``, row ``r`` what this rank adds to rank ``r``'s row);
+    ``wait()`` gives this rank's summed row, in a tensor of its own (the caller may drop ``rows`` then).
+
+    Every backend but gloo: one reduce-scatter. gloo has none (torch's clones the input, all-reduces all of it and
+    copies a chunk out: twice a reduce-scatter's bytes): each rank sends row ``r`` to rank ``r`` and receives its own
+    row from every peer, ``(world - 1) / world`` of the input each way, as a ring reduce-scatter sends.
     """
-    return _on_gloo(group, device)
+    world = rows.shape[0]
+    if world == 1:
+        return RowReduction([], lambda: rows[0])
+    if not _on_gloo(group, rows.device):
+        out = rows.new_empty(rows.shape[1])
+        return RowReduction([reduce_scatter_single(out, rows.view(-1), group=group, async_op=True)], lambda: out)
+    peers = [r for r in range(world) if r != rank]
+    received = rows.new_empty(world - 1, rows.shape[1])
+    # Every receive is posted before any send, and nothing waits until all are: no pair can wait on each other.
+    works = [dist.irecv(received[i], src=dist.get_global_rank(group, r), group=group) for i, r in enumerate(peers)]
+    works += [dist.isend(rows[r], dst=dist.get_global_rank(group, r), group=group) for r in peers]
+
+    def result() -> Tensor:
+        total = received[0] if world == 2 else received.sum(0)  # a row of its own
+        return total.add_(rows[rank])
+
+    return RowReduction(works, result)
 
 
 def all_gather_rows(out: Tensor, rank: int, group: dist.ProcessGroup) -> list[dist.Work]:

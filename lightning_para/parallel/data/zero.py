@@ -31,11 +31,10 @@ How it works:
   bucket's collective (``async_op``) as soon as it is full and all earlier buckets are
   launched, so communication overlaps backward. An end-of-backward callback launches what is
   left and waits: the optimizer is the first to need the result.
-* gloo has no reduce-scatter: torch's gloo ``reduce_scatter_tensor`` clones the input,
-  all-reduces all of it and copies this rank's chunk out. On a gloo group the bucket is
-  all-reduced *in place* instead (the same bytes on the wire, without the clone and the copy)
-  and this rank's segment of it is the shard (:func:`~.layout.reduce_scatter_is_all_reduce`).
-  NCCL and every other backend take the real reduce-scatter.
+* gloo has no reduce-scatter (torch's gloo ``reduce_scatter_tensor`` all-reduces a clone of the
+  whole input): on a gloo group each pair of ranks exchanges the rows it owes the other, the
+  bytes of a real reduce-scatter (:func:`~.layout.reduce_scatter_rows`). NCCL and every other
+  backend take the real reduce-scatter.
 * Gradient accumulation: inside :meth:`ZeroDataParallel.no_sync` the hooks do nothing, so
   gradients accumulate locally and the last micro-step communicates once.
 * Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
@@ -68,11 +67,11 @@ from lightning_para._dtensor import local_tensor
 from lightning_para.parallel.data.layout import (
     Bucket,
     ParamSlot,
+    RowReduction,
     attach_masters,
     build_buckets,
     pack_rank_major,
-    reduce_scatter_is_all_reduce,
-    reduce_scatter_single,
+    reduce_scatter_rows,
 )
 from lightning_para.parallel.data.zero_microbatch import MicrobatchReduction
 from lightning_para.parallel.data.zero_optimizer import OptimizerSharding
@@ -242,9 +241,8 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
 
     def _reduce_over_replicas(self, bucket: Bucket) -> None:
         """Hybrid sharding: once the shard group's reduce-scatter is done, all-reduce the shard across replicas."""
-        if bucket.work is not None:
-            bucket.work.wait()
-        bucket.work = dist.all_reduce(bucket.output, group=self.replicate_group, async_op=True)
+        shard = bucket.work.wait()
+        bucket.work = RowReduction([dist.all_reduce(shard, group=self.replicate_group, async_op=True)], lambda: shard)
 
     def flush(self) -> None:
         """Make sure this step's gradients are synchronised (idempotent within a step)."""
@@ -263,31 +261,22 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        world, device = bucket.world, bucket.slots[0].local.device
+        world, device, group = bucket.world, bucket.slots[0].local.device, bucket.slots[0].group
         # Stage 0: the gradients end to end; 1/2: rank-major, each rank's rows of every gradient in its segment.
         buffer = torch.empty(1 if self.stage == 0 else world, bucket.segment_numel, dtype=bucket.dtype, device=device)
         pack_rank_major(self._gradients_to_send(bucket), buffer)
         if self.stage == 0:
             buffer = buffer[0]
+            works = []
             if world > 1:  # a group of one rank: its gradient is already the average
                 buffer.div_(world)  # average before summing: keeps fp16/bf16 sums in range
-                bucket.work = dist.all_reduce(buffer, group=bucket.slots[0].group, async_op=True)
-            bucket.buffer = buffer
-            bucket.launched = True
-            return
-        if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
-            buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
-        group = bucket.slots[0].group
-        if world > 1 and reduce_scatter_is_all_reduce(group, device):
-            # gloo: all-reduce the bucket in place (what its reduce-scatter does, minus a clone and a copy).
-            bucket.work = dist.all_reduce(buffer, group=group, async_op=True)
-            output = buffer[bucket.slots[0].rank]
-        elif world > 1:
-            output = torch.empty(bucket.segment_numel, dtype=bucket.dtype, device=device)
-            bucket.work = reduce_scatter_single(output, buffer.view(-1), group=group, async_op=True)
-        else:  # a shard group of one rank holds the whole "shard": no reduce-scatter
-            output = buffer[0]
-        bucket.buffer, bucket.output = buffer, output
+                works = [dist.all_reduce(buffer, group=group, async_op=True)]
+            bucket.work = RowReduction(works, lambda: buffer)
+        else:
+            if world * self.replicas > 1:  # one rank alone needs no collective: its gradient is the mean
+                buffer.div_(world * self.replicas)  # the mean over every data-parallel rank, replicas included
+            bucket.work = reduce_scatter_rows(buffer, bucket.slots[0].rank, group)
+        bucket.buffer = buffer
         bucket.launched = True
 
     def _gradients_to_send(self, bucket: Bucket) -> list[Tensor]:
@@ -308,27 +297,26 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
 
     @torch.no_grad()
     def _finish(self, bucket: Bucket, *, into_pending: bool = False) -> None:
-        if bucket.work is not None:
-            bucket.work.wait()
+        output = bucket.work.wait()  # stage 0: the whole bucket; 1/2: this rank's segment
         if self.stage == 0 and bucket.masters is not None:
-            self._accept_shards(bucket, bucket.buffer)  # a "shard" of a group of one: the whole gradient
+            self._accept_shards(bucket, output)  # a "shard" of a group of one: the whole gradient
         elif self.stage == 0:
             for slot in bucket.slots:  # (rare) a parameter backward did not reach on this rank
                 if slot.param.grad is None:
                     slot.param.grad = torch.zeros_like(slot.param)
             grads = [local_tensor(slot.param.grad).view(-1) for slot in bucket.slots]
-            torch._foreach_copy_(grads, list(bucket.buffer.split([slot.numel for slot in bucket.slots])))
+            torch._foreach_copy_(grads, list(output.split([slot.numel for slot in bucket.slots])))
         elif into_pending:
-            # One microbatch's shards, summed in the masters' dtype (fp32 accumulation of bf16 reductions);
-            # a copy, so the bucket's buffer (all ranks' segments under gloo) is freed now.
+            # One microbatch's shards, summed in the masters' dtype (fp32 accumulation of bf16 reductions).
             master_dtype = bucket.slots[0].master.dtype
             if bucket.pending is None:
-                bucket.pending = bucket.output.to(master_dtype, copy=True)
+                own = output.dtype == master_dtype and _owns_storage(output)  # else a cast, or a row of a larger buffer
+                bucket.pending = output if own else output.to(master_dtype, copy=True)
             else:
-                bucket.pending.add_(bucket.output)
+                bucket.pending.add_(output)
         else:
-            self._accept_shards(bucket, bucket.output)
-        bucket.work = bucket.buffer = bucket.output = None
+            self._accept_shards(bucket, output)
+        bucket.work = bucket.buffer = None
         bucket.ready = 0
         bucket.launched = False
 

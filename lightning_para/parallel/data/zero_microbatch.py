@@ -43,11 +43,13 @@ class MicrobatchReduction:
             self._each_microbatch = previous
 
     def _discard_pending(self) -> None:
-        # Buffers of collectives still on the wire stay referenced (a backend may still write into them).
-        self._abandoned = [(b.work, b.buffer, b.output) for b in self._in_flight if b.work is not None]
+        # Reductions still on the wire stay referenced until done: a backend may still write into their buffers, and
+        # gloo's point-to-point transfers are cancelled with their work objects (the peer's would then never match).
+        still = [(work, buffer) for work, buffer in self._abandoned if not work.is_completed()]
+        self._abandoned = still + [(b.work, b.buffer) for b in self._in_flight if b.work is not None]
         self._in_flight = []
         for bucket in self.buckets:
-            bucket.pending = bucket.work = bucket.buffer = bucket.output = None
+            bucket.pending = bucket.work = bucket.buffer = None
             bucket.ready, bucket.launched = 0, False
 
     def reduce_part(self, part: int) -> None:
