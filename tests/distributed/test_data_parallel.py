@@ -607,3 +607,38 @@ def test_reduce_each_microbatch_recovers_from_a_failed_schedule(pools):
     for r in pools.get(2).run(_failed_schedule_job):
         assert r["left"] == 0
         assert max(r["errors"].values()) < 1e-5 and max(r["committed"].values()) < 1e-5, r
+
+
+def _stage0_views_job() -> dict:
+    """ZeRO-0 driven directly: two backwards without ``zero_grad`` between them (DDP adds the second step's
+    averaged gradients to the first's). The reduced bucket itself becomes ``.grad`` (one storage, no copy back),
+    and the second backward accumulates into it."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_para.parallel.data.zero import ZeroDataParallel
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1.0, 1.0)  # sharp: a wrong row or a lost accumulation shows
+    reference = copy.deepcopy(model)
+    engine = ZeroDataParallel([(n, p, init_device_mesh("cpu", (dist.get_world_size(),))) for n, p in model.named_parameters()], 0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i in range(2):
+        model(torch.full((2, 4), float(rank + 1 + i))).square().sum().backward()
+    for i in range(2):
+        for r in range(world):
+            (reference(torch.full((2, 4), float(r + 1 + i))).square().sum() / world).backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    errors = [float((p.grad - q.grad).abs().max() / q.grad.abs().max()) for p, q in zip(model.parameters(), reference.parameters())]
+    return {"storages": len(storages), "buckets": len(engine.buckets), "error": max(errors)}
+
+
+def test_zero0_gradients_are_the_reduced_bucket(pools):
+    for r in pools.get(2).run(_stage0_views_job):
+        assert r["storages"] == r["buckets"] == 1, r
+        assert r["error"] < 1e-6, r

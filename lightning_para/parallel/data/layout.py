@@ -148,10 +148,7 @@ class ParamSlot:
         """
         param = self.param
         if not self.sharded:
-            view: Tensor = grad
-            if isinstance(param, DTensor):
-                view = self._dtensor_views(("param",), lambda: DTensorViews(
-                    param.device_mesh, param.placements, tuple(param.shape), param.stride()))(grad)
+            view: Tensor = self._like_param(grad)
         elif param.dim() == 0:
             local = grad.reshape(()) if grad.numel() else grad.new_zeros(())
             view = self._dtensor_views(("partial",), lambda: DTensorViews(self.mesh, (Partial(),), (), ()))(local)
@@ -163,6 +160,27 @@ class ParamSlot:
             return
         param.grad = view
         self.exposed_grad = view
+
+    def _like_param(self, local: Tensor) -> Tensor:
+        """``local`` (shaped like the local parameter) as what ``param.grad`` may hold: a DTensor like a DTensor
+        parameter (sharing ``local``'s storage), else ``local`` itself."""
+        param = self.param
+        if not isinstance(param, DTensor):
+            return local
+        return self._dtensor_views(("param",), lambda: DTensorViews(
+            param.device_mesh, param.placements, tuple(param.shape), param.stride()))(local)
+
+    def take_reduced_grad(self, flat: Tensor) -> None:
+        """Stage 0: ``flat``, this parameter's piece of its reduced bucket, becomes ``param.grad`` (a view, as DDP's
+        ``gradient_as_bucket_view``: no copy back). A later backward adds into it, as into any ``.grad``. A parameter
+        whose local tensor is not contiguous (``channels_last``) keeps its gradient's layout: a copy into it."""
+        local = self.local
+        if local.is_contiguous():
+            self.param.grad = self._like_param(flat.view(local.shape))
+            return
+        if self.param.grad is None:
+            self.param.grad = self._like_param(torch.empty_like(local))
+        local_tensor(self.param.grad).copy_(flat.view(local.shape))
 
     def clear_exposed_grad(self, *, forget: bool = True) -> None:
         """Drop the gradient :meth:`expose_grad` showed, if ``param.grad`` still shows it.

@@ -39,8 +39,8 @@ How it works:
   gradients accumulate locally and the last micro-step communicates once.
 * Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
   the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
-  itself. Stages 1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's
-  gradient shard (no copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of
+  itself, a view of the reduced bucket (:meth:`~.layout.ParamSlot.take_reduced_grad`). Stages
+  1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's gradient shard (no copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of
   ``p.grad`` reaches the optimizer. It stays readable after the optimizer step (in
   ``on_train_batch_end``, as DDP keeps ``.grad`` until ``zero_grad``) and is dropped when the
   next backward starts (:meth:`ZeroDataParallel.before_backward`, and a tensor hook before
@@ -301,11 +301,8 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
         if self.stage == 0 and bucket.masters is not None:
             self._accept_shards(bucket, output)  # a "shard" of a group of one: the whole gradient
         elif self.stage == 0:
-            for slot in bucket.slots:  # (rare) a parameter backward did not reach on this rank
-                if slot.param.grad is None:
-                    slot.param.grad = torch.zeros_like(slot.param)
-            grads = [local_tensor(slot.param.grad).view(-1) for slot in bucket.slots]
-            torch._foreach_copy_(grads, list(output.split([slot.numel for slot in bucket.slots])))
+            for slot, flat in zip(bucket.slots, output.split([slot.numel for slot in bucket.slots])):
+                slot.take_reduced_grad(flat)
         elif into_pending:
             # One microbatch's shards, summed in the masters' dtype (fp32 accumulation of bf16 reductions).
             master_dtype = bucket.slots[0].master.dtype
