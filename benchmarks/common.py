@@ -132,17 +132,25 @@ class Comparison:
         """Median over rounds of ``side / baseline`` taken in the same round."""
         return statistics.median(a / b for a, b in zip(self.times[side], self.times[self.baseline]))
 
+    def paired_quartiles(self, side: str) -> str:
+        """The first and third quartiles of the paired ratios (how far one pair strays: the run's resolution)."""
+        ratios = [a / b for a, b in zip(self.times[side], self.times[self.baseline])]
+        if len(ratios) < 4:
+            return ""
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        return f"{q1:.3f}-{q3:.3f}"
+
     def markdown(self, target: Optional[dict[str, str]] = None) -> str:
         rounds = min(len(v) for v in self.times.values())
         extra = list(self.extra_columns)
-        head = f"| side | median {self.what} ms | ratio of medians | median paired ratio |"
+        head = f"| side | median {self.what} ms | ratio of medians | median paired ratio | paired quartiles |"
         head += "".join(f" {c} |" for c in extra) + (" target |" if target else "")
         lines = [f"### {self.title}", "", f"{rounds} {self.paired}; baseline `{self.baseline}`.", "", head,
-                 "|" + "---|" * (4 + len(extra) + (1 if target else 0))]
+                 "|" + "---|" * (5 + len(extra) + (1 if target else 0))]
         base = self.median(self.baseline)
         for side in self.times:
             row = (f"| {side} | {1e3 * self.median(side):.1f} | {self.median(side) / base:.3f} |"
-                   f" {self.paired_ratio(side):.3f} |")
+                   f" {self.paired_ratio(side):.3f} | {self.paired_quartiles(side)} |")
             row += "".join(f" {self.extra_columns[c].get(side, '')} |" for c in extra)
             if target:
                 row += f" {target.get(side, '')} |"

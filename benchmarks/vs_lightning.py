@@ -56,13 +56,13 @@ from benchmarks.common import (  # noqa: E402
 from lightning_para.recipes import GPT  # noqa: E402
 
 SUITES = {
-    "single": (1, "raw-loop", ["raw-loop", "lightning-default", "para"]),
+    "single": (1, "lightning-default", ["lightning-default", "raw-loop", "para"]),
     "ddp": (2, "lightning-ddp", ["lightning-ddp", "para-zero0", "para-zero1", "para-zero2", "lightning-ddp-zero-redundancy"]),
     "fsdp": (2, "lightning-fsdp2", ["lightning-fsdp2", "para-zero3", "para-zero3-blocks_and_ends"]),
     "tp": (2, "lightning-tp", ["lightning-tp", "para-tp2"]),
 }
 TARGETS = {  # the performance issue's acceptance: ratios to Lightning's strategy for the same semantics
-    "single": {"lightning-default": "para <= 1.00x this"},
+    "single": {"para": "<= 1.00"},
     "ddp": {"para-zero0": "<= 1.00", "para-zero1": "<= 1.05", "para-zero2": "<= 1.05"},
     "fsdp": {"para-zero3": "<= 1.00"},
     "tp": {"para-tp2": "<= 1.00"},
