@@ -96,14 +96,35 @@ def foreach_norms(tensors: Iterable[Tensor], norm_type: float = 2.0) -> list[Ten
 
 
 def _local_grads(params: Iterable[Tensor], replication: Callable[[Tensor], int]) -> dict[int, list[Tensor]]:
-    """This rank's non-empty gradients, grouped by their replication factor."""
+    """This rank's non-empty gradients, grouped by their replication factor; gradients that are views tiling one
+    tensor exactly come as that tensor (:func:`coalesce_views`)."""
     by_factor: dict[int, list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            g = local_tensor(p.grad).detach()
+            g = local_tensor(p.grad)
             if g.numel():
                 by_factor.setdefault(replication(p), []).append(g)
-    return by_factor
+    return {factor: [g.detach() for g in coalesce_views(grads)] for factor, grads in by_factor.items()}
+
+
+def coalesce_views(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors``, where the views of one contiguous tensor that tile all of it without overlap are replaced by that
+    tensor: the same elements, so the same sum of ``|g|^p``, in one kernel instead of one per view (ZeRO-0's gradients
+    are views of their reduced bucket; on CPU each tensor of a ``torch._foreach_*`` op is a kernel of its own)."""
+    views: dict[int, list[Tensor]] = {}
+    out = []
+    for t in tensors:
+        base = t._base
+        if base is not None and base.is_contiguous() and t.is_contiguous() and base.dtype == t.dtype:
+            views.setdefault(id(base), []).append(t)
+        else:
+            out.append(t)
+    for group in views.values():
+        base, end = group[0]._base, group[0]._base.storage_offset()
+        for view in sorted(group, key=lambda v: v.storage_offset()):
+            end = end + view.numel() if view.storage_offset() == end else -1
+        out.extend([base] if end == base.storage_offset() + base.numel() else group)
+    return out
 
 
 @torch.no_grad()

@@ -168,8 +168,9 @@ class ZeroDataParallel(MicrobatchReduction, OptimizerSharding):
             return
         self._hooked = True
         for slot in self.slots:
-            # Before accumulation: drop the gradient shown to users, so autograd starts afresh.
-            slot.param.register_hook(partial(self._before_accumulate, slot))
+            if slot.master is not None:  # ZeRO-1/2 or separate masters: a gradient is shown (`_expose`)
+                # Before accumulation: drop the gradient shown to users, so autograd starts afresh.
+                slot.param.register_hook(partial(self._before_accumulate, slot))
             slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ accumulation
