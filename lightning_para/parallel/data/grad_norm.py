@@ -114,7 +114,7 @@ def coalesce_views(tensors: list[Tensor]) -> list[Tensor]:
     views: dict[int, list[Tensor]] = {}
     out = []
     for t in tensors:
-        base = t._base
+        base = t._base  # private: see docs/architecture.md
         if base is not None and base.is_contiguous() and t.is_contiguous() and base.dtype == t.dtype:
             views.setdefault(id(base), []).append(t)
         else:
