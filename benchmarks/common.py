@@ -183,6 +183,8 @@ class Interleaved:
     order, so every rank of a process group issues the same collectives in the same order. A block's figure
     is the mean of its steps after the first (the first one after a turn starts on caches the other side
     filled), wall time from one step's end to the next's; the first ``warmup`` steps of each side are not timed.
+    Outside the main thread neither Lightning nor ParaStrategy installs its signal handlers (a one-time setup
+    cost, not a step's).
     """
 
     def __init__(self, sides: Sequence[str], block: int, warmup: int) -> None:
