@@ -626,8 +626,9 @@ def _stage0_views_job() -> dict:
         for p in model.parameters():
             p.uniform_(-1.0, 1.0)  # sharp: a wrong row or a lost accumulation shows
     reference = copy.deepcopy(model)
-    engine = ZeroDataParallel([(n, p, init_device_mesh("cpu", (dist.get_world_size(),))) for n, p in model.named_parameters()], 0)
     rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    engine = ZeroDataParallel([(n, p, mesh) for n, p in model.named_parameters()], 0)
     for i in range(2):
         model(torch.full((2, 4), float(rank + 1 + i))).square().sum().backward()
     for i in range(2):

@@ -148,7 +148,7 @@ def global_grad_norm(
         local = torch.zeros((), device=device, dtype=torch.float32)
     elif math.isinf(norm_type):
         local = torch.stack(foreach_norms([g for grads in by_factor.values() for g in grads], norm_type)).amax()
-    elif not distributed and list(by_factor) == [1]:  # one device: torch's own `get_total_norm`, term for term
+    elif not distributed and list(by_factor) == [1]:  # one device: torch's `get_total_norm` (views of one tensor: as one)
         return torch.linalg.vector_norm(torch.stack(foreach_norms(by_factor[1], norm_type)), norm_type)
     else:
         parts = []

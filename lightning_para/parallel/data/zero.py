@@ -40,8 +40,9 @@ How it works:
 * Gradients users can read: once synchronised, each model parameter's ``.grad`` shows what
   the optimizer will read (:meth:`ZeroDataParallel._expose`). Stage 0: the averaged gradient
   itself, a view of the reduced bucket (:meth:`~.layout.ParamSlot.take_reduced_grad`). Stages
-  1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's gradient shard (no copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of
-  ``p.grad`` reaches the optimizer. It stays readable after the optimizer step (in
+  1/2: a DTensor, ``Shard(0)`` over dp, whose local tensor *is* the master's gradient shard (no
+  copy), so ``torch.nn.utils.clip_grad_norm_`` or an in-place edit of ``p.grad`` reaches the
+  optimizer. It stays readable after the optimizer step (in
   ``on_train_batch_end``, as DDP keeps ``.grad`` until ``zero_grad``) and is dropped when the
   next backward starts (:meth:`ZeroDataParallel.before_backward`, and a tensor hook before
   accumulation), so autograd never adds into it.
